@@ -1,0 +1,42 @@
+# tiermesh: `make demo` and `make test` are the whole set-up on a fresh machine.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+DEMO_SECONDS ?= 30
+
+.PHONY: venv demo test test-fast lint bench bench-quick clean models
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+test: venv lint
+	$(PY) -m pytest -q -m "not gpu and not convert" -p no:cacheprovider
+
+test-fast: venv
+	$(PY) -m pytest -q -m "unit" -p no:cacheprovider
+
+demo: venv
+	$(VENV)/bin/tiermesh up --duration $(DEMO_SECONDS) --report .tiermesh/demo-report.json
+
+bench-quick: venv
+	$(PY) -m bench --quick
+
+bench: venv
+	$(PY) -m bench
+
+models:  ## retrain the digits family (needs the 'convert' extra: torch CPU)
+	$(PY) -m pip install -q -e '.[convert]'
+	$(PY) -m variant_store.families.digits --out variant_store/models/digits
+
+clean:
+	rm -rf .tiermesh build *.egg-info

@@ -1,0 +1,1 @@
+"""Pure policies over snapshots: no I/O, no clock reads."""

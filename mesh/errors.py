@@ -1,0 +1,212 @@
+"""One error hierarchy for all of tiermesh.
+
+    MeshError                       code            HTTP   meaning
+    ├── ConfigError                 bad_config      400    settings / CLI arguments wrong
+    ├── TopologyError               bad_topology    400    topology YAML invalid (carries file, line, field)
+    ├── StoreError                  store           503    etcd unreachable or failed
+    │   ├── StoreUnavailable        store_down      503    cannot reach etcd at all
+    │   └── ConflictError           conflict        409    compare-and-swap lost (stale revision)
+    ├── EtcdServerError             etcd_server     500    the embedded etcd process failed to start/stop
+    ├── CatalogError                catalog         404    unknown model/variant in the catalog
+    ├── BlobError                   blob            502    blob missing or digest mismatch
+    ├── VariantBuildError           build           500    a variant generator could not produce its variant
+    ├── RuntimeLoadError            runtime_load    500    a runtime could not load a variant
+    ├── RequestError                bad_request     400    the caller's request is malformed
+    │   ├── UnknownTask             unknown_task    404    no such task
+    │   ├── UnknownTenant           unknown_tenant  403    tenant not in the topology
+    │   ├── BadTensor               bad_tensor      400    wrong shape / dtype / size
+    │   ├── PayloadTooLarge         too_large       413    body or tensor over the limit
+    │   └── ImpossibleSLO           impossible_slo  422    no variant anywhere can meet the SLO and prefer=refuse
+    ├── DeadlineExceeded            deadline        504    the request's absolute deadline passed
+    ├── Overloaded                  overloaded      503    queue would hold the request past its deadline
+    ├── NoRoute                     no_route        503    no live site can serve the task
+    ├── PeerUnavailable             peer_down       502    a forwarded hop did not answer
+    └── ProtocolError               protocol        400    a wire frame could not be decoded
+
+Every error has a stable ``code`` (used on the wire and in HTTP bodies) and ``http_status``.
+Translate foreign exceptions at module boundaries with ``raise XError(...) from exc``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+__all__ = [
+    "BadTensor",
+    "BlobError",
+    "CatalogError",
+    "ConfigError",
+    "ConflictError",
+    "DeadlineExceeded",
+    "EtcdServerError",
+    "ImpossibleSLO",
+    "MeshError",
+    "NoRoute",
+    "Overloaded",
+    "PayloadTooLarge",
+    "PeerUnavailable",
+    "ProtocolError",
+    "RequestError",
+    "RuntimeLoadError",
+    "StoreError",
+    "StoreUnavailable",
+    "TopologyError",
+    "UnknownTask",
+    "UnknownTenant",
+    "VariantBuildError",
+    "error_from_code",
+]
+
+
+class MeshError(Exception):
+    """Base of every tiermesh error."""
+
+    code: ClassVar[str] = "internal"
+    http_status: ClassVar[int] = 500
+
+    def __init__(self, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"code": self.code, "error": self.message}
+        if self.details:
+            out["details"] = {k: v for k, v in self.details.items() if _plain(v)}
+        return out
+
+
+def _plain(v: Any) -> bool:
+    return isinstance(v, str | int | float | bool | type(None) | list | dict)
+
+
+class ConfigError(MeshError):
+    code = "bad_config"
+    http_status = 400
+
+
+class TopologyError(MeshError):
+    """A topology file is invalid. ``file``, ``line`` and ``field`` say where."""
+
+    code = "bad_topology"
+    http_status = 400
+
+    def __init__(self, message: str, *, file: str = "<string>", line: int | None = None,
+                 field: str | None = None) -> None:
+        where = file if line is None else f"{file}:{line}"
+        text = f"{where}: {field}: {message}" if field else f"{where}: {message}"
+        super().__init__(text, file=file, line=line, field=field)
+        self.file, self.line, self.field, self.reason = file, line, field, message
+
+
+class StoreError(MeshError):
+    code = "store"
+    http_status = 503
+
+
+class StoreUnavailable(StoreError):
+    code = "store_down"
+    http_status = 503
+
+
+class ConflictError(StoreError):
+    code = "conflict"
+    http_status = 409
+
+
+class EtcdServerError(MeshError):
+    code = "etcd_server"
+    http_status = 500
+
+
+class CatalogError(MeshError):
+    code = "catalog"
+    http_status = 404
+
+
+class BlobError(MeshError):
+    code = "blob"
+    http_status = 502
+
+
+class VariantBuildError(MeshError):
+    code = "build"
+    http_status = 500
+
+
+class RuntimeLoadError(MeshError):
+    code = "runtime_load"
+    http_status = 500
+
+
+class RequestError(MeshError):
+    code = "bad_request"
+    http_status = 400
+
+
+class UnknownTask(RequestError):
+    code = "unknown_task"
+    http_status = 404
+
+
+class UnknownTenant(RequestError):
+    code = "unknown_tenant"
+    http_status = 403
+
+
+class BadTensor(RequestError):
+    code = "bad_tensor"
+    http_status = 400
+
+
+class PayloadTooLarge(RequestError):
+    code = "too_large"
+    http_status = 413
+
+
+class ImpossibleSLO(RequestError):
+    code = "impossible_slo"
+    http_status = 422
+
+
+class DeadlineExceeded(MeshError):
+    code = "deadline"
+    http_status = 504
+
+
+class Overloaded(MeshError):
+    code = "overloaded"
+    http_status = 503
+
+
+class NoRoute(MeshError):
+    code = "no_route"
+    http_status = 503
+
+
+class PeerUnavailable(MeshError):
+    code = "peer_down"
+    http_status = 502
+
+
+class ProtocolError(MeshError):
+    code = "protocol"
+    http_status = 400
+
+
+def _all_subclasses(cls: type[MeshError]) -> list[type[MeshError]]:
+    out = [cls]
+    for sub in cls.__subclasses__():
+        out.extend(_all_subclasses(sub))
+    return out
+
+
+_BY_CODE: dict[str, type[MeshError]] = {c.code: c for c in _all_subclasses(MeshError)}
+
+
+def error_from_code(code: str, message: str) -> MeshError:
+    """Rebuild an error received over the wire or HTTP from its code (unknown codes -> MeshError)."""
+    cls = _BY_CODE.get(code, MeshError)
+    if cls is TopologyError:
+        return MeshError(message)
+    return cls(message)

@@ -1,0 +1,61 @@
+"""Structured logging. Every record may carry ``tenant``, ``site``, ``request_id`` and ``task``;
+``log.info("msg", extra=kv(tenant=..., site=...))`` puts them in the record, and the JSON
+formatter emits them as fields."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+__all__ = ["configure", "get_logger", "kv"]
+
+_FIELDS = ("tenant", "site", "request_id", "task", "variant", "event", "reason")
+
+
+def kv(**fields: Any) -> dict[str, Any]:
+    """Extra fields for a log call; nested under one key so they never clash with LogRecord's."""
+    return {"tm": fields}
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        out.update(getattr(record, "tm", {}) or {})
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+class TextFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        fields = getattr(record, "tm", {}) or {}
+        tail = " ".join(f"{k}={v}" for k, v in fields.items())
+        stamp = time.strftime("%H:%M:%S", time.localtime(record.created))
+        line = f"{stamp} {record.levelname[0]} {record.name}: {record.getMessage()}"
+        if tail:
+            line += f"  [{tail}]"
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def configure(level: str = "INFO", fmt: str = "text") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    for noisy in ("aetcd", "grpc", "asyncio", "aiohttp.access"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def get_logger(name: str) -> logging.Logger:
+    return logging.getLogger(name)

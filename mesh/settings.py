@@ -1,0 +1,24 @@
+"""Settings in one place. Each process builds one ``MeshSettings`` (env prefix ``TIERMESH_``);
+nothing reads ``os.environ`` at import time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["MeshSettings"]
+
+
+class MeshSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TIERMESH_", extra="ignore")
+
+    home: Path = Field(default=Path(".tiermesh"),
+                       description="Local state directory: embedded etcd data, blob store, logs.")
+    etcd: str | None = Field(default=None,
+                             description="URL of an existing etcd (http://host:port). None: embedded etcd in `home`.")
+    prefix: str = Field(default="/tiermesh/", description="Key prefix of everything tiermesh writes to etcd.")
+    log_format: str = Field(default="text", description="'text' for people, 'json' for machines.")
+    log_level: str = Field(default="INFO", description="Python logging level name.")
+    max_body_bytes: int = Field(default=16 * 1024 * 1024, description="Largest HTTP / wire request accepted.")
