@@ -1,0 +1,239 @@
+"""The edge agent's HTTP front: Open Inference Protocol (KServe V2) over a ``DataPlane``.
+
+A thin adapter: it decodes a request (``mesh.v2_codec``), asks the data plane, and encodes the
+reply. The task stands where V2 puts a model name; the SLO rides in request ``parameters`` and the
+mesh's answer (site, variant, accuracy, reason, timing) in response ``parameters``, so unmodified
+V2 clients such as ``tritonclient.http`` work.
+
+Errors are JSON ``{"error": message, "code": code}`` with the status each ``MeshError`` class
+declares (``http_status`` in ``mesh.errors`` is the one table); anything else is a logged 500.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from importlib import metadata
+from types import TracebackType
+
+from aiohttp import web
+
+from mesh import v2_codec as codec
+from edge_agent.dataplane import DataPlane
+from mesh.errors import BadTensor, MeshError, PayloadTooLarge, RequestError, UnknownTask
+from mesh.log import get_logger, kv
+from mesh.types import DEFAULT_TENANT, InferRequest
+
+__all__ = [
+    "DEFAULT_MAX_BODY",
+    "EXTENSIONS",
+    "TENANT_HEADER",
+    "EdgeHttpServer",
+    "Identify",
+    "identify",
+    "make_app",
+]
+
+log = get_logger(__name__)
+
+DEFAULT_MAX_BODY = 16 << 20
+TENANT_HEADER = codec.TENANT_HEADER
+EXTENSIONS = ["binary_tensor_data", "tiermesh_slo"]
+Identify = Callable[[web.Request], str]
+
+
+def identify(request: web.Request) -> str:
+    """Who is calling. A seam: mutual TLS will replace the header with the client certificate's
+    URI SAN. Whether the tenant exists is the data plane's decision, not this function's."""
+    return request.headers.get(TENANT_HEADER, "").strip() or DEFAULT_TENANT
+
+
+def _version() -> str:
+    try:
+        return metadata.version("tiermesh")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def _error(status: int, code: str, message: str) -> web.Response:
+    return web.json_response({"error": message, "code": code}, status=status)
+
+
+@web.middleware
+async def _errors(request: web.Request,
+                  handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except MeshError as exc:
+        return web.json_response(exc.to_dict(), status=exc.http_status)
+    except web.HTTPException as exc:
+        # aiohttp's own 404/405/413 come as text; V2 clients parse a JSON error body.
+        if exc.status < 400:
+            raise
+        code = "too_large" if exc.status == 413 else "not_found" if exc.status == 404 else "bad_request"
+        return _error(exc.status, code, exc.reason)
+    except Exception:
+        log.exception("unhandled error serving %s %s", request.method, request.path)
+        return _error(500, "internal", "internal server error")
+
+
+async def _read_body(request: web.Request, max_body: int) -> bytes:
+    if request.content_length is not None and request.content_length > max_body:
+        raise PayloadTooLarge(f"body of {request.content_length} bytes exceeds the limit of {max_body}")
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise PayloadTooLarge(f"body exceeds the limit of {max_body} bytes") from exc
+
+
+def _header_length(request: web.Request) -> int | None:
+    raw = request.headers.get(codec.HEADER_LENGTH)
+    if raw is None:
+        return None
+    try:
+        return int(raw)
+    except ValueError as exc:
+        raise RequestError(f"{codec.HEADER_LENGTH} must be an integer, got {raw!r}") from exc
+
+
+class _Handlers:
+    def __init__(self, dp: DataPlane, max_body: int, who: Identify) -> None:
+        self.dp, self.max_body, self.who = dp, max_body, who
+
+    async def live(self, request: web.Request) -> web.Response:
+        return web.json_response({"live": True})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        ok = self.dp.ready()
+        return web.json_response({"ready": ok}, status=200 if ok else 503)
+
+    async def server_metadata(self, request: web.Request) -> web.Response:
+        return web.json_response({"name": "tiermesh", "version": _version(), "extensions": EXTENSIONS})
+
+    async def model_metadata(self, request: web.Request) -> web.Response:
+        sig = self.dp.task_signature(request.match_info["task"])
+        return web.json_response(codec.signature_to_metadata(sig))
+
+    async def model_ready(self, request: web.Request) -> web.Response:
+        task = request.match_info["task"]
+        if task not in self.dp.tasks():
+            raise UnknownTask(f"no task {task!r}")
+        ok = self.dp.ready()
+        return web.json_response({"name": task, "ready": ok}, status=200 if ok else 503)
+
+    async def infer(self, request: web.Request) -> web.Response:
+        task = request.match_info["task"]
+        tenant = self.who(request)
+        try:
+            return await self._infer(request, task, tenant)
+        except MeshError as exc:
+            log.info("infer rejected: %s", exc.message,
+                     extra=kv(event="http_error", reason=exc.code, tenant=tenant, task=task))
+            raise
+
+    async def _infer(self, request: web.Request, task: str, tenant: str) -> web.Response:
+        started = time.perf_counter()
+        sig = self.dp.task_signature(task)
+        body = await _read_body(request, self.max_body)
+        dec = codec.decode_infer_request(body, _header_length(request), max_bytes=self.max_body)
+        rid = dec.request_id or uuid.uuid4().hex
+        slo = codec.parse_slo(dec.parameters)
+        claimed = dec.parameters.get("tenant")
+        if claimed is not None and claimed != tenant:
+            # The body must not choose the tenant: identity comes from the connection.
+            raise RequestError(f"parameter tenant {claimed!r} does not match the caller's "
+                               f"identity {tenant!r}")
+        codec.validate_inputs(dec.inputs, sig)
+        known = {s.name for s in sig.outputs}
+        if dec.outputs is not None and (unknown := sorted(set(dec.outputs) - known)):
+            raise BadTensor(f"task {task} has no output(s) {unknown}")
+        req = InferRequest(task=task, inputs=dec.inputs, slo=slo, tenant=tenant, request_id=rid,
+                           deadline=time.time() + slo.latency_ms / 1000.0)
+        resp = await self.dp.infer(req)
+        if dec.outputs is None:
+            outputs, binary = resp.outputs, dict.fromkeys(resp.outputs, dec.binary_default)
+        else:
+            outputs = {n: resp.outputs[n] for n in dec.outputs if n in resp.outputs}
+            binary = dec.outputs
+        if resp.timing.total_ms == 0.0:
+            resp.timing.total_ms = (time.perf_counter() - started) * 1000.0
+        out, hlen = codec.encode_infer_response(task, rid, outputs, codec.response_parameters(resp), binary)
+        if hlen is None:
+            return web.Response(body=out, content_type="application/json")
+        return web.Response(body=out, content_type="application/octet-stream",
+                            headers={codec.HEADER_LENGTH: str(hlen)})
+
+
+def make_app(dp: DataPlane, *, max_body_bytes: int = DEFAULT_MAX_BODY,
+             identify: Identify = identify) -> web.Application:
+    """The V2 application over ``dp``. ``max_body_bytes`` bounds every request body and each
+    declared binary tensor; ``identify`` maps a request to its tenant."""
+    h = _Handlers(dp, max_body_bytes, identify)
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[_errors])
+    app.router.add_get("/v2/health/live", h.live)
+    app.router.add_get("/v2/health/ready", h.ready)
+    app.router.add_get("/v2", h.server_metadata)
+    for prefix in ("/v2/models/{task}", "/v2/models/{task}/versions/{version}"):
+        # Versions are accepted and ignored: the mesh, not the caller, picks the variant.
+        app.router.add_get(prefix, h.model_metadata)
+        app.router.add_get(prefix + "/ready", h.model_ready)
+        app.router.add_post(prefix + "/infer", h.infer)
+    return app
+
+
+class _State(enum.Enum):
+    UNOPENED = "unopened"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+class EdgeHttpServer:
+    """Serves ``make_app(dp)`` on ``host:port`` (port 0 picks a free one; ``url`` says which)."""
+
+    def __init__(self, dp: DataPlane, host: str = "127.0.0.1", port: int = 0, *,
+                 max_body_bytes: int = DEFAULT_MAX_BODY, identify: Identify = identify,
+                 shutdown_timeout: float = 5.0) -> None:
+        self.host, self.port = host, port
+        # Built here, not in start(), so a caller may add middlewares before the app freezes.
+        self.app = make_app(dp, max_body_bytes=max_body_bytes, identify=identify)
+        self._runner = web.AppRunner(self.app, shutdown_timeout=shutdown_timeout)
+        self._state = _State.UNOPENED
+
+    @property
+    def url(self) -> str:
+        if self._state is not _State.OPEN:
+            raise RuntimeError(f"server is {self._state.value}, it has no URL")
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        if self._state is not _State.UNOPENED:
+            raise RuntimeError(f"cannot start a server that is {self._state.value}")
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        try:
+            await site.start()
+        except OSError:
+            await self._runner.cleanup()
+            self._state = _State.CLOSED
+            raise
+        self.port = int(self._runner.addresses[0][1])
+        self._state = _State.OPEN
+        log.info("http api listening on %s", self.url, extra=kv(event="http_start"))
+
+    async def stop(self) -> None:
+        if self._state is _State.OPEN:
+            await self._runner.cleanup()
+        self._state = _State.CLOSED
+
+    async def __aenter__(self) -> EdgeHttpServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, ev: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.stop()
+
+    def __repr__(self) -> str:
+        return f"<EdgeHttpServer {self.host}:{self.port} {self._state.value}>"

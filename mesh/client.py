@@ -1,0 +1,279 @@
+"""The tiermesh SDK: name a task and an SLO, get outputs plus where and how they were served.
+
+One implementation, ``AsyncClient``; ``Client`` is a synchronous wrapper that runs the async client
+on a private event loop in one background thread, started on first use and stopped by ``close()``.
+That thread owns the only ``aiohttp`` session, so connections are reused across sync calls (an
+``asyncio.run`` per call would open a new session, and so a new TCP connection, every time).
+
+Both speak the Open Inference Protocol to an edge agent (``edge_agent.http_api``) through a
+``Transport`` (``mesh.sdk_transport``). Failures arrive as ``mesh.errors`` classes: an error body
+becomes the class its ``code`` names, an unreachable agent ``PeerUnavailable``, a timeout
+``DeadlineExceeded``. A closed client raises ``RuntimeError``, as a closed file would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import threading
+from collections.abc import Coroutine, Mapping
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, TypeVar
+from urllib.parse import quote
+
+import numpy as np
+
+from mesh import v2_codec as codec
+from mesh.errors import BadTensor, DeadlineExceeded, MeshError, error_from_code
+from mesh.sdk_transport import AiohttpTransport, Transport
+from mesh.types import DEFAULT_TENANT, TaskSignature, Timing
+
+__all__ = ["AsyncClient", "Client", "InferResult"]
+
+T = TypeVar("T")
+Inputs = np.ndarray | Mapping[str, np.ndarray]
+
+
+@dataclass(slots=True)
+class InferResult:
+    """Outputs of one query and the mesh's account of serving it."""
+
+    outputs: dict[str, np.ndarray]
+    site: str
+    variant: str
+    accuracy: float
+    reason: str
+    best_effort: bool
+    tenant: str
+    timing: Timing
+    hops: list[str] = field(default_factory=list)
+    request_id: str = ""
+
+    def output(self, name: str | None = None) -> np.ndarray:
+        """The output called ``name``; with no name, the only output (``KeyError`` if several)."""
+        if name is not None:
+            return self.outputs[name]
+        if len(self.outputs) != 1:
+            raise KeyError(f"result has outputs {sorted(self.outputs)}; name one")
+        return next(iter(self.outputs.values()))
+
+
+class _State(enum.Enum):
+    UNOPENED = "unopened"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+def _header(headers: Mapping[str, str], name: str) -> str | None:
+    lname = name.lower()
+    for k, v in headers.items():
+        if k.lower() == lname:
+            return v
+    return None
+
+
+def _error_from(status: int, body: bytes) -> MeshError:
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        data = None
+    if isinstance(data, dict) and isinstance(data.get("code"), str) and isinstance(data.get("error"), str):
+        return error_from_code(data["code"], data["error"])
+    return MeshError(f"HTTP {status}: {body[:200]!r}")
+
+
+class AsyncClient:
+    """Asynchronous SDK client. Opens on first use or ``async with``; ``aclose()`` ends it."""
+
+    def __init__(self, base_url: str, *, tenant: str = DEFAULT_TENANT, timeout: float = 30.0,
+                 transport: Transport | None = None, binary: bool = True) -> None:
+        self.base_url = base_url
+        self.tenant = tenant
+        self.timeout = timeout
+        self.binary = binary
+        self._transport: Transport = transport or AiohttpTransport(base_url, timeout=timeout)
+        self._state = _State.UNOPENED
+        self._signatures: dict[str, TaskSignature] = {}
+
+    @property
+    def state(self) -> str:
+        return self._state.value
+
+    @property
+    def transport(self) -> Transport:
+        return self._transport
+
+    def _open(self) -> None:
+        if self._state is _State.CLOSED:
+            raise RuntimeError("client is closed")
+        self._state = _State.OPEN
+
+    async def _send(self, method: str, path: str, headers: dict[str, str] | None = None,
+                    body: bytes = b"") -> tuple[int, dict[str, str], bytes]:
+        self._open()
+        hdrs = {codec.TENANT_HEADER: self.tenant, **(headers or {})}
+        try:
+            async with asyncio.timeout(self.timeout):
+                return await self._transport.request(method, path, hdrs, body)
+        except TimeoutError as exc:
+            raise DeadlineExceeded(f"{method} {path}: no answer within {self.timeout} s") from exc
+
+    async def _checked(self, method: str, path: str, headers: dict[str, str] | None = None,
+                       body: bytes = b"") -> tuple[dict[str, str], bytes]:
+        status, rh, rb = await self._send(method, path, headers, body)
+        if status >= 400:
+            raise _error_from(status, rb)
+        return rh, rb
+
+    async def task_metadata(self, task: str) -> TaskSignature:
+        """The task's input/output signature (cached per client)."""
+        if task not in self._signatures:
+            _, body = await self._checked("GET", f"v2/models/{quote(task, safe='')}")
+            try:
+                meta = json.loads(body)
+            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise MeshError(f"task metadata for {task} is not JSON") from exc
+            self._signatures[task] = codec.metadata_to_signature(meta)
+        return self._signatures[task]
+
+    async def ready(self) -> bool:
+        """Whether the edge agent can answer queries (503 -> False; unreachable -> PeerUnavailable)."""
+        status, _, body = await self._send("GET", "v2/health/ready")
+        if status == 503:
+            return False
+        if status >= 400:
+            raise _error_from(status, body)
+        return True
+
+    async def infer(self, task: str, inputs: Inputs, *, latency_ms: float, min_accuracy: float = 0.0,
+                    max_cost: float | None = None, prefer: str = "latency",
+                    request_id: str | None = None) -> InferResult:
+        """Run ``task`` on ``inputs`` within the SLO. A bare array feeds the task's single input."""
+        self._open()
+        if isinstance(inputs, np.ndarray):
+            sig = await self.task_metadata(task)
+            if len(sig.inputs) != 1:
+                raise BadTensor(f"task {task} takes inputs {[s.name for s in sig.inputs]}; pass a dict")
+            tensors = {sig.inputs[0].name: inputs}
+        else:
+            tensors = {k: np.asarray(v) for k, v in inputs.items()}
+        params: dict[str, Any] = {"latency_ms": latency_ms, "min_accuracy": min_accuracy, "prefer": prefer}
+        if max_cost is not None:
+            params["max_cost"] = max_cost
+        body, hlen = codec.encode_infer_request(tensors, params, request_id=request_id, binary=self.binary)
+        headers = {"Content-Type": "application/octet-stream" if hlen is not None else "application/json"}
+        if hlen is not None:
+            headers[codec.HEADER_LENGTH] = str(hlen)
+        rh, rb = await self._checked("POST", f"v2/models/{quote(task, safe='')}/infer", headers, body)
+        raw_len = _header(rh, codec.HEADER_LENGTH)
+        dec = codec.decode_infer_response(rb, int(raw_len) if raw_len is not None else None)
+        return InferResult(outputs=dec.outputs, request_id=dec.request_id,
+                           **codec.result_fields(dec.parameters))
+
+    async def aclose(self) -> None:
+        if self._state is not _State.CLOSED:
+            self._state = _State.CLOSED
+            await self._transport.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        self._open()
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, ev: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.aclose()
+
+
+class Client:
+    """Synchronous SDK client: ``AsyncClient`` on a private loop thread (see the module docstring)."""
+
+    def __init__(self, base_url: str, *, tenant: str = DEFAULT_TENANT, timeout: float = 30.0,
+                 transport: Transport | None = None, binary: bool = True) -> None:
+        self._async = AsyncClient(base_url, tenant=tenant, timeout=timeout, transport=transport,
+                                  binary=binary)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def state(self) -> str:
+        return self._async.state
+
+    @property
+    def transport(self) -> Transport:
+        return self._async.transport
+
+    def _ensure_loop(self) -> tuple[asyncio.AbstractEventLoop, threading.Thread]:
+        # Caller holds self._lock.
+        if self._loop is None or self._thread is None:
+            loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(target=loop.run_forever, name="tiermesh-client", daemon=True)
+            self._thread.start()
+            self._loop = loop
+        return self._loop, self._thread
+
+    def _loop_for_call(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("client is closed")
+            return self._ensure_loop()[0]
+
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        try:
+            loop = self._loop_for_call()
+        except RuntimeError:
+            coro.close()
+            raise
+        fut = asyncio.run_coroutine_threadsafe(coro, loop)
+        try:
+            return fut.result()
+        except BaseException:
+            fut.cancel()
+            raise
+
+    def infer(self, task: str, inputs: Inputs, *, latency_ms: float, min_accuracy: float = 0.0,
+              max_cost: float | None = None, prefer: str = "latency",
+              request_id: str | None = None) -> InferResult:
+        return self._call(self._async.infer(task, inputs, latency_ms=latency_ms, min_accuracy=min_accuracy,
+                                            max_cost=max_cost, prefer=prefer, request_id=request_id))
+
+    def task_metadata(self, task: str) -> TaskSignature:
+        return self._call(self._async.task_metadata(task))
+
+    def ready(self) -> bool:
+        return self._call(self._async.ready())
+
+    def close(self) -> None:
+        """Close the transport, stop the loop thread and close the loop. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            # Even an unused client closes its transport on its own loop, so close() works
+            # from inside a caller's running event loop too.
+            loop, thread = self._ensure_loop()
+            self._closed = True
+        try:
+            asyncio.run_coroutine_threadsafe(self._shutdown(loop), loop).result()
+        finally:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join()
+            loop.close()
+
+    async def _shutdown(self, loop: asyncio.AbstractEventLoop) -> None:
+        # Runs on the client's own loop, so close() works even from inside another running loop.
+        try:
+            await self._async.aclose()
+        finally:
+            await loop.shutdown_asyncgens()
+            await loop.shutdown_default_executor()
+
+    def __enter__(self) -> Client:
+        self._loop_for_call()
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()

@@ -1,0 +1,97 @@
+"""The SDK's transport seam: how ``mesh.client.AsyncClient`` moves bytes.
+
+``AiohttpTransport`` is the real one (one ``aiohttp.ClientSession``, so connections are reused
+across calls); ``MockTransport`` answers from a function so unit tests need no server. A transport
+translates its own failures at the boundary: unreachable peer -> ``PeerUnavailable``,
+timeout -> ``DeadlineExceeded``. HTTP error statuses are *not* errors here; the client reads them.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Protocol, runtime_checkable
+
+import aiohttp
+
+from mesh.errors import DeadlineExceeded, PeerUnavailable
+
+__all__ = ["AiohttpTransport", "Handler", "MockTransport", "Response", "Transport"]
+
+# (status, headers, body)
+Response = tuple[int, dict[str, str], bytes]
+Handler = Callable[[str, str, dict[str, str], bytes], Response | Awaitable[Response]]
+
+
+@runtime_checkable
+class Transport(Protocol):
+    async def request(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> Response:
+        """Send one request; ``path`` is relative to the transport's base URL."""
+        ...
+
+    async def aclose(self) -> None:
+        ...
+
+
+class AiohttpTransport:
+    """HTTP/1.1 over one lazily created ``ClientSession`` (created inside the running loop)."""
+
+    def __init__(self, base_url: str, *, timeout: float = 30.0, limit: int = 16) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self._limit = limit
+        self._session: aiohttp.ClientSession | None = None
+        self._closed = False
+
+    @property
+    def session(self) -> aiohttp.ClientSession | None:
+        return self._session
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._closed:
+            raise RuntimeError("transport is closed")
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self._limit),
+                timeout=aiohttp.ClientTimeout(total=self.timeout),
+            )
+        return self._session
+
+    async def request(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> Response:
+        session = self._get_session()
+        url = f"{self.base_url}/{path.lstrip('/')}"
+        try:
+            async with session.request(method, url, headers=dict(headers), data=body or None) as resp:
+                data = await resp.read()
+                return resp.status, dict(resp.headers), data
+        except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
+            raise DeadlineExceeded(f"{method} {url}: no answer within {self.timeout} s") from exc
+        except aiohttp.ClientError as exc:
+            raise PeerUnavailable(f"{method} {url}: {exc}") from exc
+
+    async def aclose(self) -> None:
+        self._closed = True
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+class MockTransport:
+    """Answers every request by calling ``handler(method, path, headers, body)`` (sync or async)."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.calls: list[tuple[str, str]] = []
+        self.closed = False
+
+    async def request(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> Response:
+        if self.closed:
+            raise RuntimeError("transport is closed")
+        self.calls.append((method, path))
+        out = self.handler(method, path, dict(headers), body)
+        if inspect.isawaitable(out):
+            out = await out
+        return out  # type: ignore[return-value]
+
+    async def aclose(self) -> None:
+        self.closed = True

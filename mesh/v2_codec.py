@@ -1,0 +1,396 @@
+"""Open Inference Protocol (KServe V2) codec: JSON tensors and the binary tensor extension.
+
+Pure functions, no I/O. The HTTP front (``edge_agent.http_api``) decodes requests and encodes
+responses with them; the SDK (``mesh.client``) does the reverse with the same code, so both ends
+agree byte for byte. The layout matches what ``tritonclient.http`` sends and parses: a JSON
+header, then the raw little-endian bytes of every tensor whose ``parameters.binary_data_size``
+is set, in the order the tensors appear; ``Inference-Header-Content-Length`` gives the JSON
+header's length whenever binary data follows it.
+
+tiermesh fields ride in ``parameters``: the SLO on the request, the serving site, variant,
+accuracy, decision reason and timing on the response.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import numpy as np
+
+from mesh.errors import BadTensor, PayloadTooLarge, RequestError
+from mesh.types import SLO, InferResponse, Prefer, TaskSignature, TensorSpec, Timing
+
+__all__ = [
+    "HEADER_LENGTH",
+    "TENANT_HEADER",
+    "DecodedRequest",
+    "DecodedResponse",
+    "datatype_of",
+    "decode_infer_request",
+    "decode_infer_response",
+    "dtype_of",
+    "encode_infer_request",
+    "encode_infer_response",
+    "metadata_to_signature",
+    "parse_slo",
+    "response_parameters",
+    "result_fields",
+    "signature_to_metadata",
+    "validate_inputs",
+]
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+# Names the caller's tenant until mutual TLS does (see ``edge_agent.http_api.identify``).
+TENANT_HEADER = "X-Tiermesh-Tenant"
+
+# V2 datatype -> numpy dtype (explicitly little-endian: the binary extension is LE on the wire).
+# BYTES and BF16 are not served by any tiermesh task, so they are rejected rather than half-supported.
+_V2_TO_NP: dict[str, np.dtype[Any]] = {
+    "BOOL": np.dtype("?"),
+    "UINT8": np.dtype("<u1"),
+    "UINT16": np.dtype("<u2"),
+    "UINT32": np.dtype("<u4"),
+    "UINT64": np.dtype("<u8"),
+    "INT8": np.dtype("<i1"),
+    "INT16": np.dtype("<i2"),
+    "INT32": np.dtype("<i4"),
+    "INT64": np.dtype("<i8"),
+    "FP16": np.dtype("<f2"),
+    "FP32": np.dtype("<f4"),
+    "FP64": np.dtype("<f8"),
+}
+_NAME_TO_V2: dict[str, str] = {dt.name: v2 for v2, dt in _V2_TO_NP.items()}
+_PREFERS: tuple[str, ...] = ("latency", "accuracy", "refuse")
+DEFAULT_LATENCY_MS = 1000.0
+
+
+def dtype_of(datatype: object) -> np.dtype[Any]:
+    """numpy dtype of a V2 datatype string; ``BadTensor`` for anything else."""
+    if not isinstance(datatype, str) or datatype not in _V2_TO_NP:
+        raise BadTensor(f"unsupported datatype {datatype!r}; expected one of {sorted(_V2_TO_NP)}")
+    return _V2_TO_NP[datatype]
+
+
+def datatype_of(dtype: np.dtype[Any] | str) -> str:
+    """V2 datatype string of a numpy dtype (or dtype name such as ``"float32"``)."""
+    name = np.dtype(dtype).name
+    if name not in _NAME_TO_V2:
+        raise BadTensor(f"dtype {name} has no V2 datatype tiermesh serves")
+    return _NAME_TO_V2[name]
+
+
+# ---------------------------------------------------------------------------- tensors
+
+
+def _shape(value: object, where: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value
+    ):
+        raise BadTensor(f"{where}: shape must be a list of non-negative integers, got {value!r}")
+    return tuple(value)
+
+
+def _tensor_from_json(t: Mapping[str, Any], data: Any, where: str) -> np.ndarray:
+    dt = dtype_of(t.get("datatype"))
+    shape = _shape(t.get("shape"), where)
+    want = math.prod(shape)
+    if not isinstance(data, list):
+        raise BadTensor(f"{where}: 'data' must be a list, got {type(data).__name__}")
+    try:
+        arr = np.asarray(data, dtype=dt).reshape(-1)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise BadTensor(f"{where}: data is not {t.get('datatype')}: {exc}") from exc
+    if arr.size != want:
+        raise BadTensor(f"{where}: data has {arr.size} elements but shape {list(shape)} needs {want}")
+    return arr.reshape(shape)
+
+
+def _tensor_from_bytes(t: Mapping[str, Any], raw: bytes | memoryview, where: str) -> np.ndarray:
+    dt = dtype_of(t.get("datatype"))
+    shape = _shape(t.get("shape"), where)
+    want = math.prod(shape) * dt.itemsize
+    if len(raw) != want:
+        raise BadTensor(f"{where}: binary_data_size is {len(raw)} bytes but shape {list(shape)} "
+                        f"of {t.get('datatype')} needs {want}")
+    # Copy so the array owns its memory and the request body can be freed.
+    return np.frombuffer(raw, dtype=dt).reshape(shape).astype(dt.newbyteorder("="), copy=True)
+
+
+def _binary_size(t: Mapping[str, Any], where: str) -> int | None:
+    params = t.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise BadTensor(f"{where}: parameters must be an object")
+    size = params.get("binary_data_size")
+    if size is None:
+        return None
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise BadTensor(f"{where}: binary_data_size must be a non-negative integer, got {size!r}")
+    return size
+
+
+def _split_body(body: bytes, header_length: int | None, max_bytes: int) -> tuple[dict[str, Any], memoryview]:
+    if len(body) > max_bytes:
+        raise PayloadTooLarge(f"body of {len(body)} bytes exceeds the limit of {max_bytes}")
+    if header_length is None:
+        header_length = len(body)
+    if header_length < 0 or header_length > len(body):
+        raise RequestError(f"{HEADER_LENGTH} is {header_length} but the body has {len(body)} bytes")
+    try:
+        head = json.loads(body[:header_length])
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RequestError(f"body is not valid JSON: {exc}") from exc
+    if not isinstance(head, dict):
+        raise RequestError("body must be a JSON object")
+    return head, memoryview(body)[header_length:]
+
+
+def _read_tensors(items: object, tail: memoryview, kind: str, max_bytes: int) -> dict[str, np.ndarray]:
+    if not isinstance(items, list):
+        raise RequestError(f"'{kind}' must be a list of tensors")
+    out: dict[str, np.ndarray] = {}
+    offset = 0
+    for i, t in enumerate(items):
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+            raise BadTensor(f"{kind}[{i}] must be an object with a string 'name'")
+        where = f"{kind} {t['name']!r}"
+        if t["name"] in out:
+            raise BadTensor(f"{where} appears twice")
+        size = _binary_size(t, where)
+        if size is None:
+            if "data" not in t:
+                raise BadTensor(f"{where} has neither 'data' nor parameters.binary_data_size")
+            out[t["name"]] = _tensor_from_json(t, t["data"], where)
+            continue
+        if size > max_bytes:
+            raise PayloadTooLarge(f"{where}: declared binary_data_size {size} exceeds "
+                                  f"the limit of {max_bytes}")
+        if offset + size > len(tail):
+            raise BadTensor(f"{where}: truncated binary tensor: declared {size} bytes at offset {offset} "
+                            f"but only {len(tail) - offset} remain")
+        out[t["name"]] = _tensor_from_bytes(t, tail[offset:offset + size], where)
+        offset += size
+    if offset != len(tail):
+        raise BadTensor(f"{len(tail) - offset} bytes after the declared binary tensors")
+    return out
+
+
+def _tensor_json(name: str, arr: np.ndarray, binary: bool) -> tuple[dict[str, Any], bytes | None]:
+    t: dict[str, Any] = {"name": name, "datatype": datatype_of(arr.dtype), "shape": list(arr.shape)}
+    if not binary:
+        t["data"] = arr.reshape(-1).tolist()
+        return t, None
+    raw = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")).tobytes()
+    t["parameters"] = {"binary_data_size": len(raw)}
+    return t, raw
+
+
+def _assemble(head: dict[str, Any], blobs: Iterable[bytes]) -> tuple[bytes, int | None]:
+    header = json.dumps(head, separators=(",", ":")).encode()
+    parts = [b for b in blobs if b is not None]
+    if not parts:
+        return header, None
+    return b"".join([header, *parts]), len(header)
+
+
+# ---------------------------------------------------------------------------- requests
+
+
+@dataclass(slots=True)
+class DecodedRequest:
+    request_id: str | None
+    inputs: dict[str, np.ndarray]
+    parameters: dict[str, Any]
+    # output name -> send as binary; None means "all outputs" with ``binary_default``
+    outputs: dict[str, bool] | None = None
+    binary_default: bool = False
+
+
+def decode_infer_request(body: bytes, header_length: int | None = None, *,
+                         max_bytes: int = 16 << 20) -> DecodedRequest:
+    """Parse a V2 infer request body (JSON, or JSON header + binary tensors)."""
+    head, tail = _split_body(body, header_length, max_bytes)
+    rid = head.get("id")
+    if rid is not None and not isinstance(rid, str):
+        raise RequestError(f"'id' must be a string, got {type(rid).__name__}")
+    params = head.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise RequestError("'parameters' must be an object")
+    if "inputs" not in head:
+        raise RequestError("request has no 'inputs'")
+    inputs = _read_tensors(head["inputs"], tail, "input", max_bytes)
+    outputs: dict[str, bool] | None = None
+    binary_default = params.get("binary_data_output") is True
+    if head.get("outputs") is not None:
+        if not isinstance(head["outputs"], list):
+            raise RequestError("'outputs' must be a list")
+        outputs = {}
+        for o in head["outputs"]:
+            if not isinstance(o, dict) or not isinstance(o.get("name"), str):
+                raise RequestError("each requested output needs a string 'name'")
+            oparams = o.get("parameters") or {}
+            flag = oparams.get("binary_data") if isinstance(oparams, dict) else None
+            outputs[o["name"]] = binary_default if flag is None else flag is True
+    return DecodedRequest(rid, inputs, params, outputs, binary_default)
+
+
+def encode_infer_request(inputs: Mapping[str, np.ndarray], parameters: Mapping[str, Any], *,
+                         request_id: str | None = None, binary: bool = True) -> tuple[bytes, int | None]:
+    """Body and header length of a V2 infer request asking for every output (binary if ``binary``)."""
+    head: dict[str, Any] = {}
+    if request_id:
+        head["id"] = request_id
+    params = dict(parameters)
+    if binary:
+        params["binary_data_output"] = True
+    head["parameters"] = params
+    tensors, blobs = [], []
+    for name, arr in inputs.items():
+        t, raw = _tensor_json(name, np.asarray(arr), binary)
+        tensors.append(t)
+        blobs.append(raw)
+    head["inputs"] = tensors
+    return _assemble(head, cast(list[bytes], blobs))
+
+
+def parse_slo(params: Mapping[str, Any]) -> SLO:
+    """The SLO carried in request ``parameters``; ``RequestError`` for values out of range."""
+    def num(key: str, default: float | None) -> float | None:
+        v = params.get(key, default)
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+            raise RequestError(f"parameter {key} must be a finite number, got {v!r}")
+        return float(v)
+
+    latency = num("latency_ms", DEFAULT_LATENCY_MS)
+    assert latency is not None
+    if latency <= 0:
+        raise RequestError(f"parameter latency_ms must be positive, got {latency}")
+    acc = num("min_accuracy", 0.0)
+    assert acc is not None
+    if not 0.0 <= acc <= 1.0:
+        raise RequestError(f"parameter min_accuracy must be in [0, 1], got {acc}")
+    cost = num("max_cost", None)
+    if cost is not None and cost < 0:
+        raise RequestError(f"parameter max_cost must be non-negative, got {cost}")
+    prefer = params.get("prefer", "latency")
+    if prefer not in _PREFERS:
+        raise RequestError(f"parameter prefer must be one of {list(_PREFERS)}, got {prefer!r}")
+    return SLO(latency_ms=latency, min_accuracy=acc, max_cost=cost, prefer=cast(Prefer, prefer))
+
+
+def validate_inputs(inputs: Mapping[str, np.ndarray], sig: TaskSignature) -> None:
+    """Check names, dtypes and ranks (with fixed dims) against the task's signature."""
+    want = {s.name: s for s in sig.inputs}
+    missing = sorted(set(want) - set(inputs))
+    if missing:
+        raise BadTensor(f"task {sig.task} needs input(s) {missing}; got {sorted(inputs)}")
+    extra = sorted(set(inputs) - set(want))
+    if extra:
+        raise BadTensor(f"task {sig.task} has no input(s) {extra}")
+    for name, arr in inputs.items():
+        spec = want[name]
+        if arr.dtype != np.dtype(spec.dtype):
+            raise BadTensor(f"input {name!r} is {datatype_of(arr.dtype)} but task {sig.task} takes "
+                            f"{datatype_of(spec.dtype)}")
+        if len(arr.shape) != len(spec.shape) or any(
+            w != -1 and w != g for w, g in zip(spec.shape, arr.shape, strict=True)
+        ):
+            raise BadTensor(f"input {name!r} has shape {list(arr.shape)} but task {sig.task} takes "
+                            f"{list(spec.shape)}")
+
+
+# ---------------------------------------------------------------------------- responses
+
+
+def response_parameters(resp: InferResponse) -> dict[str, Any]:
+    """Mesh metadata for a response's ``parameters`` (V2 allows only scalar values: hops is joined)."""
+    t = resp.timing
+    return {
+        "site": resp.site, "variant": resp.variant, "accuracy": resp.accuracy, "reason": resp.reason,
+        "best_effort": resp.best_effort, "tenant": resp.tenant,
+        "timing_ms_network": t.network_ms, "timing_ms_queue": t.queue_ms,
+        "timing_ms_compute": t.compute_ms, "timing_ms_total": t.total_ms,
+        "hops": ",".join(resp.hops),
+    }
+
+
+def result_fields(params: Mapping[str, Any]) -> dict[str, Any]:
+    """Inverse of ``response_parameters``: keyword arguments describing where and how it was served."""
+    def f(key: str) -> float:
+        v = params.get(key, 0.0)
+        return float(v) if isinstance(v, int | float) else 0.0
+
+    hops = params.get("hops") or ""
+    return {
+        "site": str(params.get("site", "")), "variant": str(params.get("variant", "")),
+        "accuracy": f("accuracy"), "reason": str(params.get("reason", "")),
+        "best_effort": params.get("best_effort") is True, "tenant": str(params.get("tenant", "")),
+        "timing": Timing(f("timing_ms_network"), f("timing_ms_queue"), f("timing_ms_compute"),
+                         f("timing_ms_total")),
+        "hops": [h for h in str(hops).split(",") if h],
+    }
+
+
+def encode_infer_response(model_name: str, request_id: str, outputs: Mapping[str, np.ndarray],
+                          parameters: Mapping[str, Any],
+                          binary: Mapping[str, bool]) -> tuple[bytes, int | None]:
+    """Body and header length of a V2 infer response; ``binary[name]`` picks the encoding per output."""
+    head: dict[str, Any] = {"model_name": model_name, "model_version": "", "id": request_id,
+                            "parameters": dict(parameters)}
+    tensors, blobs = [], []
+    for name, arr in outputs.items():
+        t, raw = _tensor_json(name, np.asarray(arr), binary.get(name, False))
+        tensors.append(t)
+        blobs.append(raw)
+    head["outputs"] = tensors
+    return _assemble(head, cast(list[bytes], blobs))
+
+
+@dataclass(slots=True)
+class DecodedResponse:
+    request_id: str
+    outputs: dict[str, np.ndarray]
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+def decode_infer_response(body: bytes, header_length: int | None = None, *,
+                          max_bytes: int = 1 << 31) -> DecodedResponse:
+    head, tail = _split_body(body, header_length, max_bytes)
+    outputs = _read_tensors(head.get("outputs", []), tail, "output", max_bytes)
+    params = head.get("parameters") or {}
+    return DecodedResponse(str(head.get("id", "")), outputs, params if isinstance(params, dict) else {})
+
+
+# ---------------------------------------------------------------------------- metadata
+
+
+def _spec_json(s: TensorSpec) -> dict[str, Any]:
+    return {"name": s.name, "datatype": datatype_of(s.dtype), "shape": list(s.shape)}
+
+
+def signature_to_metadata(sig: TaskSignature) -> dict[str, Any]:
+    """V2 model metadata for a task: the task stands in for the model; variants stay hidden."""
+    return {"name": sig.task, "versions": [], "platform": "tiermesh",
+            "inputs": [_spec_json(s) for s in sig.inputs],
+            "outputs": [_spec_json(s) for s in sig.outputs],
+            "parameters": {"metric": sig.metric}}
+
+
+def metadata_to_signature(meta: Mapping[str, Any]) -> TaskSignature:
+    def specs(key: str) -> tuple[TensorSpec, ...]:
+        out = []
+        for t in meta.get(key) or []:
+            out.append(TensorSpec(str(t["name"]), dtype_of(t["datatype"]).newbyteorder("=").name,
+                                  tuple(int(d) for d in t["shape"])))
+        return tuple(out)
+
+    try:
+        metric = (meta.get("parameters") or {}).get("metric", "top1")
+        return TaskSignature(str(meta["name"]), specs("inputs"), specs("outputs"), str(metric))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RequestError(f"malformed model metadata: {exc}") from exc
