@@ -1,0 +1,103 @@
+"""Measure one variant on this host: accuracy on held-out data, load time, latency per batch size,
+memory, and the providers that actually ran it.
+
+Accuracy is measured here, never copied from a parent: top-1 against labels, or the mean cosine
+similarity of outputs to a reference model's outputs (embeddings). Timing is bounded: each batch
+size gets at most ``repeats`` runs and at most ``time_budget_s`` seconds, after one warm-up run.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from mesh.errors import ConfigError
+from variant_store.hardware import hardware_class_for
+from variant_store.meta import LatencyStats, Profile
+from variant_store.runtimes import open_runtime, rss_bytes
+
+__all__ = ["ProfileResult", "measure_accuracy", "profile_variant"]
+
+
+@dataclass(slots=True)
+class ProfileResult:
+    accuracy: float
+    metric: str
+    load_ms: float
+    latency: dict[int, LatencyStats]
+    peak_memory_bytes: int
+    providers: list[str]
+    hardware_class: str
+    runs: dict[int, int] = field(default_factory=dict)   # batch size -> timed runs actually done
+
+    def to_profile(self, measured_at: float | None = None) -> Profile:
+        return Profile(hardware_class=self.hardware_class, load_ms=self.load_ms, latency=dict(self.latency),
+                       peak_memory_bytes=self.peak_memory_bytes, providers=list(self.providers),
+                       measured_at=time.time() if measured_at is None else measured_at)
+
+
+def measure_accuracy(outputs: np.ndarray, y: np.ndarray | None, metric: str,
+                     reference_outputs: np.ndarray | None = None) -> float:
+    """Top-1 accuracy against labels, or mean cosine similarity to ``reference_outputs``."""
+    if metric == "top1":
+        if y is None:
+            raise ConfigError("metric top1 needs labels")
+        return float(np.mean(outputs.argmax(axis=1) == np.asarray(y).reshape(-1)))
+    if metric == "cosine":
+        if reference_outputs is None:
+            raise ConfigError("metric cosine needs reference_outputs")
+        a = outputs.reshape(len(outputs), -1).astype(np.float64)
+        b = np.asarray(reference_outputs).reshape(len(outputs), -1).astype(np.float64)
+        denom = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
+        return float(np.mean(np.sum(a * b, axis=1) / np.maximum(denom, 1e-12)))
+    raise ConfigError(f"unknown metric {metric!r}; use 'top1' or 'cosine'")
+
+
+def profile_variant(runtime_format: str, path: Path, x_holdout: np.ndarray, y_holdout: np.ndarray | None, *,
+                    metric: str = "top1", batch_sizes: tuple[int, ...] = (1, 8, 32), repeats: int = 50,
+                    reference_outputs: np.ndarray | None = None, input_name: str | None = None,
+                    time_budget_s: float = 1.0, intra_op_threads: int = 1) -> ProfileResult:
+    """Load the variant at ``path`` with the runtime for ``runtime_format``, measure it, unload it."""
+    if len(x_holdout) == 0:
+        raise ConfigError("profiling needs held-out inputs")
+    if metric == "cosine" and reference_outputs is None:
+        raise ConfigError("metric cosine needs reference_outputs")
+    rss0 = rss_bytes()
+    rt = open_runtime(runtime_format, Path(path), intra_op_threads=intra_op_threads)
+    rt.load_sync()
+    try:
+        name = input_name or rt.input_specs[0].name
+        out_name = rt.output_specs[0].name
+        x = np.ascontiguousarray(x_holdout, dtype=np.float32)
+        outs = [rt.infer_sync({name: x[i:i + 256]})[out_name] for i in range(0, len(x), 256)]
+        accuracy = measure_accuracy(np.concatenate(outs), y_holdout, metric, reference_outputs)
+        peak = rss_bytes()
+        latency: dict[int, LatencyStats] = {}
+        runs: dict[int, int] = {}
+        for bs in batch_sizes:
+            batch = np.ascontiguousarray(np.resize(x, (bs, *x.shape[1:])))
+            rt.infer_sync({name: batch})  # warm-up: first run allocates / resizes
+            times: list[float] = []
+            deadline = time.perf_counter() + time_budget_s
+            for _ in range(max(1, repeats)):
+                t0 = time.perf_counter()
+                rt.infer_sync({name: batch})
+                times.append((time.perf_counter() - t0) * 1000.0)
+                if time.perf_counter() > deadline:
+                    break
+            arr = np.asarray(times)
+            latency[bs] = LatencyStats(p50_ms=float(np.percentile(arr, 50)),
+                                       p99_ms=float(np.percentile(arr, 99)))
+            runs[bs] = len(times)
+            peak = max(peak, rss_bytes())
+        return ProfileResult(
+            accuracy=accuracy, metric=metric, load_ms=rt.load_ms, latency=latency,
+            # What loading and running it cost this process, never less than what the runtime holds.
+            peak_memory_bytes=max(rt.memory_bytes, peak - rss0),
+            providers=list(rt.providers_in_use),
+            hardware_class=hardware_class_for(rt.providers_in_use), runs=runs)
+    finally:
+        rt.unload_sync()

@@ -1,0 +1,144 @@
+"""The one model interface: every runtime-backed variant loads, infers and unloads the same way.
+
+``load()`` / ``infer()`` run the blocking work in an executor so an agent's event loop keeps
+serving while a model loads or computes; ``load_sync()`` / ``infer_sync()`` are the same work for
+callers that already own a thread (profiler, batcher). Inputs are checked against the model's
+signature before they reach the native runtime, so a wrong shape or dtype is a ``BadTensor``
+that names the tensor rather than a crash deep inside a C++ kernel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+
+from mesh.errors import BadTensor, RuntimeLoadError
+from mesh.types import TensorSpec
+
+__all__ = ["Runtime", "check_inputs", "rss_bytes"]
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process, from /proc (0 where that is not readable)."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def check_inputs(specs: list[TensorSpec], inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Validate ``inputs`` against ``specs`` (-1 = any size); returns C-contiguous arrays by spec order."""
+    missing = [s.name for s in specs if s.name not in inputs]
+    if missing:
+        raise BadTensor(f"missing input tensor(s) {missing}; expected {[s.name for s in specs]}",
+                        expected=[s.name for s in specs], got=sorted(inputs))
+    extra = sorted(set(inputs) - {s.name for s in specs})
+    if extra:
+        raise BadTensor(f"unknown input tensor(s) {extra}; expected {[s.name for s in specs]}",
+                        expected=[s.name for s in specs], got=sorted(inputs))
+    out: dict[str, np.ndarray] = {}
+    for spec in specs:
+        arr = inputs[spec.name]
+        if not isinstance(arr, np.ndarray):
+            raise BadTensor(f"input '{spec.name}': expected a numpy array, got {type(arr).__name__}")
+        if arr.dtype.name != spec.dtype:
+            raise BadTensor(f"input '{spec.name}': expected dtype {spec.dtype}, got {arr.dtype.name}",
+                            tensor=spec.name, expected=spec.dtype, got=arr.dtype.name)
+        ok = arr.ndim == len(spec.shape) and all(
+            want in (-1, got) for want, got in zip(spec.shape, arr.shape, strict=True))
+        if not ok or (arr.ndim and arr.shape[0] == 0):
+            raise BadTensor(f"input '{spec.name}': expected shape {_fmt(spec.shape)}, got {tuple(arr.shape)}",
+                            tensor=spec.name, expected=list(spec.shape), got=list(arr.shape))
+        out[spec.name] = np.ascontiguousarray(arr)
+    return out
+
+
+def _fmt(shape: tuple[int, ...]) -> str:
+    return "(" + ", ".join("N" if d == -1 else str(d) for d in shape) + ")"
+
+
+class Runtime(ABC):
+    """A loaded (or loadable) model variant; subclasses implement ``_load`` / ``_run`` / ``_close``."""
+
+    name: ClassVar[str]
+
+    def __init__(self, model_path: Path, *, intra_op_threads: int = 1,
+                 providers: list[str] | None = None) -> None:
+        self.model_path = Path(model_path)
+        self.intra_op_threads = intra_op_threads
+        self.requested_providers = list(providers) if providers else None
+        self.ready = False
+        self.memory_bytes = 0
+        self.load_ms = 0.0
+        self.providers_in_use: list[str] = []
+        self.input_specs: list[TensorSpec] = []
+        self.output_specs: list[TensorSpec] = []
+        # Loading and unloading must not interleave with a running inference on the same session.
+        self._state_lock = threading.Lock()
+
+    # -- blocking API -------------------------------------------------------------------------
+    def load_sync(self) -> bool:
+        import time
+
+        with self._state_lock:
+            if self.ready:
+                return True
+            if not self.model_path.is_file():
+                raise RuntimeLoadError(f"{self.name}: model file not found: {self.model_path}",
+                                       path=str(self.model_path))
+            before = rss_bytes()
+            t0 = time.perf_counter()
+            self._load()
+            self.load_ms = (time.perf_counter() - t0) * 1000.0
+            delta = max(0, rss_bytes() - before)
+            # The file's bytes are a floor: RSS deltas can hide a load behind memory freed meanwhile.
+            self.memory_bytes = max(self.model_path.stat().st_size, delta)
+            self.ready = True
+            return True
+
+    def infer_sync(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if not self.ready:
+            raise RuntimeLoadError(f"{self.name}: {self.model_path.name} is not loaded")
+        checked = check_inputs(self.input_specs, inputs)
+        return self._run(checked)
+
+    def unload_sync(self) -> None:
+        with self._state_lock:
+            if self.ready:
+                self._close()
+            self.ready = False
+            self.memory_bytes = 0
+
+    # -- asyncio API --------------------------------------------------------------------------
+    async def load(self) -> bool:
+        return await asyncio.get_running_loop().run_in_executor(None, self.load_sync)
+
+    async def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return await asyncio.get_running_loop().run_in_executor(None, self.infer_sync, inputs)
+
+    async def unload(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.unload_sync)
+
+    # -- implementation hooks -----------------------------------------------------------------
+    @abstractmethod
+    def _load(self) -> None:
+        """Open the model; set input_specs, output_specs, providers_in_use. Raise RuntimeLoadError."""
+
+    @abstractmethod
+    def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run checked inputs; return float32 outputs by name."""
+
+    @abstractmethod
+    def _close(self) -> None:
+        """Release the session / interpreter."""
+
+    def __repr__(self) -> str:
+        state = "ready" if self.ready else "unloaded"
+        return f"<{type(self).__name__} {self.model_path.name} {state} providers={self.providers_in_use}>"

@@ -1,0 +1,68 @@
+"""ONNX Runtime: the CPU provider everywhere, CUDA / TensorRT providers only where a GPU is real.
+
+One intra-op thread per session by default (best on small hosts, and several sessions share a
+machine). ``providers_in_use`` comes from ``session.get_providers()`` after creation, because the
+GPU build falls back to the CPU without raising.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mesh.errors import RuntimeLoadError
+from mesh.types import TensorSpec
+from variant_store.hardware import onnx_providers
+from variant_store.runtimes.base import Runtime
+
+__all__ = ["OnnxRuntime"]
+
+_ORT_DTYPES = {
+    "tensor(float)": "float32",
+    "tensor(float16)": "float16",
+    "tensor(double)": "float64",
+    "tensor(int64)": "int64",
+    "tensor(int32)": "int32",
+    "tensor(int8)": "int8",
+    "tensor(uint8)": "uint8",
+    "tensor(bool)": "bool",
+}
+
+
+def _spec(arg: object) -> TensorSpec:
+    name = str(getattr(arg, "name", ""))
+    dtype = _ORT_DTYPES.get(str(getattr(arg, "type", "")), str(getattr(arg, "type", "")))
+    shape = tuple(d if isinstance(d, int) and d >= 0 else -1 for d in (getattr(arg, "shape", None) or []))
+    return TensorSpec(name=name, dtype=dtype, shape=shape)
+
+
+class OnnxRuntime(Runtime):
+    name = "onnxruntime"
+
+    def _load(self) -> None:
+        try:
+            import onnxruntime as ort
+        except ImportError as exc:
+            raise RuntimeLoadError("onnxruntime is not installed") from exc
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = self.intra_op_threads
+        opts.inter_op_num_threads = 1
+        opts.log_severity_level = 3
+        providers = self.requested_providers or onnx_providers()
+        try:
+            sess = ort.InferenceSession(str(self.model_path), sess_options=opts, providers=providers)
+        except Exception as exc:  # onnxruntime raises its own untyped Fail / InvalidGraph errors
+            raise RuntimeLoadError(f"onnxruntime could not load {self.model_path.name}: {exc}",
+                                   path=str(self.model_path)) from exc
+        self._sess = sess
+        self.providers_in_use = list(sess.get_providers())
+        self.input_specs = [_spec(a) for a in sess.get_inputs()]
+        self.output_specs = [_spec(a) for a in sess.get_outputs()]
+        self._out_names = [s.name for s in self.output_specs]
+
+    def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        # InferenceSession.run is thread-safe, so concurrent batches need no lock here.
+        outs = self._sess.run(self._out_names, inputs)
+        return {n: np.asarray(o) for n, o in zip(self._out_names, outs, strict=True)}
+
+    def _close(self) -> None:
+        self._sess = None  # type: ignore[assignment]
