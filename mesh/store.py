@@ -1,0 +1,666 @@
+"""The one wrapper over etcd. Nothing else in tiermesh imports ``aetcd``.
+
+Keys given to a :class:`Store` are relative to its prefix (default ``/tiermesh/``); values are JSON.
+aetcd only provides the gRPC channel and generated stubs here: requests are built on the stubs
+directly because aetcd drops the response header (so the revision) of txns, and its watcher does
+not survive an etcd restart (its stream task cannot be restarted once it failed).
+
+Errors: unreachable etcd -> ``StoreUnavailable``; other failures -> ``StoreError``; a lost
+compare-and-swap -> ``ConflictError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import random
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Literal, TypeVar
+from urllib.parse import urlsplit
+
+import aetcd
+from aetcd import rpc
+from aetcd import utils as aetcd_utils
+
+from mesh.errors import ConflictError, StoreError, StoreUnavailable
+from mesh.log import get_logger, kv
+
+__all__ = [
+    "KV",
+    "Compare",
+    "CreateRevision",
+    "Delete",
+    "Election",
+    "Lease",
+    "ModRevision",
+    "Op",
+    "Put",
+    "Store",
+    "TxnResult",
+    "ValueEquals",
+    "Watch",
+    "WatchEvent",
+]
+
+log = get_logger(__name__)
+T = TypeVar("T")
+
+# gRPC reconnects with exponential back-off up to 120 s by default: far too slow to notice that a
+# restarted etcd is back. Keepalive finds streams whose TCP connection died silently; etcd refuses
+# pings more often than every 5 s.
+_CHANNEL_OPTIONS: dict[str, Any] = {
+    "grpc.initial_reconnect_backoff_ms": 100,
+    "grpc.min_reconnect_backoff_ms": 100,
+    "grpc.max_reconnect_backoff_ms": 1000,
+    "grpc.keepalive_time_ms": 10_000,
+    "grpc.keepalive_timeout_ms": 5_000,
+    "grpc.keepalive_permit_without_calls": 1,
+    "grpc.max_receive_message_length": 16 * 1024 * 1024,
+}
+_DOWN_CODES = {rpc.StatusCode.UNAVAILABLE, rpc.StatusCode.DEADLINE_EXCEEDED, rpc.StatusCode.CANCELLED}
+_OPS = {"==": rpc.Compare.EQUAL, "!=": rpc.Compare.NOT_EQUAL, "<": rpc.Compare.LESS, ">": rpc.Compare.GREATER}
+CmpOp = Literal["==", "!=", "<", ">"]
+
+
+@dataclass(frozen=True)
+class KV:
+    key: str
+    value: Any
+    mod_revision: int
+    create_revision: int
+    lease: int
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    kind: Literal["put", "delete"]
+    key: str
+    value: Any | None
+    revision: int
+
+
+@dataclass(frozen=True)
+class TxnResult:
+    succeeded: bool
+    revision: int
+
+
+@dataclass(frozen=True)
+class ModRevision:
+    key: str
+    op: CmpOp
+    revision: int
+
+
+@dataclass(frozen=True)
+class CreateRevision:
+    """``CreateRevision(key, "==", 0)`` holds when the key is absent."""
+
+    key: str
+    op: CmpOp
+    revision: int
+
+
+@dataclass(frozen=True)
+class ValueEquals:
+    key: str
+    value: Any
+
+
+@dataclass(frozen=True)
+class Put:
+    key: str
+    value: Any
+    lease: Lease | None = None
+
+
+@dataclass(frozen=True)
+class Delete:
+    key: str
+
+
+Compare = ModRevision | CreateRevision | ValueEquals
+Op = Put | Delete
+
+
+def _encode(value: Any) -> bytes:
+    try:
+        return json.dumps(value, separators=(",", ":"), sort_keys=True).encode()
+    except (TypeError, ValueError) as exc:
+        raise StoreError(f"value is not JSON-serialisable: {exc}") from exc
+
+
+def _decode(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        # Written by something other than tiermesh: hand it over as text rather than fail a loop.
+        return raw.decode("utf-8", errors="replace")
+
+
+def _range_end(prefix: bytes) -> bytes:
+    return bytes(aetcd_utils.prefix_range_end(prefix))
+
+
+def _translate(exc: BaseException, what: str) -> StoreError:
+    if isinstance(exc, rpc.AioRpcError):
+        cls = StoreUnavailable if exc.code() in _DOWN_CODES else StoreError
+        return cls(f"{what}: {exc.code().name}: {exc.details()}")
+    if isinstance(exc, TimeoutError):
+        return StoreUnavailable(f"{what}: timed out")
+    return StoreError(f"{what}: {exc!r}")
+
+
+@contextlib.contextmanager
+def _errors(what: str) -> Iterator[None]:
+    try:
+        yield
+    except (rpc.AioRpcError, TimeoutError, aetcd.ClientError) as exc:
+        raise _translate(exc, what) from exc
+
+
+class Store:
+    """A connection to etcd under one key prefix. Create with ``await Store.connect(url)``."""
+
+    def __init__(self, client: aetcd.Client, url: str, prefix: str, timeout: float) -> None:
+        self._client = client
+        self.url = url
+        self.prefix = prefix if prefix.endswith("/") else prefix + "/"
+        self._bprefix = self.prefix.encode()
+        self.timeout = timeout
+        self._leases: set[Lease] = set()
+        self._watches: set[Watch] = set()
+        self._closed = False
+
+    @classmethod
+    async def connect(cls, url: str, prefix: str = "/tiermesh/", *, timeout: float = 5.0) -> Store:  # noqa: ASYNC109
+        parts = urlsplit(url if "://" in url else f"http://{url}")
+        if parts.scheme not in ("http", "") or not parts.hostname:
+            raise StoreUnavailable(f"unsupported etcd URL {url!r} (expected http://host:port)")
+        client = aetcd.Client(host=parts.hostname, port=parts.port or 2379, timeout=timeout,
+                              options=dict(_CHANNEL_OPTIONS))
+        store = cls(client, url, prefix, timeout)
+        try:
+            await client.connect()
+            await asyncio.wait_for(store.revision(), timeout)
+        except (StoreError, TimeoutError, aetcd.ClientError) as exc:
+            await client.close()
+            raise StoreUnavailable(f"etcd at {url} unreachable: {exc}") from exc
+        return store
+
+    # -- plumbing -------------------------------------------------------------------------------
+    def _k(self, key: str) -> bytes:
+        return self._bprefix + key.encode()
+
+    def _rel(self, key: bytes) -> str:
+        return key[len(self._bprefix):].decode()
+
+    def _kv(self, raw: Any) -> KV:
+        return KV(self._rel(raw.key), _decode(raw.value), raw.mod_revision, raw.create_revision, raw.lease)
+
+    @property
+    def _md(self) -> Any:
+        return self._client.metadata
+
+    def _stub(self, name: str) -> Any:
+        if self._closed or self._client.kvstub is None:
+            raise StoreError("store is closed")
+        if name == "watchstub":
+            return rpc.WatchStub(self._client.channel)
+        return getattr(self._client, name)
+
+    async def _unary(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
+        with _errors(what):
+            return await call()
+
+    async def _range(self, prefix: str) -> tuple[list[KV], int]:
+        k = self._k(prefix)
+        req = rpc.RangeRequest(key=k, range_end=_range_end(k), sort_order=rpc.RangeRequest.ASCEND,
+                               sort_target=rpc.RangeRequest.KEY)
+        resp = await self._unary(f"get_prefix {prefix!r}", lambda: self._stub("kvstub").Range(
+            req, timeout=self.timeout, metadata=self._md))
+        return [self._kv(x) for x in resp.kvs], resp.header.revision
+
+    # -- key/value ------------------------------------------------------------------------------
+    async def get(self, key: str) -> KV | None:
+        req = rpc.RangeRequest(key=self._k(key))
+        resp = await self._unary(f"get {key!r}", lambda: self._stub("kvstub").Range(
+            req, timeout=self.timeout, metadata=self._md))
+        return self._kv(resp.kvs[0]) if resp.kvs else None
+
+    async def get_prefix(self, prefix: str) -> list[KV]:
+        return (await self._range(prefix))[0]
+
+    async def put(self, key: str, value: Any, *, lease: Lease | None = None) -> int:
+        req = rpc.PutRequest(key=self._k(key), value=_encode(value), lease=lease.id if lease else 0)
+        resp = await self._unary(f"put {key!r}", lambda: self._stub("kvstub").Put(
+            req, timeout=self.timeout, metadata=self._md))
+        return int(resp.header.revision)
+
+    async def _delete(self, key: bytes, range_end: bytes | None, what: str) -> int:
+        req = rpc.DeleteRangeRequest(key=key, range_end=range_end or b"")
+        resp = await self._unary(what, lambda: self._stub("kvstub").DeleteRange(
+            req, timeout=self.timeout, metadata=self._md))
+        return int(resp.deleted)
+
+    async def delete(self, key: str) -> bool:
+        return await self._delete(self._k(key), None, f"delete {key!r}") > 0
+
+    async def delete_prefix(self, prefix: str) -> int:
+        k = self._k(prefix)
+        return await self._delete(k, _range_end(k), f"delete_prefix {prefix!r}")
+
+    async def revision(self) -> int:
+        """The current revision of the whole etcd key space."""
+        req = rpc.RangeRequest(key=self._bprefix, range_end=_range_end(self._bprefix), count_only=True)
+        resp = await self._unary("revision", lambda: self._stub("kvstub").Range(
+            req, timeout=self.timeout, metadata=self._md))
+        return int(resp.header.revision)
+
+    # -- transactions ---------------------------------------------------------------------------
+    def _compare(self, c: Compare) -> Any:
+        if isinstance(c, ValueEquals):
+            return rpc.Compare(key=self._k(c.key), result=rpc.Compare.EQUAL, target=rpc.Compare.VALUE,
+                               value=_encode(c.value))
+        if isinstance(c, ModRevision):
+            return rpc.Compare(key=self._k(c.key), result=_OPS[c.op], target=rpc.Compare.MOD,
+                               mod_revision=c.revision)
+        return rpc.Compare(key=self._k(c.key), result=_OPS[c.op], target=rpc.Compare.CREATE,
+                           create_revision=c.revision)
+
+    def _op(self, op: Op) -> Any:
+        if isinstance(op, Put):
+            return rpc.RequestOp(request_put=rpc.PutRequest(
+                key=self._k(op.key), value=_encode(op.value), lease=op.lease.id if op.lease else 0))
+        return rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=self._k(op.key)))
+
+    async def _txn_raw(self, compares: list[Compare], success: list[Any], failure: list[Any]) -> Any:
+        req = rpc.TxnRequest(compare=[self._compare(c) for c in compares], success=success, failure=failure)
+        return await self._unary("txn", lambda: self._stub("kvstub").Txn(
+            req, timeout=self.timeout, metadata=self._md))
+
+    async def txn(self, compares: list[Compare], success: list[Op],
+                  failure: list[Op] | None = None) -> TxnResult:
+        resp = await self._txn_raw(compares, [self._op(o) for o in success],
+                                   [self._op(o) for o in failure or []])
+        return TxnResult(bool(resp.succeeded), int(resp.header.revision))
+
+    async def put_if_mod_revision(self, key: str, value: Any, expected: int) -> int:
+        """Write only if ``key`` is still at ``expected`` (0: only if absent); returns the new revision."""
+        cmp: Compare = CreateRevision(key, "==", 0) if expected == 0 else ModRevision(key, "==", expected)
+        resp = await self._txn_raw([cmp], [self._op(Put(key, value))],
+                                   [rpc.RequestOp(request_range=rpc.RangeRequest(key=self._k(key)))])
+        if not resp.succeeded:
+            kvs = resp.responses[0].response_range.kvs
+            actual = int(kvs[0].mod_revision) if kvs else 0
+            raise ConflictError(f"{key!r} changed: expected revision {expected}, found {actual}",
+                                key=key, expected=expected, actual=actual)
+        return int(resp.header.revision)
+
+    # -- leases ---------------------------------------------------------------------------------
+    async def lease(self, ttl: float) -> Lease:
+        """Grant a lease (etcd rounds the TTL up to whole seconds, at least 2) kept alive in the
+        background until revoked or the store is closed."""
+        req = rpc.LeaseGrantRequest(TTL=max(1, math.ceil(ttl)))
+        resp = await self._unary("lease grant", lambda: self._stub("leasestub").LeaseGrant(
+            req, timeout=self.timeout, metadata=self._md))
+        if resp.error:
+            raise StoreError(f"lease grant refused: {resp.error}")
+        lease = Lease(self, int(resp.ID), float(resp.TTL))
+        self._leases.add(lease)
+        lease._start()
+        return lease
+
+    async def revoke_lease(self, lease_id: int) -> bool:
+        """Revoke any lease by id (its keys are deleted). False if it did not exist."""
+        req = rpc.LeaseRevokeRequest(ID=lease_id)
+        try:
+            await self._stub("leasestub").LeaseRevoke(req, timeout=self.timeout, metadata=self._md)
+        except rpc.AioRpcError as exc:
+            if exc.code() == rpc.StatusCode.NOT_FOUND:
+                return False
+            raise _translate(exc, "lease revoke") from exc
+        return True
+
+    async def _keepalive_once(self, lease_id: int, timeout: float) -> int:  # noqa: ASYNC109
+        """One keep-alive round trip; returns the TTL etcd granted (<= 0: the lease is gone)."""
+        req = rpc.LeaseKeepAliveRequest(ID=lease_id)
+        call = self._stub("leasestub").LeaseKeepAlive(iter([req]), timeout=timeout, metadata=self._md)
+        try:
+            async for reply in call:
+                return int(reply.TTL)
+        finally:
+            call.cancel()
+        return 0
+
+    # -- watches --------------------------------------------------------------------------------
+    def watch_prefix(self, prefix: str, *, start_revision: int | None = None) -> Watch:
+        """Events under ``prefix`` from ``start_revision`` (default: changes after the watch starts,
+        i.e. after ``async with`` or the first ``anext``)."""
+        return Watch(self, prefix, start_revision)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    async def close(self) -> None:
+        if self._closed:
+            return
+        for w in list(self._watches):
+            await w.close()
+        for lease in list(self._leases):
+            # Revoking makes this process's leased keys vanish now rather than a TTL later.
+            with contextlib.suppress(StoreError, TimeoutError):
+                await asyncio.wait_for(lease.revoke(), min(self.timeout, 2.0))
+        self._closed = True
+        await self._client.close()
+
+    async def __aenter__(self) -> Store:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return f"Store({self.url}, prefix={self.prefix!r}{', closed' if self._closed else ''})"
+
+
+class Lease:
+    """A granted lease whose keep-alive task this object owns. ``lost`` is set (and ``alive`` is
+    False) once etcd says it expired, it was revoked, or keep-alives failed for longer than the TTL."""
+
+    def __init__(self, store: Store, lease_id: int, ttl: float) -> None:
+        self._store = store
+        self.id = lease_id
+        self.ttl = ttl
+        self.lost = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def alive(self) -> bool:
+        return not self.lost.is_set()
+
+    def _start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._keepalive(), name=f"lease-{self.id:x}")
+
+    async def _keepalive(self) -> None:
+        last_ok = time.monotonic()
+        interval = max(self.ttl / 3.0, 0.2)
+        delay = interval
+        while True:
+            await asyncio.sleep(delay)
+            sent = time.monotonic()
+            try:
+                ttl = await self._store._keepalive_once(self.id, timeout=interval)
+            except (StoreError, rpc.AioRpcError, TimeoutError) as exc:
+                if time.monotonic() - last_ok > self.ttl:
+                    log.warning("lease lost: keep-alive failing past its TTL",
+                                extra=kv(event="lease_lost", reason=f"{self.id:x}: {exc}"))
+                    self.lost.set()
+                    return
+                delay = min(interval, 0.25)  # etcd may be restarting: retry soon
+                continue
+            if ttl <= 0:
+                log.warning("lease lost: expired or revoked in etcd", extra=kv(event="lease_lost"))
+                self.lost.set()
+                return
+            last_ok, delay = sent, interval
+
+    async def _stop_keepalive(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def revoke(self) -> None:
+        await self._stop_keepalive()
+        self.lost.set()
+        self._store._leases.discard(self)
+        await self._store.revoke_lease(self.id)
+
+    async def __aenter__(self) -> Lease:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.revoke()
+
+    def __repr__(self) -> str:
+        return f"Lease({self.id:x}, ttl={self.ttl:g}, alive={self.alive})"
+
+
+class _Compacted(Exception):
+    pass
+
+
+class Watch:
+    """Async iterator of :class:`WatchEvent` under a prefix, in revision order.
+
+    A pump task owns one gRPC watch stream; when the stream drops (etcd restarted, network cut)
+    it re-watches from the last revision it delivered + 1, with jittered back-off, so no event is
+    missed or repeated. If etcd compacted past that revision, iteration raises ``StoreError``.
+    """
+
+    def __init__(self, store: Store, prefix: str, start_revision: int | None) -> None:
+        self._store = store
+        self.prefix = prefix
+        self._start_revision = start_revision
+        # revision of the last event handed to the consumer (or start - 1)
+        self.last_revision = (start_revision - 1) if start_revision else 0
+        self._cursor = self.last_revision  # revision of the last event queued by the pump
+        self._queue: asyncio.Queue[WatchEvent | BaseException | None] = asyncio.Queue(maxsize=4096)
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+        self.reconnects = 0
+
+    async def start(self) -> None:
+        if self._task is not None or self._closed:
+            return
+        if self._start_revision is None:
+            self._cursor = self.last_revision = await self._store.revision()
+        self._store._watches.add(self)
+        self._task = asyncio.get_running_loop().create_task(self._pump(), name=f"watch-{self.prefix}")
+
+    async def _pump(self) -> None:
+        backoff = 0.05
+        while True:
+            try:
+                if await self._stream():
+                    backoff = 0.05
+            except _Compacted as exc:
+                await self._queue.put(StoreError(
+                    f"watch on {self.prefix!r} cannot resume after revision {self._cursor}: etcd "
+                    f"compacted history up to {exc.args[0]}; re-read with get_prefix and watch again",
+                    prefix=self.prefix, last_revision=self._cursor, compact_revision=exc.args[0]))
+                return
+            except (rpc.AioRpcError, StoreError) as exc:
+                log.debug("watch stream dropped", extra=kv(event="watch_retry", reason=str(exc)[:200]))
+            self.reconnects += 1
+            await asyncio.sleep(backoff * (0.5 + random.random()))
+            backoff = min(backoff * 2, 2.0)
+
+    async def _stream(self) -> bool:
+        """Run one watch stream until it fails. True if it had been established."""
+        key = self._store._k(self.prefix)
+        create = rpc.WatchCreateRequest(key=key, range_end=_range_end(key),
+                                        start_revision=self._cursor + 1, progress_notify=True)
+        forever = asyncio.Event()
+
+        async def requests() -> AsyncIterator[Any]:
+            yield rpc.WatchRequest(create_request=create)
+            await forever.wait()  # keep our half of the stream open
+
+        call = self._store._stub("watchstub").Watch(requests(), metadata=self._store._md)
+        established = False
+        try:
+            async for resp in call:
+                if resp.compact_revision:
+                    raise _Compacted(int(resp.compact_revision))
+                if resp.canceled:
+                    raise StoreError(f"watch canceled by etcd: {resp.cancel_reason}")
+                established = established or bool(resp.created)
+                for ev in resp.events:
+                    kind: Literal["put", "delete"] = "delete" if ev.type == rpc.Event.DELETE else "put"
+                    value = _decode(ev.kv.value) if kind == "put" else None
+                    await self._queue.put(WatchEvent(kind, self._store._rel(ev.kv.key), value,
+                                                     int(ev.kv.mod_revision)))
+                    self._cursor = int(ev.kv.mod_revision)
+                if not resp.events and not resp.created:
+                    # progress notification: nothing under our prefix up to this revision
+                    self._cursor = max(self._cursor, int(resp.header.revision))
+        finally:
+            call.cancel()
+        return established
+
+    def __aiter__(self) -> Watch:
+        return self
+
+    async def __anext__(self) -> WatchEvent:
+        if self._closed and self._queue.empty():
+            raise StopAsyncIteration
+        await self.start()
+        item = await self._queue.get()
+        if item is None:
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            await self.close()
+            raise item
+        self.last_revision = item.revision
+        return item
+
+    async def close(self) -> None:
+        self._closed = True
+        self._store._watches.discard(self)
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        with contextlib.suppress(asyncio.QueueFull):
+            self._queue.put_nowait(None)  # wake a consumer blocked in __anext__
+
+    async def __aenter__(self) -> Watch:
+        await self.start()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.close()
+
+
+class Election:
+    """Leader election by the standard etcd recipe: each candidate puts a key under
+    ``election/<name>/`` bound to its own lease; the key with the lowest create revision leads;
+    the others each wait for the deletion of the key just before theirs (no thundering herd).
+
+    ``leader_revision`` (our key's create revision) is a fencing token: guard leader-only writes
+    with ``CreateRevision(<our key>, "==", leader_revision)`` in a txn.
+    """
+
+    def __init__(self, store: Store, name: str, candidate_id: str, ttl: float = 5.0) -> None:
+        self._store = store
+        self.name = name
+        self.candidate_id = candidate_id
+        self.ttl = ttl
+        self._prefix = f"election/{name}/"
+        self.key: str | None = None
+        self.is_leader = False
+        self.leader_revision = 0
+        self.lost = asyncio.Event()
+        self._lease: Lease | None = None
+        self._monitor: asyncio.Task[None] | None = None
+
+    async def campaign(self) -> None:
+        """Block until this candidate leads. Raises ``StoreError`` if our lease is lost meanwhile."""
+        if self.is_leader:
+            return
+        self.lost.clear()
+        lease = self._lease = await self._store.lease(self.ttl)
+        key = self.key = f"{self._prefix}{lease.id:016x}"
+        try:
+            res = await self._store.txn([CreateRevision(key, "==", 0)],
+                                        [Put(key, {"candidate": self.candidate_id}, lease=lease)])
+            mine = res.revision
+            while True:
+                kvs, rev = await self._store._range(self._prefix)
+                if not any(x.key == key for x in kvs):
+                    raise StoreError(f"election key {key} vanished while campaigning (lease lost)")
+                older = [x for x in kvs if x.create_revision < mine]
+                if not older:
+                    break
+                pred = max(older, key=lambda x: x.create_revision)
+                await self._wait_deleted(pred.key, rev, lease)
+            self.is_leader, self.leader_revision = True, mine
+            self._monitor = asyncio.get_running_loop().create_task(
+                self._watch_self(key, mine, lease), name=f"election-{self.name}")
+            log.info("elected leader", extra=kv(event="elected", reason=f"{self.name}:{self.candidate_id}"))
+        except BaseException:
+            await self._drop_lease()
+            raise
+
+    async def _wait_deleted(self, key: str, rev: int, lease: Lease) -> None:
+        async def deleted() -> None:
+            async with self._store.watch_prefix(key, start_revision=rev + 1) as w:
+                async for ev in w:
+                    if ev.kind == "delete" and ev.key == key:
+                        return
+
+        waiter = asyncio.ensure_future(deleted())
+        lost = asyncio.ensure_future(lease.lost.wait())
+        try:
+            await asyncio.wait({waiter, lost}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (waiter, lost):
+                t.cancel()
+            await asyncio.gather(waiter, lost, return_exceptions=True)
+        if lease.lost.is_set():
+            raise StoreError(f"lease lost while campaigning in election {self.name!r}")
+        if waiter.done() and not waiter.cancelled() and waiter.exception() is not None:
+            raise waiter.exception()  # type: ignore[misc]
+
+    async def _watch_self(self, key: str, rev: int, lease: Lease) -> None:
+        """Runs while we lead: leadership ends when our key goes or our lease is lost."""
+        watcher = asyncio.ensure_future(self._wait_deleted(key, rev, lease))
+        try:
+            await watcher
+        except StoreError as exc:
+            log.warning("leadership lost", extra=kv(event="leader_lost", reason=str(exc)))
+        else:
+            log.warning("leadership lost: election key deleted", extra=kv(event="leader_lost"))
+        self.is_leader = False
+        self.lost.set()
+
+    async def _drop_lease(self) -> None:
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            with contextlib.suppress(StoreError, TimeoutError):
+                await asyncio.wait_for(lease.revoke(), self._store.timeout)
+
+    async def resign(self) -> None:
+        """Give up leadership (or candidacy) now; the next candidate takes over at once."""
+        task, self._monitor = self._monitor, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self.is_leader = False
+        await self._drop_lease()
+
+    async def leader(self) -> str | None:
+        """The current leader's candidate id, or None if nobody campaigns."""
+        kvs = await self._store.get_prefix(self._prefix)
+        if not kvs:
+            return None
+        first = min(kvs, key=lambda x: x.create_revision)
+        return str(first.value.get("candidate")) if isinstance(first.value, dict) else str(first.value)
+
+    async def __aenter__(self) -> Election:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.resign()

@@ -1,0 +1,56 @@
+from __future__ import annotations
+
+import pytest
+
+from mesh import keys
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize(("func", "arg", "expected"), [
+    (keys.site_key, "edge-1", "topology/sites/edge-1"),
+    (keys.tenant_key, "acme", "tenants/acme"),
+    (keys.live_key, "core", "live/core"),
+    (keys.placement_key, "mid", "placement/mid"),
+])
+def test_one_level_keys(func, arg, expected):
+    assert func(arg) == expected
+    assert keys.last_segment(func(arg)) == arg
+
+
+def test_link_key_is_undirected_and_parses_back():
+    k = keys.link_key("middle", "edge-2")
+    assert k == keys.link_key("edge-2", "middle") == "topology/links/edge-2/middle"
+    assert keys.parse_link_key(k) == ("edge-2", "middle")
+
+
+def test_catalog_key_round_trip():
+    k = keys.catalog_key("digit-classification", "mlp-tiny-int8")
+    assert k == "catalog/digit-classification/mlp-tiny-int8"
+    assert keys.parse_catalog_key(k) == ("digit-classification", "mlp-tiny-int8")
+
+
+def test_fixed_keys_follow_the_design():
+    assert keys.ELECTION_SCHEDULER == "election/scheduler"
+    assert keys.blobs_key() == "services/variant-store"
+    assert keys.site_key("x").startswith(keys.SITES)
+
+
+@pytest.mark.parametrize("bad", ["", "a/b"])
+def test_names_with_slashes_or_empty_are_refused(bad):
+    with pytest.raises(ValueError):
+        keys.site_key(bad)
+    with pytest.raises(ValueError):
+        keys.catalog_key("task", bad)
+
+
+@pytest.mark.parametrize("bad", ["topology/links/a", "topology/links/a/b/c", "topology/sites/a/b",
+                                 "topology/links//b"])
+def test_parse_link_key_rejects_other_keys(bad):
+    with pytest.raises(ValueError):
+        keys.parse_link_key(bad)
+
+
+def test_self_link_is_refused():
+    with pytest.raises(ValueError):
+        keys.link_key("a", "a")
