@@ -1,0 +1,265 @@
+"""HTTP face of the variant store (aiohttp): blobs by digest, the catalog as JSON, health.
+
+    GET|HEAD /blobs/<digest>   the blob; ETag is the digest, If-None-Match -> 304, Range -> 206
+    GET      /catalog[?task=]  {"variants": [VariantMeta JSON, ...]}
+    GET      /healthz          {"ok": true, ...}
+
+A blob whose bytes no longer hash to its name is never served (502 with a JSON error body). Each
+blob is verified on its first serve and the verdict cached by the file's (inode, mtime, size), so
+a rewritten file is checked again while an untouched one is hashed only once.
+
+Errors are ``MeshError`` JSON bodies (``{"code", "error"}``) with the error's ``http_status``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import re
+from collections.abc import Awaitable, Callable
+from types import TracebackType
+from typing import Any
+
+from aiohttp import web
+
+from mesh.errors import BlobError, MeshError, RequestError
+from mesh.keys import blobs_key
+from mesh.log import get_logger, kv
+from mesh.store import Lease
+from variant_store.blobs import CHUNK, BlobStore, is_digest
+from variant_store.catalog import Catalog
+
+__all__ = ["IDENTITY", "TENANT_HEADER", "Authenticator", "VariantStoreServer", "header_identity"]
+
+log = get_logger(__name__)
+TENANT_HEADER = "X-Tiermesh-Tenant"
+Authenticator = Callable[[web.Request], Awaitable[str]]
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# request[IDENTITY] is who authenticate() said the caller is (RequestKey is aiohttp >= 3.12)
+IDENTITY: Any = web.RequestKey("identity", str) if hasattr(web, "RequestKey") else "identity"
+_RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$")
+
+
+async def header_identity(request: web.Request) -> str:
+    """Today's identity: the tenant header, or "public". The mTLS seam: replace this hook with one
+    that reads the peer certificate's URI SAN once the mesh CA exists."""
+    return request.headers.get(TENANT_HEADER, "").strip() or "public"
+
+
+class VariantStoreServer:
+    """Serves ``blob_store`` and ``catalog`` on ``host:port`` (0: any free port; see ``url``) and,
+    when ``announce`` is set, publishes its URL at ``blobs_key()`` under an etcd lease."""
+
+    def __init__(self, blob_store: BlobStore, catalog: Catalog, host: str = "127.0.0.1", port: int = 0, *,
+                 authenticate: Authenticator = header_identity, announce: bool = True,
+                 lease_ttl: int = 10) -> None:
+        self.blobs = blob_store
+        self.catalog = catalog
+        self.host, self.port = host, port
+        self.authenticate = authenticate
+        self.announce = announce
+        self.lease_ttl = lease_ttl
+        self._runner: web.AppRunner | None = None
+        self._verified: dict[str, tuple[tuple[int, int, int], str | None]] = {}
+        self._lease: Lease | None = None
+        self._announcer: asyncio.Task[None] | None = None
+        self._url: str | None = None
+
+    @property
+    def url(self) -> str:
+        if self._url is None:
+            raise RuntimeError("VariantStoreServer is not started")
+        return self._url
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._middleware])
+        app.router.add_get("/blobs/{digest}", self._blob)  # aiohttp adds HEAD for GET routes
+        app.router.add_get("/catalog", self._catalog)
+        app.router.add_get("/healthz", self._healthz)
+        return app
+
+    async def start(self) -> None:
+        if self._runner is not None:
+            return
+        runner = web.AppRunner(self.app(), access_log=None)
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, self.host, self.port)
+            await site.start()
+            host, port = runner.addresses[0][:2]
+            self._url = f"http://{host}:{port}"
+            self._runner = runner
+            if self.announce:
+                await self._announce()
+                self._announcer = asyncio.get_running_loop().create_task(
+                    self._keep_announced(), name="variant-store-announce")
+        except BaseException:
+            await runner.cleanup()
+            self._runner = None
+            raise
+        log.info("variant store serving at %s", self._url, extra=kv(event="blob_server_up"))
+
+    async def stop(self) -> None:
+        runner, self._runner = self._runner, None
+        task, self._announcer = self._announcer, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._lease is not None:
+            lease, self._lease = self._lease, None
+            with contextlib.suppress(MeshError):
+                await lease.revoke()  # drop the announcement now rather than at lease expiry
+        if runner is not None:
+            await runner.cleanup()
+
+    async def __aenter__(self) -> VariantStoreServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.stop()
+
+    async def _announce(self) -> None:
+        store = self.catalog.store
+        lease = await store.lease(self.lease_ttl)
+        try:
+            await store.put(blobs_key(), {"url": self.url, "pid": os.getpid()}, lease=lease)
+        except BaseException:
+            with contextlib.suppress(MeshError):
+                await lease.revoke()
+            raise
+        self._lease = lease
+
+    async def _keep_announced(self) -> None:
+        """A lease lost to an etcd restart or partition takes the announcement with it: re-announce
+        until it sticks, with jittered back-off, for as long as the server runs."""
+        delay = 0.5
+        while True:
+            if self._lease is not None:
+                await self._lease.lost.wait()
+                self._lease = None
+                log.warning("variant store announcement lost; re-announcing", extra=kv(event="reannounce"))
+            try:
+                await self._announce()
+                delay = 0.5
+            except MeshError as exc:
+                log.warning("re-announce failed: %s", exc, extra=kv(event="reannounce_failed"))
+                await asyncio.sleep(delay * random.uniform(0.5, 1.5))
+                delay = min(delay * 2, 10.0)
+
+    # handlers ---------------------------------------------------------------------------------
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        request[IDENTITY] = await self.authenticate(request)
+        try:
+            return await handler(request)
+        except MeshError as exc:
+            log.warning("%s %s -> %s: %s", request.method, request.path, exc.http_status, exc,
+                        extra=kv(tenant=request[IDENTITY], event="blob_request_failed", reason=exc.code))
+            return web.json_response(exc.to_dict(), status=exc.http_status)
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"ok": True, "url": self._url})
+
+    async def _catalog(self, request: web.Request) -> web.Response:
+        task = request.query.get("task") or None
+        metas = await self.catalog.list_variants(task)
+        return web.json_response({"variants": [m.to_json() for m in metas]})
+
+    async def _blob(self, request: web.Request) -> web.StreamResponse:
+        digest = request.match_info["digest"]
+        if not is_digest(digest):
+            raise RequestError(f"not a sha256 digest: {digest!r}")
+        if not self.blobs.has(digest):
+            raise _NotFound(f"blob not found: {digest}", digest=digest)
+        path = self.blobs.path(digest)
+        st = path.stat()
+        await self._check(digest, (st.st_ino, st.st_mtime_ns, st.st_size))
+        etag = f'"{digest}"'
+        headers = {"ETag": etag, "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream",
+                   "Cache-Control": "public, max-age=31536000, immutable"}
+        log.debug("serve blob %s", digest[:12], extra=kv(tenant=request[IDENTITY], event="blob_serve"))
+        if _etags(request.headers.get("If-None-Match", "")) & {etag, "*"}:
+            return web.Response(status=304, headers=headers)
+        size = st.st_size
+        start, end, status = 0, size - 1, 200
+        rng = request.headers.get("Range")
+        if_range = request.headers.get("If-Range")
+        if rng and (if_range is None or if_range == etag):
+            parsed = _parse_range(rng, size)
+            if parsed is None:
+                return web.Response(status=416, headers={**headers, "Content-Range": f"bytes */{size}"})
+            start, end = parsed
+            status = 206
+            headers["Content-Range"] = f"bytes {start}-{end}/{size}"
+        length = max(0, end - start + 1)
+        headers["Content-Length"] = str(length)
+        resp = web.StreamResponse(status=status, headers=headers)
+        await resp.prepare(request)
+        if request.method != "HEAD" and length:
+            await self._send(resp, path, start, length)
+        await resp.write_eof()
+        return resp
+
+    async def _send(self, resp: web.StreamResponse, path: os.PathLike[str], start: int, length: int) -> None:
+        loop = asyncio.get_running_loop()
+        f = await loop.run_in_executor(None, open, path, "rb")
+        try:
+            await loop.run_in_executor(None, f.seek, start)
+            left = length
+            while left > 0:
+                chunk = await loop.run_in_executor(None, f.read, min(CHUNK, left))
+                if not chunk:
+                    break
+                await resp.write(chunk)
+                left -= len(chunk)
+        finally:
+            await loop.run_in_executor(None, f.close)
+
+    async def _check(self, digest: str, stamp: tuple[int, int, int]) -> None:
+        cached = self._verified.get(digest)
+        if cached is None or cached[0] != stamp:
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, self.blobs.verify, digest)
+                verdict: str | None = None
+            except BlobError as exc:
+                verdict = exc.message
+                log.error("refusing corrupt blob: %s", exc, extra=kv(event="blob_corrupt"))
+            self._verified[digest] = (stamp, verdict)
+            cached = self._verified[digest]
+        if cached[1] is not None:
+            raise BlobError(cached[1], digest=digest)
+
+
+class _NotFound(BlobError):
+    """A missing blob is a 404, not the 502 of a corrupt one; the code stays ``blob``."""
+
+    http_status = 404
+
+
+def _etags(header: str) -> set[str]:
+    if header.strip() == "*":
+        return {"*"}
+    return {t.strip().removeprefix("W/") for t in header.split(",") if t.strip()}
+
+
+def _parse_range(header: str, size: int) -> tuple[int, int] | None:
+    """One byte range (``bytes=a-b``, ``bytes=a-``, ``bytes=-n``) -> inclusive (start, end), or None."""
+    m = _RANGE_RE.match(header.strip())
+    if not m or size == 0:
+        return None
+    a, b = m.groups()
+    if a == "" and b == "":
+        return None
+    if a == "":
+        n = int(b)
+        return (max(0, size - n), size - 1) if n > 0 else None
+    start = int(a)
+    end = min(int(b), size - 1) if b else size - 1
+    if start >= size or end < start:
+        return None
+    return start, end
