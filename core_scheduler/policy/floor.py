@@ -1,0 +1,49 @@
+"""The warm floor: what every site holds before any demand is seen, so first queries find warm
+variants where each tier is good at something.
+
+- edge sites: the fastest variant of each public task that fits (small, usually INT8) — tight
+  latency is served where the caller is;
+- middle sites: the most accurate variant whose compute is at most ``middle_compute_factor`` times
+  the fastest — a balanced choice one short hop away;
+- core sites: the most accurate variant of each task — accuracy-first traffic lands there.
+
+Pure: a function of the snapshot only. Demand-driven placement adds to this floor, never removes it.
+"""
+
+from __future__ import annotations
+
+from core_scheduler.policy.snapshot import MeshSnapshot, SiteInfo, VariantInfo
+
+__all__ = ["floor_placement"]
+
+
+def _fits(site: SiteInfo, v: VariantInfo, used: int, memory_fraction: float) -> bool:
+    return used + max(v.memory_bytes, v.size_bytes) <= site.memory_bytes * memory_fraction
+
+
+def floor_placement(snap: MeshSnapshot, *, middle_compute_factor: float = 3.0,
+                    memory_fraction: float = 0.25) -> dict[str, tuple[str, ...]]:
+    out: dict[str, tuple[str, ...]] = {}
+    for name in sorted(snap.sites):
+        site = snap.sites[name]
+        hw = site.hardware_class
+        chosen: list[str] = []
+        used = 0
+        for task in sorted(snap.variants):
+            public = [v for v in snap.variants[task] if v.owner == "public" and v.runs_on(hw)]
+            if not public:
+                continue
+            fastest = min(public, key=lambda v: (v.compute_at(hw), -v.accuracy, v.variant_id))
+            if site.tier == "edge":
+                pick = fastest
+            elif site.tier == "middle":
+                limit = fastest.compute_at(hw) * middle_compute_factor
+                pick = max((v for v in public if v.compute_at(hw) <= limit),
+                           key=lambda v: (v.accuracy, -v.compute_at(hw), v.variant_id))
+            else:
+                pick = max(public, key=lambda v: (v.accuracy, -v.compute_at(hw), v.variant_id))
+            if _fits(site, pick, used, memory_fraction):
+                chosen.append(pick.variant_id)
+                used += max(pick.memory_bytes, pick.size_bytes)
+        out[name] = tuple(chosen)
+    return out

@@ -1,0 +1,324 @@
+"""Placement: which variants each site should hold. The scheduler leader's decision, pure.
+
+Input is a snapshot, the demand per (site, task, SLO class) (observed, optionally with a
+forecast), the time, when each (site, variant) was last used and since when it is loaded.
+Output is the desired variant set per site and one :class:`PlacementEvent` per change, each
+with a reason a person can read. Same inputs, same plan: everything is iterated in sorted order.
+
+Steps, following INFaaS (prefer what is loaded; scale a variant out before buying hardware):
+
+1. *Cover.* Each demand needs some (site, variant) that meets its SLO from the demand's site:
+   ``rtt(site, s) + compute(v, hw(s), batch 1) <= budget_ms`` and ``accuracy >= min_accuracy``
+   (and the tenant may use it). One already placed wins. Otherwise load one: at the demand's own
+   site if it fits (on an edge, smallest / INT8 first), else at the nearest middle or core site
+   (then other edges). Memory: the planned variants of a site stay within ``headroom`` of its
+   memory; to fit, idle variants past their minimum residency are evicted, least recently used
+   first. When nothing meets the SLO and no variant of the task is placed anywhere alive, the
+   lowest-latency variant meeting the accuracy floor (else any) is loaded: traffic is never left
+   without a server.
+2. *Replicate.* A variant serving ``qps`` needs ``qps x compute_ms / 1000`` slots (batch 1: batching
+   is a bonus, not planned on). Beyond ``headroom x capacity`` of one site it is copied to the next
+   sites that meet the same SLOs, up to ``max_replicas_per_variant`` copies.
+3. *Evict.* A placed variant no demand needs is evicted once unused for ``idle_evict_s``, never
+   before ``min_residency_s`` after it was loaded, never while its heartbeat shows a queue for it,
+   never when it is pinned (e.g. the warm floor).
+
+Forecasts: ``Demand.forecast_qps`` (see ``forecast.with_forecast``) raises a demand to
+``max(qps, forecast_qps)``; a load that only the forecast needs is a ``prewarm`` event.
+
+Time: ``last_used`` and ``loaded_since`` are seconds on the caller's clock, as ``now``. A pair with
+no ``loaded_since`` counts as loaded at ``now`` (the caller has just seen it: keep it a while).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from core_scheduler.policy.snapshot import MeshSnapshot, SiteInfo, VariantInfo
+
+__all__ = ["Action", "Demand", "PlacementConfig", "PlacementEvent", "PlacementPlan", "plan_placement"]
+
+Action = Literal["load", "evict", "keep", "prewarm"]
+_PRECISION_RANK = {"int8": 0, "fp16": 1, "fp32": 2}
+_TIER_RANK = {"core": 0, "middle": 1, "edge": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    site: str                 # where the traffic enters (an edge, usually)
+    task: str
+    slo_class: str
+    qps: float                # observed
+    min_accuracy: float
+    budget_ms: float
+    tenant: str = "public"    # private variants only serve their owner's demand
+    forecast_qps: float = 0.0  # predicted for the planning horizon; 0 = none
+
+    @property
+    def effective_qps(self) -> float:
+        return max(self.qps, self.forecast_qps)
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementConfig:
+    min_residency_s: float = 30.0
+    idle_evict_s: float = 120.0
+    headroom: float = 0.8     # fraction of a site's memory and slots placement may plan on
+    edge_prefer_small: bool = True
+    max_replicas_per_variant: int = 8
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementEvent:
+    site: str
+    variant_id: str
+    action: Action
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementPlan:
+    per_site: dict[str, tuple[str, ...]]
+    events: tuple[PlacementEvent, ...]
+
+    def changes(self) -> tuple[PlacementEvent, ...]:
+        """Only the loads, prewarms and evictions (what agents must act on)."""
+        return tuple(e for e in self.events if e.action != "keep")
+
+
+Pair = tuple[str, str]
+
+
+class _Planner:
+    def __init__(self, snap: MeshSnapshot, now: float, last_used: Mapping[Pair, float],
+                 loaded_since: Mapping[Pair, float], cfg: PlacementConfig,
+                 pinned: Mapping[str, Iterable[str]]) -> None:
+        self.snap, self.now, self.cfg = snap, now, cfg
+        self.last_used, self.loaded_since = last_used, loaded_since
+        self.alive = [s for s in sorted(snap.sites) if snap.is_alive(s)]
+        self.plan: dict[str, set[str]] = {s: set(snap.placed(s)) for s in sorted(snap.sites)}
+        self.pinned = {(s, v) for s, vs in pinned.items() for v in vs}
+        self.needed: set[Pair] = set()
+        self.events: list[PlacementEvent] = []
+
+    # -- facts ---------------------------------------------------------------------------
+    def variant(self, vid: str) -> VariantInfo | None:
+        return self.snap.variant_by_id.get(vid)
+
+    def mem_used(self, site: str) -> int:
+        return sum(v.memory_bytes for vid in self.plan[site] if (v := self.variant(vid)) is not None)
+
+    def mem_cap(self, site: str) -> float:
+        return self.cfg.headroom * self.snap.sites[site].memory_bytes
+
+    def slots(self, site: str) -> float:
+        load = self.snap.loads.get(site)
+        return self.cfg.headroom * (load.capacity if load is not None else self.snap.sites[site].slots)
+
+    def latency(self, d: Demand, site: str, v: VariantInfo) -> float:
+        return self.snap.rtt(d.site, site) + v.compute_at(self.snap.sites[site].hardware_class, 1)
+
+    def meets(self, d: Demand, site: str, v: VariantInfo) -> bool:
+        return (v.task == d.task and v.usable_by(d.tenant) and v.accuracy >= d.min_accuracy
+                and self.latency(d, site, v) <= d.budget_ms)
+
+    def idle_s(self, pair: Pair) -> float:
+        since = self.loaded_since.get(pair, self.now)
+        return self.now - max(self.last_used.get(pair, since), since)
+
+    def resident_s(self, pair: Pair) -> float:
+        return self.now - self.loaded_since.get(pair, self.now)
+
+    def in_flight(self, pair: Pair) -> bool:
+        load = self.snap.loads.get(pair[0])
+        return load is not None and load.queue_ms.get(pair[1], 0.0) > 0.0
+
+    def protected(self, pair: Pair) -> str | None:
+        """Why ``pair`` may not be evicted now, or None."""
+        if pair in self.needed:
+            return "needed by current demand"
+        if pair in self.pinned:
+            return "pinned"
+        if self.in_flight(pair):
+            return "has queries in flight"
+        if self.resident_s(pair) < self.cfg.min_residency_s:
+            return f"loaded {self.resident_s(pair):.0f} s ago, min residency {self.cfg.min_residency_s:.0f} s"
+        return None
+
+    # -- actions -------------------------------------------------------------------------
+    def emit(self, site: str, vid: str, action: Action, reason: str) -> None:
+        self.events.append(PlacementEvent(site, vid, action, reason))
+
+    def make_room(self, site: str, v: VariantInfo) -> list[str] | None:
+        """Variants to evict (LRU) so ``v`` fits at ``site``; None when it cannot fit."""
+        free = self.mem_cap(site) - self.mem_used(site)
+        if v.memory_bytes <= free:
+            return []
+        victims: list[str] = []
+        lru = sorted((p for p in ((site, x) for x in self.plan[site]) if self.protected(p) is None),
+                     key=lambda p: (-self.idle_s(p), p[1]))
+        for pair in lru:
+            victims.append(pair[1])
+            other = self.variant(pair[1])
+            free += other.memory_bytes if other is not None else 0
+            if v.memory_bytes <= free:
+                return victims
+        return None
+
+    def try_load(self, site: str, v: VariantInfo, action: Action, reason: str) -> bool:
+        victims = self.make_room(site, v)
+        if victims is None:
+            return False
+        for vid in victims:
+            self.plan[site].discard(vid)
+            self.emit(site, vid, "evict", f"make room for {v.variant_id} (least recently used, idle "
+                      f"{self.idle_s((site, vid)):.0f} s)")
+        self.plan[site].add(v.variant_id)
+        self.needed.add((site, v.variant_id))
+        self.emit(site, v.variant_id, action, reason)
+        return True
+
+    # -- steps ---------------------------------------------------------------------------
+    def site_order(self, d: Demand) -> list[str]:
+        own = [d.site] if d.site in self.alive else []
+        others = sorted((s for s in self.alive if s != d.site),
+                        key=lambda s: (self.snap.sites[s].tier == "edge", self.snap.rtt(d.site, s), s))
+        return own + [s for s in others if math.isfinite(self.snap.rtt(d.site, s))]
+
+    def variant_order(self, site: SiteInfo, vs: list[VariantInfo]) -> list[VariantInfo]:
+        hw = site.hardware_class
+        if site.tier == "edge" and self.cfg.edge_prefer_small:
+            return sorted(vs, key=lambda v: (v.memory_bytes, _PRECISION_RANK.get(v.precision, 3),
+                                             v.compute_at(hw), v.variant_id))
+        # elsewhere: cheapest per query (same machine, so least compute), then smaller
+        return sorted(vs, key=lambda v: (v.compute_at(hw), v.memory_bytes, v.variant_id))
+
+    def existing(self, d: Demand) -> Pair | None:
+        best: tuple[float, str, str] | None = None
+        for s in self.alive:
+            for vid in sorted(self.plan[s]):
+                v = self.variant(vid)
+                if v is not None and self.meets(d, s, v):
+                    key = (self.latency(d, s, v), s, vid)
+                    best = key if best is None or key < best else best
+        return None if best is None else (best[1], best[2])
+
+    def cover(self, d: Demand, assigned: dict[Pair, list[Demand]]) -> None:
+        pair = self.existing(d)
+        what = (f"{d.task}/{d.slo_class} from {d.site}: {d.effective_qps:.1f} qps within "
+                f"{d.budget_ms:.0f} ms at accuracy >= {d.min_accuracy:.3f}")
+        action: Action = "load" if d.qps > 0 else "prewarm"
+        if pair is None:
+            for s in self.site_order(d):
+                info = self.snap.sites[s]
+                fits = [v for v in self.snap.variants.get(d.task, ()) if self.meets(d, s, v)]
+                for v in self.variant_order(info, fits):
+                    if self.try_load(s, v, action, f"serve {what}"
+                                     + (" (forecast)" if action == "prewarm" else "")):
+                        pair = (s, v.variant_id)
+                        break
+                if pair is not None:
+                    break
+        if pair is None:
+            pair = self.fallback(d, action, what)
+        if pair is not None:
+            self.needed.add(pair)
+            assigned.setdefault(pair, []).append(d)
+
+    def fallback(self, d: Demand, action: Action, what: str) -> Pair | None:
+        """No site meets the SLO: keep (or load) the lowest-latency server of the task."""
+        opts: list[tuple[bool, float, str, str]] = []
+        for s in self.alive:
+            for v in self.snap.variants.get(d.task, ()):
+                lat = self.latency(d, s, v)
+                if v.usable_by(d.tenant) and math.isfinite(lat):
+                    opts.append((v.accuracy < d.min_accuracy, lat, s, v.variant_id))
+        placed = sorted(o for o in opts if o[3] in self.plan[o[2]])
+        if placed:
+            return (placed[0][2], placed[0][3])
+        for _, lat, s, vid in sorted(opts):
+            v = self.snap.variant_by_id[vid]
+            if self.try_load(s, v, action, f"best effort for {what}: nothing meets it, "
+                             f"nearest server {lat:.0f} ms"):
+                return (s, vid)
+        return None
+
+    def replicate(self, pair: Pair, demands: list[Demand]) -> None:
+        site, vid = pair
+        v = self.snap.variant_by_id[vid]
+        cap = self.cfg.max_replicas_per_variant
+
+        def copies(qps: float) -> int:
+            need = qps * v.compute_at(self.snap.sites[site].hardware_class) / 1000.0
+            return min(cap, max(1, math.ceil(need / max(self.slots(site), 1e-9))))
+
+        now_qps = sum(d.qps for d in demands)
+        want_now, want = copies(now_qps), copies(sum(d.effective_qps for d in demands))
+        if want <= 1:
+            return
+        ok_sites = [s for s in self.alive if s != site and all(self.meets(d, s, v) for d in demands)]
+        ok_sites.sort(key=lambda s: (vid not in self.plan[s],
+                                     max(self.snap.rtt(d.site, s) for d in demands), s))
+        have = 1
+        for s in ok_sites:
+            if have >= want:
+                break
+            if vid in self.plan[s]:
+                self.needed.add((s, vid))
+                have += 1
+                continue
+            action: Action = "load" if have < want_now else "prewarm"
+            if self.try_load(s, v, action, f"replicate: {max(now_qps, 0):.1f} qps now"
+                             f"{'' if action == 'load' else ' (forecast higher)'} needs {want} copies "
+                             f"of {vid} (one site holds {self.slots(site):.1f} slots)"):
+                have += 1
+
+    def evict_idle(self) -> None:
+        for s in self.alive:
+            for vid in sorted(self.plan[s]):
+                pair = (s, vid)
+                idle = self.idle_s(pair)
+                if idle < self.cfg.idle_evict_s:
+                    continue
+                why = self.protected(pair)
+                if why is None:
+                    self.plan[s].discard(vid)
+                    self.emit(s, vid, "evict", f"idle {idle:.0f} s >= {self.cfg.idle_evict_s:.0f} s")
+                elif why != "needed by current demand" and why != "pinned":
+                    self.emit(s, vid, "keep", f"idle {idle:.0f} s but {why}")
+
+
+def plan_placement(snap: MeshSnapshot, demand: Iterable[Demand], now: float,
+                   last_used: Mapping[Pair, float], loaded_since: Mapping[Pair, float],
+                   cfg: PlacementConfig | None = None, *,
+                   pinned: Mapping[str, Iterable[str]] | None = None) -> PlacementPlan:
+    """Plan the variants per site. ``pinned`` variants (e.g. the warm floor) are never evicted."""
+    p = _Planner(snap, now, last_used, loaded_since, cfg or PlacementConfig(), pinned or {})
+    merged: dict[tuple[str, str, str, str], Demand] = {}
+    for d in demand:
+        if d.effective_qps <= 0 or d.site not in snap.site_index or not snap.variants.get(d.task):
+            continue
+        key = (d.site, d.task, d.slo_class, d.tenant)
+        old = merged.get(key)
+        merged[key] = d if old is None else Demand(
+            d.site, d.task, d.slo_class, old.qps + d.qps, max(old.min_accuracy, d.min_accuracy),
+            min(old.budget_ms, d.budget_ms), d.tenant, old.forecast_qps + d.forecast_qps)
+    # tightest first: they have the fewest options; what is already placed is claimed before
+    # anything is evicted to make room
+    order = sorted(merged.values(), key=lambda d: (d.budget_ms, -d.min_accuracy, d.site, d.task,
+                                                    d.slo_class, d.tenant))
+    for d in order:
+        pair = p.existing(d)
+        if pair is not None:
+            p.needed.add(pair)
+    assigned: dict[Pair, list[Demand]] = {}
+    for d in order:
+        p.cover(d, assigned)
+    for pair in sorted(assigned):
+        p.replicate(pair, assigned[pair])
+    p.evict_idle()
+    per_site = {s: tuple(sorted(vs)) for s, vs in p.plan.items()}
+    return PlacementPlan(per_site=per_site, events=tuple(p.events))

@@ -1,0 +1,340 @@
+"""Per-query routing: which (site, variant) serves a query, by the DESIGN.md cost model.
+
+A :class:`RoutingTable` is built once per (snapshot, here-site) when state changes; ``decide()``
+then costs a handful of numpy operations over per-task candidate arrays.
+
+Per candidate (site ``s``, variant ``v`` of the task), in milliseconds::
+
+    latency = rtt(here, s)                 # round trip, snapshot.rtt_ms (2 x one-way path latency)
+            + nbytes x 8 / bandwidth       # request bytes over the path's bottleneck; 0 when s == here
+            + queue_ms(s, v)               # heartbeat's expected wait; 0 for a variant not loaded
+            + compute(v, hw(s), b)         # profiled p50 of the batch it will likely join:
+                                           # b = 1 + queue // compute(batch 1), capped at max_batch
+            + load_ms(v, hw(s))            # only when v is not loaded at s: cold start is a cost
+
+    cost    = (compute(b) / b + load_ms) / 1000 s x price_per_hour(s) / 3600 / slots(s)
+              # dollars per query: the resource-seconds of one slot (one GPU, else one core) of
+              # the machine; a cold start bills its load time, so loaded variants win ties
+
+Filters. *Hard* (never served otherwise): site alive and reachable, variant profiled on the
+site's hardware, enough free memory to load it if cold, tenant may use it (owner public or the
+tenant), site not in ``exclude_sites``. *Soft* (the SLO, relaxed only by best effort):
+latency <= budget, accuracy >= min_accuracy, site has capacity (inflight < capacity, not
+degraded), cost <= max_cost.
+
+Choice: least cost among feasible candidates, ties by lower latency, then the local site.
+None feasible: ``prefer="latency"`` takes the lowest-latency candidate meeting the accuracy
+floor (else the lowest latency overall); ``"accuracy"`` the most accurate (ties by latency);
+both prefer sites with capacity and are flagged ``best_effort``; ``"refuse"`` raises
+``ImpossibleSLO`` naming the best latency and accuracy on offer.
+
+Reason codes (``Decision.reason``):
+
+    local                 feasible, served at this site by a loaded variant
+    forward               feasible, served at another site by a loaded variant
+    cold_start            feasible, but the chosen variant must be loaded first (anywhere)
+    best_effort_latency   nothing feasible; lowest latency chosen (prefer="latency")
+    best_effort_accuracy  nothing feasible; highest accuracy chosen (prefer="accuracy")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+
+from core_scheduler.policy.snapshot import MeshSnapshot, VariantInfo
+from mesh.errors import ConfigError, ImpossibleSLO, NoRoute, UnknownTask
+from mesh.types import DEFAULT_TENANT, SLO, Prefer
+
+__all__ = ["REASONS", "CandidateArrays", "Decision", "Query", "RoutingTable"]
+
+REASONS = ("local", "forward", "cold_start", "best_effort_latency", "best_effort_accuracy")
+_INF = np.inf
+_MASK_CACHE_MAX = 256  # (tenant, min_accuracy) pairs kept per task; cleared when exceeded
+
+
+@dataclass(frozen=True, slots=True)
+class Query:
+    task: str
+    tenant: str = DEFAULT_TENANT
+    budget_ms: float = float("inf")  # remaining, from this hop
+    min_accuracy: float = 0.0
+    max_cost: float | None = None
+    prefer: Prefer = "latency"
+    nbytes: int = 0
+    exclude_sites: frozenset[str] = frozenset()
+
+    @classmethod
+    def from_slo(cls, task: str, tenant: str, slo: SLO, remaining_ms: float, nbytes: int = 0,
+                 exclude_sites: frozenset[str] = frozenset()) -> Query:
+        return cls(task=task, tenant=tenant, budget_ms=remaining_ms, min_accuracy=slo.min_accuracy,
+                   max_cost=slo.max_cost, prefer=slo.prefer, nbytes=nbytes, exclude_sites=exclude_sites)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    site: str
+    variant_id: str
+    reason: str
+    expected_latency_ms: float
+    cost: float
+    accuracy: float
+    best_effort: bool
+    feasible_count: int
+
+
+@dataclass(frozen=True, slots=True)
+class CandidateArrays:
+    """Every (site, variant) pair of one task, sorted by (cost, static latency, not-here).
+
+    ``base_ms`` is the latency without the transfer term; ``hard_ok`` the hard filters except
+    tenant access and exclusion; ``capacity_ok`` the site's capacity."""
+
+    site: tuple[str, ...]
+    variant_id: tuple[str, ...]
+    owner: tuple[str, ...]
+    site_idx: NDArray[np.int64]
+    rtt_ms: NDArray[np.float64]
+    per_byte_ms: NDArray[np.float64]
+    queue_ms: NDArray[np.float64]
+    compute_ms: NDArray[np.float64]
+    load_ms: NDArray[np.float64]
+    base_ms: NDArray[np.float64]
+    cost: NDArray[np.float64]
+    accuracy: NDArray[np.float64]
+    loaded: NDArray[np.bool_]
+    hard_ok: NDArray[np.bool_]
+    capacity_ok: NDArray[np.bool_]
+
+    def latency_ms(self, nbytes: int) -> NDArray[np.float64]:
+        return self.base_ms + self.per_byte_ms * float(nbytes) if nbytes else self.base_ms.copy()
+
+    def __len__(self) -> int:
+        return len(self.site)
+
+
+class _TaskTable:
+    """Candidate arrays of one task plus lazily cached per-tenant masks."""
+
+    __slots__ = ("access", "arr", "masked", "n", "public", "tie_end", "visible")
+
+    def __init__(self, arr: CandidateArrays) -> None:
+        self.arr = arr
+        self.n = len(arr)
+        self.public = np.array([o == "public" for o in arr.owner], dtype=bool)
+        self.access: dict[str, NDArray[np.bool_]] = {}
+        self.visible: dict[str, bool] = {}
+        self.masked: dict[tuple[str, float], NDArray[np.float64]] = {}
+        # equal-cost runs are contiguous (sorted by cost); tie_end[i] = one past i's run
+        cost = arr.cost
+        if self.n:
+            same = np.isclose(cost[1:], cost[:-1], rtol=1e-9, atol=0.0) & np.isfinite(cost[1:])
+            starts = np.flatnonzero(np.concatenate(([True], ~same)))
+            ends = np.append(starts[1:], self.n)
+            self.tie_end = np.repeat(ends, np.diff(np.append(starts, self.n)))
+        else:
+            self.tie_end = np.zeros(0, dtype=np.int64)
+
+    def tenant_mask(self, tenant: str) -> NDArray[np.bool_]:
+        mask = self.access.get(tenant)
+        if mask is None:
+            mask = self.public | np.array([o == tenant for o in self.arr.owner], dtype=bool)
+            if len(self.access) >= _MASK_CACHE_MAX:
+                self.access.clear()
+                self.visible.clear()
+            self.access[tenant] = mask
+            self.visible[tenant] = _any(mask)
+        return mask
+
+    def masked_base(self, tenant: str, min_accuracy: float) -> NDArray[np.float64]:
+        """``base_ms`` where every filter but budget, cost and exclusion passes, else inf."""
+        key = (tenant, min_accuracy)
+        out = self.masked.get(key)
+        if out is None:
+            a = self.arr
+            ok = a.hard_ok & a.capacity_ok & self.tenant_mask(tenant) & (a.accuracy >= min_accuracy)
+            out = np.where(ok, a.base_ms, _INF)
+            if len(self.masked) >= _MASK_CACHE_MAX:
+                self.masked.clear()
+            self.masked[key] = out
+        return out
+
+
+class RoutingTable:
+    """Routing decisions at site ``here`` over one snapshot. Cheap to query, rebuilt on change."""
+
+    __slots__ = ("_site_pos", "_tasks", "here", "version")
+
+    def __init__(self, here: str, version: int, tasks: Mapping[str, _TaskTable],
+                 site_pos: Mapping[str, int]) -> None:
+        self.here = here
+        self.version = version
+        self._tasks = dict(tasks)
+        self._site_pos = dict(site_pos)
+
+    @classmethod
+    def build(cls, snap: MeshSnapshot, here: str) -> RoutingTable:
+        if here not in snap.site_index:
+            raise ConfigError(f"routing site {here!r} is not in the topology")
+        tasks = {task: _TaskTable(_candidates(snap, here, vs)) for task, vs in snap.variants.items() if vs}
+        return cls(here, snap.version, tasks, snap.site_index)
+
+    def tasks(self) -> tuple[str, ...]:
+        return tuple(sorted(self._tasks))
+
+    def candidates(self, task: str) -> CandidateArrays:
+        return self._table(task).arr
+
+    def _table(self, task: str) -> _TaskTable:
+        t = self._tasks.get(task)
+        if t is None:
+            raise UnknownTask(f"no variant of task {task!r} is registered", task=task)
+        return t
+
+    def decide(self, q: Query) -> Decision:
+        t = self._tasks.get(q.task)
+        if t is None:
+            raise UnknownTask(f"no variant of task {q.task!r} is registered", task=q.task)
+        visible = t.visible.get(q.tenant)
+        if visible is None:
+            t.tenant_mask(q.tenant)
+            visible = t.visible[q.tenant]
+        if not visible:
+            raise UnknownTask(f"no variant of task {q.task!r} is visible to tenant {q.tenant!r}",
+                              task=q.task)
+        a = t.arr
+        base = t.masked_base(q.tenant, q.min_accuracy)
+        # sorted by cost, so a cost ceiling is a prefix
+        n = t.n if q.max_cost is None else int(np.searchsorted(a.cost, q.max_cost, side="right"))
+        if n:
+            per_byte = a.per_byte_ms if n == t.n else a.per_byte_ms[:n]
+            if n != t.n:
+                base = base[:n]
+            if q.nbytes:
+                lat = per_byte * float(q.nbytes)
+                lat += base
+            else:
+                lat = base
+            # an infinite budget must not admit masked (inf) candidates
+            ok = lat <= min(q.budget_ms, 1e300)
+            for name in q.exclude_sites:
+                pos = self._site_pos.get(name)
+                if pos is not None:
+                    ok &= (a.site_idx if n == t.n else a.site_idx[:n]) != pos
+            i = int(ok.argmax())
+            if ok[i]:
+                end = min(int(t.tie_end[i]), n)
+                # an equal-cost run is sorted by static latency; only the transfer term can
+                # reorder it. Without exclusions every entry below lat[i] is feasible too.
+                if end - i > 1 and q.nbytes:
+                    if q.exclude_sites:
+                        i += int(np.where(ok[i:end], lat[i:end], _INF).argmin())
+                    else:
+                        i += int(lat[i:end].argmin())
+                if not a.loaded[i]:
+                    reason = "cold_start"
+                else:
+                    reason = "local" if a.site[i] == self.here else "forward"
+                return Decision(a.site[i], a.variant_id[i], reason, float(lat[i]), float(a.cost[i]),
+                                float(a.accuracy[i]), False, int(np.count_nonzero(ok)))
+        return self._best_effort(t, q)
+
+    def _best_effort(self, t: _TaskTable, q: Query) -> Decision:
+        a = t.arr
+        hard = a.hard_ok & t.tenant_mask(q.tenant)
+        for name in q.exclude_sites:
+            pos = self._site_pos.get(name)
+            if pos is not None:
+                hard = hard & (a.site_idx != pos)
+        if not _any(hard):
+            raise NoRoute(f"no live site can serve task {q.task!r} for tenant {q.tenant!r}", task=q.task)
+        pool = hard & a.capacity_ok
+        if not _any(pool):
+            pool = hard
+        lat = a.latency_ms(q.nbytes)
+        if q.prefer == "refuse":
+            i_lat = int(np.where(pool, lat, _INF).argmin())
+            best_acc = float(a.accuracy[pool].max())
+            raise ImpossibleSLO(
+                f"no site can serve {q.task!r} within {q.budget_ms:.1f} ms at accuracy >= "
+                f"{q.min_accuracy:.3f}: best latency {lat[i_lat]:.1f} ms (accuracy "
+                f"{a.accuracy[i_lat]:.3f}), best accuracy {best_acc:.3f}",
+                task=q.task, best_latency_ms=float(lat[i_lat]), best_accuracy=best_acc)
+        if q.prefer == "accuracy":
+            best_acc = a.accuracy[pool].max()
+            choose = pool & (a.accuracy >= best_acc)
+            reason = "best_effort_accuracy"
+        else:
+            choose = pool & (a.accuracy >= q.min_accuracy)
+            if not _any(choose):
+                choose = pool
+            reason = "best_effort_latency"
+        i = int(np.where(choose, lat, _INF).argmin())
+        return Decision(a.site[i], a.variant_id[i], reason, float(lat[i]), float(a.cost[i]),
+                        float(a.accuracy[i]), True, 0)
+
+
+def _any(mask: NDArray[np.bool_]) -> bool:
+    # count_nonzero beats ndarray.any() several-fold on small boolean arrays (no ufunc reduce)
+    return bool(np.count_nonzero(mask))
+
+
+def _candidates(snap: MeshSnapshot, here: str, variants: tuple[VariantInfo, ...]) -> CandidateArrays:
+    """Static per-candidate terms; Python loops are fine here (once per state change)."""
+    h = snap.site_index[here]
+    names = sorted(snap.site_index, key=lambda s: (s != here, s))
+    rows: list[tuple[object, ...]] = []
+    for s in names:
+        info = snap.sites[s]
+        j = snap.site_index[s]
+        load = snap.loads.get(s)
+        rtt = float(snap.rtt_ms[h, j])
+        bw = float(snap.bandwidth_mbps[h, j])
+        reachable = np.isfinite(rtt) and bw > 0
+        per_byte = 0.0 if (s == here or not reachable) else 8.0 / (bw * 1000.0)
+        alive = info.alive and load is not None
+        cap_ok = load is not None and load.has_capacity
+        hw = info.hardware_class
+        for v in variants:
+            loaded = load is not None and v.variant_id in load.loaded
+            queue = float(load.queue_ms.get(v.variant_id, 0.0)) if (load is not None and loaded) else 0.0
+            c1 = v.compute_at(hw, 1)
+            batch = 1
+            if queue > 0 and np.isfinite(c1) and c1 > 0:
+                batch = max(1, min(v.max_batch, 1 + int(queue // c1)))
+            compute = v.compute_at(hw, batch)
+            runs = v.runs_on(hw)
+            load_ms = 0.0 if loaded else v.load_at(hw)
+            fits = loaded or (load is not None and v.memory_bytes <= load.memory_free_bytes)
+            hard = bool(alive and reachable and runs and fits)
+            if runs:
+                cost = (compute / batch + load_ms) / 1000.0 * info.price_per_hour / 3600.0 / info.slots
+            else:
+                cost = float("inf")
+            base = rtt + queue + compute + load_ms if reachable else float("inf")
+            rows.append((s, v.variant_id, v.owner, j, rtt, per_byte, queue, compute, load_ms, base,
+                         cost, v.accuracy, loaded, hard, cap_ok, s != here))
+    cols = list(zip(*rows, strict=True)) if rows else [()] * 16
+    cost_a = np.array(cols[10], dtype=np.float64)
+    base_a = np.array(cols[9], dtype=np.float64)
+    not_here = np.array(cols[15], dtype=bool)
+    # lexsort: last key is primary; it is stable, so equal keys keep (here first, site, variant)
+    order = np.lexsort((not_here, base_a, cost_a)) if rows else np.zeros(0, dtype=np.int64)
+
+    def f(k: int) -> NDArray[np.float64]:
+        return np.asarray(np.array(cols[k], dtype=np.float64)[order])
+
+    def b(k: int) -> NDArray[np.bool_]:
+        return np.asarray(np.array(cols[k], dtype=bool)[order])
+
+    def s_(k: int) -> tuple[str, ...]:
+        return tuple(str(cols[k][i]) for i in order)
+
+    return CandidateArrays(site=s_(0), variant_id=s_(1), owner=s_(2),
+                           site_idx=np.array(cols[3], dtype=np.int64)[order], rtt_ms=f(4),
+                           per_byte_ms=f(5), queue_ms=f(6), compute_ms=f(7), load_ms=f(8),
+                           base_ms=f(9), cost=f(10), accuracy=f(11), loaded=b(12), hard_ok=b(13),
+                           capacity_ok=b(14))

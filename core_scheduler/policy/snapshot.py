@@ -1,0 +1,250 @@
+"""Immutable snapshots of mesh state: the only thing the policies read.
+
+The agent (for routing) and the scheduler leader (for placement) build a :class:`MeshSnapshot`
+from etcd state (topology, catalog, ``live/<site>`` heartbeats, ``placement/<site>``) each time
+it changes, stamped with the etcd revision it reflects. Policies never see etcd, sockets or clocks.
+
+Units and conventions (one place, so no two modules disagree):
+
+* ``MeshSnapshot.rtt_ms[i, j]`` is the **round-trip** path latency in ms between sites ``i`` and
+  ``j`` (twice the one-way shortest-path latency over topology links); ``inf`` when unreachable,
+  ``0`` on the diagonal.
+* ``MeshSnapshot.bandwidth_mbps[i, j]`` is the bottleneck bandwidth (megabit/s) of that path;
+  ``inf`` on the diagonal (no transfer to oneself), ``0`` when unreachable.
+* Variant ids are unique mesh-wide (the catalog builder prefixes them with the task if needed),
+  because placements and heartbeats name variants by id alone.
+* A site is *alive* when its ``SiteInfo.alive`` is set **and** it has a ``SiteLoad`` (a heartbeat
+  under a lease: a dead site's heartbeat disappears).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+from numpy.typing import NDArray
+from scipy.sparse import csr_matrix
+from scipy.sparse.csgraph import shortest_path
+
+from mesh.errors import CatalogError, TopologyError
+
+if TYPE_CHECKING:
+    from variant_store.meta import VariantMeta
+
+__all__ = ["MIB", "TIERS", "Link", "MeshSnapshot", "SiteInfo", "SiteLoad", "VariantInfo", "path_tables"]
+
+MIB = 1 << 20
+TIERS = ("edge", "middle", "core")
+# (site a, site b, one-way latency ms, bandwidth Mbit/s); links are undirected
+Link = tuple[str, str, float, float]
+
+
+@dataclass(frozen=True, slots=True)
+class SiteInfo:
+    """One site of the topology. ``price_per_hour`` is for the whole machine."""
+
+    name: str
+    tier: str
+    region: str
+    hardware_class: str
+    cpu_cores: int
+    memory_mb: int
+    gpus: int = 0
+    price_per_hour: float = 0.0
+    alive: bool = True
+
+    @property
+    def slots(self) -> int:
+        """Concurrent execution slots a query can hold: one GPU each, else one core each
+        (sessions run with one intra-op thread)."""
+        return self.gpus if self.gpus > 0 else max(1, self.cpu_cores)
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.memory_mb * MIB
+
+
+@dataclass(frozen=True, slots=True)
+class VariantInfo:
+    """What routing and placement need to know about one variant (a slice of ``VariantMeta``)."""
+
+    task: str
+    variant_id: str
+    accuracy: float
+    size_bytes: int
+    owner: str = "public"
+    format: str = "onnx"
+    precision: str = "fp32"
+    # hardware class -> batch size -> median latency (ms)
+    compute_ms: Mapping[str, Mapping[int, float]] = field(default_factory=dict)
+    load_ms: Mapping[str, float] = field(default_factory=dict)
+    memory_bytes: int = 0
+    max_batch: int = 1
+
+    def usable_by(self, tenant: str) -> bool:
+        return self.owner == "public" or self.owner == tenant
+
+    def runs_on(self, hardware_class: str) -> bool:
+        return bool(self.compute_ms.get(hardware_class))
+
+    def compute_at(self, hardware_class: str, batch: int = 1) -> float:
+        """Median ms for one batch of ``batch`` on ``hardware_class``; ``inf`` if never profiled
+        there (an unprofiled variant is not run on that hardware rather than guessed)."""
+        prof = self.compute_ms.get(hardware_class)
+        if not prof:
+            return math.inf
+        sizes = sorted(prof)
+        if batch <= sizes[0]:
+            return float(prof[sizes[0]])
+        for lo, hi in itertools.pairwise(sizes):
+            if batch <= hi:
+                a, b = prof[lo], prof[hi]
+                return float(a + (b - a) * (batch - lo) / (hi - lo))
+        top = sizes[-1]
+        return float(prof[top] * batch / top)
+
+    def load_at(self, hardware_class: str) -> float:
+        """Cold-start ms on ``hardware_class``; the slowest known load time when not measured there."""
+        if hardware_class in self.load_ms:
+            return float(self.load_ms[hardware_class])
+        return float(max(self.load_ms.values(), default=0.0))
+
+    @classmethod
+    def from_meta(cls, meta: VariantMeta) -> VariantInfo:
+        compute = {hw: {b: s.p50_ms for b, s in p.latency.items()} for hw, p in meta.profiles.items()}
+        loads = {hw: p.load_ms for hw, p in meta.profiles.items()}
+        peak = max((p.peak_memory_bytes for p in meta.profiles.values()), default=0)
+        return cls(task=meta.task, variant_id=meta.variant_id, accuracy=meta.accuracy,
+                   size_bytes=meta.size_bytes, owner=meta.owner, format=meta.format,
+                   precision=meta.precision, compute_ms=compute, load_ms=loads,
+                   memory_bytes=max(peak, meta.size_bytes), max_batch=max(meta.batch_sizes or [1]))
+
+
+@dataclass(frozen=True, slots=True)
+class SiteLoad:
+    """A site's last heartbeat. ``queue_ms`` is the expected wait per loaded variant."""
+
+    site: str
+    loaded: frozenset[str] = frozenset()
+    queue_ms: Mapping[str, float] = field(default_factory=dict)
+    inflight: int = 0
+    capacity: int = 1
+    memory_free_bytes: int = 0
+    degraded: bool = False
+
+    @property
+    def has_capacity(self) -> bool:
+        return self.inflight < self.capacity and not self.degraded
+
+
+@dataclass(frozen=True, slots=True)
+class MeshSnapshot:
+    version: int
+    sites: Mapping[str, SiteInfo]
+    variants: Mapping[str, tuple[VariantInfo, ...]]
+    loads: Mapping[str, SiteLoad]
+    rtt_ms: NDArray[np.float64]
+    bandwidth_mbps: NDArray[np.float64]
+    site_index: Mapping[str, int]
+    placement: Mapping[str, frozenset[str]]
+    variant_by_id: Mapping[str, VariantInfo] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        n = len(self.site_index)
+        if self.rtt_ms.shape != (n, n) or self.bandwidth_mbps.shape != (n, n):
+            raise TopologyError(f"path tables must be {n}x{n}, got {self.rtt_ms.shape} and "
+                                f"{self.bandwidth_mbps.shape}", file="<snapshot>", field="rtt_ms")
+        if set(self.site_index) != set(self.sites):
+            raise TopologyError("site_index and sites name different sites", file="<snapshot>",
+                                field="site_index")
+        by_id: dict[str, VariantInfo] = {}
+        for task, vs in self.variants.items():
+            for v in vs:
+                if v.variant_id in by_id:
+                    raise CatalogError(f"variant id {v.variant_id!r} appears twice (task {task!r})")
+                by_id[v.variant_id] = v
+        object.__setattr__(self, "variant_by_id", by_id)
+
+    def is_alive(self, site: str) -> bool:
+        info = self.sites.get(site)
+        return info is not None and info.alive and site in self.loads
+
+    def rtt(self, a: str, b: str) -> float:
+        return float(self.rtt_ms[self.site_index[a], self.site_index[b]])
+
+    def placed(self, site: str) -> frozenset[str]:
+        """The desired placement of ``site``, or what its heartbeat says is loaded when none."""
+        if site in self.placement:
+            return self.placement[site]
+        load = self.loads.get(site)
+        return load.loaded if load is not None else frozenset()
+
+    @classmethod
+    def from_parts(cls, sites: Iterable[SiteInfo], variants: Iterable[VariantInfo],
+                   loads: Iterable[SiteLoad] = (), links: Iterable[Link] = (), *,
+                   rtt_ms: NDArray[np.float64] | None = None,
+                   bandwidth_mbps: NDArray[np.float64] | None = None,
+                   placement: Mapping[str, Iterable[str]] | None = None,
+                   version: int = 0) -> MeshSnapshot:
+        """Assemble a snapshot; sites are indexed in name order. Path tables come from ``links``
+        (one-way latencies) unless given. A site without a load gets an idle heartbeat holding
+        its placement, so tests need only state what they vary."""
+        site_map = {s.name: s for s in sorted(sites, key=lambda s: s.name)}
+        index = {name: i for i, name in enumerate(site_map)}
+        by_task: dict[str, list[VariantInfo]] = {}
+        for v in sorted(variants, key=lambda v: (v.task, v.variant_id)):
+            by_task.setdefault(v.task, []).append(v)
+        if rtt_ms is None or bandwidth_mbps is None:
+            rtt, bw = path_tables(index, links)
+            rtt_ms = rtt if rtt_ms is None else rtt_ms
+            bandwidth_mbps = bw if bandwidth_mbps is None else bandwidth_mbps
+        place = {s: frozenset(vs) for s, vs in (placement or {}).items()}
+        mem = {v.variant_id: v.memory_bytes for vs in by_task.values() for v in vs}
+        load_map = {ld.site: ld for ld in loads}
+        for name, info in site_map.items():
+            if name not in load_map and info.alive:
+                held = place.get(name, frozenset())
+                used = sum(mem.get(v, 0) for v in held)
+                load_map[name] = SiteLoad(site=name, loaded=held, capacity=info.slots,
+                                          memory_free_bytes=max(0, info.memory_bytes - used))
+        for name, ld in load_map.items():
+            place.setdefault(name, ld.loaded)
+        return cls(version=version, sites=site_map, variants={t: tuple(vs) for t, vs in by_task.items()},
+                   loads=load_map, rtt_ms=np.asarray(rtt_ms, dtype=np.float64),
+                   bandwidth_mbps=np.asarray(bandwidth_mbps, dtype=np.float64), site_index=index,
+                   placement=place)
+
+
+def path_tables(index: Mapping[str, int], links: Iterable[Link]
+                ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """Round-trip latency and bottleneck bandwidth along the lowest-latency path between all pairs."""
+    n = len(index)
+    lat = np.full((n, n), np.inf)
+    bw = np.zeros((n, n))
+    for a, b, latency, mbps in links:
+        if a not in index or b not in index:
+            raise TopologyError(f"link {a}-{b} names an unknown site", file="<snapshot>", field="links")
+        i, j = index[a], index[b]
+        # csgraph drops explicit zeros, so a zero-latency link keeps a tiny weight to stay an edge
+        w = max(float(latency), 1e-9)
+        if w < lat[i, j] or (w == lat[i, j] and mbps > bw[i, j]):
+            lat[i, j] = lat[j, i] = w
+            bw[i, j] = bw[j, i] = float(mbps)
+    weights = np.where(np.isfinite(lat), lat, 0.0)
+    dist, pred = shortest_path(csr_matrix(weights), method="D", directed=False, return_predecessors=True)
+    path_bw = np.zeros((n, n))
+    for src in range(n):
+        path_bw[src, src] = np.inf
+        # nodes in distance order: each node's predecessor is settled before it
+        for dst in np.argsort(dist[src], kind="stable"):
+            p = pred[src, dst]
+            if dst == src or p < 0:
+                continue
+            path_bw[src, dst] = min(path_bw[src, p], bw[p, dst])
+    rtt = 2.0 * dist
+    np.fill_diagonal(rtt, 0.0)
+    return rtt, path_bw
