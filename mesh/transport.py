@@ -1,0 +1,449 @@
+"""Site-to-site transport over ZeroMQ (asyncio): a ROUTER server in front of a handler, and a DEALER
+client that multiplexes many in-flight requests per peer, matching replies by request id.
+
+Every request has an absolute deadline. The client fails a pending request with
+``DeadlineExceeded`` when it passes, and fails all of a peer's pending requests with
+``PeerUnavailable`` as soon as the peer is known dead (``fail_peer``, or the socket monitor's
+disconnect / handshake-failure events): a CURVE-rejected or vanished peer otherwise just stays
+silent. The server answers expired requests without calling the handler and turns every handler
+failure into an error reply, so a caller always gets a ``MeshError`` subclass, never silence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import enum
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Self, cast
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from mesh import protocol as wire
+from mesh.errors import (
+    DeadlineExceeded,
+    MeshError,
+    Overloaded,
+    PayloadTooLarge,
+    PeerUnavailable,
+    RequestError,
+)
+from mesh.log import get_logger, kv
+from mesh.types import InferRequest, InferResponse
+
+__all__ = ["Handler", "SocketSecurity", "SyncZmqClient", "ZmqClient", "ZmqServer"]
+
+log = get_logger("mesh.transport")
+
+Handler = Callable[[InferRequest], Awaitable[InferResponse]]
+
+_PEER_DEAD_EVENTS: dict[int, str] = {
+    zmq.EVENT_DISCONNECTED: "disconnected",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake failed (protocol)",
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "handshake failed (authentication)",
+}
+
+
+class SocketSecurity(Protocol):
+    """Where CURVE keys and the ZAP domain are applied to a socket before bind / connect."""
+
+    def apply_server(self, sock: zmq.Socket[Any]) -> None: ...
+
+    def apply_client(self, sock: zmq.Socket[Any], server_key: bytes | None) -> None: ...
+
+
+class _State(enum.Enum):
+    UNOPENED = "unopened"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+def _consume(fut: asyncio.Future[Any]) -> None:
+    # fire-and-forget sends: a failed send to a vanished peer is expected, not a crash
+    if not fut.cancelled() and (exc := fut.exception()) is not None:
+        log.debug("send failed: %s", exc)
+
+
+class ZmqServer:
+    """ROUTER bound on ``bind`` (port 0 picks a free one; ``endpoint`` says which)."""
+
+    def __init__(self, handler: Handler, *, bind: str = "tcp://127.0.0.1:0",
+                 ctx: zmq.asyncio.Context | None = None, security: SocketSecurity | None = None,
+                 max_inflight: int = 1024, max_bytes: int = wire.DEFAULT_MAX_BYTES,
+                 enforce_deadline: bool = True) -> None:
+        self._handler = handler
+        self._bind = bind
+        self._own_ctx = ctx is None
+        self._ctx = zmq.asyncio.Context() if ctx is None else ctx
+        self._security = security
+        self._max_inflight = max_inflight
+        self._max_bytes = max_bytes
+        # False lets a handler answer after the deadline (tests of the client's late-reply path)
+        self._enforce_deadline = enforce_deadline
+        self._sock: zmq.asyncio.Socket | None = None
+        self._loop_task: asyncio.Task[None] | None = None
+        self._inflight: set[asyncio.Task[None]] = set()
+        self._state = _State.UNOPENED
+        self._endpoint = ""
+
+    @property
+    def endpoint(self) -> str:
+        if self._state is not _State.OPEN:
+            raise RuntimeError(f"server is {self._state.value}")
+        return self._endpoint
+
+    @property
+    def inflight(self) -> int:
+        return len(self._inflight)
+
+    async def start(self) -> None:
+        if self._state is not _State.UNOPENED:
+            raise RuntimeError(f"server is {self._state.value}")
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        # libzmq drops a peer that sends a frame over this, before we ever buffer it
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max_bytes + wire.MAX_HEADER_BYTES)
+        try:
+            if self._security is not None:
+                self._security.apply_server(sock)
+            sock.bind(self._bind)
+        except Exception:
+            sock.close(linger=0)
+            raise
+        self._sock = sock
+        self._endpoint = cast(bytes, sock.getsockopt(zmq.LAST_ENDPOINT)).decode()
+        self._state = _State.OPEN
+        self._loop_task = asyncio.create_task(self._serve(sock), name=f"zmq-server {self._endpoint}")
+        log.info("zmq server listening on %s", self._endpoint)
+
+    async def stop(self) -> None:
+        if self._state is _State.CLOSED:
+            return
+        self._state = _State.CLOSED
+        tasks = [t for t in (self._loop_task, *self._inflight) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._sock is not None:
+            self._sock.close(linger=0)
+        if self._own_ctx:
+            self._ctx.destroy(linger=0)
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def _serve(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            try:
+                msg = await sock.recv_multipart(copy=False)
+            except zmq.ZMQError as exc:
+                if sock.closed:
+                    return
+                log.warning("zmq server receive failed: %s", exc)
+                continue
+            try:
+                self._dispatch(sock, msg)
+            except Exception:  # the loop must outlive any single bad message
+                log.exception("zmq server failed to dispatch a message")
+
+    def _dispatch(self, sock: zmq.asyncio.Socket, msg: list[zmq.Frame]) -> None:
+        ident, frames = msg[0], msg[1:]
+        try:
+            req = wire.decode_request(frames, max_bytes=self._max_bytes)
+        except wire.DECODE_ERRORS as exc:
+            rid = wire.peek_request_id(frames)
+            log.warning("bad request frames: %s", exc.message, extra=kv(request_id=rid, reason=exc.code))
+            if rid is not None:
+                self._reply(sock, ident, wire.encode_error(rid, exc))
+            return
+        if req.deadline <= time.time():
+            self._reply(sock, ident, wire.encode_error(req.request_id, DeadlineExceeded(
+                f"request {req.request_id} arrived {-req.remaining_ms():.1f} ms after its deadline")))
+            return
+        if len(self._inflight) >= self._max_inflight:
+            self._reply(sock, ident, wire.encode_error(req.request_id, Overloaded(
+                f"{len(self._inflight)} requests in flight at {self._endpoint}")))
+            return
+        task = asyncio.create_task(self._handle(sock, ident, req))
+        self._inflight.add(task)
+        task.add_done_callback(self._inflight.discard)
+
+    async def _handle(self, sock: zmq.asyncio.Socket, ident: zmq.Frame, req: InferRequest) -> None:
+        rid = req.request_id
+        frames: list[Any]
+        try:
+            if self._enforce_deadline:
+                # a hop that cannot meet the deadline answers with an error rather than late
+                async with asyncio.timeout(max(0.0, req.deadline - time.time())):
+                    try:
+                        resp = await self._handler(req)
+                    except TimeoutError as exc:  # the handler's own, not our deadline's
+                        raise MeshError(f"internal error: handler timed out: {exc}") from exc
+            else:
+                resp = await self._handler(req)
+            resp.request_id = rid  # replies are matched by id: never trust the handler to copy it
+            frames = wire.encode_response(resp)
+        except TimeoutError:
+            frames = wire.encode_error(rid, DeadlineExceeded(f"request {rid} not served before its deadline"))
+        except MeshError as exc:
+            frames = wire.encode_error(rid, exc)
+        except Exception as exc:
+            log.exception("handler failed", extra=kv(request_id=rid, task=req.task, tenant=req.tenant))
+            frames = wire.encode_error(rid, MeshError(f"internal error: {type(exc).__name__}: {exc}"))
+        self._reply(sock, ident, frames)
+
+    @staticmethod
+    def _reply(sock: zmq.asyncio.Socket, ident: zmq.Frame, frames: list[Any]) -> None:
+        if sock.closed:
+            return
+        # a ROUTER never blocks on send (it drops for an unknown or full peer), so no await here
+        cast("asyncio.Future[Any]", sock.send_multipart([ident, *frames], copy=False)).add_done_callback(
+            _consume)
+
+
+@dataclass(eq=False)
+class _Peer:
+    endpoint: str
+    sock: zmq.asyncio.Socket
+    monitor: zmq.asyncio.Socket
+    pending: dict[str, tuple[asyncio.Future[InferResponse], asyncio.TimerHandle]] = field(
+        default_factory=dict)
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+
+class ZmqClient:
+    """One DEALER per peer endpoint, shared by every caller; one receive task per socket."""
+
+    def __init__(self, *, ctx: zmq.asyncio.Context | None = None, security: SocketSecurity | None = None,
+                 server_key_for: Callable[[str], bytes | None] | None = None,
+                 max_bytes: int = wire.DEFAULT_MAX_BYTES) -> None:
+        self._own_ctx = ctx is None
+        self._ctx = zmq.asyncio.Context() if ctx is None else ctx
+        self._security = security
+        self._server_key_for = server_key_for
+        self._max_bytes = max_bytes
+        self._peers: dict[str, _Peer] = {}
+        self._dying: set[asyncio.Task[None]] = set()
+        self._state = _State.OPEN
+        self.late_replies = 0  # replies that came after their request timed out or was failed
+
+    def pending(self, endpoint: str) -> int:
+        peer = self._peers.get(endpoint)
+        return 0 if peer is None else len(peer.pending)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def request(self, endpoint: str, req: InferRequest) -> InferResponse:
+        """Send ``req`` to ``endpoint`` and await its reply. Sets ``req.request_id`` if empty.
+
+        The wire id is the request id, unless that id is already in flight to the same peer (two
+        callers chose the same id) or too long for the wire: then a fresh one stands in for it and
+        the reply still carries ``req.request_id``."""
+        if self._state is not _State.OPEN:
+            raise PeerUnavailable("zmq client is closed")
+        if req.deadline <= 0:
+            raise RequestError("request has no deadline")
+        remaining = req.deadline - time.time()
+        if remaining <= 0:
+            raise DeadlineExceeded(f"deadline passed {-remaining * 1000:.1f} ms before sending")
+        if not req.request_id:
+            req.request_id = uuid.uuid4().hex
+        size = sum(a.nbytes for a in req.inputs.values())
+        if size > self._max_bytes:  # the server would drop the connection, failing every pending call
+            raise PayloadTooLarge(f"request tensors are {size} bytes, limit is {self._max_bytes}")
+        peer = self._peers.get(endpoint) or self._open_peer(endpoint)
+        rid = req.request_id
+        if rid in peer.pending or len(rid) > wire.MAX_ID_LEN:
+            rid = uuid.uuid4().hex
+            frames = wire.encode_request(dataclasses.replace(req, request_id=rid))
+        else:
+            frames = wire.encode_request(req)
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[InferResponse] = loop.create_future()
+        peer.pending[rid] = (fut, loop.call_later(remaining, self._expire, peer, rid))
+        try:
+            sent = cast("asyncio.Future[Any]", peer.sock.send_multipart(frames, copy=False))
+            if not sent.done():  # only when the send queue is full: never wait past the reply's fate
+                await asyncio.wait((sent, fut), return_when=asyncio.FIRST_COMPLETED)
+                if not sent.done():
+                    sent.cancel()
+            if not sent.cancelled() and (exc := sent.exception()) is not None:
+                raise PeerUnavailable(f"send to {endpoint} failed: {exc}") from exc
+            resp = await fut
+            resp.request_id = req.request_id
+            return resp
+        finally:
+            entry = peer.pending.pop(rid, None)
+            if entry is not None:
+                entry[1].cancel()
+
+    def fail_peer(self, endpoint: str, reason: str) -> int:
+        """Fail every pending request to ``endpoint`` with ``PeerUnavailable`` now and drop its socket
+        (queued, unsent requests go with it); the next request opens a fresh one. Returns how many."""
+        peer = self._peers.get(endpoint)
+        return 0 if peer is None else self._drop_peer(peer, reason)
+
+    async def close(self) -> None:
+        if self._state is _State.CLOSED:
+            return
+        self._state = _State.CLOSED
+        for peer in list(self._peers.values()):
+            self._drop_peer(peer, "client closed")
+        await asyncio.gather(*self._dying, return_exceptions=True)
+        if self._own_ctx:
+            self._ctx.destroy(linger=0)
+
+    # ------------------------------------------------------------ internals
+
+    def _open_peer(self, endpoint: str) -> _Peer:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max_bytes + wire.MAX_HEADER_BYTES)
+        monitor: zmq.asyncio.Socket | None = None
+        try:
+            if self._security is not None:
+                key = self._server_key_for(endpoint) if self._server_key_for is not None else None
+                self._security.apply_client(sock, key)
+            # watch before connecting so no disconnect can slip past
+            monitor = sock.get_monitor_socket(
+                zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+            sock.connect(endpoint)
+        except BaseException as exc:
+            if monitor is not None:
+                sock.disable_monitor()
+                monitor.close(linger=0)
+            sock.close(linger=0)
+            if isinstance(exc, zmq.ZMQError):
+                raise PeerUnavailable(f"cannot connect to {endpoint}: {exc}") from exc
+            raise
+        peer = _Peer(endpoint, sock, monitor)
+        peer.tasks = [asyncio.create_task(self._receive(peer), name=f"zmq-recv {endpoint}"),
+                      asyncio.create_task(self._watch(peer), name=f"zmq-monitor {endpoint}")]
+        self._peers[endpoint] = peer
+        return peer
+
+    async def _receive(self, peer: _Peer) -> None:
+        while True:
+            try:
+                msg = await peer.sock.recv_multipart(copy=False)
+            except zmq.ZMQError as exc:
+                if peer.sock.closed:
+                    return
+                log.warning("receive from %s failed: %s", peer.endpoint, exc)
+                continue
+            try:
+                rid, out = wire.decode_reply(msg, max_bytes=self._max_bytes)
+            except wire.DECODE_ERRORS as exc:
+                log.warning("undecodable reply from %s: %s", peer.endpoint, exc.message)
+                continue
+            entry = peer.pending.pop(rid, None)
+            if entry is None:
+                self.late_replies += 1
+                log.debug("late reply from %s dropped", peer.endpoint, extra=kv(request_id=rid))
+                continue
+            fut, timer = entry
+            timer.cancel()
+            if fut.done():
+                continue
+            if isinstance(out, MeshError):
+                fut.set_exception(out)
+            else:
+                fut.set_result(out)
+
+    async def _watch(self, peer: _Peer) -> None:
+        while True:
+            try:
+                event = parse_monitor_message(await peer.monitor.recv_multipart())
+            except zmq.ZMQError:
+                if peer.monitor.closed:
+                    return
+                continue
+            reason = _PEER_DEAD_EVENTS.get(int(event["event"]))
+            if reason is not None:
+                n = self._drop_peer(peer, reason)
+                log.info("peer %s %s: failed %d pending", peer.endpoint, reason, n)
+                return
+
+    def _expire(self, peer: _Peer, rid: str) -> None:
+        entry = peer.pending.pop(rid, None)
+        if entry is not None and not entry[0].done():
+            entry[0].set_exception(DeadlineExceeded(f"no reply from {peer.endpoint} before the deadline"))
+
+    def _drop_peer(self, peer: _Peer, reason: str) -> int:
+        if self._peers.get(peer.endpoint) is peer:
+            del self._peers[peer.endpoint]
+        failed = 0
+        for fut, timer in peer.pending.values():
+            timer.cancel()
+            if not fut.done():
+                fut.set_exception(PeerUnavailable(f"{peer.endpoint}: {reason}"))
+                failed += 1
+        peer.pending.clear()
+        current = asyncio.current_task()
+        for t in peer.tasks:
+            if t is not current and not t.done():
+                t.cancel()
+                self._dying.add(t)
+                t.add_done_callback(self._dying.discard)
+        with contextlib.suppress(zmq.ZMQError):
+            peer.sock.disable_monitor()
+        peer.monitor.close(linger=0)
+        peer.sock.close(linger=0)
+        return failed
+
+
+class SyncZmqClient:
+    """Blocking client, one request at a time: for benchmarks of the wire without asyncio's cost."""
+
+    def __init__(self, endpoint: str, *, ctx: zmq.Context[Any] | None = None,
+                 security: SocketSecurity | None = None, server_key: bytes | None = None) -> None:
+        self._own_ctx = ctx is None
+        self._ctx: zmq.Context[Any] = zmq.Context() if ctx is None else ctx
+        self._sock: zmq.Socket[Any] = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        if security is not None:
+            security.apply_client(self._sock, server_key)
+        self._sock.connect(endpoint)
+        self.endpoint = endpoint
+
+    def request(self, req: InferRequest) -> InferResponse:
+        if not req.request_id:
+            req.request_id = uuid.uuid4().hex
+        self._sock.send_multipart(wire.encode_request(req), copy=False)
+        while (left_ms := req.remaining_ms()) > 0:
+            if not self._sock.poll(max(1, int(left_ms)), zmq.POLLIN):
+                continue
+            rid, out = wire.decode_reply(self._sock.recv_multipart(copy=False))
+            if rid != req.request_id:
+                continue  # a late reply to an earlier request
+            if isinstance(out, MeshError):
+                raise out
+            return out
+        raise DeadlineExceeded(f"no reply from {self.endpoint} before the deadline")
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+        if self._own_ctx:
+            self._ctx.term()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
