@@ -20,8 +20,8 @@ from types import TracebackType
 
 from aiohttp import web
 
-from mesh import v2_codec as codec
 from edge_agent.dataplane import DataPlane
+from mesh import v2_codec as codec
 from mesh.errors import BadTensor, MeshError, PayloadTooLarge, RequestError, UnknownTask
 from mesh.log import get_logger, kv
 from mesh.types import DEFAULT_TENANT, InferRequest

@@ -13,13 +13,13 @@ from typing import Literal
 import numpy as np
 
 __all__ = [
-    "SLO",
     "DEFAULT_TENANT",
+    "SLO",
     "InferRequest",
     "InferResponse",
     "Prefer",
-    "TensorSpec",
     "TaskSignature",
+    "TensorSpec",
     "Timing",
 ]
 

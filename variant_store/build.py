@@ -96,7 +96,7 @@ def load_validation(path: Path) -> tuple[np.ndarray, np.ndarray | None, int]:
         with np.load(path, allow_pickle=False) as npz:
             x = np.ascontiguousarray(npz["x"])
             y = np.asarray(npz["y"]) if "y" in npz.files else None
-            calib = int(npz["calib_count"]) if "calib_count" in npz.files else 0
+            calib = int(np.asarray(npz["calib_count"]).reshape(-1)[0]) if "calib_count" in npz.files else 0
     except (OSError, KeyError, ValueError) as exc:
         raise VariantBuildError(f"bad validation set {path}: need arrays x[, y, calib_count]: {exc}") from exc
     if calib <= 0 or calib >= len(x):

@@ -7,6 +7,7 @@ profiles per hardware class. Accuracy is always measured, never copied from the 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -39,7 +40,7 @@ class Profile:
         sizes = sorted(self.latency)
         if batch <= sizes[0]:
             return self.latency[sizes[0]].p50_ms
-        for lo, hi in zip(sizes, sizes[1:], strict=False):
+        for lo, hi in itertools.pairwise(sizes):
             if batch <= hi:
                 a, b = self.latency[lo].p50_ms, self.latency[hi].p50_ms
                 return a + (b - a) * (batch - lo) / (hi - lo)

@@ -1,8 +1,9 @@
 """The warm floor: what every site holds before any demand is seen, so first queries find warm
 variants where each tier is good at something.
 
-- edge sites: the fastest variant of each public task that fits (small, usually INT8) — tight
-  latency is served where the caller is;
+- edge sites: the smallest variant of each public task among those within
+  ``edge_compute_factor`` of the fastest (memory is an edge's scarce resource; microsecond
+  compute differences are within profiling noise) — tight latency is served where the caller is;
 - middle sites: the most accurate variant whose compute is at most ``middle_compute_factor`` times
   the fastest — a balanced choice one short hop away;
 - core sites: the most accurate variant of each task — accuracy-first traffic lands there.
@@ -22,7 +23,8 @@ def _fits(site: SiteInfo, v: VariantInfo, used: int, memory_fraction: float) -> 
 
 
 def floor_placement(snap: MeshSnapshot, *, middle_compute_factor: float = 3.0,
-                    memory_fraction: float = 0.25) -> dict[str, tuple[str, ...]]:
+                    edge_compute_factor: float = 1.5, memory_fraction: float = 0.25
+                    ) -> dict[str, tuple[str, ...]]:
     out: dict[str, tuple[str, ...]] = {}
     for name in sorted(snap.sites):
         site = snap.sites[name]
@@ -35,7 +37,9 @@ def floor_placement(snap: MeshSnapshot, *, middle_compute_factor: float = 3.0,
                 continue
             fastest = min(public, key=lambda v: (v.compute_at(hw), -v.accuracy, v.variant_id))
             if site.tier == "edge":
-                pick = fastest
+                limit = fastest.compute_at(hw) * edge_compute_factor
+                pick = min((v for v in public if v.compute_at(hw) <= limit),
+                           key=lambda v: (v.size_bytes, v.compute_at(hw), v.variant_id))
             elif site.tier == "middle":
                 limit = fastest.compute_at(hw) * middle_compute_factor
                 pick = max((v for v in public if v.compute_at(hw) <= limit),

@@ -122,9 +122,9 @@ def test_unreachable_and_unknown_sites() -> None:
 
 def test_example_topology_paths() -> None:
     g = load_topology_file(EXAMPLE).graph
-    # Paris edge -> New York edge: 5 (to mid-eu) + 65 (mid-eu - mid-us) + 3 (to edge-nyc-1)
+    # Paris edge -> New York edge: 5 (to mid-eu) + 65 (mid-eu - mid-us) + 4 (to edge-nyc-1)
     assert g.path("edge-par-1", "edge-nyc-1") == ["edge-par-1", "mid-eu", "mid-us", "edge-nyc-1"]
-    assert g.path_latency_ms("edge-par-1", "edge-nyc-1") == 73.0
+    assert g.path_latency_ms("edge-par-1", "edge-nyc-1") == 74.0
     assert g.bottleneck_bandwidth_mbps("edge-par-1", "edge-nyc-1") == 500.0
     # Singapore reaches the core directly (90) rather than through mid-us (115 + 70)
     assert g.path("edge-sin-1", "core-eu") == ["edge-sin-1", "core-eu"]

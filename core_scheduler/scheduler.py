@@ -1,0 +1,194 @@
+"""The scheduler: one leader among replicas (etcd election) runs the placement control loop.
+
+Each round: snapshot the mesh (topology, catalog, heartbeats with demand), forecast demand, plan
+placement with the pure policy (warm floor + demand-driven), and write ``placement/<site>`` in one
+txn fenced by the leader's election key — a stale leader (its key gone) can never overwrite a newer
+placement. Every change is logged with its reason and kept as an event for the console.
+The loop never dies: each round catches, logs and continues; leadership lost means campaign again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from core_scheduler.policy.floor import floor_placement
+from core_scheduler.policy.forecast import DemandForecaster
+from core_scheduler.policy.placement import Demand, PlacementConfig, plan_placement
+from core_scheduler.policy.snapshot import MeshSnapshot
+from edge_agent.snapshot import build_snapshot
+from edge_agent.view import MeshView
+from mesh.errors import StoreError
+from mesh.keys import placement_key
+from mesh.log import get_logger, kv
+from mesh.store import CreateRevision, Election, Put, Store
+
+__all__ = ["Scheduler", "SchedulerConfig"]
+
+log = get_logger(__name__)
+EVENTS_KEY = "events/placement"
+MAX_EVENTS = 200
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    candidate_id: str
+    election_ttl_s: float = 3.0
+    interval_s: float = 1.0
+    proactive: bool = True            # forecast demand and prewarm ahead of it
+    forecast_horizon_s: float = 10.0  # how far ahead prewarming looks
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+
+
+class Scheduler:
+    def __init__(self, store: Store, cfg: SchedulerConfig) -> None:
+        self.store = store
+        self.cfg = cfg
+        self.view = MeshView(store, f"scheduler:{cfg.candidate_id}")
+        self.election: Election | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.rounds = 0
+        self.writes = 0
+        self.events: list[dict[str, Any]] = []
+        self.forecaster = DemandForecaster()
+        self._last_used: dict[tuple[str, str], float] = {}
+        self._loaded_since: dict[tuple[str, str], float] = {}
+        self._served: dict[tuple[str, str], int] = {}
+
+    @property
+    def is_leader(self) -> bool:
+        return bool(self.election and self.election.is_leader)
+
+    async def start(self) -> None:
+        await self.view.start()
+        self._task = asyncio.create_task(self._run(), name=f"scheduler:{self.cfg.candidate_id}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self.election is not None:
+            with contextlib.suppress(Exception):
+                await self.election.resign()
+        await self.view.stop()
+
+    async def _run(self) -> None:
+        while True:
+            self.election = Election(self.store, "scheduler", self.cfg.candidate_id, self.cfg.election_ttl_s)
+            try:
+                await self.election.campaign()
+                log.info("scheduler %s leads", self.cfg.candidate_id, extra=kv(event="leader"))
+                while not self.election.lost.is_set():
+                    try:
+                        await self.plan_once()
+                    except StoreError as exc:
+                        log.warning("placement round failed: %s", exc, extra=kv(event="round_failed"))
+                    except Exception:
+                        log.exception("placement round error", extra=kv(event="round_failed"))
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.election.lost.wait(), self.cfg.interval_s)
+            except asyncio.CancelledError:
+                raise
+            except StoreError as exc:
+                log.warning("campaign failed, retrying: %s", exc, extra=kv(event="campaign_failed"))
+                await asyncio.sleep(1.0)
+            finally:
+                with contextlib.suppress(Exception):
+                    await self.election.resign()
+
+    # -- one round -------------------------------------------------------------------------
+    def _observe(self, snap: MeshSnapshot, now: float) -> None:
+        for site, rec in self.view.live.items():
+            for vid, info in (rec.get("loaded") or {}).items():
+                key = (site, vid)
+                self._loaded_since.setdefault(key, now)
+                served = int(info.get("served", 0))
+                if served != self._served.get(key):
+                    self._served[key] = served
+                    self._last_used[key] = now
+        for key in list(self._loaded_since):
+            if key[1] not in (self.view.live.get(key[0], {}).get("loaded") or {}):
+                self._loaded_since.pop(key, None)
+
+    def demands(self) -> list[Demand]:
+        """Current demand per (site, task, SLO class) from the agents' heartbeats."""
+        out: list[Demand] = []
+        for site, rec in sorted(self.view.live.items()):
+            for d in rec.get("demand") or []:
+                try:
+                    out.append(Demand(site=site, task=str(d["task"]), slo_class=str(d["slo_class"]),
+                                      qps=float(d["qps"]), min_accuracy=float(d["min_accuracy"]),
+                                      budget_ms=float(d["budget_ms"]), tenant=str(d.get("tenant", "public"))))
+                except (KeyError, TypeError, ValueError):
+                    log.warning("ignoring malformed demand from %s: %r", site, d, extra=kv(site=site))
+        return out
+
+    def plan(self, snap: MeshSnapshot, now: float) -> tuple[dict[str, tuple[str, ...]], list[dict[str, Any]]]:
+        """Warm floor plus demand-driven placement (with forecast when proactive)."""
+        floor = floor_placement(snap)
+        current = self.demands()
+        demand = current
+        if self.cfg.proactive:
+            self.forecaster.observe(current, now)
+            demand = self.forecaster.with_forecast(current, self.cfg.forecast_horizon_s)
+        plan = plan_placement(snap, demand, now, self._last_used, self._loaded_since, self.cfg.placement,
+                              pinned=floor)
+        per_site = {s: set(vs) for s, vs in plan.per_site.items()}
+        for s, vs in floor.items():
+            per_site.setdefault(s, set()).update(vs)
+        events = [{"site": e.site, "variant_id": e.variant_id, "action": e.action, "reason": e.reason}
+                  for e in plan.events if e.action != "keep"]
+        return {s: tuple(sorted(v)) for s, v in per_site.items()}, events
+
+    async def plan_once(self) -> int:
+        """One placement round; returns how many placement keys changed."""
+        assert self.election is not None
+        self.rounds += 1
+        snap = build_snapshot(self.view)
+        if snap is None:
+            return 0
+        now = time.monotonic()
+        self._observe(snap, now)
+        per_site, events = self.plan(snap, now)
+        ops: list[Any] = []
+        changed: list[str] = []
+        for site, vids in sorted(per_site.items()):
+            variants = [{"task": snap.variant_by_id[v].task, "variant_id": v} for v in vids]
+            current = self.view.placement.get(site) or {}
+            if current.get("variants") == variants:
+                continue
+            value = {"schema": 1, "site": site, "variants": variants, "leader": self.cfg.candidate_id,
+                     "leader_revision": self.election.leader_revision, "snapshot_revision": snap.version,
+                     "ts": time.time()}
+            ops.append(Put(placement_key(site), value))
+            changed.append(site)
+            before = {v["variant_id"] for v in current.get("variants", [])}
+            explained = {(e["site"], e["variant_id"]) for e in events}
+            for vid in sorted(set(vids) - before):
+                if (site, vid) not in explained:
+                    events.append({"site": site, "variant_id": vid, "action": "load", "reason": "warm floor"})
+            for vid in sorted(before - set(vids)):
+                if (site, vid) not in explained:
+                    events.append({"site": site, "variant_id": vid, "action": "evict", "reason": "not planned"})
+        if not ops:
+            return 0
+        assert self.election.key is not None
+        stamped = [{**e, "ts": time.time(), "leader": self.cfg.candidate_id} for e in events]
+        self.events = (self.events + stamped)[-MAX_EVENTS:]
+        ops.append(Put(EVENTS_KEY, {"schema": 1, "events": self.events}))
+        # fenced: only while our election key still exists with the revision we won it at
+        res = await self.store.txn([CreateRevision(self.election.key, "==", self.election.leader_revision)], ops)
+        if not res.succeeded:
+            log.warning("placement write refused: no longer leader", extra=kv(event="stale_leader"))
+            self.election.lost.set()
+            return 0
+        self.writes += 1
+        for e in events:
+            log.info("placement %s %s at %s: %s", e["action"], e["variant_id"], e["site"], e["reason"],
+                     extra=kv(site=e["site"], variant=e["variant_id"], event=e["action"], reason=e["reason"]))
+        return len(changed)

@@ -1,0 +1,256 @@
+"""The site agent: the same process at every tier; tier and hardware come from the topology.
+
+Lifecycle (start in this order, stop in reverse, each with a timeout):
+store -> view (watch) -> variant host -> ZeroMQ server + client -> HTTP front -> liveness ->
+placement follower. Every background task is owned here and cancelled on stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from core_scheduler.policy.routing import RoutingTable
+from edge_agent.demand import DemandMeter
+from edge_agent.host import VariantHost
+from edge_agent.http_api import EdgeHttpServer
+from edge_agent.liveness import Liveness
+from edge_agent.site_dataplane import SiteDataPlane
+from edge_agent.snapshot import build_snapshot
+from edge_agent.view import MeshView
+from mesh.errors import ConfigError, MeshError
+from mesh.log import get_logger, kv
+from mesh.store import Store
+from mesh.transport import ZmqClient, ZmqServer
+from variant_store.hardware import gpu_available, local_hardware_class
+
+__all__ = ["Agent", "AgentConfig"]
+
+log = get_logger(__name__)
+# Batching keeps a core busy with several queries in flight; past this many per core the
+# queue wait dominates and routing should look elsewhere.
+INFLIGHT_PER_CORE = 8
+
+
+class AgentState(enum.Enum):
+    UNOPENED = "unopened"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+@dataclass(slots=True)
+class AgentConfig:
+    site: str
+    etcd: str
+    prefix: str = "/tiermesh/"
+    home: Path = Path(".tiermesh")
+    http_port: int = 0
+    zmq_bind: str = "tcp://127.0.0.1:0"
+    peer_map: dict[str, str] = field(default_factory=dict)  # site -> endpoint (WAN emulation proxies)
+    lease_ttl_s: float = 3.0
+    heartbeat_s: float = 1.0
+    idle_unload_s: float = 120.0
+    model_memory_fraction: float = 0.25  # share of the site's memory its models may take
+
+
+class Agent:
+    def __init__(self, cfg: AgentConfig) -> None:
+        self.cfg = cfg
+        self.site = cfg.site
+        self.state = AgentState.UNOPENED
+        self.store: Store | None = None
+        self.view: MeshView | None = None
+        self.host: VariantHost | None = None
+        self.zmq_server: ZmqServer | None = None
+        self.zmq_client: ZmqClient | None = None
+        self.http: EdgeHttpServer | None = None
+        self.liveness: Liveness | None = None
+        self.dataplane: SiteDataPlane | None = None
+        self.table: RoutingTable | None = None
+        self.table_version = 0
+        self.demand = DemandMeter()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._reconcile = asyncio.Event()
+        self.hardware_class = local_hardware_class()
+        self.gpu_ok, self.gpu_note = gpu_available()
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self.state is not AgentState.UNOPENED:
+            raise ConfigError(f"agent {self.site} is {self.state.value}")
+        self.state = AgentState.OPEN
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self) -> None:
+        cfg = self.cfg
+        self.store = await Store.connect(cfg.etcd, cfg.prefix)
+        self.view = MeshView(self.store, self.site, debounce_s=0.2)
+        await self.view.start()
+        topo = self.view.topology
+        if topo is None or self.site not in topo.sites:
+            raise ConfigError(f"site {self.site!r} is not in the topology in etcd "
+                              f"(apply one with `tiermesh topology apply FILE`)")
+        me = topo.sites[self.site]
+        budget = int(me.hardware.memory_mb * 1024 * 1024 * cfg.model_memory_fraction)
+        cache = cfg.home / "sites" / self.site / "blobs"
+        cache.mkdir(parents=True, exist_ok=True)
+        self.host = VariantHost(self.site, cache, hardware_class=self.hardware_class,
+                                memory_budget_bytes=budget, threads=min(2, me.hardware.cpu_cores))
+        self.zmq_client = ZmqClient()
+        self.dataplane = SiteDataPlane(self.site, self.view, self.host, self.zmq_client,
+                                       table=lambda: self.table, peer_endpoint=self._peer_endpoint,
+                                       demand=self.demand)
+        self.zmq_server = ZmqServer(self.dataplane.infer, bind=cfg.zmq_bind)
+        await self.zmq_server.start()
+        self.http = EdgeHttpServer(self.dataplane, port=cfg.http_port)
+        await self.http.start()
+        self.view.on_change(self._on_view_change)
+        self._on_view_change()
+        self.liveness = Liveness(self.store, self.site, self._live_record, ttl_s=cfg.lease_ttl_s,
+                                 interval_s=cfg.heartbeat_s)
+        await self.liveness.start()
+        self._tasks.append(asyncio.create_task(self._reconcile_loop(), name=f"reconcile:{self.site}"))
+        log.info("agent up: zmq %s http %s (%s%s)", self.zmq_server.endpoint, self.http.url,
+                 self.hardware_class, "" if self.gpu_ok else f"; {self.gpu_note}",
+                 extra=kv(site=self.site, event="agent_up"))
+
+    async def stop(self) -> None:
+        if self.state is AgentState.CLOSED:
+            return
+        self.state = AgentState.CLOSED
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks.clear()
+        steps: list[Any] = [self.liveness.stop if self.liveness else None,
+                            self.http.stop if self.http else None,
+                            self.zmq_server.stop if self.zmq_server else None,
+                            self.zmq_client.close if self.zmq_client else None,
+                            self.host.close if self.host else None,
+                            self.view.stop if self.view else None,
+                            self.store.close if self.store else None]
+        for step in steps:
+            if step is None:
+                continue
+            try:
+                await asyncio.wait_for(step(), 10.0)
+            except Exception:
+                log.exception("shutdown step failed", extra=kv(site=self.site))
+
+    async def __aenter__(self) -> Agent:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # -- state -----------------------------------------------------------------------------
+    def _peer_endpoint(self, site: str) -> str | None:
+        if self.view is None or site not in self.view.live:
+            return None
+        return self.cfg.peer_map.get(site) or self.view.live[site].get("endpoint")
+
+    def _on_view_change(self) -> None:
+        assert self.view is not None and self.host is not None and self.zmq_client is not None
+        svc = self.view.services.get("variant-store")
+        self.host.blob_url = svc.get("url") if isinstance(svc, dict) else None
+        snap = build_snapshot(self.view, here=self.site, local_loads=self._local_load(),
+                              rtt_correction=self.dataplane.rtt_correction() if self.dataplane else None)
+        if snap is None:
+            self.table = None
+            return
+        # sites whose lease ended: fail what is pending to them now, not at the deadline
+        for site, endpoint in self.cfg.peer_map.items():
+            if site not in self.view.live:
+                self.zmq_client.fail_peer(endpoint, f"{site} lease expired")
+        self.table = RoutingTable.build(snap, self.site)
+        self.table_version = snap.version
+        self._reconcile.set()
+
+    def _local_load(self) -> dict[str, Any]:
+        return self._live_record() if self.host is not None else {}
+
+    def _live_record(self) -> dict[str, Any]:
+        assert self.host is not None and self.zmq_server is not None and self.http is not None
+        assert self.dataplane is not None
+        topo = self.view.topology if self.view else None
+        me = topo.sites.get(self.site) if topo else None
+        mem_total = int(me.hardware.memory_mb * 1024 * 1024) if me else 0
+        loaded = {vid: {"task": lv.meta.task, "queue_ms": round(lv.batcher.expected_wait_ms(), 3),
+                        "queued_rows": lv.batcher.queued_rows,
+                        "ewma_compute_ms": round(lv.batcher.ewma_compute_ms, 3),
+                        "served": lv.batcher.served, "load_ms": round(lv.load_ms, 1)}
+                  for vid, lv in self.host.loaded.items()}
+        return {
+            "schema": 1, "site": self.site, "ts": time.time(),
+            "tier": me.tier if me else None,
+            "hardware_class": self.hardware_class,
+            "declared_hardware_class": me.hardware.hardware_class if me else None,
+            "gpu": self.gpu_ok, "gpu_note": self.gpu_note,
+            "endpoint": self.zmq_server.endpoint, "http": self.http.url,
+            "loaded": loaded, "inflight": self.dataplane.inflight,
+            "capacity": (me.hardware.cpu_cores if me else 1) * INFLIGHT_PER_CORE,
+            "memory_total_bytes": mem_total,
+            "model_memory_budget_bytes": self.host.memory_budget_bytes,
+            "memory_used_bytes": self.host.memory_used_bytes,
+            "served": self.dataplane.served, "forwarded": self.dataplane.forwarded,
+            "cold_starts": self.host.cold_starts,
+            "demand": self.demand.snapshot(time.monotonic()),
+            "degraded": bool(self.liveness and self.liveness.degraded),
+            "view_revision": self.view.revision if self.view else 0,
+        }
+
+    async def _reconcile_loop(self) -> None:
+        """Follow ``placement/<site>``: load what is desired, unload what is neither desired nor used."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._reconcile.wait(), 5.0)
+            self._reconcile.clear()
+            try:
+                await self._reconcile_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("reconcile failed", extra=kv(site=self.site))
+
+    async def _reconcile_once(self) -> None:
+        assert self.view is not None and self.host is not None
+        placement = self.view.placement.get(self.site) or {}
+        desired = {(v["task"], v["variant_id"]) for v in placement.get("variants", [])}
+        for task, vid in sorted(desired):
+            meta = self.view.variant(task, vid)
+            if meta is None or vid in self.host.loaded:
+                continue
+            try:
+                await self.host.ensure(meta)
+            except MeshError as exc:
+                log.warning("cannot load %s: %s", vid, exc, extra=kv(site=self.site, variant=vid))
+        wanted = {vid for _, vid in desired}
+        now = time.monotonic()
+        for vid, lv in list(self.host.loaded.items()):
+            if vid in wanted or lv.batcher.queued_rows:
+                continue
+            if now - lv.last_used > self.cfg.idle_unload_s:
+                await self.host.unload(vid)
+
+
+def load_peer_map(path: Path | None) -> dict[str, str]:
+    if path is None:
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read peer map {path}: {exc}") from exc
+    return {str(k): str(v) for k, v in data.items()}

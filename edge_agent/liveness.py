@@ -1,0 +1,90 @@
+"""The site's leased liveness record ``live/<site>``: load, memory, loaded variants, demand.
+
+Refreshed every ``interval_s``. When etcd is unreachable the agent keeps serving (degraded) and
+keeps trying; once etcd answers again it takes a new lease if the old one ended, and the record
+says how long it was degraded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+from mesh.errors import StoreError
+from mesh.keys import live_key
+from mesh.log import get_logger, kv
+from mesh.store import Lease, Store
+
+__all__ = ["Liveness"]
+
+log = get_logger(__name__)
+
+
+class Liveness:
+    def __init__(self, store: Store, site: str, record: Callable[[], dict[str, Any]], *,
+                 ttl_s: float = 3.0, interval_s: float = 0.5) -> None:
+        self.store = store
+        self.site = site
+        self._record = record
+        self.ttl_s = ttl_s
+        self.interval_s = interval_s
+        self.lease: Lease | None = None
+        self.degraded_since: float | None = None
+        self.degraded_total_s = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def degraded(self) -> bool:
+        return self.degraded_since is not None
+
+    async def start(self) -> None:
+        await self._beat()  # first record before anyone routes to us
+        self._task = asyncio.create_task(self._loop(), name=f"liveness:{self.site}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self.lease is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.lease.revoke(), 2.0)
+            self.lease = None
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self._beat()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("heartbeat error", extra=kv(site=self.site))
+
+    async def _beat(self) -> None:
+        try:
+            if self.lease is None or not self.lease.alive:
+                old, self.lease = self.lease, None
+                if old is not None:
+                    with contextlib.suppress(Exception):
+                        await old.revoke()
+                self.lease = await self.store.lease(self.ttl_s)
+            record = self._record()
+            record["degraded"] = self.degraded
+            record["degraded_total_s"] = round(self.degraded_total_s, 3)
+            await asyncio.wait_for(self.store.put(live_key(self.site), record, lease=self.lease),
+                                   self.ttl_s)
+        except (StoreError, TimeoutError) as exc:
+            if self.degraded_since is None:
+                self.degraded_since = time.monotonic()
+                log.warning("etcd unreachable, serving in degraded mode: %s", exc,
+                            extra=kv(site=self.site, event="degraded"))
+            return
+        if self.degraded_since is not None:
+            self.degraded_total_s += time.monotonic() - self.degraded_since
+            self.degraded_since = None
+            log.info("etcd reachable again after %.1f s degraded", self.degraded_total_s,
+                     extra=kv(site=self.site, event="recovered"))

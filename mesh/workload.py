@@ -1,0 +1,174 @@
+"""A mixed, labelled workload through the SDK, and its report.
+
+SLO classes differ in latency budget and minimum accuracy; each query sends one real digits image
+from the held-out set, so the accuracy *delivered* is measured against its label. Every sending
+loop is bounded in count and in time. Latency for SLO attainment is the edge-measured end-to-end
+time (``timing.total_ms``: from the edge's receipt to its reply, which is what the SLO promises);
+client-observed latency (adds the SDK's loopback HTTP) is reported beside it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from mesh.client import AsyncClient
+from mesh.errors import MeshError
+
+__all__ = ["DEFAULT_CLASSES", "QueryRecord", "SloClass", "render_table", "run_workload", "summarise"]
+
+
+@dataclass(frozen=True, slots=True)
+class SloClass:
+    name: str
+    latency_ms: float
+    min_accuracy: float
+    share: float                  # fraction of the offered queries
+    prefer: str = "latency"
+    tenant: str = "public"
+
+
+DEFAULT_CLASSES = (
+    SloClass("tight", latency_ms=10, min_accuracy=0.90, share=0.4),
+    SloClass("balanced", latency_ms=60, min_accuracy=0.97, share=0.3),
+    SloClass("accurate", latency_ms=400, min_accuracy=0.985, share=0.3),
+)
+
+
+@dataclass(slots=True)
+class QueryRecord:
+    slo_class: str
+    edge: str
+    budget_ms: float
+    label: int
+    ok: bool
+    client_ms: float
+    total_ms: float = 0.0
+    site: str = ""
+    variant: str = ""
+    predicted: int = -1
+    best_effort: bool = False
+    reason: str = ""
+    error: str = ""
+    t: float = 0.0
+
+
+@dataclass(slots=True)
+class WorkloadResult:
+    records: list[QueryRecord] = field(default_factory=list)
+    duration_s: float = 0.0
+
+
+async def _one(client: AsyncClient, cls: SloClass, edge: str, x: np.ndarray, label: int, t0: float
+               ) -> QueryRecord:
+    start = time.perf_counter()
+    try:
+        res = await client.infer("digit-classification", x[None, :], latency_ms=cls.latency_ms,
+                                 min_accuracy=cls.min_accuracy, prefer=cls.prefer)
+    except MeshError as exc:
+        return QueryRecord(cls.name, edge, cls.latency_ms, label, False,
+                           (time.perf_counter() - start) * 1000, error=exc.code, t=start - t0)
+    out = res.output()
+    return QueryRecord(cls.name, edge, cls.latency_ms, label, True, (time.perf_counter() - start) * 1000,
+                       total_ms=res.timing.total_ms, site=res.site, variant=res.variant,
+                       predicted=int(np.argmax(out[0])), best_effort=res.best_effort, reason=res.reason,
+                       t=start - t0)
+
+
+async def run_workload(edges: dict[str, str], x: np.ndarray, y: np.ndarray, *, duration_s: float,
+                       qps: float, classes: tuple[SloClass, ...] = DEFAULT_CLASSES, seed: int = 7,
+                       max_queries: int = 20_000, max_inflight: int = 64,
+                       on_tick: Any = None) -> WorkloadResult:
+    """Open-loop arrivals at ``qps`` spread over ``edges`` for ``duration_s`` (bounded by ``max_queries``)."""
+    rng = random.Random(seed)
+    weights = [c.share for c in classes]
+    clients = {e: AsyncClient(url, timeout=10) for e, url in edges.items()}
+    sem = asyncio.Semaphore(max_inflight)
+    result = WorkloadResult()
+    tasks: set[asyncio.Task[None]] = set()
+    t0 = time.perf_counter()
+
+    async def fire(cls: SloClass, edge: str, i: int) -> None:
+        async with sem:
+            rec = await _one(clients[edge], cls, edge, x[i], int(y[i]), t0)
+            result.records.append(rec)
+
+    try:
+        n = 0
+        next_at = t0
+        while n < max_queries and (now := time.perf_counter()) - t0 < duration_s:
+            if now < next_at:
+                await asyncio.sleep(next_at - now)
+            next_at += rng.expovariate(qps)
+            cls = rng.choices(classes, weights)[0]
+            edge = rng.choice(sorted(edges))
+            i = rng.randrange(len(x))
+            t = asyncio.create_task(fire(cls, edge, i))
+            tasks.add(t)
+            t.add_done_callback(tasks.discard)
+            n += 1
+            if on_tick is not None:
+                on_tick(n, time.perf_counter() - t0)
+        if tasks:
+            await asyncio.wait(tasks, timeout=30)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for c in clients.values():
+            await c.aclose()
+    result.duration_s = time.perf_counter() - t0
+    return result
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def summarise(records: list[QueryRecord], tiers: Mapping[str, str]) -> dict[str, Any]:
+    """Per SLO class: where served, by which variants, latency percentiles, attainment, accuracy."""
+    out: dict[str, Any] = {}
+    for name in sorted({r.slo_class for r in records}):
+        rs = [r for r in records if r.slo_class == name]
+        ok = [r for r in rs if r.ok]
+        met = [r for r in ok if r.total_ms <= r.budget_ms and not r.best_effort]
+        out[name] = {
+            "queries": len(rs),
+            "budget_ms": rs[0].budget_ms,
+            "errors": dict(Counter(r.error for r in rs if not r.ok)),
+            "served_at_tier": dict(Counter(tiers.get(r.site, "?") for r in ok)),
+            "served_locally_at_edge": sum(1 for r in ok if r.site == r.edge),
+            "variants": dict(Counter(r.variant for r in ok).most_common()),
+            "p50_ms": _pct([r.total_ms for r in ok], 50),
+            "p99_ms": _pct([r.total_ms for r in ok], 99),
+            "client_p50_ms": _pct([r.client_ms for r in ok], 50),
+            "client_p99_ms": _pct([r.client_ms for r in ok], 99),
+            "slo_attainment": len(met) / len(rs) if rs else 0.0,
+            "best_effort": sum(1 for r in ok if r.best_effort),
+            "accuracy": (sum(1 for r in ok if r.predicted == r.label) / len(ok)) if ok else 0.0,
+        }
+    return out
+
+
+def render_table(summary: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    table = Table(title="tiermesh workload, per SLO class")
+    for col in ("class", "budget", "queries", "served at", "top variants", "p50 ms", "p99 ms",
+                "SLO met", "accuracy", "errors"):
+        table.add_column(col)
+    for name, s in summary.items():
+        tiers = ", ".join(f"{k}:{v}" for k, v in sorted(s["served_at_tier"].items()))
+        variants = ", ".join(f"{k}:{v}" for k, v in list(s["variants"].items())[:2])
+        errors = ", ".join(f"{k}:{v}" for k, v in s["errors"].items()) or "-"
+        table.add_row(name, f"{s['budget_ms']:.0f} ms", str(s["queries"]), tiers, variants,
+                      f"{s['p50_ms']:.1f}", f"{s['p99_ms']:.1f}", f"{100 * s['slo_attainment']:.1f} %",
+                      f"{100 * s['accuracy']:.1f} %", errors)
+    return table

@@ -1,0 +1,71 @@
+"""Batcher on a real ONNX Runtime session: concurrent requests are merged, outputs split back right,
+and a request that cannot meet its deadline is refused up front."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from edge_agent.batching import Batcher
+from mesh.errors import Overloaded
+
+pytestmark = pytest.mark.integration
+
+
+def _linear_model(path: Path) -> None:
+    w = np.arange(64 * 10, dtype=np.float32).reshape(64, 10) / 100.0
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["logits"])], "lin",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 64])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 10])],
+        [helper.make_tensor("w", TensorProto.FLOAT, w.shape, w.flatten())])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), path)
+
+
+async def test_concurrent_requests_are_batched(tmp_path: Path) -> None:
+    _linear_model(tmp_path / "m.onnx")
+    sess = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+
+    def infer(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"logits": sess.run(None, inputs)[0]}
+
+    with ThreadPoolExecutor(1) as pool:
+        b = Batcher("lin", infer, executor=pool, compute_ms=lambda n: 0.05 + 0.01 * n,
+                    max_batch=16, max_window_ms=20)
+        b.start()
+        try:
+            rng = np.random.default_rng(0)
+            xs = [rng.random((1, 64), dtype=np.float32) for _ in range(16)]
+            deadline = time.time() + 5
+            results = await asyncio.gather(*(b.submit({"x": x}, deadline) for x in xs))
+            for x, r in zip(xs, results, strict=True):
+                np.testing.assert_allclose(r.outputs["logits"], sess.run(None, {"x": x})[0], rtol=1e-5)
+            assert b.batches < 16  # merged, not one by one
+            assert max(r.batch_rows for r in results) > 1
+        finally:
+            await b.stop()
+
+
+async def test_refuses_what_cannot_meet_deadline(tmp_path: Path) -> None:
+    def slow(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        time.sleep(0.05)
+        return {"logits": inputs["x"][:, :10]}
+
+    with ThreadPoolExecutor(1) as pool:
+        b = Batcher("slow", slow, executor=pool, compute_ms=lambda n: 50.0, max_batch=1)
+        b.start()
+        try:
+            with pytest.raises(Overloaded):
+                await b.submit({"x": np.zeros((1, 64), np.float32)}, time.time() + 0.01)
+            ok = await b.submit({"x": np.ones((1, 64), np.float32)}, time.time() + 5)
+            assert ok.outputs["logits"].shape == (1, 10)
+        finally:
+            await b.stop()
