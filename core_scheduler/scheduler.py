@@ -17,6 +17,7 @@ from typing import Any
 
 from core_scheduler.policy.floor import floor_placement
 from core_scheduler.policy.forecast import DemandForecaster
+from core_scheduler.policy.modes import placer_for
 from core_scheduler.policy.placement import Demand, PlacementConfig, plan_placement
 from core_scheduler.policy.snapshot import MeshSnapshot
 from edge_agent.snapshot import build_snapshot
@@ -41,6 +42,7 @@ class SchedulerConfig:
     proactive: bool = True            # forecast demand and prewarm ahead of it
     forecast_horizon_s: float = 10.0  # how far ahead prewarming looks
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    mode: str = "tiermesh"            # or a baseline's placement (core_scheduler.policy.modes)
 
 
 class Scheduler:
@@ -143,7 +145,12 @@ class Scheduler:
             per_site.setdefault(s, set()).update(vs)
         events = [{"site": e.site, "variant_id": e.variant_id, "action": e.action, "reason": e.reason}
                   for e in plan.events if e.action != "keep"]
-        return {s: tuple(sorted(v)) for s, v in per_site.items()}, events
+        planned = {s: tuple(sorted(v)) for s, v in per_site.items()}
+        placer = placer_for(self.cfg.mode)
+        if placer is not None:
+            planned = placer(snap, floor, planned, demand)
+            events = [{"site": "*", "variant_id": "*", "action": "mode", "reason": f"{self.cfg.mode} placement"}]
+        return planned, events
 
     async def plan_once(self) -> int:
         """One placement round; returns how many placement keys changed."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core_scheduler.policy.routing import RoutingTable
+from core_scheduler.policy.modes import Router, make_router
 from edge_agent.demand import DemandMeter
 from edge_agent.host import VariantHost
 from edge_agent.http_api import EdgeHttpServer
@@ -57,6 +57,7 @@ class AgentConfig:
     heartbeat_s: float = 1.0
     idle_unload_s: float = 120.0
     model_memory_fraction: float = 0.25  # share of the site's memory its models may take
+    routing_mode: str = "tiermesh"      # or a baseline (core_scheduler.policy.modes), for benchmarks
 
 
 class Agent:
@@ -72,7 +73,7 @@ class Agent:
         self.http: EdgeHttpServer | None = None
         self.liveness: Liveness | None = None
         self.dataplane: SiteDataPlane | None = None
-        self.table: RoutingTable | None = None
+        self.table: Router | None = None
         self.table_version = 0
         self.demand = DemandMeter()
         self._tasks: list[asyncio.Task[None]] = []
@@ -175,7 +176,7 @@ class Agent:
         for site, endpoint in self.cfg.peer_map.items():
             if site not in self.view.live:
                 self.zmq_client.fail_peer(endpoint, f"{site} lease expired")
-        self.table = RoutingTable.build(snap, self.site)
+        self.table = make_router(self.cfg.routing_mode, snap, self.site)
         self.table_version = snap.version
         self._reconcile.set()
 

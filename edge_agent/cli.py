@@ -28,6 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--peer-map", type=Path, default=None,
                    help="JSON {site: tcp://host:port} overriding peers' endpoints (WAN emulation proxies)")
     p.add_argument("--lease-ttl", type=float, default=3.0, help="liveness lease TTL in seconds")
+    p.add_argument("--routing-mode", default="tiermesh",
+                   help="tiermesh (default) or a baseline policy for benchmarks: edge-only, core-only, static, infaas")
     p.add_argument("--ready-file", type=Path, default=None,
                    help="write {http, zmq} here once serving (for harnesses)")
     p.set_defaults(func=run_agent)
@@ -46,7 +48,7 @@ async def run_agent(args: argparse.Namespace) -> int:
     cfg = AgentConfig(site=args.site, etcd=etcd, prefix=args.prefix or settings.prefix,
                       home=Path(args.home) if args.home else settings.home, http_port=args.http_port,
                       zmq_bind=f"tcp://127.0.0.1:{args.zmq_port}", peer_map=load_peer_map(args.peer_map),
-                      lease_ttl_s=args.lease_ttl)
+                      lease_ttl_s=args.lease_ttl, routing_mode=args.routing_mode)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

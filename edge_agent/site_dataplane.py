@@ -13,7 +13,8 @@ import time
 import uuid
 from collections.abc import Callable
 
-from core_scheduler.policy.routing import Decision, Query, RoutingTable
+from core_scheduler.policy.modes import Router
+from core_scheduler.policy.routing import Decision, Query
 from edge_agent.demand import DemandMeter
 from edge_agent.host import VariantHost
 from edge_agent.view import MeshView
@@ -41,7 +42,7 @@ MAX_RETRIES = 2
 
 class SiteDataPlane:
     def __init__(self, site: str, view: MeshView, host: VariantHost, zmq: ZmqClient, *,
-                 table: Callable[[], RoutingTable | None], peer_endpoint: Callable[[str], str | None],
+                 table: Callable[[], Router | None], peer_endpoint: Callable[[str], str | None],
                  demand: DemandMeter) -> None:
         self.site = site
         self.view = view

@@ -56,6 +56,8 @@ class MeshOptions:
     sites: list[str] | None = None   # None: every site of the topology
     agent_log_level: str = "WARNING"
     startup_timeout_s: float = 90.0
+    mode: str = "tiermesh"          # routing + placement mode (baselines for benchmarks)
+    proactive: bool = True           # scheduler forecasts demand and prewarms
 
 
 @dataclass(slots=True)
@@ -110,7 +112,8 @@ class LocalMesh:
         self.variant_server = VariantStoreServer(self.blobs, self.catalog)
         await self.variant_server.start()
         if self.opts.scheduler:
-            self.scheduler = Scheduler(self.store, SchedulerConfig(candidate_id=f"up-{os.getpid()}"))
+            self.scheduler = Scheduler(self.store, SchedulerConfig(
+                candidate_id=f"up-{os.getpid()}", mode=self.opts.mode, proactive=self.opts.proactive))
             await self.scheduler.start()
         names = self.opts.sites or sorted(self.topology.sites)
         for name in names:
@@ -199,7 +202,8 @@ class LocalMesh:
         sp.log_path = self.opts.home / "sites" / name / "agent.log"
         cmd = [sys.executable, "-m", "edge_agent", "--site", name, "--etcd", self.etcd_url,
                "--prefix", self.opts.prefix, "--home", str(self.opts.home), "--zmq-port", str(sp.zmq_port),
-               "--lease-ttl", str(self.opts.lease_ttl_s), "--ready-file", str(ready)]
+               "--lease-ttl", str(self.opts.lease_ttl_s), "--ready-file", str(ready),
+               "--routing-mode", self.opts.mode]
         if sp.peer_map_path is not None:
             cmd += ["--peer-map", str(sp.peer_map_path)]
         env = {**os.environ, "TIERMESH_LOG_LEVEL": self.opts.agent_log_level, **sp.extra_env}
