@@ -72,7 +72,9 @@ class Batcher:
         self.variant_id = variant_id
         self._infer = infer
         self._executor = executor
-        self._compute_ms = compute_ms
+        self._profile_ms = compute_ms
+        # what a batch really costs beyond the profile (executor hop, contention), learnt online
+        self.overhead_ms = 0.0
         self.max_batch = max(1, max_batch)
         self.max_window_s = max_window_ms / 1000.0
         self.max_queue_rows = max_queue_rows
@@ -104,6 +106,9 @@ class Batcher:
             if not item.future.done():
                 item.future.set_exception(Overloaded(f"variant {self.variant_id} unloaded"))
         self._queued_rows = 0
+
+    def _compute_ms(self, rows: int) -> float:
+        return self._profile_ms(rows) + self.overhead_ms
 
     @property
     def queued_rows(self) -> int:
@@ -204,6 +209,8 @@ class Batcher:
         done = time.monotonic()
         compute_ms = (done - started) * 1000.0
         self.ewma_compute_ms = 0.8 * self.ewma_compute_ms + 0.2 * compute_ms
+        excess = max(0.0, compute_ms - self._profile_ms(rows))
+        self.overhead_ms = 0.8 * self.overhead_ms + 0.2 * excess
         self.batches += 1
         offset = 0
         for it in batch:

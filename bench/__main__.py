@@ -1,0 +1,96 @@
+"""``python -m bench [--quick] [--only NAME ...]``: run scenarios in turn, then regenerate BENCHMARKS.md.
+
+A scenario that fails is reported and the others still run; the exit code says whether all passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from bench import report
+from bench.common import RESULTS_DIR, Panel, RunContext, plot_panels, target, write_result
+
+__all__ = ["SCENARIOS", "main", "run_decision"]
+
+
+async def run_decision(ctx: RunContext) -> Path:
+    """Routing decision time from ``bench/decision.py`` (its ``measure``), in the suite's schema."""
+    from bench.decision import measure
+
+    n = ctx.pick(3000, 20000)
+    runs = [measure(c, n) for c in (100, 1000, 10000)]
+    rows: list[dict[str, Any]] = [{"candidates": r["candidates"], "sites": r["sites"], "median_us": r["median_us"],
+             "p99_us": r["p99_us"], "mean_us": r["mean_us"], "best_effort_median_us": r["best_effort_median_us"],
+             "table_build_ms": r["build_ms"], "n": r["n"]} for r in runs]
+    targets = []
+    for r, limit in zip(rows[1:], (10.0, 40.0), strict=True):
+        targets.append(target(f"decide() median at {r['candidates']} candidates", float(r["median_us"]), limit,
+                              unit="µs"))
+    groups = [str(r["candidates"]) for r in rows]
+    plot_panels(ctx.results_dir / "decision.png", "Routing decision time (RoutingTable.decide)", [
+        Panel("decide() per query", "µs (log)", groups,
+              {"median": [float(r["median_us"]) for r in rows], "p99": [float(r["p99_us"]) for r in rows]},
+              log_y=True, bar_text={"median": [f"{r['median_us']}" for r in rows]})])
+    return write_result(ctx, "decision", rows, targets, notes=(
+        f"{n} decide() calls per size over a synthetic snapshot (bench/decision.py: sites on a plane, "
+        "edge / middle / core tiers, a digits-like family; per-tenant masks warmed). Candidates = sites x "
+        "variants of the task. best_effort = a 0.5 ms budget nothing meets."))
+
+
+def _scenarios() -> dict[str, Callable[[RunContext], Awaitable[Path]]]:
+    from bench import batching, floors
+
+    return {"mesh_hop": floors.run_mesh_hop, "http_api": floors.run_http_api, "sdk_local": floors.run_sdk_local,
+            "decision": run_decision, "batching": batching.run_batching}
+
+
+SCENARIOS = ("mesh_hop", "http_api", "sdk_local", "decision", "batching")
+
+
+async def _run(names: list[str], ctx: RunContext) -> int:
+    table = _scenarios()
+    failed = []
+    for name in names:
+        t0 = time.perf_counter()
+        print(f"== {name} ...", flush=True)
+        try:
+            path = await table[name](ctx)
+        except Exception:  # one broken scenario must not hide the others' numbers
+            traceback.print_exc()
+            failed.append(name)
+            print(f"== {name} FAILED after {time.perf_counter() - t0:.1f} s", flush=True)
+            continue
+        print(f"== {name} done in {time.perf_counter() - t0:.1f} s -> {path}", flush=True)
+        report.print_summary(path)
+    if failed:
+        print(f"failed scenarios: {', '.join(failed)}")
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer rounds (the whole run in about 2 minutes)")
+    ap.add_argument("--only", nargs="+", choices=SCENARIOS, metavar="NAME",
+                    help=f"run only these scenarios: {', '.join(SCENARIOS)}")
+    ap.add_argument("--results", type=Path, default=RESULTS_DIR, help="where JSON and PNG files go")
+    ap.add_argument("--no-report", action="store_true", help="do not regenerate BENCHMARKS.md")
+    args = ap.parse_args(argv)
+    names = list(dict.fromkeys(args.only)) if args.only else list(SCENARIOS)
+    command = "python -m bench" + (" --quick" if args.quick else "") + (
+        f" --only {' '.join(names)}" if args.only else "")
+    ctx = RunContext(quick=args.quick, results_dir=args.results, command=command)
+    rc = asyncio.run(_run(names, ctx))
+    if not args.no_report:
+        out = report.write_report(args.results)
+        print(f"wrote {out}")
+    return rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
