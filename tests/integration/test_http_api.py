@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from mesh import v2_codec as codec
 from edge_agent.http_api import EdgeHttpServer
 from mesh import errors
+from mesh import v2_codec as codec
 from mesh.client import AsyncClient, Client
 from mesh.sdk_transport import AiohttpTransport
 from tests.helpers_dataplane import OnnxDataPlane, digits_model, serve_in_thread

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from mesh import v2_codec as codec
 from mesh import errors
+from mesh import v2_codec as codec
 from mesh.client import AsyncClient, Client, InferResult
 from mesh.sdk_transport import MockTransport, Response
 from mesh.types import TaskSignature, TensorSpec, Timing
