@@ -24,6 +24,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--id", default=f"{socket.gethostname()}-{os.getpid()}", help="candidate id")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between placement rounds")
     p.add_argument("--reactive", action="store_true", help="no demand forecast (reactive placement only)")
+    p.add_argument("--election-ttl", type=float, default=3.0,
+                   help="lease TTL of the election key, seconds: a dead leader is replaced within it")
+    p.add_argument("--mode", default="tiermesh", help="placement mode (tiermesh or a baseline)")
     p.set_defaults(func=_run)
 
 
@@ -34,6 +37,7 @@ async def _run(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     async with open_store(**store_args(args)) as store:
         sched = Scheduler(store, SchedulerConfig(candidate_id=args.id, interval_s=args.interval,
+                                                 election_ttl_s=args.election_ttl, mode=args.mode,
                                                  proactive=not args.reactive))
         await sched.start()
         try:

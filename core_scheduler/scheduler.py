@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,16 +23,19 @@ from core_scheduler.policy.placement import Demand, PlacementConfig, plan_placem
 from core_scheduler.policy.snapshot import MeshSnapshot
 from edge_agent.snapshot import build_snapshot
 from edge_agent.view import MeshView
+from mesh.election import Election
 from mesh.errors import StoreError
 from mesh.keys import placement_key
 from mesh.log import get_logger, kv
-from mesh.store import CreateRevision, Election, Put, Store
+from mesh.store import CreateRevision, Put, Store
 
 __all__ = ["Scheduler", "SchedulerConfig"]
 
 log = get_logger(__name__)
 EVENTS_KEY = "events/placement"
 MAX_EVENTS = 200
+MIN_BACKOFF_S = 0.2  # between campaigns after a failure; doubled up to MAX_BACKOFF_S, jittered
+MAX_BACKOFF_S = 2.0
 
 
 @dataclass(slots=True)
@@ -54,6 +58,8 @@ class Scheduler:
         self._task: asyncio.Task[None] | None = None
         self.rounds = 0
         self.writes = 0
+        self.refused = 0                  # fenced writes etcd refused (we were a stale leader)
+        self.terms = 0                    # times this replica became leader
         self.events: list[dict[str, Any]] = []
         self.forecaster = DemandForecaster()
         self._last_used: dict[tuple[str, str], float] = {}
@@ -80,28 +86,41 @@ class Scheduler:
         await self.view.stop()
 
     async def _run(self) -> None:
+        # One Election for the life of the replica: it remembers leases it could not revoke while
+        # etcd was down and clears them before campaigning again.
+        self.election = Election(self.store, "scheduler", self.cfg.candidate_id, self.cfg.election_ttl_s)
+        backoff = MIN_BACKOFF_S
         while True:
-            self.election = Election(self.store, "scheduler", self.cfg.candidate_id, self.cfg.election_ttl_s)
             try:
                 await self.election.campaign()
-                log.info("scheduler %s leads", self.cfg.candidate_id, extra=kv(event="leader"))
-                while not self.election.lost.is_set():
-                    try:
-                        await self.plan_once()
-                    except StoreError as exc:
-                        log.warning("placement round failed: %s", exc, extra=kv(event="round_failed"))
-                    except Exception:
-                        log.exception("placement round error", extra=kv(event="round_failed"))
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self.election.lost.wait(), self.cfg.interval_s)
+                backoff = MIN_BACKOFF_S
+                self.terms += 1
+                log.info("scheduler %s leads (revision %d)", self.cfg.candidate_id, self.election.leader_revision,
+                         extra=kv(event="leader"))
+                await self._lead(self.election)
             except asyncio.CancelledError:
                 raise
             except StoreError as exc:
                 log.warning("campaign failed, retrying: %s", exc, extra=kv(event="campaign_failed"))
-                await asyncio.sleep(1.0)
+            except Exception:
+                log.exception("scheduler loop error", extra=kv(event="campaign_failed"))
             finally:
                 with contextlib.suppress(Exception):
                     await self.election.resign()
+            await asyncio.sleep(backoff * random.uniform(0.5, 1.5))
+            backoff = min(backoff * 2, MAX_BACKOFF_S)
+
+    async def _lead(self, election: Election) -> None:
+        """Placement rounds until leadership is lost (key gone, lease lost, or a refused write)."""
+        while not election.lost.is_set():
+            try:
+                await self.plan_once()
+            except StoreError as exc:
+                log.warning("placement round failed: %s", exc, extra=kv(event="round_failed"))
+            except Exception:
+                log.exception("placement round error", extra=kv(event="round_failed"))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(election.lost.wait(), self.cfg.interval_s)
 
     # -- one round -------------------------------------------------------------------------
     def _observe(self, snap: MeshSnapshot, now: float) -> None:
@@ -191,6 +210,7 @@ class Scheduler:
         # fenced: only while our election key still exists with the revision we won it at
         res = await self.store.txn([CreateRevision(self.election.key, "==", self.election.leader_revision)], ops)
         if not res.succeeded:
+            self.refused += 1
             log.warning("placement write refused: no longer leader", extra=kv(event="stale_leader"))
             self.election.lost.set()
             return 0

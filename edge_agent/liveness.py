@@ -33,7 +33,9 @@ class Liveness:
         self.interval_s = interval_s
         self.lease: Lease | None = None
         self.degraded_since: float | None = None
-        self.degraded_total_s = 0.0
+        self.degraded_total_s = 0.0      # ended episodes only; see degraded_seconds()
+        self.degraded_episodes = 0
+        self.lease_renewals = 0           # leases granted again after one was lost
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -64,27 +66,47 @@ class Liveness:
             except Exception:
                 log.exception("heartbeat error", extra=kv(site=self.site))
 
+    def degraded_seconds(self, now: float | None = None) -> float:
+        """Seconds spent degraded so far, the current episode included."""
+        current = 0.0
+        if self.degraded_since is not None:
+            current = (time.monotonic() if now is None else now) - self.degraded_since
+        return self.degraded_total_s + current
+
+    async def _renew_lease(self) -> Lease:
+        """Our lease, granting a new one if the old one ended (etcd restarted or we were cut off
+        longer than the TTL). The old one is revoked only after the record moved to the new one:
+        revoking first would delete ``live/<site>`` and every agent would drop us for a moment."""
+        if self.lease is not None and self.lease.alive:
+            return self.lease
+        self.lease = await self.store.lease(self.ttl_s)
+        return self.lease
+
     async def _beat(self) -> None:
         try:
-            if self.lease is None or not self.lease.alive:
-                old, self.lease = self.lease, None
-                if old is not None:
-                    with contextlib.suppress(Exception):
-                        await old.revoke()
-                self.lease = await self.store.lease(self.ttl_s)
+            old = self.lease if self.lease is not None and not self.lease.alive else None
+            lease = await self._renew_lease()
             record = self._record()
+            # A record written right after an outage already tells the whole story of it.
             record["degraded"] = self.degraded
-            record["degraded_total_s"] = round(self.degraded_total_s, 3)
-            await asyncio.wait_for(self.store.put(live_key(self.site), record, lease=self.lease),
-                                   self.ttl_s)
+            record["degraded_total_s"] = round(self.degraded_seconds(), 3)
+            record["degraded_episodes"] = self.degraded_episodes
+            record["lease_renewals"] = self.lease_renewals
+            await asyncio.wait_for(self.store.put(live_key(self.site), record, lease=lease), self.ttl_s)
+            if old is not None:
+                self.lease_renewals += 1
+                with contextlib.suppress(StoreError, TimeoutError):
+                    await asyncio.wait_for(old.revoke(), self.ttl_s)
         except (StoreError, TimeoutError) as exc:
             if self.degraded_since is None:
                 self.degraded_since = time.monotonic()
+                self.degraded_episodes += 1
                 log.warning("etcd unreachable, serving in degraded mode: %s", exc,
                             extra=kv(site=self.site, event="degraded"))
             return
         if self.degraded_since is not None:
-            self.degraded_total_s += time.monotonic() - self.degraded_since
+            episode = time.monotonic() - self.degraded_since
+            self.degraded_total_s += episode
             self.degraded_since = None
-            log.info("etcd reachable again after %.1f s degraded", self.degraded_total_s,
+            log.info("etcd reachable again after %.1f s degraded", episode,
                      extra=kv(site=self.site, event="recovered"))

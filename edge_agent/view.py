@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -45,6 +46,7 @@ class MeshView:
         self._dirty = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self.connected = False
+        self.resyncs = 0  # full re-reads after the watch could not resume
         self.loaded = asyncio.Event()
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -81,9 +83,20 @@ class MeshView:
         return set(self.live)
 
     # -- state updates ---------------------------------------------------------------------
+    def _reset(self) -> None:
+        self.sites, self.links, self.tenants = {}, {}, {}
+        self.variants, self.signatures = {}, {}
+        self.live, self.placement, self.services = {}, {}, {}
+        self._topology = None
+
     async def _load_all(self) -> None:
+        """Read everything at one revision and replace the view with it. A reload after a gap
+        (compaction) must also forget keys deleted meanwhile, so the state is rebuilt, not merged."""
+        # revision first: the watch then replays anything that changed during the read, in order
         rev = await self.store.revision()
-        for item in await self.store.get_prefix(""):
+        items = await self.store.get_prefix("")
+        self._reset()  # no await between reset and apply: listeners never see a half view
+        for item in items:
             self._apply(item.key, item.value)
         self.revision = rev
         self.connected = True
@@ -91,12 +104,14 @@ class MeshView:
         self._dirty.set()
 
     async def _follow(self) -> None:
+        backoff = 0.25
         while True:
             try:
                 watch = self.store.watch_prefix("", start_revision=self.revision + 1)
                 try:
                     async for ev in watch:
                         self.connected = True
+                        backoff = 0.25
                         self._apply(ev.key, ev.value if ev.kind == "put" else None)
                         self.revision = max(self.revision, ev.revision)
                         self._dirty.set()
@@ -105,13 +120,29 @@ class MeshView:
             except asyncio.CancelledError:
                 raise
             except StoreError as exc:
+                # The Store's watch resumes by itself across etcd restarts; it only gives up when
+                # etcd compacted past our revision. Then the view is read again from scratch.
                 self.connected = False
-                log.warning("watch failed, keeping last view: %s", exc, extra=kv(site=self.site))
-                await asyncio.sleep(1.0)
+                self.resyncs += 1
+                log.warning("watch cannot resume, re-reading the view: %s", exc, extra=kv(site=self.site))
+                await self._resync(backoff)
+                backoff = min(backoff * 2, 5.0)
             except Exception:
                 self.connected = False
                 log.exception("view follow error", extra=kv(site=self.site))
-                await asyncio.sleep(1.0)
+                await asyncio.sleep(backoff * random.uniform(0.5, 1.5))
+                backoff = min(backoff * 2, 5.0)
+
+    async def _resync(self, backoff: float) -> None:
+        """Reload until it works (the last view stays in force meanwhile)."""
+        while True:
+            await asyncio.sleep(backoff * random.uniform(0.5, 1.5))
+            try:
+                await self._load_all()
+                return
+            except StoreError as exc:
+                log.warning("view reload failed: %s", exc, extra=kv(site=self.site))
+                backoff = min(backoff * 2, 5.0)
 
     async def _notify_loop(self) -> None:
         while True:

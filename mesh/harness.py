@@ -21,7 +21,7 @@ from pathlib import Path
 
 from core_scheduler.scheduler import Scheduler, SchedulerConfig
 from mesh.delayproxy import LinkShape, ProxyPool
-from mesh.errors import ConfigError, MeshError
+from mesh.errors import ConfigError, MeshError, StoreError
 from mesh.etcd_server import EmbeddedEtcd
 from mesh.keys import live_key
 from mesh.log import get_logger, kv
@@ -147,21 +147,35 @@ class LocalMesh:
 
     # -- etcd ------------------------------------------------------------------------------
     async def start_etcd(self) -> None:
-        self.etcd = EmbeddedEtcd(self.opts.home / "etcd", client_port=self.etcd_port,
-                                 peer_port=self.etcd_peer_port)
+        """Start etcd, or start it again after ``stop_etcd`` on the same ports and data dir: every
+        process keeps its URL, and the kept Store reconnects (waited for here)."""
+        if self.etcd is None:
+            self.etcd = EmbeddedEtcd(self.opts.home / "etcd", client_port=self.etcd_port,
+                                     peer_port=self.etcd_peer_port)
         await self.etcd.start()
         if self.store is None:
             self.store = await Store.connect(self.etcd.url, self.opts.prefix)
+            return
+        deadline = time.monotonic() + 15.0
+        while True:
+            try:
+                await self.store.revision()
+                return
+            except StoreError as exc:
+                if time.monotonic() > deadline:
+                    raise MeshError(f"store did not reconnect to the restarted etcd: {exc}") from exc
+                await asyncio.sleep(0.1)
 
     async def stop_etcd(self, *, keep_store: bool = False) -> None:
+        """Stop etcd (its data stays). ``keep_store``: keep the harness's Store for a later
+        ``start_etcd`` (an outage), instead of closing it (the end of the mesh)."""
         if self.store is not None and not keep_store:
             with contextlib.suppress(Exception):
                 await self.store.close()
             self.store = None
         if self.etcd is not None:
             with contextlib.suppress(Exception):
-                await self.etcd.stop()
-            self.etcd = None
+                await self.etcd.stop(keep_data=True)
 
     # -- WAN emulation ---------------------------------------------------------------------
     async def _start_proxies(self) -> None:

@@ -13,7 +13,8 @@ import asyncio
 import json
 import sys
 
-from mesh.store import Election, Store
+from mesh.election import Election
+from mesh.store import Store
 
 
 async def main(argv: list[str]) -> None:

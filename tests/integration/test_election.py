@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from mesh.election import Election
 from mesh.etcd_server import EmbeddedEtcd
-from mesh.store import CreateRevision, Election, Put, Store
+from mesh.store import CreateRevision, Put, Store
 
 pytestmark = pytest.mark.integration
 
