@@ -44,13 +44,14 @@ async def run_decision(ctx: RunContext) -> Path:
 
 
 def _scenarios() -> dict[str, Callable[[RunContext], Awaitable[Path]]]:
-    from bench import batching, floors
+    from bench import batching, coldstart, floors, geo
 
     return {"mesh_hop": floors.run_mesh_hop, "http_api": floors.run_http_api, "sdk_local": floors.run_sdk_local,
-            "decision": run_decision, "batching": batching.run_batching}
+            "decision": run_decision, "batching": batching.run_batching, "geo": geo.run_geo,
+            "coldstart": coldstart.run_coldstart}
 
 
-SCENARIOS = ("mesh_hop", "http_api", "sdk_local", "decision", "batching")
+SCENARIOS = ("mesh_hop", "http_api", "sdk_local", "decision", "batching", "geo", "coldstart")
 
 
 async def _run(names: list[str], ctx: RunContext) -> int:
