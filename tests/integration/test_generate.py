@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TypeAlias
 
 import numpy as np
+import onnx
 import pytest
 
 from tests.helpers_models import conv_onnx, digits_split, trained_mlp_onnx
@@ -87,18 +88,29 @@ def test_regeneration_is_byte_identical(mlp_build: Build, tmp_path: Path) -> Non
     assert len(set(first.values())) == len(first)  # every variant is a distinct artefact
 
 
-def test_conv_graph_skips_tflite_naming_the_op_but_builds_the_rest(tmp_path: Path) -> None:
+def test_conv_graph_builds_every_cpu_kind_including_tflite(tmp_path: Path) -> None:
     parent = conv_onnx(tmp_path / "conv.onnx")
     made, skipped = generate_variants(parent, digits_split().x_train[:128], tmp_path / "out",
                                       kinds=["onnx.fp32", "tflite.int8", "onnx.int8-static", "onnx.fp16"])
-    assert [s.kind for s in skipped] == ["tflite.int8"]
-    assert "unsupported op Conv at node 'conv1'" in skipped[0].reason
-    assert not (tmp_path / "out" / "conv.tflite.int8.tflite").exists()
-    assert sorted(v.kind for v in made) == ["onnx.fp16", "onnx.fp32", "onnx.int8-static"]
+    assert skipped == []
+    assert sorted(v.kind for v in made) == ["onnx.fp16", "onnx.fp32", "onnx.int8-static", "tflite.int8"]
     x = digits_split().x_val[:64]
     outs = {v.kind: _logits(v, x) for v in made}
     for kind, y in outs.items():
         assert y.shape == (64, 10) and np.all(np.isfinite(y)), kind
+
+
+def test_an_op_the_tflite_writer_cannot_lower_skips_tflite_naming_it(tmp_path: Path) -> None:
+    parent = conv_onnx(tmp_path / "conv.onnx")
+    m = onnx.load(str(parent))
+    next(n for n in m.graph.node if n.name == "pool1").op_type = "AveragePool"
+    parent.write_bytes(m.SerializeToString())
+    made, skipped = generate_variants(parent, digits_split().x_train[:128], tmp_path / "out",
+                                      kinds=["onnx.fp32", "tflite.int8"])
+    assert [s.kind for s in skipped] == ["tflite.int8"]
+    assert "unsupported op AveragePool at node 'pool1'" in skipped[0].reason
+    assert not (tmp_path / "out" / "conv.tflite.int8.tflite").exists()
+    assert [v.kind for v in made] == ["onnx.fp32"]
 
 
 def test_a_failing_generator_does_not_stop_the_others(tmp_path: Path) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import onnx
 import pytest
@@ -12,10 +14,16 @@ from onnx import TensorProto, helper, numpy_helper
 from mesh.errors import VariantBuildError
 from variant_store.generate.ops import TFLITE_WRITER_OPS, has_conv, unsupported_nodes
 from variant_store.generate.tflite_writer import (
+    ConvLayer,
+    DenseLayer,
+    PoolLayer,
+    ReshapeLayer,
     UnsupportedOp,
     _act_qparams,
-    _float_chain,
     extract_dense_chain,
+    extract_layers,
+    float_forward,
+    padding_mode,
 )
 
 pytestmark = pytest.mark.unit
@@ -49,7 +57,7 @@ def test_gemm_relu_chain_is_read_with_fused_relu() -> None:
     assert [(lay.name, lay.relu) for lay in layers] == [("fc0", True), ("fc1", False)]
     x = _w(5, 6)
     want = np.maximum(x @ w0.T + b0, 0) @ w1.T + b1
-    np.testing.assert_allclose(_float_chain(layers, x)[-1], want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(float_forward(layers, x)[-1], want, rtol=1e-5, atol=1e-5)
 
 
 def test_gemm_without_transb_and_matmul_add_are_transposed_to_out_in_layout() -> None:
@@ -64,20 +72,7 @@ def test_gemm_without_transb_and_matmul_add_are_transposed_to_out_in_layout() ->
     assert [lay.weight.shape for lay in layers] == [(4, 6), (3, 4)]
     np.testing.assert_array_equal(layers[1].bias, b1)
     x = _w(2, 6)
-    np.testing.assert_allclose(_float_chain(layers, x)[-1], x @ w0 @ w1 + b1, rtol=1e-5, atol=1e-5)
-
-
-def test_conv_is_refused_naming_op_and_node() -> None:
-    m = _graph([
-        helper.make_node("Reshape", ["x", "shape"], ["img"], name="to_img"),
-        helper.make_node("Conv", ["img", "k"], ["y"], name="conv_first", kernel_shape=[1, 1]),
-    ], {"shape": np.array([-1, 6, 1, 1], np.int64), "k": _w(3, 6, 1, 1)})
-    assert has_conv(m)
-    assert unsupported_nodes(m, TFLITE_WRITER_OPS) == [("Conv", "conv_first")]
-    with pytest.raises(UnsupportedOp) as info:
-        extract_dense_chain(m)
-    assert info.value.op == "Conv" and info.value.node == "conv_first"
-    assert "unsupported op Conv at node 'conv_first'" in str(info.value)
+    np.testing.assert_allclose(float_forward(layers, x)[-1], x @ w0 @ w1 + b1, rtol=1e-5, atol=1e-5)
 
 
 def test_residual_add_is_refused() -> None:
@@ -106,3 +101,130 @@ def test_activation_qparams_cover_range_and_zero(lo: float, span: float) -> None
     q = np.clip(np.round(a / scale) + zero, -128, 127)
     back = (q - zero) * scale
     assert np.all(np.abs(back - a) <= scale * 1.01 + 1e-9)
+
+
+def _cnn(hw: tuple[int, int] = (8, 8), ch: int = 4, k: tuple[int, int] = (3, 3),
+         strides: tuple[int, int] = (1, 1), pads: tuple[int, int, int, int] = (1, 1, 1, 1),
+         pool: dict[str, Any] | None = None, extra: list[onnx.NodeProto] | None = None,
+         conv_attrs: dict[str, Any] | None = None) -> onnx.ModelProto:
+    """x (N, H*W) -> image -> Conv -> Relu [-> MaxPool] -> Flatten -> Gemm (3 outputs)."""
+    h, w = hw
+    oh = (h + pads[0] + pads[2] - k[0]) // strides[0] + 1
+    ow = (w + pads[1] + pads[3] - k[1]) // strides[1] + 1
+    nodes = [
+        helper.make_node("Reshape", ["x", "shape"], ["img"], name="to_img"),
+        helper.make_node("Conv", ["img", "k", "kb"], ["c"], name="conv", kernel_shape=list(k),
+                         strides=list(strides), pads=list(pads), **(conv_attrs or {})),
+        helper.make_node("Relu", ["c"], ["r"], name="relu"),
+    ]
+    last = "r"
+    if pool is not None:
+        nodes.append(helper.make_node("MaxPool", ["r"], ["p"], name="pool", **pool))
+        pk, ps, pp = pool["kernel_shape"], pool.get("strides", [1, 1]), pool.get("pads", [0, 0, 0, 0])
+        oh = (oh + pp[0] + pp[2] - pk[0]) // ps[0] + 1
+        ow = (ow + pp[1] + pp[3] - pk[1]) // ps[1] + 1
+        last = "p"
+    nodes += [*(extra or []),
+              helper.make_node("Flatten", [last], ["f"], name="flat", axis=1),
+              helper.make_node("Gemm", ["f", "fw", "fb"], ["y"], name="fc", transB=1)]
+    inits = {"shape": np.array([-1, 1, h, w], np.int64), "k": _w(ch, 1, *k), "kb": _w(ch),
+             "fw": _w(3, ch * oh * ow), "fb": _w(3)}
+    return _graph(nodes, inits, n_in=h * w)
+
+
+def _onnx_ref(m: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+    from onnx.reference import ReferenceEvaluator
+
+    outs: Any = ReferenceEvaluator(m).run(None, {"x": x})
+    return np.asarray(outs[0])
+
+
+def test_cnn_is_lowered_to_nhwc_layers_matching_the_onnx_reference() -> None:
+    m = _cnn(pool={"kernel_shape": [2, 2], "strides": [2, 2]})
+    assert has_conv(m) and unsupported_nodes(m, TFLITE_WRITER_OPS) == []
+    _, _, layers = extract_layers(m)
+    assert [type(lay) for lay in layers] == [ReshapeLayer, ConvLayer, PoolLayer, DenseLayer]
+    reshape, conv, _, fc = layers
+    assert isinstance(reshape, ReshapeLayer) and reshape.shape == (8, 8, 1)
+    assert isinstance(conv, ConvLayer) and conv.relu and conv.weight.shape == (4, 3, 3, 1)  # OHWI
+    k = numpy_helper.to_array(next(t for t in m.graph.initializer if t.name == "k"))
+    np.testing.assert_array_equal(conv.weight, k.transpose(0, 2, 3, 1))
+    # The flatten is absorbed: the FC's columns are in NHWC order, so they differ from ONNX's.
+    fw = numpy_helper.to_array(next(t for t in m.graph.initializer if t.name == "fw"))
+    assert isinstance(fc, DenseLayer) and not np.array_equal(fc.weight, fw)
+    x = RNG.random((5, 64)).astype(np.float32)
+    acts = float_forward(layers, x)
+    assert [a.shape for a in acts] == [(5, 64), (5, 8, 8, 1), (5, 8, 8, 4), (5, 4, 4, 4), (5, 3)]
+    np.testing.assert_allclose(acts[-1], _onnx_ref(m, x), rtol=1e-4, atol=1e-4)
+
+
+@settings(max_examples=40, deadline=None)
+@given(kh=st.integers(1, 3), kw=st.integers(1, 3), sh=st.integers(1, 2), sw=st.integers(1, 2),
+       pads=st.tuples(*[st.integers(0, 2)] * 4), h=st.integers(4, 7), w=st.integers(4, 7))
+def test_conv_float_forward_matches_onnx_for_any_stride_and_padding(
+        kh: int, kw: int, sh: int, sw: int, pads: tuple[int, int, int, int], h: int, w: int) -> None:
+    m = _cnn(hw=(h, w), ch=2, k=(kh, kw), strides=(sh, sw), pads=pads)
+    _, _, layers = extract_layers(m)
+    x = RNG.normal(size=(3, h * w)).astype(np.float32)
+    np.testing.assert_allclose(float_forward(layers, x)[-1], _onnx_ref(m, x), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(("hw", "k", "s", "pads", "want"), [
+    ((8, 8), (3, 3), (1, 1), (1, 1, 1, 1), "SAME"),
+    ((8, 8), (3, 3), (1, 1), (0, 0, 0, 0), "VALID"),
+    ((7, 7), (2, 2), (2, 2), (0, 0, 1, 1), "SAME"),     # TFLite puts the odd pad after
+    ((7, 7), (2, 2), (2, 2), (1, 1, 0, 0), None),       # ... ONNX may put it before
+    ((8, 8), (3, 3), (1, 1), (2, 2, 2, 2), None),       # more than SAME: needs a PAD
+    ((8, 6), (5, 3), (1, 1), (2, 1, 2, 1), "SAME"),
+    ((8, 8), (2, 2), (2, 2), (0, 0, 0, 0), "VALID"),
+])
+def test_padding_mode_is_same_or_valid_only_where_exact(
+        hw: tuple[int, int], k: tuple[int, int], s: tuple[int, int],
+        pads: tuple[int, int, int, int], want: str | None) -> None:
+    assert padding_mode(hw, k, s, pads) == want
+
+
+@pytest.mark.parametrize(("kwargs", "node", "why"), [
+    ({"conv_attrs": {"dilations": [2, 2]}}, "conv", "dilated"),
+    ({"pool": {"kernel_shape": [2, 2], "strides": [2, 2], "ceil_mode": 1}}, "pool", "ceil-mode"),
+    ({"pool": {"kernel_shape": [3, 3], "pads": [2, 2, 2, 2]}}, "pool", "padding other than"),
+    ({"extra": [helper.make_node("Relu", ["r"], ["r2"], name="relu_again")]}, "relu_again",
+     "Relu not following"),
+])
+def test_conv_graphs_the_writer_cannot_lower_are_refused_naming_the_node(
+        kwargs: dict[str, Any], node: str, why: str) -> None:
+    m = _cnn(**kwargs)
+    if node == "relu_again":  # re-wire the flatten onto the extra node's output
+        m.graph.node[-2].input[0] = "r2"
+    with pytest.raises(UnsupportedOp, match=why) as info:
+        extract_layers(m)
+    assert info.value.node == node
+
+
+def test_multi_channel_image_reshape_is_refused_but_1x1_images_are_not() -> None:
+    def graph(shape: list[int], ch_in: int) -> onnx.ModelProto:
+        return _graph([
+            helper.make_node("Reshape", ["x", "shape"], ["img"], name="to_img"),
+            helper.make_node("Conv", ["img", "k"], ["c"], name="conv", kernel_shape=[1, 1]),
+            helper.make_node("Flatten", ["c"], ["f"], name="flat"),
+            helper.make_node("Gemm", ["f", "fw"], ["y"], name="fc", transB=1),
+        ], {"shape": np.array(shape, np.int64), "k": _w(2, ch_in, 1, 1),
+            "fw": _w(3, 2 * 6 // ch_in)})
+    with pytest.raises(UnsupportedOp, match="multi-channel") as info:
+        extract_layers(graph([-1, 3, 2, 1], 3))
+    assert info.value.node == "to_img"
+    # (N, 6, 1, 1) is the same bytes in NCHW and NHWC.
+    m = graph([-1, 6, 1, 1], 6)
+    _, _, layers = extract_layers(m)
+    x = _w(4, 6)
+    np.testing.assert_allclose(float_forward(layers, x)[-1], _onnx_ref(m, x), rtol=1e-4, atol=1e-4)
+
+
+def test_unlowerable_conv_ops_and_dense_only_reads_name_the_node() -> None:
+    m = _cnn()
+    m.graph.node[1].op_type = "ConvTranspose"
+    with pytest.raises(UnsupportedOp, match="unsupported op ConvTranspose at node 'conv'"):
+        extract_layers(m)
+    with pytest.raises(UnsupportedOp, match="non-dense layer") as info:
+        extract_dense_chain(_cnn())
+    assert info.value.node == "to_img"

@@ -1,7 +1,7 @@
 """Op-set checks: which generators can take which ONNX graph, decided before any work is done.
 
 A generator that cannot handle an op says so by naming the op and the node (``unsupported op
-Conv at node 'conv1'``), so a model owner learns why a variant is missing from the catalog.
+AveragePool at node 'pool1'``), so a model owner learns why a variant is missing from the catalog.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ __all__ = [
     "unsupported_nodes",
 ]
 
-# What the TFLite INT8 writer lowers: dense layers with fused ReLU, plus no-op shape glue.
+# What the TFLite INT8 writer lowers: dense and 2-D conv layers with fused ReLU, max-pooling, and
+# shape glue (the image reshape of the input, the flatten before the dense head).
 TFLITE_WRITER_OPS: frozenset[str] = frozenset(
-    {"Gemm", "MatMul", "Add", "Relu", "Reshape", "Flatten", "Identity", "Constant"})
+    {"Gemm", "MatMul", "Add", "Relu", "Reshape", "Flatten", "Identity", "Constant", "Conv", "MaxPool"})
 
 CONV_OPS: frozenset[str] = frozenset({"Conv", "ConvTranspose", "ConvInteger", "QLinearConv"})
 
