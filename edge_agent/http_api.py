@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import enum
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from importlib import metadata
 from types import TracebackType
@@ -24,6 +23,7 @@ from edge_agent.dataplane import DataPlane
 from mesh import v2_codec as codec
 from mesh.errors import BadTensor, MeshError, PayloadTooLarge, RequestError, UnknownTask
 from mesh.log import get_logger, kv
+from mesh.protocol import new_request_id
 from mesh.types import DEFAULT_TENANT, InferRequest
 
 __all__ = [
@@ -138,7 +138,7 @@ class _Handlers:
         sig = self.dp.task_signature(task)
         body = await _read_body(request, self.max_body)
         dec = codec.decode_infer_request(body, _header_length(request), max_bytes=self.max_body)
-        rid = dec.request_id or uuid.uuid4().hex
+        rid = dec.request_id or new_request_id()
         slo = codec.parse_slo(dec.parameters)
         claimed = dec.parameters.get("tenant")
         if claimed is not None and claimed != tenant:
@@ -146,8 +146,7 @@ class _Handlers:
             raise RequestError(f"parameter tenant {claimed!r} does not match the caller's "
                                f"identity {tenant!r}")
         codec.validate_inputs(dec.inputs, sig)
-        known = {s.name for s in sig.outputs}
-        if dec.outputs is not None and (unknown := sorted(set(dec.outputs) - known)):
+        if dec.outputs is not None and (unknown := sorted(set(dec.outputs) - {s.name for s in sig.outputs})):
             raise BadTensor(f"task {task} has no output(s) {unknown}")
         req = InferRequest(task=task, inputs=dec.inputs, slo=slo, tenant=tenant, request_id=rid,
                            deadline=time.time() + slo.latency_ms / 1000.0)

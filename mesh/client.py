@@ -67,6 +67,10 @@ class _State(enum.Enum):
 
 
 def _header(headers: Mapping[str, str], name: str) -> str | None:
+    # aiohttp's headers look up case-insensitively, and most dicts use the canonical spelling
+    found = headers.get(name)
+    if found is not None:
+        return found
     lname = name.lower()
     for k, v in headers.items():
         if k.lower() == lname:
@@ -94,8 +98,12 @@ class AsyncClient:
         self.timeout = timeout
         self.binary = binary
         self._transport: Transport = transport or AiohttpTransport(base_url, timeout=timeout)
+        # our own transport bounds every request by ``timeout`` already (aiohttp's total timeout,
+        # raised as DeadlineExceeded); a second timer per call would only add cost
+        self._bounded = transport is None
         self._state = _State.UNOPENED
         self._signatures: dict[str, TaskSignature] = {}
+        self._infer_paths: dict[str, str] = {}  # quote() costs microseconds; tasks are few
 
     @property
     def state(self) -> str:
@@ -111,9 +119,11 @@ class AsyncClient:
         self._state = _State.OPEN
 
     async def _send(self, method: str, path: str, headers: dict[str, str] | None = None,
-                    body: bytes = b"") -> tuple[int, dict[str, str], bytes]:
+                    body: bytes = b"") -> tuple[int, Mapping[str, str], bytes]:
         self._open()
         hdrs = {codec.TENANT_HEADER: self.tenant, **(headers or {})}
+        if self._bounded:
+            return await self._transport.request(method, path, hdrs, body)
         try:
             async with asyncio.timeout(self.timeout):
                 return await self._transport.request(method, path, hdrs, body)
@@ -121,7 +131,7 @@ class AsyncClient:
             raise DeadlineExceeded(f"{method} {path}: no answer within {self.timeout} s") from exc
 
     async def _checked(self, method: str, path: str, headers: dict[str, str] | None = None,
-                       body: bytes = b"") -> tuple[dict[str, str], bytes]:
+                       body: bytes = b"") -> tuple[Mapping[str, str], bytes]:
         status, rh, rb = await self._send(method, path, headers, body)
         if status >= 400:
             raise _error_from(status, rb)
@@ -153,7 +163,7 @@ class AsyncClient:
         """Run ``task`` on ``inputs`` within the SLO. A bare array feeds the task's single input."""
         self._open()
         if isinstance(inputs, np.ndarray):
-            sig = await self.task_metadata(task)
+            sig = self._signatures.get(task) or await self.task_metadata(task)
             if len(sig.inputs) != 1:
                 raise BadTensor(f"task {task} takes inputs {[s.name for s in sig.inputs]}; pass a dict")
             tensors = {sig.inputs[0].name: inputs}
@@ -166,7 +176,10 @@ class AsyncClient:
         headers = {"Content-Type": "application/octet-stream" if hlen is not None else "application/json"}
         if hlen is not None:
             headers[codec.HEADER_LENGTH] = str(hlen)
-        rh, rb = await self._checked("POST", f"v2/models/{quote(task, safe='')}/infer", headers, body)
+        path = self._infer_paths.get(task)
+        if path is None:
+            path = self._infer_paths[task] = f"v2/models/{quote(task, safe='')}/infer"
+        rh, rb = await self._checked("POST", path, headers, body)
         raw_len = _header(rh, codec.HEADER_LENGTH)
         dec = codec.decode_infer_response(rb, int(raw_len) if raw_len is not None else None)
         return InferResult(outputs=dec.outputs, request_id=dec.request_id,

@@ -12,9 +12,15 @@ timing: {network_ms, queue_ms, compute_ms, total_ms}, hops, tensors}`` or
 ``{v, kind: "err", id, code, error}`` where ``code`` is a ``mesh.errors`` code.
 
 Tensor bytes are little-endian, C-order, never copied on encode (frames are views of the arrays)
-and never copied on decode (``np.frombuffer`` over the received frame). Decoded arrays are
+and never copied on decode (``np.frombuffer`` over the received frame). A tensor that is a whole
+received frame (a hop forwarding or echoing what it got) is sent as that frame again, which libzmq
+shares by reference count instead of copying or lending. Decoded arrays are
 therefore **read-only** views that keep the frame alive; ``np.array(x)`` them before writing.
 Only an unaligned frame (possible for tiny messages stored inline by libzmq) is copied.
+
+Both directions have a fast path for the messages this codec itself writes (exact msgpack types,
+native little-endian contiguous arrays): anything it does not recognise falls through to the
+field-by-field validator, so hostile input still gets the precise error below.
 
 Hostile input raises ``ProtocolError`` with a message saying what was wrong, or
 ``PayloadTooLarge`` when declared or actual sizes exceed ``max_bytes``; both are in
@@ -23,9 +29,11 @@ Hostile input raises ``ProtocolError`` with a message saying what was wrong, or
 
 from __future__ import annotations
 
+import itertools
 import math
+import os
 from collections.abc import Mapping, Sequence
-from typing import Any, Final, cast
+from typing import Any, Final, TypeGuard, cast
 
 import msgpack
 import numpy as np
@@ -48,6 +56,7 @@ __all__ = [
     "encode_error",
     "encode_request",
     "encode_response",
+    "new_request_id",
     "peek_request_id",
 ]
 
@@ -61,14 +70,31 @@ ALLOWED_DTYPES: Final = frozenset(
     {"float32", "float16", "float64", "int8", "uint8", "int32", "int64", "bool"}
 )
 _WIRE_DTYPES: Final = {n: np.dtype(n).newbyteorder("<") for n in ALLOWED_DTYPES}
+# ``dtype.name`` is a Python-level property (microseconds); a dict keyed by dtype is not. Only
+# dtypes that are already little-endian are keys, so a big-endian one takes the slow path.
+_FAST_DTYPE_NAMES: Final = {dt: n for n, dt in _WIRE_DTYPES.items()}
 _PREFER: Final = frozenset({"latency", "accuracy", "refuse"})
 DECODE_ERRORS: Final = (ProtocolError, PayloadTooLarge)
 
+# SLO is frozen, so equal ones can be shared: building a frozen dataclass costs more than a lookup
+_SLOS: dict[tuple[float, float, float | None, str], SLO] = {}
+
 FrameLike = bytes | bytearray | memoryview | zmq.Frame
-Frames = list[bytes | memoryview]
+Frames = list[bytes | memoryview | zmq.Frame]
 
 
 # ---------------------------------------------------------------- encode
+
+# uuid4 costs microseconds per call; a random per-process prefix plus a counter is as unique for
+# matching replies and tracing, and costs a fraction of that
+_ID_PREFIX: Final = os.urandom(8).hex()
+_ID_COUNTER = itertools.count(1)
+
+
+def new_request_id() -> str:
+    """A fresh request id, unique across processes (random 64-bit prefix + counter)."""
+    return f"{_ID_PREFIX}{next(_ID_COUNTER):x}"
+
 
 
 def _pack(header: dict[str, Any]) -> bytes:
@@ -78,23 +104,38 @@ def _pack(header: dict[str, Any]) -> bytes:
         raise ProtocolError(f"cannot encode header: {exc}") from exc
 
 
-def _tensor_frames(tensors: Mapping[str, np.ndarray]) -> tuple[list[dict[str, Any]], list[memoryview]]:
+def _tensor_frames(tensors: Mapping[str, np.ndarray]) -> tuple[list[dict[str, Any]], list[memoryview | zmq.Frame]]:
     descs: list[dict[str, Any]] = []
-    frames: list[memoryview] = []
+    frames: list[memoryview | zmq.Frame] = []
     for name, arr in tensors.items():
-        if not isinstance(name, str) or not name:
-            raise BadTensor(f"tensor name {name!r} must be a non-empty string")
-        a = np.asarray(arr)
-        if a.dtype.name not in ALLOWED_DTYPES:
-            raise BadTensor(f"tensor {name!r}: dtype {a.dtype} is not allowed on the wire")
-        if a.dtype.byteorder == ">":
-            a = a.astype(a.dtype.newbyteorder("<"))
-        if not a.flags.c_contiguous:  # ascontiguousarray would turn 0-d into 1-d
-            a = a.copy(order="C")
-        descs.append({"name": name, "dtype": a.dtype.name, "shape": list(a.shape)})
-        # reshape(-1) of a contiguous array is a view; uint8 view gives a plain byte buffer
-        frames.append(a.reshape(-1).view(np.uint8).data)
+        if type(arr) is np.ndarray and type(name) is str and name and arr.size:
+            dtype_name = _FAST_DTYPE_NAMES.get(arr.dtype)
+            if dtype_name is not None:
+                view = memoryview(arr)  # type: ignore[arg-type]  # ndarray exports buffers
+                if view.c_contiguous:
+                    descs.append({"name": name, "dtype": dtype_name, "shape": list(arr.shape)})
+                    # a contiguous view as long as the frame under it is all of that frame
+                    base = arr.base.base if type(arr.base) is np.ndarray else arr.base
+                    frames.append(base if type(base) is zmq.Frame and len(base) == view.nbytes else view.cast("B"))
+                    continue
+        desc, frame = _slow_tensor_frame(name, arr)
+        descs.append(desc)
+        frames.append(frame)
     return descs, frames
+
+
+def _slow_tensor_frame(name: object, arr: object) -> tuple[dict[str, Any], memoryview]:
+    if not isinstance(name, str) or not name:
+        raise BadTensor(f"tensor name {name!r} must be a non-empty string")
+    a = np.asarray(arr)
+    if a.dtype.name not in ALLOWED_DTYPES:
+        raise BadTensor(f"tensor {name!r}: dtype {a.dtype} is not allowed on the wire")
+    if a.dtype.byteorder == ">":
+        a = a.astype(a.dtype.newbyteorder("<"))
+    if not a.flags.c_contiguous:  # ascontiguousarray would turn 0-d into 1-d
+        a = a.copy(order="C")
+    # reshape(-1) of a contiguous array is a view; uint8 view gives a plain byte buffer
+    return {"name": name, "dtype": a.dtype.name, "shape": list(a.shape)}, a.reshape(-1).view(np.uint8).data
 
 
 def encode_request(req: InferRequest) -> Frames:
@@ -176,9 +217,11 @@ def _buffer(frame: object) -> memoryview:
 
 
 def _unpack_header(frame: object) -> dict[str, Any]:
-    buf = _buffer(frame)
-    if buf.nbytes > MAX_HEADER_BYTES:
-        raise ProtocolError(f"header of {buf.nbytes} bytes exceeds {MAX_HEADER_BYTES}")
+    # the two frame types a socket hands us are read by msgpack as they are: no memoryview first
+    buf: object = frame if type(frame) is zmq.Frame or type(frame) is bytes else _buffer(frame)
+    size = len(buf) if type(buf) is not memoryview else buf.nbytes  # type: ignore[arg-type]
+    if size > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {size} bytes exceeds {MAX_HEADER_BYTES}")
     try:
         header = msgpack.unpackb(buf, raw=False, strict_map_key=True, use_list=True)
     except Exception as exc:  # msgpack raises a zoo of types on garbage: all mean "not a header"
@@ -280,6 +323,94 @@ def _tensors(h: Mapping[str, Any], frames: Sequence[object], max_bytes: int) -> 
     return out
 
 
+def _finite(x: object) -> TypeGuard[float]:
+    # exact float only (msgpack gives float for what encode wrote); inf - inf and nan - nan are nan
+    return type(x) is float and x - x == 0.0
+
+
+def _str_items(xs: object) -> TypeGuard[list[str]]:
+    return type(xs) is list and all(type(x) is str for x in xs)
+
+
+def _fast_tensors(descs: object, frames: Sequence[object], max_bytes: int) -> dict[str, np.ndarray] | None:
+    """The tensors of a well-formed message, or None to let ``_tensors`` say what is wrong."""
+    if type(descs) is not list or len(descs) != len(frames) or len(descs) > _MAX_TENSORS:
+        return None
+    out: dict[str, np.ndarray] = {}
+    total = 0
+    for d, frame in zip(descs, frames, strict=True):
+        if type(d) is not dict:
+            return None
+        name, dtype_name, shape = d.get("name"), d.get("dtype"), d.get("shape")
+        if (type(name) is not str or not name or name in out or type(dtype_name) is not str
+                or type(shape) is not list or len(shape) > _MAX_NDIM):
+            return None
+        dtype = _WIRE_DTYPES.get(dtype_name)
+        if dtype is None:
+            return None
+        count = 1
+        for dim in shape:
+            if type(dim) is not int or dim < 0:
+                return None
+            count *= dim
+        nbytes = count * dtype.itemsize
+        total += nbytes
+        if total > max_bytes or (type(frame) is not zmq.Frame and type(frame) is not bytes):
+            return None
+        if len(frame) != nbytes:  # type: ignore[arg-type]
+            return None
+        arr = np.frombuffer(frame, dtype=dtype).reshape(shape)  # type: ignore[arg-type]
+        flags = arr.flags
+        if not flags.aligned:
+            arr = arr.copy()
+            flags = arr.flags
+        flags.writeable = False  # a view of the receive buffer: writing would alias it
+        out[name] = arr
+    return out
+
+
+def _fast_request(h: dict[str, Any], frames: Sequence[object], max_bytes: int) -> InferRequest | None:
+    slo, task, tenant, deadline = h.get("slo"), h.get("task"), h.get("tenant"), h.get("deadline")
+    hops, site, variant = h.get("hops"), h.get("target_site"), h.get("target_variant")
+    if (h.get("kind") != "req" or type(slo) is not dict or type(task) is not str or not task
+            or type(tenant) is not str or not tenant or not _finite(deadline) or not _str_items(hops)
+            or (site is not None and type(site) is not str) or (variant is not None and type(variant) is not str)):
+        return None
+    latency, accuracy, cost, prefer = slo.get("latency_ms"), slo.get("min_accuracy"), slo.get("max_cost"), \
+        slo.get("prefer")
+    if (not _finite(latency) or not _finite(accuracy) or (cost is not None and not _finite(cost))
+            or type(prefer) is not str or prefer not in _PREFER):
+        return None
+    tensors = _fast_tensors(h.get("tensors"), frames[1:], max_bytes)
+    if tensors is None:
+        return None
+    key = (latency, accuracy, cost, prefer)
+    slo_obj = _SLOS.get(key)
+    if slo_obj is None:
+        if len(_SLOS) >= 1024:  # callers reuse a handful of SLOs; a flood of distinct ones just resets
+            _SLOS.clear()
+        slo_obj = _SLOS[key] = SLO(latency, accuracy, cost, cast(Prefer, prefer))
+    return InferRequest(task, tensors, slo_obj, tenant, h["id"], deadline, hops, site, variant)
+
+
+def _fast_response(h: dict[str, Any], rid: str, frames: Sequence[object], max_bytes: int) -> InferResponse | None:
+    site, variant, reason, tenant = h.get("site"), h.get("variant"), h.get("reason"), h.get("tenant")
+    accuracy, best_effort, timing, hops = h.get("accuracy"), h.get("best_effort"), h.get("timing"), h.get("hops")
+    if (h.get("kind") != "rep" or type(site) is not str or type(variant) is not str or type(reason) is not str
+            or type(tenant) is not str or not tenant or not _finite(accuracy) or type(best_effort) is not bool
+            or type(timing) is not dict or not _str_items(hops)):
+        return None
+    network, queue, compute, total = timing.get("network_ms"), timing.get("queue_ms"), timing.get("compute_ms"), \
+        timing.get("total_ms")
+    if not (_finite(network) and _finite(queue) and _finite(compute) and _finite(total)):
+        return None
+    tensors = _fast_tensors(h.get("tensors"), frames[1:], max_bytes)
+    if tensors is None:
+        return None
+    return InferResponse(rid, tensors, site, variant, accuracy, reason, best_effort, tenant,
+                         Timing(network, queue, compute, total), hops)
+
+
 def _kind(h: Mapping[str, Any], *expected: str) -> str:
     kind = _str(h, "kind")
     if kind not in expected:
@@ -295,6 +426,9 @@ def decode_request(frames: Sequence[FrameLike], *, max_bytes: int = DEFAULT_MAX_
     if not frames:
         raise ProtocolError("empty message")
     h = _unpack_header(frames[0])
+    fast = _fast_request(h, frames, max_bytes)
+    if fast is not None:
+        return fast
     _kind(h, "req")
     slo: dict[str, Any] = _field(h, "slo", dict)
     prefer = _str(slo, "prefer")
@@ -326,6 +460,9 @@ def decode_reply(frames: Sequence[FrameLike], *,
         raise ProtocolError("empty message")
     h = _unpack_header(frames[0])
     rid: str = h["id"]  # checked by _unpack_header
+    fast = _fast_response(h, rid, frames, max_bytes)
+    if fast is not None:
+        return rid, fast
     try:
         if _kind(h, "rep", "err") == "err":
             if len(frames) != 1:

@@ -18,8 +18,8 @@ from mesh.errors import DeadlineExceeded, PeerUnavailable
 
 __all__ = ["AiohttpTransport", "Handler", "MockTransport", "Response", "Transport"]
 
-# (status, headers, body)
-Response = tuple[int, dict[str, str], bytes]
+# (status, headers, body); headers may be any mapping (aiohttp's are case-insensitive)
+Response = tuple[int, Mapping[str, str], bytes]
 Handler = Callable[[str, str, dict[str, str], bytes], Response | Awaitable[Response]]
 
 
@@ -61,9 +61,10 @@ class AiohttpTransport:
         session = self._get_session()
         url = f"{self.base_url}/{path.lstrip('/')}"
         try:
-            async with session.request(method, url, headers=dict(headers), data=body or None) as resp:
+            async with session.request(method, url, headers=headers, data=body or None) as resp:
                 data = await resp.read()
-                return resp.status, dict(resp.headers), data
+                # the read-only view needs no copy: it outlives the response it came from
+                return resp.status, resp.headers, data
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
             raise DeadlineExceeded(f"{method} {url}: no answer within {self.timeout} s") from exc
         except aiohttp.ClientError as exc:

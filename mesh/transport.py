@@ -7,6 +7,12 @@ Every request has an absolute deadline. The client fails a pending request with
 disconnect / handshake-failure events): a CURVE-rejected or vanished peer otherwise just stays
 silent. The server answers expired requests without calling the handler and turns every handler
 failure into an error reply, so a caller always gets a ``MeshError`` subclass, never silence.
+
+The data sockets do not go through ``zmq.asyncio``: its per-operation Futures and flag enums cost
+more than the codec on a small message. ``_Pump`` watches the socket's ``ZMQ_FD`` with
+``loop.add_reader``, drains every ready message in one callback, and sends with ``NOBLOCK``
+(waiting for ``POLLOUT`` only when a DEALER's queue is full). Sockets still come from the caller's
+context, so ``ctx.destroy()`` and leak checks see them; only the monitor uses ``zmq.asyncio``.
 """
 
 from __future__ import annotations
@@ -15,8 +21,8 @@ import asyncio
 import contextlib
 import dataclasses
 import enum
+import logging
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Self, cast
@@ -49,6 +55,14 @@ _PEER_DEAD_EVENTS: dict[int, str] = {
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake failed (protocol)",
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "handshake failed (authentication)",
 }
+# plain ints: pyzmq's flag enums cost a Python call per bitwise operation
+_EVENTS, _POLLIN, _POLLOUT, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.NOBLOCK)
+_DRAIN_BATCH = 64  # messages per wake-up before other callbacks get a turn
+# Below this a frame is copied into libzmq rather than lent to it: lending costs a pyzmq
+# garbage-collector round trip per frame (~13 µs here), a memcpy of 100 KB ~7 µs; they cross near
+# 256 KB (pyzmq's default threshold is 64 KB). Encoding itself never copies.
+_COPY_THRESHOLD = 256 * 1024
+_WRITABLE_POLL_S = 0.05  # re-check a full send queue this often even if no POLLOUT edge is seen
 
 
 class SocketSecurity(Protocol):
@@ -65,10 +79,101 @@ class _State(enum.Enum):
     CLOSED = "closed"
 
 
-def _consume(fut: asyncio.Future[Any]) -> None:
-    # fire-and-forget sends: a failed send to a vanished peer is expected, not a crash
-    if not fut.cancelled() and (exc := fut.exception()) is not None:
-        log.debug("send failed: %s", exc)
+class _Pump:
+    """Drives one socket from the event loop: ``on_message`` for every message received.
+
+    ``ZMQ_FD`` is edge-triggered: any operation on the socket (a send included) may consume the
+    wake-up of a message that arrived meanwhile, so every send is followed by ``after_send``,
+    which looks at ``ZMQ_EVENTS`` and schedules a drain if input is waiting."""
+
+    __slots__ = ("_soon", "_writable", "fd", "loop", "name", "on_message", "open", "sock")
+
+    def __init__(self, sock: zmq.Socket[Any], on_message: Callable[[list[zmq.Frame]], None], name: str) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.sock = sock
+        self.on_message = on_message
+        self.name = name
+        self.fd: int = sock.getsockopt(zmq.FD)  # type: ignore[assignment]
+        self.open = True
+        self._soon = False
+        self._writable: list[asyncio.Future[None]] = []
+        self.loop.add_reader(self.fd, self._drain)
+
+    def _drain(self) -> None:
+        self._soon = False
+        sock = self.sock
+        for _ in range(_DRAIN_BATCH):
+            if not self.open:
+                return
+            try:
+                events: int = sock.getsockopt(_EVENTS)  # type: ignore[assignment]
+                if events & _POLLOUT and self._writable:
+                    self._wake_writers()
+                if not events & _POLLIN:
+                    return
+                msg = sock.recv_multipart(_NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            except zmq.ZMQError as exc:
+                log.warning("%s: receive failed: %s", self.name, exc)
+                return
+            try:
+                self.on_message(msg)
+            except Exception:  # the pump must outlive any single bad message
+                log.exception("%s: failed to handle a message", self.name)
+        self.kick()
+
+    def kick(self) -> None:
+        if not self._soon and self.open:
+            self._soon = True
+            self.loop.call_soon(self._drain)
+
+    def after_send(self) -> None:
+        if self._soon or not self.open:
+            return
+        try:
+            events: int = self.sock.getsockopt(_EVENTS)  # type: ignore[assignment]
+        except zmq.ZMQError:
+            return
+        if events & _POLLIN or (events & _POLLOUT and self._writable):
+            self.kick()
+
+    def send(self, frames: list[Any]) -> None:
+        """Send now or raise ``zmq.Again`` (queue full) / ``zmq.ZMQError``."""
+        self.sock.send_multipart(frames, _NOBLOCK, copy=False)
+        self.after_send()
+
+    async def wait_writable(self, within_s: float) -> None:
+        fut: asyncio.Future[None] = self.loop.create_future()
+        self._writable.append(fut)
+        self.kick()  # POLLOUT may already be set; the drain looks
+        try:
+            await asyncio.wait_for(fut, within_s)
+        except TimeoutError:
+            pass
+        finally:
+            with contextlib.suppress(ValueError):
+                self._writable.remove(fut)
+
+    def _wake_writers(self) -> None:
+        waiters, self._writable = self._writable, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    def close(self) -> None:
+        """Stop watching; the caller closes the socket afterwards (never the other way round)."""
+        if self.open:
+            self.open = False
+            self.loop.remove_reader(self.fd)
+            self._wake_writers()
+
+
+def _io_socket(sock: zmq.Socket[Any]) -> zmq.Socket[Any]:
+    # a plain (blocking-API) handle on the same libzmq socket; the asyncio wrapper stays idle
+    io = zmq.Socket.shadow(sock.underlying) if isinstance(sock, zmq.asyncio.Socket) else sock
+    io.copy_threshold = _COPY_THRESHOLD
+    return io
 
 
 class ZmqServer:
@@ -87,8 +192,8 @@ class ZmqServer:
         self._max_bytes = max_bytes
         # False lets a handler answer after the deadline (tests of the client's late-reply path)
         self._enforce_deadline = enforce_deadline
-        self._sock: zmq.asyncio.Socket | None = None
-        self._loop_task: asyncio.Task[None] | None = None
+        self._sock: zmq.Socket[Any] | None = None
+        self._pump: _Pump | None = None
         self._inflight: set[asyncio.Task[None]] = set()
         self._state = _State.UNOPENED
         self._endpoint = ""
@@ -119,15 +224,17 @@ class ZmqServer:
             raise
         self._sock = sock
         self._endpoint = cast(bytes, sock.getsockopt(zmq.LAST_ENDPOINT)).decode()
+        self._pump = _Pump(_io_socket(sock), self._dispatch, f"zmq server {self._endpoint}")
         self._state = _State.OPEN
-        self._loop_task = asyncio.create_task(self._serve(sock), name=f"zmq-server {self._endpoint}")
         log.info("zmq server listening on %s", self._endpoint)
 
     async def stop(self) -> None:
         if self._state is _State.CLOSED:
             return
         self._state = _State.CLOSED
-        tasks = [t for t in (self._loop_task, *self._inflight) if t is not None]
+        if self._pump is not None:
+            self._pump.close()
+        tasks = list(self._inflight)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -143,21 +250,7 @@ class ZmqServer:
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
-    async def _serve(self, sock: zmq.asyncio.Socket) -> None:
-        while True:
-            try:
-                msg = await sock.recv_multipart(copy=False)
-            except zmq.ZMQError as exc:
-                if sock.closed:
-                    return
-                log.warning("zmq server receive failed: %s", exc)
-                continue
-            try:
-                self._dispatch(sock, msg)
-            except Exception:  # the loop must outlive any single bad message
-                log.exception("zmq server failed to dispatch a message")
-
-    def _dispatch(self, sock: zmq.asyncio.Socket, msg: list[zmq.Frame]) -> None:
+    def _dispatch(self, msg: list[zmq.Frame]) -> None:
         ident, frames = msg[0], msg[1:]
         try:
             req = wire.decode_request(frames, max_bytes=self._max_bytes)
@@ -165,65 +258,84 @@ class ZmqServer:
             rid = wire.peek_request_id(frames)
             log.warning("bad request frames: %s", exc.message, extra=kv(request_id=rid, reason=exc.code))
             if rid is not None:
-                self._reply(sock, ident, wire.encode_error(rid, exc))
+                self._reply(ident, wire.encode_error(rid, exc))
             return
         if req.deadline <= time.time():
-            self._reply(sock, ident, wire.encode_error(req.request_id, DeadlineExceeded(
+            self._reply(ident, wire.encode_error(req.request_id, DeadlineExceeded(
                 f"request {req.request_id} arrived {-req.remaining_ms():.1f} ms after its deadline")))
             return
         if len(self._inflight) >= self._max_inflight:
-            self._reply(sock, ident, wire.encode_error(req.request_id, Overloaded(
+            self._reply(ident, wire.encode_error(req.request_id, Overloaded(
                 f"{len(self._inflight)} requests in flight at {self._endpoint}")))
             return
-        task = asyncio.create_task(self._handle(sock, ident, req))
+        task = asyncio.get_running_loop().create_task(self._handle(ident, req))
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
 
-    async def _handle(self, sock: zmq.asyncio.Socket, ident: zmq.Frame, req: InferRequest) -> None:
+    async def _handle(self, ident: zmq.Frame, req: InferRequest) -> None:
         rid = req.request_id
         frames: list[Any]
+        expired: list[bool] = []
+        timer: asyncio.TimerHandle | None = None
+        if self._enforce_deadline:
+            # a hop that cannot meet the deadline answers with an error rather than late; one timer
+            # that cancels this task is what asyncio.timeout does, at half its cost
+            loop, task = asyncio.get_running_loop(), asyncio.current_task()
+            assert task is not None
+            timer = loop.call_at(loop.time() + max(0.0, req.deadline - time.time()), _expire_task, task, expired)
         try:
-            if self._enforce_deadline:
-                # a hop that cannot meet the deadline answers with an error rather than late
-                async with asyncio.timeout(max(0.0, req.deadline - time.time())):
-                    try:
-                        resp = await self._handler(req)
-                    except TimeoutError as exc:  # the handler's own, not our deadline's
-                        raise MeshError(f"internal error: handler timed out: {exc}") from exc
-            else:
-                resp = await self._handler(req)
+            resp = await self._handler(req)
             resp.request_id = rid  # replies are matched by id: never trust the handler to copy it
             frames = wire.encode_response(resp)
-        except TimeoutError:
+        except asyncio.CancelledError:
+            if not expired:
+                raise
+            cast(asyncio.Task[None], asyncio.current_task()).uncancel()
             frames = wire.encode_error(rid, DeadlineExceeded(f"request {rid} not served before its deadline"))
+        except TimeoutError as exc:
+            err = MeshError(f"internal error: handler timed out: {exc}") if self._enforce_deadline else \
+                DeadlineExceeded(f"request {rid} not served before its deadline")
+            frames = wire.encode_error(rid, err)
         except MeshError as exc:
             frames = wire.encode_error(rid, exc)
         except Exception as exc:
             log.exception("handler failed", extra=kv(request_id=rid, task=req.task, tenant=req.tenant))
             frames = wire.encode_error(rid, MeshError(f"internal error: {type(exc).__name__}: {exc}"))
-        self._reply(sock, ident, frames)
+        finally:
+            if timer is not None:
+                timer.cancel()
+        self._reply(ident, frames)
 
-    @staticmethod
-    def _reply(sock: zmq.asyncio.Socket, ident: zmq.Frame, frames: list[Any]) -> None:
-        if sock.closed:
+    def _reply(self, ident: zmq.Frame, frames: list[Any]) -> None:
+        pump = self._pump
+        if pump is None or not pump.open:
             return
-        # a ROUTER never blocks on send (it drops for an unknown or full peer), so no await here
-        cast("asyncio.Future[Any]", sock.send_multipart([ident, *frames], copy=False)).add_done_callback(
-            _consume)
+        try:
+            # a ROUTER never blocks on send (it drops for an unknown or full peer)
+            pump.send([ident, *frames])
+        except zmq.ZMQError as exc:  # a vanished peer: expected, not a crash
+            log.debug("reply to a peer failed: %s", exc)
+
+
+def _expire_task(task: asyncio.Task[None], expired: list[bool]) -> None:
+    if not task.done():
+        expired.append(True)
+        task.cancel()
 
 
 @dataclass(eq=False)
 class _Peer:
     endpoint: str
-    sock: zmq.asyncio.Socket
+    sock: zmq.Socket[Any]
     monitor: zmq.asyncio.Socket
+    pump: _Pump | None = None
     pending: dict[str, tuple[asyncio.Future[InferResponse], asyncio.TimerHandle]] = field(
         default_factory=dict)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
 
 class ZmqClient:
-    """One DEALER per peer endpoint, shared by every caller; one receive task per socket."""
+    """One DEALER per peer endpoint, shared by every caller; replies dispatched by the peer's pump."""
 
     def __init__(self, *, ctx: zmq.asyncio.Context | None = None, security: SocketSecurity | None = None,
                  server_key_for: Callable[[str], bytes | None] | None = None,
@@ -262,27 +374,29 @@ class ZmqClient:
         if remaining <= 0:
             raise DeadlineExceeded(f"deadline passed {-remaining * 1000:.1f} ms before sending")
         if not req.request_id:
-            req.request_id = uuid.uuid4().hex
-        size = sum(a.nbytes for a in req.inputs.values())
+            req.request_id = wire.new_request_id()
+        size = 0
+        for a in req.inputs.values():
+            size += a.nbytes
         if size > self._max_bytes:  # the server would drop the connection, failing every pending call
             raise PayloadTooLarge(f"request tensors are {size} bytes, limit is {self._max_bytes}")
         peer = self._peers.get(endpoint) or self._open_peer(endpoint)
+        pump = cast(_Pump, peer.pump)
         rid = req.request_id
         if rid in peer.pending or len(rid) > wire.MAX_ID_LEN:
-            rid = uuid.uuid4().hex
+            rid = wire.new_request_id()
             frames = wire.encode_request(dataclasses.replace(req, request_id=rid))
         else:
             frames = wire.encode_request(req)
-        loop = asyncio.get_running_loop()
+        loop = pump.loop
         fut: asyncio.Future[InferResponse] = loop.create_future()
-        peer.pending[rid] = (fut, loop.call_later(remaining, self._expire, peer, rid))
+        peer.pending[rid] = (fut, loop.call_at(loop.time() + remaining, self._expire, peer, rid))
         try:
-            sent = cast("asyncio.Future[Any]", peer.sock.send_multipart(frames, copy=False))
-            if not sent.done():  # only when the send queue is full: never wait past the reply's fate
-                await asyncio.wait((sent, fut), return_when=asyncio.FIRST_COMPLETED)
-                if not sent.done():
-                    sent.cancel()
-            if not sent.cancelled() and (exc := sent.exception()) is not None:
+            try:
+                pump.send(frames)
+            except zmq.Again:  # only when the send queue is full: never wait past the reply's fate
+                await self._send_when_writable(peer, frames, fut)
+            except zmq.ZMQError as exc:
                 raise PeerUnavailable(f"send to {endpoint} failed: {exc}") from exc
             resp = await fut
             resp.request_id = req.request_id
@@ -291,6 +405,20 @@ class ZmqClient:
             entry = peer.pending.pop(rid, None)
             if entry is not None:
                 entry[1].cancel()
+
+    async def _send_when_writable(self, peer: _Peer, frames: list[Any], fut: asyncio.Future[Any]) -> None:
+        pump = cast(_Pump, peer.pump)
+        while not fut.done() and pump.open:
+            await pump.wait_writable(_WRITABLE_POLL_S)
+            if fut.done() or not pump.open:
+                return
+            try:
+                pump.send(frames)
+                return
+            except zmq.Again:
+                continue
+            except zmq.ZMQError as exc:
+                raise PeerUnavailable(f"send to {peer.endpoint} failed: {exc}") from exc
 
     def fail_peer(self, endpoint: str, reason: str) -> int:
         """Fail every pending request to ``endpoint`` with ``PeerUnavailable`` now and drop its socket
@@ -332,39 +460,32 @@ class ZmqClient:
             if isinstance(exc, zmq.ZMQError):
                 raise PeerUnavailable(f"cannot connect to {endpoint}: {exc}") from exc
             raise
-        peer = _Peer(endpoint, sock, monitor)
-        peer.tasks = [asyncio.create_task(self._receive(peer), name=f"zmq-recv {endpoint}"),
-                      asyncio.create_task(self._watch(peer), name=f"zmq-monitor {endpoint}")]
+        peer = _Peer(endpoint, sock, cast(zmq.asyncio.Socket, monitor))
+        peer.pump = _Pump(_io_socket(sock), lambda msg: self._on_reply(peer, msg), f"zmq client {endpoint}")
+        peer.tasks = [asyncio.create_task(self._watch(peer), name=f"zmq-monitor {endpoint}")]
         self._peers[endpoint] = peer
         return peer
 
-    async def _receive(self, peer: _Peer) -> None:
-        while True:
-            try:
-                msg = await peer.sock.recv_multipart(copy=False)
-            except zmq.ZMQError as exc:
-                if peer.sock.closed:
-                    return
-                log.warning("receive from %s failed: %s", peer.endpoint, exc)
-                continue
-            try:
-                rid, out = wire.decode_reply(msg, max_bytes=self._max_bytes)
-            except wire.DECODE_ERRORS as exc:
-                log.warning("undecodable reply from %s: %s", peer.endpoint, exc.message)
-                continue
-            entry = peer.pending.pop(rid, None)
-            if entry is None:
-                self.late_replies += 1
+    def _on_reply(self, peer: _Peer, msg: list[zmq.Frame]) -> None:
+        try:
+            rid, out = wire.decode_reply(msg, max_bytes=self._max_bytes)
+        except wire.DECODE_ERRORS as exc:
+            log.warning("undecodable reply from %s: %s", peer.endpoint, exc.message)
+            return
+        entry = peer.pending.pop(rid, None)
+        if entry is None:
+            self.late_replies += 1
+            if log.isEnabledFor(logging.DEBUG):
                 log.debug("late reply from %s dropped", peer.endpoint, extra=kv(request_id=rid))
-                continue
-            fut, timer = entry
-            timer.cancel()
-            if fut.done():
-                continue
-            if isinstance(out, MeshError):
-                fut.set_exception(out)
-            else:
-                fut.set_result(out)
+            return
+        fut, timer = entry
+        timer.cancel()
+        if fut.done():
+            return
+        if isinstance(out, MeshError):
+            fut.set_exception(out)
+        else:
+            fut.set_result(out)
 
     async def _watch(self, peer: _Peer) -> None:
         while True:
@@ -388,6 +509,8 @@ class ZmqClient:
     def _drop_peer(self, peer: _Peer, reason: str) -> int:
         if self._peers.get(peer.endpoint) is peer:
             del self._peers[peer.endpoint]
+        if peer.pump is not None:
+            peer.pump.close()  # before the socket closes: the pump's handle dies with it
         failed = 0
         for fut, timer in peer.pending.values():
             timer.cancel()
@@ -424,7 +547,7 @@ class SyncZmqClient:
 
     def request(self, req: InferRequest) -> InferResponse:
         if not req.request_id:
-            req.request_id = uuid.uuid4().hex
+            req.request_id = wire.new_request_id()
         self._sock.send_multipart(wire.encode_request(req), copy=False)
         while (left_ms := req.remaining_ms()) > 0:
             if not self._sock.poll(max(1, int(left_ms)), zmq.POLLIN):

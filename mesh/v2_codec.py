@@ -9,11 +9,17 @@ header's length whenever binary data follows it.
 
 tiermesh fields ride in ``parameters``: the SLO on the request, the serving site, variant,
 accuracy, decision reason and timing on the response.
+
+Hot paths avoid what costs microseconds each on every request: ``dtype.name`` (a Python
+property), a ``JSONEncoder`` built per call, ``bytes`` detours for tensor data (one copy into the
+body, one copy out of it, no more).
 """
 
 from __future__ import annotations
 
 import json
+import json.decoder
+import json.encoder
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -64,6 +70,9 @@ _V2_TO_NP: dict[str, np.dtype[Any]] = {
     "FP64": np.dtype("<f8"),
 }
 _NAME_TO_V2: dict[str, str] = {dt.name: v2 for v2, dt in _V2_TO_NP.items()}
+# keyed by dtype: a dict lookup instead of the ``dtype.name`` property; big-endian dtypes miss
+_DTYPE_TO_V2: dict[np.dtype[Any], str] = {dt: v2 for v2, dt in _V2_TO_NP.items()}
+_NATIVE: dict[str, np.dtype[Any]] = {v2: dt.newbyteorder("=") for v2, dt in _V2_TO_NP.items()}
 _PREFERS: tuple[str, ...] = ("latency", "accuracy", "refuse")
 DEFAULT_LATENCY_MS = 1000.0
 
@@ -77,6 +86,8 @@ def dtype_of(datatype: object) -> np.dtype[Any]:
 
 def datatype_of(dtype: np.dtype[Any] | str) -> str:
     """V2 datatype string of a numpy dtype (or dtype name such as ``"float32"``)."""
+    if isinstance(dtype, np.dtype) and (v2 := _DTYPE_TO_V2.get(dtype)) is not None:
+        return v2
     name = np.dtype(dtype).name
     if name not in _NAME_TO_V2:
         raise BadTensor(f"dtype {name} has no V2 datatype tiermesh serves")
@@ -110,14 +121,15 @@ def _tensor_from_json(t: Mapping[str, Any], data: Any, where: str) -> np.ndarray
 
 
 def _tensor_from_bytes(t: Mapping[str, Any], raw: bytes | memoryview, where: str) -> np.ndarray:
-    dt = dtype_of(t.get("datatype"))
+    datatype = t.get("datatype")
+    dt = dtype_of(datatype)
     shape = _shape(t.get("shape"), where)
     want = math.prod(shape) * dt.itemsize
     if len(raw) != want:
         raise BadTensor(f"{where}: binary_data_size is {len(raw)} bytes but shape {list(shape)} "
-                        f"of {t.get('datatype')} needs {want}")
+                        f"of {datatype} needs {want}")
     # Copy so the array owns its memory and the request body can be freed.
-    return np.frombuffer(raw, dtype=dt).reshape(shape).astype(dt.newbyteorder("="), copy=True)
+    return np.frombuffer(raw, dtype=dt).reshape(shape).astype(_NATIVE[cast(str, datatype)], copy=True)
 
 
 def _binary_size(t: Mapping[str, Any], where: str) -> int | None:
@@ -132,6 +144,32 @@ def _binary_size(t: Mapping[str, Any], where: str) -> int | None:
     return size
 
 
+def _loads(raw: bytes) -> Any:
+    # json.loads sniffs the encoding first; a header that opens with '{' then a non-NUL byte can
+    # only be UTF-8 (UTF-16/32 put a NUL or a BOM there), so decode it directly
+    if len(raw) > 1 and raw[0] == 0x7B and raw[1]:
+        return _DECODER.decode(raw.decode("utf-8", "surrogatepass"))
+    return json.loads(raw)
+
+
+def _default(o: object) -> Any:
+    raise TypeError(f"Object of type {type(o).__name__} is not JSON serializable")
+
+
+_DECODER = json.JSONDecoder()
+# The C encoder json.dumps builds on every call, built once. No circular check (markers=None):
+# every header is a tree this module assembles.
+_c_encoder = getattr(json.encoder, "c_make_encoder", None)
+_ENCODE = (_c_encoder(None, _default, json.encoder.encode_basestring_ascii, None, ":", ",", False, False, True)
+           if _c_encoder is not None else None)
+
+
+def _dumps(head: dict[str, Any]) -> bytes:
+    if _ENCODE is None:
+        return json.dumps(head, separators=(",", ":")).encode()
+    return "".join(_ENCODE(head, 0)).encode()
+
+
 def _split_body(body: bytes, header_length: int | None, max_bytes: int) -> tuple[dict[str, Any], memoryview]:
     if len(body) > max_bytes:
         raise PayloadTooLarge(f"body of {len(body)} bytes exceeds the limit of {max_bytes}")
@@ -140,12 +178,44 @@ def _split_body(body: bytes, header_length: int | None, max_bytes: int) -> tuple
     if header_length < 0 or header_length > len(body):
         raise RequestError(f"{HEADER_LENGTH} is {header_length} but the body has {len(body)} bytes")
     try:
-        head = json.loads(body[:header_length])
+        head = _loads(body[:header_length] if header_length != len(body) else body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise RequestError(f"body is not valid JSON: {exc}") from exc
     if not isinstance(head, dict):
         raise RequestError("body must be a JSON object")
     return head, memoryview(body)[header_length:]
+
+
+def _fast_binary_tensors(items: object, tail: memoryview, max_bytes: int) -> dict[str, np.ndarray] | None:
+    """Tensors when every one is well-formed binary data (what the SDK and tritonclient send);
+    None sends the caller to ``_read_tensors``, which says precisely what is wrong."""
+    if type(items) is not list:
+        return None
+    out: dict[str, np.ndarray] = {}
+    offset, end = 0, len(tail)
+    for t in items:
+        if type(t) is not dict:
+            return None
+        name, datatype, shape, params = t.get("name"), t.get("datatype"), t.get("shape"), t.get("parameters")
+        if (type(name) is not str or name in out or type(datatype) is not str or type(shape) is not list
+                or type(params) is not dict or datatype not in _V2_TO_NP):
+            return None
+        size = params.get("binary_data_size")
+        if type(size) is not int or size > max_bytes:
+            return None
+        count = 1
+        for d in shape:
+            if type(d) is not int or d < 0:
+                return None
+            count *= d
+        dt = _V2_TO_NP[datatype]
+        if count * dt.itemsize != size or offset + size > end:
+            return None
+        # one copy, so the array owns its memory and the body can be freed
+        arr = np.ndarray(shape, dt, tail, offset)
+        out[name] = arr.copy() if dt.isnative else arr.astype(_NATIVE[datatype])
+        offset += size
+    return out if offset == end else None
 
 
 def _read_tensors(items: object, tail: memoryview, kind: str, max_bytes: int) -> dict[str, np.ndarray]:
@@ -178,18 +248,23 @@ def _read_tensors(items: object, tail: memoryview, kind: str, max_bytes: int) ->
     return out
 
 
-def _tensor_json(name: str, arr: np.ndarray, binary: bool) -> tuple[dict[str, Any], bytes | None]:
+def _tensor_json(name: str, arr: np.ndarray, binary: bool) -> tuple[dict[str, Any], bytes | memoryview | None]:
     t: dict[str, Any] = {"name": name, "datatype": datatype_of(arr.dtype), "shape": list(arr.shape)}
     if not binary:
         t["data"] = arr.reshape(-1).tolist()
         return t, None
-    raw = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")).tobytes()
+    raw: bytes | memoryview
+    if arr.dtype in _DTYPE_TO_V2 and arr.flags.c_contiguous and arr.size:
+        # already little-endian and contiguous: lend the bytes; _assemble copies them once
+        raw = memoryview(arr).cast("B")  # type: ignore[arg-type]
+    else:
+        raw = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")).tobytes()
     t["parameters"] = {"binary_data_size": len(raw)}
     return t, raw
 
 
-def _assemble(head: dict[str, Any], blobs: Iterable[bytes]) -> tuple[bytes, int | None]:
-    header = json.dumps(head, separators=(",", ":")).encode()
+def _assemble(head: dict[str, Any], blobs: Iterable[bytes | memoryview | None]) -> tuple[bytes, int | None]:
+    header = _dumps(head)
     parts = [b for b in blobs if b is not None]
     if not parts:
         return header, None
@@ -213,6 +288,11 @@ def decode_infer_request(body: bytes, header_length: int | None = None, *,
                          max_bytes: int = 16 << 20) -> DecodedRequest:
     """Parse a V2 infer request body (JSON, or JSON header + binary tensors)."""
     head, tail = _split_body(body, header_length, max_bytes)
+    rid, params = head.get("id"), head.get("parameters")
+    if (rid is None or type(rid) is str) and type(params) is dict and head.get("outputs") is None:
+        inputs = _fast_binary_tensors(head.get("inputs"), tail, max_bytes)
+        if inputs is not None:
+            return DecodedRequest(rid, inputs, params, None, params.get("binary_data_output") is True)
     rid = head.get("id")
     if rid is not None and not isinstance(rid, str):
         raise RequestError(f"'id' must be a string, got {type(rid).__name__}")
@@ -253,11 +333,22 @@ def encode_infer_request(inputs: Mapping[str, np.ndarray], parameters: Mapping[s
         tensors.append(t)
         blobs.append(raw)
     head["inputs"] = tensors
-    return _assemble(head, cast(list[bytes], blobs))
+    return _assemble(head, blobs)
 
 
 def parse_slo(params: Mapping[str, Any]) -> SLO:
     """The SLO carried in request ``parameters``; ``RequestError`` for values out of range."""
+    # the common request: plain finite floats in range, or absent
+    latency, acc, cost, prefer = (params.get("latency_ms", DEFAULT_LATENCY_MS), params.get("min_accuracy", 0.0),
+                                  params.get("max_cost"), params.get("prefer", "latency"))
+    if (type(latency) is float and 0.0 < latency < math.inf and type(acc) is float and 0.0 <= acc <= 1.0
+            and (cost is None or (type(cost) is float and 0.0 <= cost < math.inf))
+            and type(prefer) is str and prefer in _PREFERS):
+        return SLO(latency, acc, cost, cast(Prefer, prefer))
+    return _parse_slo(params)
+
+
+def _parse_slo(params: Mapping[str, Any]) -> SLO:
     def num(key: str, default: float | None) -> float | None:
         v = params.get(key, default)
         if v is None:
@@ -283,8 +374,43 @@ def parse_slo(params: Mapping[str, Any]) -> SLO:
     return SLO(latency_ms=latency, min_accuracy=acc, max_cost=cost, prefer=cast(Prefer, prefer))
 
 
+_Compiled = tuple[TaskSignature, dict[str, tuple[np.dtype[Any], tuple[int, ...]]]]
+_SIGNATURES: dict[int, _Compiled] = {}
+
+
+def _compiled(sig: TaskSignature) -> dict[str, tuple[np.dtype[Any], tuple[int, ...]]]:
+    # keyed by identity (hashing a signature walks all its specs); the entry keeps sig alive, so
+    # its id cannot be reused while the entry stands
+    entry = _SIGNATURES.get(id(sig))
+    if entry is not None and entry[0] is sig:
+        return entry[1]
+    if len(_SIGNATURES) >= 256:
+        _SIGNATURES.clear()
+    specs = {s.name: (np.dtype(s.dtype), s.shape) for s in sig.inputs}
+    _SIGNATURES[id(sig)] = (sig, specs)
+    return specs
+
+
 def validate_inputs(inputs: Mapping[str, np.ndarray], sig: TaskSignature) -> None:
     """Check names, dtypes and ranks (with fixed dims) against the task's signature."""
+    specs = _compiled(sig)
+    if len(inputs) == len(specs):
+        for name, arr in inputs.items():
+            spec = specs.get(name)
+            if spec is None or arr.dtype != spec[0] or len(arr.shape) != len(spec[1]):
+                break
+            for w, g in zip(spec[1], arr.shape, strict=True):
+                if w != -1 and w != g:
+                    break
+            else:
+                continue
+            break
+        else:
+            return
+    _validate_inputs(inputs, sig)
+
+
+def _validate_inputs(inputs: Mapping[str, np.ndarray], sig: TaskSignature) -> None:
     want = {s.name: s for s in sig.inputs}
     missing = sorted(set(want) - set(inputs))
     if missing:
@@ -348,7 +474,7 @@ def encode_infer_response(model_name: str, request_id: str, outputs: Mapping[str
         tensors.append(t)
         blobs.append(raw)
     head["outputs"] = tensors
-    return _assemble(head, cast(list[bytes], blobs))
+    return _assemble(head, blobs)
 
 
 @dataclass(slots=True)
@@ -361,7 +487,9 @@ class DecodedResponse:
 def decode_infer_response(body: bytes, header_length: int | None = None, *,
                           max_bytes: int = 1 << 31) -> DecodedResponse:
     head, tail = _split_body(body, header_length, max_bytes)
-    outputs = _read_tensors(head.get("outputs", []), tail, "output", max_bytes)
+    outputs = _fast_binary_tensors(head.get("outputs"), tail, max_bytes)
+    if outputs is None:
+        outputs = _read_tensors(head.get("outputs", []), tail, "output", max_bytes)
     params = head.get("parameters") or {}
     return DecodedResponse(str(head.get("id", "")), outputs, params if isinstance(params, dict) else {})
 
