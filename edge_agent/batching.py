@@ -90,6 +90,11 @@ class Batcher:
         self.batches = 0
         self._last_arrival = 0.0
         self.ewma_gap_s: float | None = None  # mean time between arrivals, for the window
+        # Windows that caught no companion: callers that wait for each reply (closed loop) never
+        # send a second request while one is held, however short their gap looks. After a few
+        # futile windows, stop holding batches open for a while, then probe again.
+        self._futile = 0
+        self._skip_windows = 0
 
     def start(self) -> None:
         if self._task is None:
@@ -160,7 +165,8 @@ class Batcher:
             self._wake.clear()
             await self._wake.wait()
         # keep the window open while the tightest deadline allows and the batch is not full
-        while self._queued_rows < self.max_batch:
+        waited = False
+        while self._queued_rows < self.max_batch and self._skip_windows == 0:
             now = time.monotonic()
             slacks = [it.deadline - now for it in self._queue]
             rows = min(self._queued_rows, self.max_batch)
@@ -170,9 +176,16 @@ class Batcher:
             wait = window_end - now
             if wait <= 0:
                 break
+            waited = True
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), wait)
+        if self._skip_windows:
+            self._skip_windows -= 1
+        elif waited:
+            self._futile = self._futile + 1 if len(self._queue) == 1 else 0
+            if self._futile >= 3:
+                self._futile, self._skip_windows = 0, 64
         batch: list[_Item] = []
         rows = 0
         now = time.monotonic()

@@ -69,3 +69,23 @@ async def test_refuses_what_cannot_meet_deadline(tmp_path: Path) -> None:
             assert ok.outputs["logits"].shape == (1, 10)
         finally:
             await b.stop()
+
+
+async def test_closed_loop_caller_is_not_held_for_the_window(tmp_path: Path) -> None:
+    """One caller waiting for each reply: after a few futile windows the batcher stops waiting."""
+    def fast(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"logits": inputs["x"][:, :10]}
+
+    with ThreadPoolExecutor(1) as pool:
+        b = Batcher("fast", fast, executor=pool, compute_ms=lambda n: 0.01, max_batch=32, max_window_ms=50)
+        b.start()
+        try:
+            times = []
+            for _ in range(12):
+                t0 = time.perf_counter()
+                await b.submit({"x": np.ones((1, 64), np.float32)}, time.time() + 5)
+                times.append(time.perf_counter() - t0)
+            # the first windows may be held (50 ms each); the last ones must not be
+            assert max(times[-5:]) < 0.04, times
+        finally:
+            await b.stop()
