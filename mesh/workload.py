@@ -53,6 +53,7 @@ class QueryRecord:
     total_ms: float = 0.0
     site: str = ""
     variant: str = ""
+    accuracy: float = 0.0         # what the mesh promised for the variant that served it
     predicted: int = -1
     best_effort: bool = False
     reason: str = ""
@@ -78,8 +79,8 @@ async def _one(client: AsyncClient, cls: SloClass, edge: str, x: np.ndarray, lab
     out = res.output()
     return QueryRecord(cls.name, edge, cls.latency_ms, label, True, (time.perf_counter() - start) * 1000,
                        total_ms=res.timing.total_ms, site=res.site, variant=res.variant,
-                       predicted=int(np.argmax(out[0])), best_effort=res.best_effort, reason=res.reason,
-                       t=start - t0)
+                       accuracy=res.accuracy, predicted=int(np.argmax(out[0])), best_effort=res.best_effort,
+                       reason=res.reason, t=start - t0)
 
 
 async def run_workload(edges: dict[str, str], x: np.ndarray, y: np.ndarray, *, duration_s: float,
