@@ -33,6 +33,7 @@ from mesh.types import DEFAULT_TENANT, TaskSignature, Timing
 __all__ = ["AsyncClient", "Client", "InferResult"]
 
 T = TypeVar("T")
+DEADLINE_GRACE_S = 1.0
 Inputs = np.ndarray | Mapping[str, np.ndarray]
 
 
@@ -179,7 +180,14 @@ class AsyncClient:
         path = self._infer_paths.get(task)
         if path is None:
             path = self._infer_paths[task] = f"v2/models/{quote(task, safe='')}/infer"
-        rh, rb = await self._checked("POST", path, headers, body)
+        # The edge answers by the query's deadline (or with an error); this bound only protects the
+        # caller from an agent that hangs: the SLO budget plus a grace for the loopback/LAN hop.
+        bound = min(self.timeout, latency_ms / 1000.0 + DEADLINE_GRACE_S)
+        try:
+            async with asyncio.timeout(bound):
+                rh, rb = await self._checked("POST", path, headers, body)
+        except TimeoutError as exc:
+            raise DeadlineExceeded(f"{task}: no answer within {bound:.3f} s (budget {latency_ms} ms)") from exc
         raw_len = _header(rh, codec.HEADER_LENGTH)
         dec = codec.decode_infer_response(rb, int(raw_len) if raw_len is not None else None)
         return InferResult(outputs=dec.outputs, request_id=dec.request_id,

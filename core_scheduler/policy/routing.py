@@ -277,6 +277,18 @@ class RoutingTable:
                         float(a.accuracy[i]), True, 0)
 
 
+# Profiles cannot tell apart compute times closer than this: below it the serving path's own
+# overhead (an executor hop is ~0.2 ms here) and run-to-run noise dominate. Compute is rounded up
+# to this resolution, so variants that differ by less tie and the tie goes to the smaller one.
+COMPUTE_RESOLUTION_MS = 0.05
+
+
+def _resolve(ms: float) -> float:
+    if not np.isfinite(ms) or ms <= 0:
+        return ms
+    return float(np.ceil(ms / COMPUTE_RESOLUTION_MS - 1e-9) * COMPUTE_RESOLUTION_MS)
+
+
 def _any(mask: NDArray[np.bool_]) -> bool:
     # count_nonzero beats ndarray.any() several-fold on small boolean arrays (no ufunc reduce)
     return bool(np.count_nonzero(mask))
@@ -305,7 +317,7 @@ def _candidates(snap: MeshSnapshot, here: str, variants: tuple[VariantInfo, ...]
             batch = 1
             if queue > 0 and np.isfinite(c1) and c1 > 0:
                 batch = max(1, min(v.max_batch, 1 + int(queue // c1)))
-            compute = v.compute_at(hw, batch)
+            compute = _resolve(v.compute_at(hw, batch))
             runs = v.runs_on(hw)
             load_ms = 0.0 if loaded else v.load_at(hw)
             fits = loaded or (load is not None and v.memory_bytes <= load.memory_free_bytes)
@@ -316,13 +328,15 @@ def _candidates(snap: MeshSnapshot, here: str, variants: tuple[VariantInfo, ...]
                 cost = float("inf")
             base = rtt + queue + compute + load_ms if reachable else float("inf")
             rows.append((s, v.variant_id, v.owner, j, rtt, per_byte, queue, compute, load_ms, base,
-                         cost, v.accuracy, loaded, hard, cap_ok, s != here))
-    cols = list(zip(*rows, strict=True)) if rows else [()] * 16
+                         cost, v.accuracy, loaded, hard, cap_ok, s != here, v.size_bytes))
+    cols = list(zip(*rows, strict=True)) if rows else [()] * 17
     cost_a = np.array(cols[10], dtype=np.float64)
     base_a = np.array(cols[9], dtype=np.float64)
     not_here = np.array(cols[15], dtype=bool)
-    # lexsort: last key is primary; it is stable, so equal keys keep (here first, site, variant)
-    order = np.lexsort((not_here, base_a, cost_a)) if rows else np.zeros(0, dtype=np.int64)
+    size_a = np.array(cols[16], dtype=np.float64)
+    # lexsort: last key is primary: cost, then latency, then here before elsewhere, then the smaller
+    # variant (memory is what an edge lacks); it is stable, so equal keys keep (site, variant) order
+    order = np.lexsort((size_a, not_here, base_a, cost_a)) if rows else np.zeros(0, dtype=np.int64)
 
     def f(k: int) -> NDArray[np.float64]:
         return np.asarray(np.array(cols[k], dtype=np.float64)[order])

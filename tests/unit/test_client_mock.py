@@ -186,3 +186,28 @@ async def test_sync_client_close_inside_a_running_loop() -> None:
     c = Client("http://edge", transport=transport)
     c.close()  # never used, called from a coroutine: must not need asyncio.run
     assert transport.closed
+
+
+async def test_infer_is_bounded_by_its_budget_not_only_the_client_timeout() -> None:
+    """An agent that never answers: the call fails near budget + grace, not at the 30 s client timeout."""
+    import time
+
+    from mesh import client as client_mod
+
+    async def hang(method: str, path: str, headers: Any, body: bytes) -> Any:
+        if path.endswith("/infer"):
+            await asyncio.sleep(60)
+        return 200, {}, json.dumps(codec.signature_to_metadata(
+            TaskSignature("t", (TensorSpec("x", "float32", (-1, 4)),), (TensorSpec("y", "float32", (-1, 2)),))
+        )).encode()
+
+    old = client_mod.DEADLINE_GRACE_S
+    client_mod.DEADLINE_GRACE_S = 0.2
+    try:
+        async with AsyncClient("http://edge", transport=MockTransport(hang), timeout=30) as c:
+            t0 = time.perf_counter()
+            with pytest.raises(errors.DeadlineExceeded):
+                await c.infer("t", np.zeros((1, 4), np.float32), latency_ms=100)
+            assert time.perf_counter() - t0 < 5
+    finally:
+        client_mod.DEADLINE_GRACE_S = old

@@ -253,3 +253,19 @@ def test_unprofiled_hardware_and_memory_are_hard_limits() -> None:
     assert ("edge-a", "cnn.fp32") not in ok        # 50 MB does not fit in 10 MB free
     assert ("edge-a", "tiny.int8") in ok
     assert list(arr.cost) == sorted(arr.cost)      # candidates are kept in cost order
+
+
+@pytest.mark.parametrize(("fp32_ms", "int8_ms", "winner"), [
+    (0.018, 0.022, "m.int8"),   # 4 µs apart: below the profiles' resolution, the smaller variant wins
+    (0.010, 0.300, "m.fp32"),   # really faster: cheaper, wins whatever its size
+])
+def test_compute_differences_below_resolution_tie_to_the_smaller_variant(
+        fp32_ms: float, int8_ms: float, winner: str) -> None:
+    site = SiteInfo("e", "edge", "eu", "cpu", 2, 4096, 0, 0.5)
+    vs = [VariantInfo("t", "m.fp32", 0.97, 10_000, compute_ms={"cpu": {1: fp32_ms}}, load_ms={"cpu": 5.0},
+                      memory_bytes=10_000),
+          VariantInfo("t", "m.int8", 0.97, 4_000, precision="int8", compute_ms={"cpu": {1: int8_ms}},
+                      load_ms={"cpu": 5.0}, memory_bytes=4_000)]
+    load = SiteLoad("e", loaded=frozenset({"m.fp32", "m.int8"}), capacity=8, memory_free_bytes=1 << 30)
+    table = RoutingTable.build(MeshSnapshot.from_parts([site], vs, [load]), "e")
+    assert table.decide(Query("t", budget_ms=10)).variant_id == winner
