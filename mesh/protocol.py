@@ -20,7 +20,8 @@ Only an unaligned frame (possible for tiny messages stored inline by libzmq) is 
 
 Both directions have a fast path for the messages this codec itself writes (exact msgpack types,
 native little-endian contiguous arrays): anything it does not recognise falls through to the
-field-by-field validator, so hostile input still gets the precise error below.
+field-by-field validator in :mod:`mesh.protocol_check` (which also holds the version, the limits
+and the allowed dtypes, re-exported here), so hostile input still gets the precise error below.
 
 Hostile input raises ``ProtocolError`` with a message saying what was wrong, or
 ``PayloadTooLarge`` when declared or actual sizes exceed ``max_bytes``; both are in
@@ -30,7 +31,6 @@ Hostile input raises ``ProtocolError`` with a message saying what was wrong, or
 from __future__ import annotations
 
 import itertools
-import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Final, TypeGuard, cast
@@ -39,7 +39,23 @@ import msgpack
 import numpy as np
 import zmq
 
-from mesh.errors import BadTensor, MeshError, PayloadTooLarge, ProtocolError, error_from_code
+from mesh.errors import BadTensor, MeshError, ProtocolError
+from mesh.protocol_check import (
+    ALLOWED_DTYPES,
+    DECODE_ERRORS,
+    DEFAULT_MAX_BYTES,
+    MAX_HEADER_BYTES,
+    MAX_ID_LEN,
+    MAX_NDIM,
+    MAX_TENSORS,
+    PREFER,
+    VERSION,
+    WIRE_DTYPES,
+    check_reply,
+    check_request,
+    read_id,
+    unpack_header,
+)
 from mesh.types import SLO, InferRequest, InferResponse, Prefer, Timing
 
 __all__ = [
@@ -60,21 +76,9 @@ __all__ = [
     "peek_request_id",
 ]
 
-VERSION: Final = 1
-DEFAULT_MAX_BYTES: Final = 64 * 1024 * 1024
-MAX_HEADER_BYTES: Final = 256 * 1024
-_MAX_TENSORS: Final = 256
-_MAX_NDIM: Final = 32
-MAX_ID_LEN: Final = 256
-ALLOWED_DTYPES: Final = frozenset(
-    {"float32", "float16", "float64", "int8", "uint8", "int32", "int64", "bool"}
-)
-_WIRE_DTYPES: Final = {n: np.dtype(n).newbyteorder("<") for n in ALLOWED_DTYPES}
 # ``dtype.name`` is a Python-level property (microseconds); a dict keyed by dtype is not. Only
 # dtypes that are already little-endian are keys, so a big-endian one takes the slow path.
-_FAST_DTYPE_NAMES: Final = {dt: n for n, dt in _WIRE_DTYPES.items()}
-_PREFER: Final = frozenset({"latency", "accuracy", "refuse"})
-DECODE_ERRORS: Final = (ProtocolError, PayloadTooLarge)
+_FAST_DTYPE_NAMES: Final = {dt: n for n, dt in WIRE_DTYPES.items()}
 
 # SLO is frozen, so equal ones can be shared: building a frozen dataclass costs more than a lookup
 _SLOS: dict[tuple[float, float, float | None, str], SLO] = {}
@@ -195,132 +199,7 @@ def encode_error(request_id: str, err: MeshError) -> list[bytes]:
     return [_pack({"v": VERSION, "kind": "err", "id": request_id, "code": err.code, "error": err.message})]
 
 
-# ---------------------------------------------------------------- decode helpers
-
-
-def _buffer(frame: object) -> memoryview:
-    if isinstance(frame, zmq.Frame):
-        return frame.buffer
-    if isinstance(frame, bytes | bytearray | memoryview):
-        view = memoryview(frame)
-        if view.format == "B" and view.ndim == 1:
-            return view
-        if not view.c_contiguous:
-            raise ProtocolError("frame buffer is not contiguous")
-        if view.nbytes == 0:
-            return memoryview(b"")
-        try:
-            return view.cast("B")
-        except TypeError as exc:
-            raise ProtocolError(f"frame buffer cannot be read as bytes: {exc}") from exc
-    raise ProtocolError(f"frame of type {type(frame).__name__} is not a byte buffer")
-
-
-def _unpack_header(frame: object) -> dict[str, Any]:
-    # the two frame types a socket hands us are read by msgpack as they are: no memoryview first
-    buf: object = frame if type(frame) is zmq.Frame or type(frame) is bytes else _buffer(frame)
-    size = len(buf) if type(buf) is not memoryview else buf.nbytes  # type: ignore[arg-type]
-    if size > MAX_HEADER_BYTES:
-        raise ProtocolError(f"header of {size} bytes exceeds {MAX_HEADER_BYTES}")
-    try:
-        header = msgpack.unpackb(buf, raw=False, strict_map_key=True, use_list=True)
-    except Exception as exc:  # msgpack raises a zoo of types on garbage: all mean "not a header"
-        raise ProtocolError(f"header is not valid msgpack: {type(exc).__name__}: {exc}") from exc
-    if not isinstance(header, dict):
-        raise ProtocolError(f"header is a {type(header).__name__}, not a map")
-    v = header.get("v")
-    if type(v) is not int:
-        raise ProtocolError("header field 'v' missing or not an integer")
-    if v != VERSION:
-        raise ProtocolError(f"unsupported protocol version {v} (this end speaks {VERSION})")
-    _id(header)
-    return header
-
-
-def _field(h: Mapping[str, Any], key: str, kind: type | tuple[type, ...], *, optional: bool = False) -> Any:
-    val = h.get(key)
-    if val is None:
-        if optional:
-            return None
-        raise ProtocolError(f"header field {key!r} missing")
-    # bool is an int subclass: a flag must never pass as a number, nor a number as a flag
-    if not isinstance(val, kind) or (val.__class__ is bool and kind is not bool):
-        raise ProtocolError(f"header field {key!r} has type {type(val).__name__}")
-    return val
-
-
-def _num(h: Mapping[str, Any], key: str) -> float:
-    out = float(_field(h, key, (int, float)))
-    if not math.isfinite(out):
-        raise ProtocolError(f"header field {key!r} is not finite")
-    return out
-
-
-def _opt_num(h: Mapping[str, Any], key: str) -> float | None:
-    return None if h.get(key) is None else _num(h, key)
-
-
-def _str(h: Mapping[str, Any], key: str, *, nonempty: bool = False) -> str:
-    val: str = _field(h, key, str)
-    if nonempty and not val:
-        raise ProtocolError(f"header field {key!r} is empty")
-    return val
-
-
-def _id(h: Mapping[str, Any]) -> str:
-    rid = _str(h, "id", nonempty=True)
-    if len(rid) > MAX_ID_LEN:
-        raise ProtocolError(f"request id longer than {MAX_ID_LEN}")
-    return rid
-
-
-def _str_list(h: Mapping[str, Any], key: str) -> list[str]:
-    val: list[str] = _field(h, key, list)
-    if not all(isinstance(x, str) for x in val):
-        raise ProtocolError(f"header field {key!r} must be a list of strings")
-    return val
-
-
-def _tensors(h: Mapping[str, Any], frames: Sequence[object], max_bytes: int) -> dict[str, np.ndarray]:
-    descs: list[Any] = _field(h, "tensors", list)
-    if len(descs) > _MAX_TENSORS:
-        raise ProtocolError(f"{len(descs)} tensors declared, at most {_MAX_TENSORS}")
-    if len(descs) != len(frames):
-        raise ProtocolError(f"{len(descs)} tensors declared but {len(frames)} tensor frames sent")
-    total = 0
-    parsed: list[tuple[str, np.dtype[Any], tuple[int, ...]]] = []
-    for i, d in enumerate(descs):
-        if not isinstance(d, dict):
-            raise ProtocolError(f"tensor descriptor {i} is not a map")
-        name = _str(d, "name", nonempty=True)
-        dtype_name = _str(d, "dtype")
-        dtype = _WIRE_DTYPES.get(dtype_name)
-        if dtype is None:
-            raise ProtocolError(f"tensor {name!r}: dtype {dtype_name!r} not allowed")
-        shape: list[Any] = _field(d, "shape", list)
-        if len(shape) > _MAX_NDIM:
-            raise ProtocolError(f"tensor {name!r}: {len(shape)} dimensions, at most {_MAX_NDIM}")
-        if not all(type(s) is int and s >= 0 for s in shape):
-            raise ProtocolError(f"tensor {name!r}: shape must be non-negative integers, got {shape!r}")
-        total += math.prod(shape) * dtype.itemsize  # Python ints: a hostile shape cannot overflow
-        if total > max_bytes:
-            raise PayloadTooLarge(f"tensors declare {total} bytes, limit is {max_bytes}")
-        parsed.append((name, dtype, tuple(shape)))
-    if len({p[0] for p in parsed}) != len(parsed):
-        raise ProtocolError("duplicate tensor names")
-    out: dict[str, np.ndarray] = {}
-    for (name, dtype, dims), frame in zip(parsed, frames, strict=True):
-        buf = _buffer(frame)
-        expected = math.prod(dims) * dtype.itemsize
-        if buf.nbytes != expected:
-            raise ProtocolError(f"tensor {name!r}: {buf.nbytes} bytes for shape {list(dims)} "
-                                f"{dtype.name} (expected {expected})")
-        arr = np.frombuffer(buf, dtype=dtype).reshape(dims)
-        if not arr.flags.aligned:
-            arr = arr.copy()
-        arr.flags.writeable = False  # a view of the receive buffer: writing would alias it
-        out[name] = arr
-    return out
+# ---------------------------------------------------------------- decode fast path
 
 
 def _finite(x: object) -> TypeGuard[float]:
@@ -333,8 +212,8 @@ def _str_items(xs: object) -> TypeGuard[list[str]]:
 
 
 def _fast_tensors(descs: object, frames: Sequence[object], max_bytes: int) -> dict[str, np.ndarray] | None:
-    """The tensors of a well-formed message, or None to let ``_tensors`` say what is wrong."""
-    if type(descs) is not list or len(descs) != len(frames) or len(descs) > _MAX_TENSORS:
+    """The tensors of a well-formed message, or None to let ``mesh.protocol_check`` say what is wrong."""
+    if type(descs) is not list or len(descs) != len(frames) or len(descs) > MAX_TENSORS:
         return None
     out: dict[str, np.ndarray] = {}
     total = 0
@@ -343,9 +222,9 @@ def _fast_tensors(descs: object, frames: Sequence[object], max_bytes: int) -> di
             return None
         name, dtype_name, shape = d.get("name"), d.get("dtype"), d.get("shape")
         if (type(name) is not str or not name or name in out or type(dtype_name) is not str
-                or type(shape) is not list or len(shape) > _MAX_NDIM):
+                or type(shape) is not list or len(shape) > MAX_NDIM):
             return None
-        dtype = _WIRE_DTYPES.get(dtype_name)
+        dtype = WIRE_DTYPES.get(dtype_name)
         if dtype is None:
             return None
         count = 1
@@ -379,7 +258,7 @@ def _fast_request(h: dict[str, Any], frames: Sequence[object], max_bytes: int) -
     latency, accuracy, cost, prefer = slo.get("latency_ms"), slo.get("min_accuracy"), slo.get("max_cost"), \
         slo.get("prefer")
     if (not _finite(latency) or not _finite(accuracy) or (cost is not None and not _finite(cost))
-            or type(prefer) is not str or prefer not in _PREFER):
+            or type(prefer) is not str or prefer not in PREFER):
         return None
     tensors = _fast_tensors(h.get("tensors"), frames[1:], max_bytes)
     if tensors is None:
@@ -411,13 +290,6 @@ def _fast_response(h: dict[str, Any], rid: str, frames: Sequence[object], max_by
                          Timing(network, queue, compute, total), hops)
 
 
-def _kind(h: Mapping[str, Any], *expected: str) -> str:
-    kind = _str(h, "kind")
-    if kind not in expected:
-        raise ProtocolError(f"message kind {kind!r}, expected {' or '.join(expected)}")
-    return kind
-
-
 # ---------------------------------------------------------------- decode
 
 
@@ -425,31 +297,11 @@ def decode_request(frames: Sequence[FrameLike], *, max_bytes: int = DEFAULT_MAX_
     """Rebuild a request from its frames (identity already stripped). See the module docstring."""
     if not frames:
         raise ProtocolError("empty message")
-    h = _unpack_header(frames[0])
+    h = unpack_header(frames[0])
     fast = _fast_request(h, frames, max_bytes)
     if fast is not None:
         return fast
-    _kind(h, "req")
-    slo: dict[str, Any] = _field(h, "slo", dict)
-    prefer = _str(slo, "prefer")
-    if prefer not in _PREFER:
-        raise ProtocolError(f"slo.prefer {prefer!r} not one of {sorted(_PREFER)}")
-    return InferRequest(
-        task=_str(h, "task", nonempty=True),
-        inputs=_tensors(h, frames[1:], max_bytes),
-        slo=SLO(
-            latency_ms=_num(slo, "latency_ms"),
-            min_accuracy=_num(slo, "min_accuracy"),
-            max_cost=_opt_num(slo, "max_cost"),
-            prefer=cast(Prefer, prefer),
-        ),
-        tenant=_str(h, "tenant", nonempty=True),
-        request_id=h["id"],  # checked by _unpack_header
-        deadline=_num(h, "deadline"),
-        hops=_str_list(h, "hops"),
-        target_site=_field(h, "target_site", str, optional=True),
-        target_variant=_field(h, "target_variant", str, optional=True),
-    )
+    return check_request(h, frames, max_bytes)
 
 
 def decode_reply(frames: Sequence[FrameLike], *,
@@ -458,32 +310,12 @@ def decode_reply(frames: Sequence[FrameLike], *,
     a reply with a readable id but a broken body comes back as ``(id, ProtocolError)``."""
     if not frames:
         raise ProtocolError("empty message")
-    h = _unpack_header(frames[0])
-    rid: str = h["id"]  # checked by _unpack_header
+    h = unpack_header(frames[0])
+    rid: str = h["id"]  # checked by unpack_header
     fast = _fast_response(h, rid, frames, max_bytes)
     if fast is not None:
         return rid, fast
-    try:
-        if _kind(h, "rep", "err") == "err":
-            if len(frames) != 1:
-                raise ProtocolError("error reply carries tensor frames")
-            return rid, error_from_code(_str(h, "code"), _str(h, "error"))
-        timing: dict[str, Any] = _field(h, "timing", dict)
-        return rid, InferResponse(
-            request_id=rid,
-            outputs=_tensors(h, frames[1:], max_bytes),
-            site=_str(h, "site"),
-            variant=_str(h, "variant"),
-            accuracy=_num(h, "accuracy"),
-            reason=_str(h, "reason"),
-            best_effort=_field(h, "best_effort", bool),
-            tenant=_str(h, "tenant", nonempty=True),
-            timing=Timing(**{k: _num(timing, k)
-                             for k in ("network_ms", "queue_ms", "compute_ms", "total_ms")}),
-            hops=_str_list(h, "hops"),
-        )
-    except DECODE_ERRORS as exc:
-        return rid, exc
+    return rid, check_reply(h, rid, frames, max_bytes)
 
 
 def decode_response(frames: Sequence[FrameLike], *, max_bytes: int = DEFAULT_MAX_BYTES) -> InferResponse:
@@ -497,6 +329,6 @@ def decode_response(frames: Sequence[FrameLike], *, max_bytes: int = DEFAULT_MAX
 def peek_request_id(frames: Sequence[FrameLike]) -> str | None:
     """The id of a message if its header can be read at all (for error replies to bad input)."""
     try:
-        return _id(_unpack_header(frames[0])) if frames else None
+        return read_id(unpack_header(frames[0])) if frames else None
     except ProtocolError:
         return None

@@ -5,7 +5,9 @@ aetcd only provides the gRPC channel and generated stubs here: requests are buil
 directly because aetcd drops the response header (so the revision) of txns, and its watcher does
 not survive an etcd restart (its stream task cannot be restarted once it failed).
 
-Leader election (built on this) lives in :mod:`mesh.election`.
+Leases (:mod:`mesh.lease`) and watches (:mod:`mesh.watch`) keep their own state and logic in
+their modules but reach etcd only through the store; their classes are re-exported here. Leader
+election (built on this) lives in :mod:`mesh.election`.
 
 Errors: unreachable etcd -> ``StoreUnavailable``; other failures -> ``StoreError``; a lost
 compare-and-swap -> ``ConflictError``.
@@ -17,9 +19,7 @@ import asyncio
 import contextlib
 import json
 import math
-import random
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal, TypeVar
@@ -30,7 +30,9 @@ from aetcd import rpc
 from aetcd import utils as aetcd_utils
 
 from mesh.errors import ConflictError, StoreError, StoreUnavailable
-from mesh.log import get_logger, kv
+from mesh.lease import Lease
+from mesh.log import get_logger
+from mesh.watch import Compacted, Watch, WatchEvent
 
 __all__ = [
     "KV",
@@ -75,14 +77,6 @@ class KV:
     mod_revision: int
     create_revision: int
     lease: int
-
-
-@dataclass(frozen=True)
-class WatchEvent:
-    kind: Literal["put", "delete"]
-    key: str
-    value: Any | None
-    revision: int
 
 
 @dataclass(frozen=True)
@@ -331,12 +325,13 @@ class Store:
     async def _keepalive_once(self, lease_id: int, timeout: float) -> int:  # noqa: ASYNC109
         """One keep-alive round trip; returns the TTL etcd granted (<= 0: the lease is gone)."""
         req = rpc.LeaseKeepAliveRequest(ID=lease_id)
-        call = self._stub("leasestub").LeaseKeepAlive(iter([req]), timeout=timeout, metadata=self._md)
-        try:
-            async for reply in call:
-                return int(reply.TTL)
-        finally:
-            call.cancel()
+        with _errors("lease keep-alive"):
+            call = self._stub("leasestub").LeaseKeepAlive(iter([req]), timeout=timeout, metadata=self._md)
+            try:
+                async for reply in call:
+                    return int(reply.TTL)
+            finally:
+                call.cancel()
         return 0
 
     # -- watches --------------------------------------------------------------------------------
@@ -344,6 +339,38 @@ class Store:
         """Events under ``prefix`` from ``start_revision`` (default: changes after the watch starts,
         i.e. after ``async with`` or the first ``anext``)."""
         return Watch(self, prefix, start_revision)
+
+    async def _watch_stream(self, prefix: str, start_revision: int,
+                            ) -> AsyncGenerator[tuple[list[WatchEvent], bool, int], None]:
+        """One gRPC watch stream under ``prefix`` from ``start_revision``, for :class:`Watch`: yields
+        (events, created, header revision) per response until the stream fails. Raises
+        ``Compacted`` if etcd compacted past ``start_revision``, ``StoreError`` for anything else.
+        Close it (``contextlib.aclosing``) to cancel the stream."""
+        key = self._k(prefix)
+        create = rpc.WatchCreateRequest(key=key, range_end=_range_end(key), start_revision=start_revision,
+                                        progress_notify=True)
+        forever = asyncio.Event()
+
+        async def requests() -> AsyncIterator[Any]:
+            yield rpc.WatchRequest(create_request=create)
+            await forever.wait()  # keep our half of the stream open
+
+        call = self._stub("watchstub").Watch(requests(), metadata=self._md)
+        try:
+            with _errors(f"watch {prefix!r}"):
+                async for resp in call:
+                    if resp.compact_revision:
+                        raise Compacted(int(resp.compact_revision))
+                    if resp.canceled:
+                        raise StoreError(f"watch canceled by etcd: {resp.cancel_reason}")
+                    events: list[WatchEvent] = []
+                    for ev in resp.events:
+                        kind: Literal["put", "delete"] = "delete" if ev.type == rpc.Event.DELETE else "put"
+                        value = _decode(ev.kv.value) if kind == "put" else None
+                        events.append(WatchEvent(kind, self._rel(ev.kv.key), value, int(ev.kv.mod_revision)))
+                    yield events, bool(resp.created), int(resp.header.revision)
+        finally:
+            call.cancel()
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def close(self) -> None:
@@ -367,188 +394,3 @@ class Store:
 
     def __repr__(self) -> str:
         return f"Store({self.url}, prefix={self.prefix!r}{', closed' if self._closed else ''})"
-
-
-class Lease:
-    """A granted lease whose keep-alive task this object owns. ``lost`` is set (and ``alive`` is
-    False) once etcd says it expired, it was revoked, or keep-alives failed for longer than the TTL."""
-
-    def __init__(self, store: Store, lease_id: int, ttl: float) -> None:
-        self._store = store
-        self.id = lease_id
-        self.ttl = ttl
-        self.lost = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-
-    @property
-    def alive(self) -> bool:
-        return not self.lost.is_set()
-
-    def _start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._keepalive(), name=f"lease-{self.id:x}")
-
-    async def _keepalive(self) -> None:
-        last_ok = time.monotonic()
-        interval = max(self.ttl / 3.0, 0.2)
-        delay = interval
-        while True:
-            await asyncio.sleep(delay)
-            sent = time.monotonic()
-            try:
-                ttl = await self._store._keepalive_once(self.id, timeout=interval)
-            except (StoreError, rpc.AioRpcError, TimeoutError) as exc:
-                if time.monotonic() - last_ok > self.ttl:
-                    log.warning("lease lost: keep-alive failing past its TTL",
-                                extra=kv(event="lease_lost", reason=f"{self.id:x}: {exc}"))
-                    self.lost.set()
-                    return
-                delay = min(interval, 0.25)  # etcd may be restarting: retry soon
-                continue
-            if ttl <= 0:
-                log.warning("lease lost: expired or revoked in etcd", extra=kv(event="lease_lost"))
-                self.lost.set()
-                return
-            last_ok, delay = sent, interval
-
-    async def _stop_keepalive(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    async def revoke(self) -> None:
-        await self._stop_keepalive()
-        self.lost.set()
-        self._store._leases.discard(self)
-        await self._store.revoke_lease(self.id)
-
-    async def __aenter__(self) -> Lease:
-        return self
-
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
-        await self.revoke()
-
-    def __repr__(self) -> str:
-        return f"Lease({self.id:x}, ttl={self.ttl:g}, alive={self.alive})"
-
-
-class _Compacted(Exception):
-    pass
-
-
-class Watch:
-    """Async iterator of :class:`WatchEvent` under a prefix, in revision order.
-
-    A pump task owns one gRPC watch stream; when the stream drops (etcd restarted, network cut)
-    it re-watches from the last revision it delivered + 1, with jittered back-off, so no event is
-    missed or repeated. If etcd compacted past that revision, iteration raises ``StoreError``.
-    """
-
-    def __init__(self, store: Store, prefix: str, start_revision: int | None) -> None:
-        self._store = store
-        self.prefix = prefix
-        self._start_revision = start_revision
-        # revision of the last event handed to the consumer (or start - 1)
-        self.last_revision = (start_revision - 1) if start_revision else 0
-        self._cursor = self.last_revision  # revision of the last event queued by the pump
-        self._queue: asyncio.Queue[WatchEvent | BaseException | None] = asyncio.Queue(maxsize=4096)
-        self._task: asyncio.Task[None] | None = None
-        self._closed = False
-        self.reconnects = 0
-
-    async def start(self) -> None:
-        if self._task is not None or self._closed:
-            return
-        if self._start_revision is None:
-            self._cursor = self.last_revision = await self._store.revision()
-        self._store._watches.add(self)
-        self._task = asyncio.get_running_loop().create_task(self._pump(), name=f"watch-{self.prefix}")
-
-    async def _pump(self) -> None:
-        backoff = 0.05
-        while True:
-            try:
-                if await self._stream():
-                    backoff = 0.05
-            except _Compacted as exc:
-                await self._queue.put(StoreError(
-                    f"watch on {self.prefix!r} cannot resume after revision {self._cursor}: etcd "
-                    f"compacted history up to {exc.args[0]}; re-read with get_prefix and watch again",
-                    prefix=self.prefix, last_revision=self._cursor, compact_revision=exc.args[0]))
-                return
-            except (rpc.AioRpcError, StoreError) as exc:
-                log.debug("watch stream dropped", extra=kv(event="watch_retry", reason=str(exc)[:200]))
-            self.reconnects += 1
-            await asyncio.sleep(backoff * (0.5 + random.random()))
-            backoff = min(backoff * 2, 2.0)
-
-    async def _stream(self) -> bool:
-        """Run one watch stream until it fails. True if it had been established."""
-        key = self._store._k(self.prefix)
-        create = rpc.WatchCreateRequest(key=key, range_end=_range_end(key),
-                                        start_revision=self._cursor + 1, progress_notify=True)
-        forever = asyncio.Event()
-
-        async def requests() -> AsyncIterator[Any]:
-            yield rpc.WatchRequest(create_request=create)
-            await forever.wait()  # keep our half of the stream open
-
-        call = self._store._stub("watchstub").Watch(requests(), metadata=self._store._md)
-        established = False
-        try:
-            async for resp in call:
-                if resp.compact_revision:
-                    raise _Compacted(int(resp.compact_revision))
-                if resp.canceled:
-                    raise StoreError(f"watch canceled by etcd: {resp.cancel_reason}")
-                established = established or bool(resp.created)
-                for ev in resp.events:
-                    kind: Literal["put", "delete"] = "delete" if ev.type == rpc.Event.DELETE else "put"
-                    value = _decode(ev.kv.value) if kind == "put" else None
-                    await self._queue.put(WatchEvent(kind, self._store._rel(ev.kv.key), value,
-                                                     int(ev.kv.mod_revision)))
-                    self._cursor = int(ev.kv.mod_revision)
-                if not resp.events and not resp.created:
-                    # progress notification: nothing under our prefix up to this revision
-                    self._cursor = max(self._cursor, int(resp.header.revision))
-        finally:
-            call.cancel()
-        return established
-
-    def __aiter__(self) -> Watch:
-        return self
-
-    async def __anext__(self) -> WatchEvent:
-        if self._closed and self._queue.empty():
-            raise StopAsyncIteration
-        await self.start()
-        item = await self._queue.get()
-        if item is None:
-            raise StopAsyncIteration
-        if isinstance(item, BaseException):
-            await self.close()
-            raise item
-        self.last_revision = item.revision
-        return item
-
-    async def close(self) -> None:
-        self._closed = True
-        self._store._watches.discard(self)
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        with contextlib.suppress(asyncio.QueueFull):
-            self._queue.put_nowait(None)  # wake a consumer blocked in __anext__
-
-    async def __aenter__(self) -> Watch:
-        await self.start()
-        return self
-
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
-        await self.close()
-

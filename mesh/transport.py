@@ -8,11 +8,9 @@ disconnect / handshake-failure events): a CURVE-rejected or vanished peer otherw
 silent. The server answers expired requests without calling the handler and turns every handler
 failure into an error reply, so a caller always gets a ``MeshError`` subclass, never silence.
 
-The data sockets do not go through ``zmq.asyncio``: its per-operation Futures and flag enums cost
-more than the codec on a small message. ``_Pump`` watches the socket's ``ZMQ_FD`` with
-``loop.add_reader``, drains every ready message in one callback, and sends with ``NOBLOCK``
-(waiting for ``POLLOUT`` only when a DEALER's queue is full). Sockets still come from the caller's
-context, so ``ctx.destroy()`` and leak checks see them; only the monitor uses ``zmq.asyncio``.
+The data sockets do not go through ``zmq.asyncio`` but through :class:`mesh.zmqio.Pump`, which
+drives them straight from the event loop; only the monitor uses ``zmq.asyncio``. The blocking
+client for benchmarks, :class:`mesh.zmqsync.SyncZmqClient`, is re-exported here.
 """
 
 from __future__ import annotations
@@ -42,6 +40,8 @@ from mesh.errors import (
 )
 from mesh.log import get_logger, kv
 from mesh.types import InferRequest, InferResponse
+from mesh.zmqio import Pump, io_socket
+from mesh.zmqsync import SyncZmqClient  # re-exported: its home before the split
 
 __all__ = ["Handler", "SocketSecurity", "SyncZmqClient", "ZmqClient", "ZmqServer"]
 
@@ -55,13 +55,6 @@ _PEER_DEAD_EVENTS: dict[int, str] = {
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake failed (protocol)",
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "handshake failed (authentication)",
 }
-# plain ints: pyzmq's flag enums cost a Python call per bitwise operation
-_EVENTS, _POLLIN, _POLLOUT, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.NOBLOCK)
-_DRAIN_BATCH = 64  # messages per wake-up before other callbacks get a turn
-# Below this a frame is copied into libzmq rather than lent to it: lending costs a pyzmq
-# garbage-collector round trip per frame (~13 µs here), a memcpy of 100 KB ~7 µs; they cross near
-# 256 KB (pyzmq's default threshold is 64 KB). Encoding itself never copies.
-_COPY_THRESHOLD = 256 * 1024
 _WRITABLE_POLL_S = 0.05  # re-check a full send queue this often even if no POLLOUT edge is seen
 
 
@@ -77,103 +70,6 @@ class _State(enum.Enum):
     UNOPENED = "unopened"
     OPEN = "open"
     CLOSED = "closed"
-
-
-class _Pump:
-    """Drives one socket from the event loop: ``on_message`` for every message received.
-
-    ``ZMQ_FD`` is edge-triggered: any operation on the socket (a send included) may consume the
-    wake-up of a message that arrived meanwhile, so every send is followed by ``after_send``,
-    which looks at ``ZMQ_EVENTS`` and schedules a drain if input is waiting."""
-
-    __slots__ = ("_soon", "_writable", "fd", "loop", "name", "on_message", "open", "sock")
-
-    def __init__(self, sock: zmq.Socket[Any], on_message: Callable[[list[zmq.Frame]], None], name: str) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.sock = sock
-        self.on_message = on_message
-        self.name = name
-        self.fd: int = sock.getsockopt(zmq.FD)  # type: ignore[assignment]
-        self.open = True
-        self._soon = False
-        self._writable: list[asyncio.Future[None]] = []
-        self.loop.add_reader(self.fd, self._drain)
-
-    def _drain(self) -> None:
-        self._soon = False
-        sock = self.sock
-        for _ in range(_DRAIN_BATCH):
-            if not self.open:
-                return
-            try:
-                events: int = sock.getsockopt(_EVENTS)  # type: ignore[assignment]
-                if events & _POLLOUT and self._writable:
-                    self._wake_writers()
-                if not events & _POLLIN:
-                    return
-                msg = sock.recv_multipart(_NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            except zmq.ZMQError as exc:
-                log.warning("%s: receive failed: %s", self.name, exc)
-                return
-            try:
-                self.on_message(msg)
-            except Exception:  # the pump must outlive any single bad message
-                log.exception("%s: failed to handle a message", self.name)
-        self.kick()
-
-    def kick(self) -> None:
-        if not self._soon and self.open:
-            self._soon = True
-            self.loop.call_soon(self._drain)
-
-    def after_send(self) -> None:
-        if self._soon or not self.open:
-            return
-        try:
-            events: int = self.sock.getsockopt(_EVENTS)  # type: ignore[assignment]
-        except zmq.ZMQError:
-            return
-        if events & _POLLIN or (events & _POLLOUT and self._writable):
-            self.kick()
-
-    def send(self, frames: list[Any]) -> None:
-        """Send now or raise ``zmq.Again`` (queue full) / ``zmq.ZMQError``."""
-        self.sock.send_multipart(frames, _NOBLOCK, copy=False)
-        self.after_send()
-
-    async def wait_writable(self, within_s: float) -> None:
-        fut: asyncio.Future[None] = self.loop.create_future()
-        self._writable.append(fut)
-        self.kick()  # POLLOUT may already be set; the drain looks
-        try:
-            await asyncio.wait_for(fut, within_s)
-        except TimeoutError:
-            pass
-        finally:
-            with contextlib.suppress(ValueError):
-                self._writable.remove(fut)
-
-    def _wake_writers(self) -> None:
-        waiters, self._writable = self._writable, []
-        for fut in waiters:
-            if not fut.done():
-                fut.set_result(None)
-
-    def close(self) -> None:
-        """Stop watching; the caller closes the socket afterwards (never the other way round)."""
-        if self.open:
-            self.open = False
-            self.loop.remove_reader(self.fd)
-            self._wake_writers()
-
-
-def _io_socket(sock: zmq.Socket[Any]) -> zmq.Socket[Any]:
-    # a plain (blocking-API) handle on the same libzmq socket; the asyncio wrapper stays idle
-    io = zmq.Socket.shadow(sock.underlying) if isinstance(sock, zmq.asyncio.Socket) else sock
-    io.copy_threshold = _COPY_THRESHOLD
-    return io
 
 
 class ZmqServer:
@@ -193,7 +89,7 @@ class ZmqServer:
         # False lets a handler answer after the deadline (tests of the client's late-reply path)
         self._enforce_deadline = enforce_deadline
         self._sock: zmq.Socket[Any] | None = None
-        self._pump: _Pump | None = None
+        self._pump: Pump | None = None
         self._inflight: set[asyncio.Task[None]] = set()
         self._state = _State.UNOPENED
         self._endpoint = ""
@@ -224,7 +120,7 @@ class ZmqServer:
             raise
         self._sock = sock
         self._endpoint = cast(bytes, sock.getsockopt(zmq.LAST_ENDPOINT)).decode()
-        self._pump = _Pump(_io_socket(sock), self._dispatch, f"zmq server {self._endpoint}")
+        self._pump = Pump(io_socket(sock), self._dispatch, f"zmq server {self._endpoint}")
         self._state = _State.OPEN
         log.info("zmq server listening on %s", self._endpoint)
 
@@ -328,7 +224,7 @@ class _Peer:
     endpoint: str
     sock: zmq.Socket[Any]
     monitor: zmq.asyncio.Socket
-    pump: _Pump | None = None
+    pump: Pump | None = None
     pending: dict[str, tuple[asyncio.Future[InferResponse], asyncio.TimerHandle]] = field(
         default_factory=dict)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -381,7 +277,7 @@ class ZmqClient:
         if size > self._max_bytes:  # the server would drop the connection, failing every pending call
             raise PayloadTooLarge(f"request tensors are {size} bytes, limit is {self._max_bytes}")
         peer = self._peers.get(endpoint) or self._open_peer(endpoint)
-        pump = cast(_Pump, peer.pump)
+        pump = cast(Pump, peer.pump)
         rid = req.request_id
         if rid in peer.pending or len(rid) > wire.MAX_ID_LEN:
             rid = wire.new_request_id()
@@ -407,7 +303,7 @@ class ZmqClient:
                 entry[1].cancel()
 
     async def _send_when_writable(self, peer: _Peer, frames: list[Any], fut: asyncio.Future[Any]) -> None:
-        pump = cast(_Pump, peer.pump)
+        pump = cast(Pump, peer.pump)
         while not fut.done() and pump.open:
             await pump.wait_writable(_WRITABLE_POLL_S)
             if fut.done() or not pump.open:
@@ -461,7 +357,7 @@ class ZmqClient:
                 raise PeerUnavailable(f"cannot connect to {endpoint}: {exc}") from exc
             raise
         peer = _Peer(endpoint, sock, cast(zmq.asyncio.Socket, monitor))
-        peer.pump = _Pump(_io_socket(sock), lambda msg: self._on_reply(peer, msg), f"zmq client {endpoint}")
+        peer.pump = Pump(io_socket(sock), lambda msg: self._on_reply(peer, msg), f"zmq client {endpoint}")
         peer.tasks = [asyncio.create_task(self._watch(peer), name=f"zmq-monitor {endpoint}")]
         self._peers[endpoint] = peer
         return peer
@@ -529,44 +425,3 @@ class ZmqClient:
         peer.monitor.close(linger=0)
         peer.sock.close(linger=0)
         return failed
-
-
-class SyncZmqClient:
-    """Blocking client, one request at a time: for benchmarks of the wire without asyncio's cost."""
-
-    def __init__(self, endpoint: str, *, ctx: zmq.Context[Any] | None = None,
-                 security: SocketSecurity | None = None, server_key: bytes | None = None) -> None:
-        self._own_ctx = ctx is None
-        self._ctx: zmq.Context[Any] = zmq.Context() if ctx is None else ctx
-        self._sock: zmq.Socket[Any] = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        if security is not None:
-            security.apply_client(self._sock, server_key)
-        self._sock.connect(endpoint)
-        self.endpoint = endpoint
-
-    def request(self, req: InferRequest) -> InferResponse:
-        if not req.request_id:
-            req.request_id = wire.new_request_id()
-        self._sock.send_multipart(wire.encode_request(req), copy=False)
-        while (left_ms := req.remaining_ms()) > 0:
-            if not self._sock.poll(max(1, int(left_ms)), zmq.POLLIN):
-                continue
-            rid, out = wire.decode_reply(self._sock.recv_multipart(copy=False))
-            if rid != req.request_id:
-                continue  # a late reply to an earlier request
-            if isinstance(out, MeshError):
-                raise out
-            return out
-        raise DeadlineExceeded(f"no reply from {self.endpoint} before the deadline")
-
-    def close(self) -> None:
-        self._sock.close(linger=0)
-        if self._own_ctx:
-            self._ctx.term()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -8,7 +8,9 @@ is set, in the order the tensors appear; ``Inference-Header-Content-Length`` giv
 header's length whenever binary data follows it.
 
 tiermesh fields ride in ``parameters``: the SLO on the request, the serving site, variant,
-accuracy, decision reason and timing on the response.
+accuracy, decision reason and timing on the response. That mapping, the datatype table, model
+metadata and input validation live in :mod:`mesh.v2_params`; every name there is re-exported here,
+so callers import only this module.
 
 Hot paths avoid what costs microseconds each on every request: ``dtype.name`` (a Python
 property), a ``JSONEncoder`` built per call, ``bytes`` detours for tensor data (one copy into the
@@ -28,9 +30,23 @@ from typing import Any, cast
 import numpy as np
 
 from mesh.errors import BadTensor, PayloadTooLarge, RequestError
-from mesh.types import SLO, InferResponse, Prefer, TaskSignature, TensorSpec, Timing
+from mesh.v2_params import (
+    DEFAULT_LATENCY_MS,
+    DTYPE_TO_V2,
+    NATIVE,
+    V2_TO_NP,
+    datatype_of,
+    dtype_of,
+    metadata_to_signature,
+    parse_slo,
+    response_parameters,
+    result_fields,
+    signature_to_metadata,
+    validate_inputs,
+)
 
 __all__ = [
+    "DEFAULT_LATENCY_MS",
     "HEADER_LENGTH",
     "TENANT_HEADER",
     "DecodedRequest",
@@ -52,47 +68,6 @@ __all__ = [
 HEADER_LENGTH = "Inference-Header-Content-Length"
 # Names the caller's tenant until mutual TLS does (see ``edge_agent.http_api.identify``).
 TENANT_HEADER = "X-Tiermesh-Tenant"
-
-# V2 datatype -> numpy dtype (explicitly little-endian: the binary extension is LE on the wire).
-# BYTES and BF16 are not served by any tiermesh task, so they are rejected rather than half-supported.
-_V2_TO_NP: dict[str, np.dtype[Any]] = {
-    "BOOL": np.dtype("?"),
-    "UINT8": np.dtype("<u1"),
-    "UINT16": np.dtype("<u2"),
-    "UINT32": np.dtype("<u4"),
-    "UINT64": np.dtype("<u8"),
-    "INT8": np.dtype("<i1"),
-    "INT16": np.dtype("<i2"),
-    "INT32": np.dtype("<i4"),
-    "INT64": np.dtype("<i8"),
-    "FP16": np.dtype("<f2"),
-    "FP32": np.dtype("<f4"),
-    "FP64": np.dtype("<f8"),
-}
-_NAME_TO_V2: dict[str, str] = {dt.name: v2 for v2, dt in _V2_TO_NP.items()}
-# keyed by dtype: a dict lookup instead of the ``dtype.name`` property; big-endian dtypes miss
-_DTYPE_TO_V2: dict[np.dtype[Any], str] = {dt: v2 for v2, dt in _V2_TO_NP.items()}
-_NATIVE: dict[str, np.dtype[Any]] = {v2: dt.newbyteorder("=") for v2, dt in _V2_TO_NP.items()}
-_PREFERS: tuple[str, ...] = ("latency", "accuracy", "refuse")
-DEFAULT_LATENCY_MS = 1000.0
-
-
-def dtype_of(datatype: object) -> np.dtype[Any]:
-    """numpy dtype of a V2 datatype string; ``BadTensor`` for anything else."""
-    if not isinstance(datatype, str) or datatype not in _V2_TO_NP:
-        raise BadTensor(f"unsupported datatype {datatype!r}; expected one of {sorted(_V2_TO_NP)}")
-    return _V2_TO_NP[datatype]
-
-
-def datatype_of(dtype: np.dtype[Any] | str) -> str:
-    """V2 datatype string of a numpy dtype (or dtype name such as ``"float32"``)."""
-    if isinstance(dtype, np.dtype) and (v2 := _DTYPE_TO_V2.get(dtype)) is not None:
-        return v2
-    name = np.dtype(dtype).name
-    if name not in _NAME_TO_V2:
-        raise BadTensor(f"dtype {name} has no V2 datatype tiermesh serves")
-    return _NAME_TO_V2[name]
-
 
 # ---------------------------------------------------------------------------- tensors
 
@@ -129,7 +104,7 @@ def _tensor_from_bytes(t: Mapping[str, Any], raw: bytes | memoryview, where: str
         raise BadTensor(f"{where}: binary_data_size is {len(raw)} bytes but shape {list(shape)} "
                         f"of {datatype} needs {want}")
     # Copy so the array owns its memory and the request body can be freed.
-    return np.frombuffer(raw, dtype=dt).reshape(shape).astype(_NATIVE[cast(str, datatype)], copy=True)
+    return np.frombuffer(raw, dtype=dt).reshape(shape).astype(NATIVE[cast(str, datatype)], copy=True)
 
 
 def _binary_size(t: Mapping[str, Any], where: str) -> int | None:
@@ -198,7 +173,7 @@ def _fast_binary_tensors(items: object, tail: memoryview, max_bytes: int) -> dic
             return None
         name, datatype, shape, params = t.get("name"), t.get("datatype"), t.get("shape"), t.get("parameters")
         if (type(name) is not str or name in out or type(datatype) is not str or type(shape) is not list
-                or type(params) is not dict or datatype not in _V2_TO_NP):
+                or type(params) is not dict or datatype not in V2_TO_NP):
             return None
         size = params.get("binary_data_size")
         if type(size) is not int or size > max_bytes:
@@ -208,12 +183,12 @@ def _fast_binary_tensors(items: object, tail: memoryview, max_bytes: int) -> dic
             if type(d) is not int or d < 0:
                 return None
             count *= d
-        dt = _V2_TO_NP[datatype]
+        dt = V2_TO_NP[datatype]
         if count * dt.itemsize != size or offset + size > end:
             return None
         # one copy, so the array owns its memory and the body can be freed
         arr = np.ndarray(shape, dt, tail, offset)
-        out[name] = arr.copy() if dt.isnative else arr.astype(_NATIVE[datatype])
+        out[name] = arr.copy() if dt.isnative else arr.astype(NATIVE[datatype])
         offset += size
     return out if offset == end else None
 
@@ -254,7 +229,7 @@ def _tensor_json(name: str, arr: np.ndarray, binary: bool) -> tuple[dict[str, An
         t["data"] = arr.reshape(-1).tolist()
         return t, None
     raw: bytes | memoryview
-    if arr.dtype in _DTYPE_TO_V2 and arr.flags.c_contiguous and arr.size:
+    if arr.dtype in DTYPE_TO_V2 and arr.flags.c_contiguous and arr.size:
         # already little-endian and contiguous: lend the bytes; _assemble copies them once
         raw = memoryview(arr).cast("B")  # type: ignore[arg-type]
     else:
@@ -336,130 +311,7 @@ def encode_infer_request(inputs: Mapping[str, np.ndarray], parameters: Mapping[s
     return _assemble(head, blobs)
 
 
-def parse_slo(params: Mapping[str, Any]) -> SLO:
-    """The SLO carried in request ``parameters``; ``RequestError`` for values out of range."""
-    # the common request: plain finite floats in range, or absent
-    latency, acc, cost, prefer = (params.get("latency_ms", DEFAULT_LATENCY_MS), params.get("min_accuracy", 0.0),
-                                  params.get("max_cost"), params.get("prefer", "latency"))
-    if (type(latency) is float and 0.0 < latency < math.inf and type(acc) is float and 0.0 <= acc <= 1.0
-            and (cost is None or (type(cost) is float and 0.0 <= cost < math.inf))
-            and type(prefer) is str and prefer in _PREFERS):
-        return SLO(latency, acc, cost, cast(Prefer, prefer))
-    return _parse_slo(params)
-
-
-def _parse_slo(params: Mapping[str, Any]) -> SLO:
-    def num(key: str, default: float | None) -> float | None:
-        v = params.get(key, default)
-        if v is None:
-            return None
-        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-            raise RequestError(f"parameter {key} must be a finite number, got {v!r}")
-        return float(v)
-
-    latency = num("latency_ms", DEFAULT_LATENCY_MS)
-    assert latency is not None
-    if latency <= 0:
-        raise RequestError(f"parameter latency_ms must be positive, got {latency}")
-    acc = num("min_accuracy", 0.0)
-    assert acc is not None
-    if not 0.0 <= acc <= 1.0:
-        raise RequestError(f"parameter min_accuracy must be in [0, 1], got {acc}")
-    cost = num("max_cost", None)
-    if cost is not None and cost < 0:
-        raise RequestError(f"parameter max_cost must be non-negative, got {cost}")
-    prefer = params.get("prefer", "latency")
-    if prefer not in _PREFERS:
-        raise RequestError(f"parameter prefer must be one of {list(_PREFERS)}, got {prefer!r}")
-    return SLO(latency_ms=latency, min_accuracy=acc, max_cost=cost, prefer=cast(Prefer, prefer))
-
-
-_Compiled = tuple[TaskSignature, dict[str, tuple[np.dtype[Any], tuple[int, ...]]]]
-_SIGNATURES: dict[int, _Compiled] = {}
-
-
-def _compiled(sig: TaskSignature) -> dict[str, tuple[np.dtype[Any], tuple[int, ...]]]:
-    # keyed by identity (hashing a signature walks all its specs); the entry keeps sig alive, so
-    # its id cannot be reused while the entry stands
-    entry = _SIGNATURES.get(id(sig))
-    if entry is not None and entry[0] is sig:
-        return entry[1]
-    if len(_SIGNATURES) >= 256:
-        _SIGNATURES.clear()
-    specs = {s.name: (np.dtype(s.dtype), s.shape) for s in sig.inputs}
-    _SIGNATURES[id(sig)] = (sig, specs)
-    return specs
-
-
-def validate_inputs(inputs: Mapping[str, np.ndarray], sig: TaskSignature) -> None:
-    """Check names, dtypes and ranks (with fixed dims) against the task's signature."""
-    specs = _compiled(sig)
-    if len(inputs) == len(specs):
-        for name, arr in inputs.items():
-            spec = specs.get(name)
-            if spec is None or arr.dtype != spec[0] or len(arr.shape) != len(spec[1]):
-                break
-            for w, g in zip(spec[1], arr.shape, strict=True):
-                if w != -1 and w != g:
-                    break
-            else:
-                continue
-            break
-        else:
-            return
-    _validate_inputs(inputs, sig)
-
-
-def _validate_inputs(inputs: Mapping[str, np.ndarray], sig: TaskSignature) -> None:
-    want = {s.name: s for s in sig.inputs}
-    missing = sorted(set(want) - set(inputs))
-    if missing:
-        raise BadTensor(f"task {sig.task} needs input(s) {missing}; got {sorted(inputs)}")
-    extra = sorted(set(inputs) - set(want))
-    if extra:
-        raise BadTensor(f"task {sig.task} has no input(s) {extra}")
-    for name, arr in inputs.items():
-        spec = want[name]
-        if arr.dtype != np.dtype(spec.dtype):
-            raise BadTensor(f"input {name!r} is {datatype_of(arr.dtype)} but task {sig.task} takes "
-                            f"{datatype_of(spec.dtype)}")
-        if len(arr.shape) != len(spec.shape) or any(
-            w != -1 and w != g for w, g in zip(spec.shape, arr.shape, strict=True)
-        ):
-            raise BadTensor(f"input {name!r} has shape {list(arr.shape)} but task {sig.task} takes "
-                            f"{list(spec.shape)}")
-
-
 # ---------------------------------------------------------------------------- responses
-
-
-def response_parameters(resp: InferResponse) -> dict[str, Any]:
-    """Mesh metadata for a response's ``parameters`` (V2 allows only scalar values: hops is joined)."""
-    t = resp.timing
-    return {
-        "site": resp.site, "variant": resp.variant, "accuracy": resp.accuracy, "reason": resp.reason,
-        "best_effort": resp.best_effort, "tenant": resp.tenant,
-        "timing_ms_network": t.network_ms, "timing_ms_queue": t.queue_ms,
-        "timing_ms_compute": t.compute_ms, "timing_ms_total": t.total_ms,
-        "hops": ",".join(resp.hops),
-    }
-
-
-def result_fields(params: Mapping[str, Any]) -> dict[str, Any]:
-    """Inverse of ``response_parameters``: keyword arguments describing where and how it was served."""
-    def f(key: str) -> float:
-        v = params.get(key, 0.0)
-        return float(v) if isinstance(v, int | float) else 0.0
-
-    hops = params.get("hops") or ""
-    return {
-        "site": str(params.get("site", "")), "variant": str(params.get("variant", "")),
-        "accuracy": f("accuracy"), "reason": str(params.get("reason", "")),
-        "best_effort": params.get("best_effort") is True, "tenant": str(params.get("tenant", "")),
-        "timing": Timing(f("timing_ms_network"), f("timing_ms_queue"), f("timing_ms_compute"),
-                         f("timing_ms_total")),
-        "hops": [h for h in str(hops).split(",") if h],
-    }
 
 
 def encode_infer_response(model_name: str, request_id: str, outputs: Mapping[str, np.ndarray],
@@ -492,33 +344,3 @@ def decode_infer_response(body: bytes, header_length: int | None = None, *,
         outputs = _read_tensors(head.get("outputs", []), tail, "output", max_bytes)
     params = head.get("parameters") or {}
     return DecodedResponse(str(head.get("id", "")), outputs, params if isinstance(params, dict) else {})
-
-
-# ---------------------------------------------------------------------------- metadata
-
-
-def _spec_json(s: TensorSpec) -> dict[str, Any]:
-    return {"name": s.name, "datatype": datatype_of(s.dtype), "shape": list(s.shape)}
-
-
-def signature_to_metadata(sig: TaskSignature) -> dict[str, Any]:
-    """V2 model metadata for a task: the task stands in for the model; variants stay hidden."""
-    return {"name": sig.task, "versions": [], "platform": "tiermesh",
-            "inputs": [_spec_json(s) for s in sig.inputs],
-            "outputs": [_spec_json(s) for s in sig.outputs],
-            "parameters": {"metric": sig.metric}}
-
-
-def metadata_to_signature(meta: Mapping[str, Any]) -> TaskSignature:
-    def specs(key: str) -> tuple[TensorSpec, ...]:
-        out = []
-        for t in meta.get(key) or []:
-            out.append(TensorSpec(str(t["name"]), dtype_of(t["datatype"]).newbyteorder("=").name,
-                                  tuple(int(d) for d in t["shape"])))
-        return tuple(out)
-
-    try:
-        metric = (meta.get("parameters") or {}).get("metric", "top1")
-        return TaskSignature(str(meta["name"]), specs("inputs"), specs("outputs"), str(metric))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise RequestError(f"malformed model metadata: {exc}") from exc
