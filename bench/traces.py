@@ -7,7 +7,9 @@ drawn from a seed, bounded in count, so every system under test is offered exact
 queries at the same offsets. Arrivals are non-homogeneous Poisson (thinning): each edge follows
 ``base + (peak - base) x (1 - cos 2pi (t / day - phase)) / 2`` with its region's phase, and the
 spike adds one class at one edge, rising linearly from ``ramp_start_s`` to ``cliff_s`` (what a
-forecaster can see coming), then jumping to ``cliff_qps`` until ``spike_end_s``.
+forecaster can see coming), then jumping to ``cliff_qps`` until ``spike_end_s``. A
+:class:`DailyPeak` instead adds one class at one edge for a fixed window of every day (what a
+seasonal forecaster can learn from the days before; the cold-start benchmark).
 
 The replay sends each event at its offset (never waits on replies: open loop), with at most
 ``max_inflight`` outstanding; every record keeps its wall-clock send time so it can be matched
@@ -28,7 +30,8 @@ from mesh.client import AsyncClient
 from mesh.errors import MeshError
 from mesh.workload import SloClass
 
-__all__ = ["GEO_CLASSES", "Replayed", "Spike", "Trace", "TraceEvent", "TraceSpec", "make_trace", "replay"]
+__all__ = ["GEO_CLASSES", "DailyPeak", "Replayed", "Spike", "Trace", "TraceEvent", "TraceSpec", "make_trace",
+           "peak_windows", "replay"]
 
 TASK = "digit-classification"
 
@@ -65,6 +68,35 @@ class Spike:
 
 
 @dataclass(frozen=True, slots=True)
+class DailyPeak:
+    """One class at one edge that arrives once per compressed day: from ``start_s`` into each day,
+    ``qps`` for ``length_s``, nothing the rest of the day (a morning rush at one region). The peak
+    opens with ``burst`` extra queries 10 ms apart (a fleet of devices waking at the same minute):
+    what a cold start at the onset costs is then visible beyond the single first query."""
+
+    edge: str
+    slo: SloClass
+    start_s: float
+    length_s: float
+    qps: float
+    burst: int = 0
+
+
+def peak_windows(spec: TraceSpec) -> list[tuple[float, float]]:
+    """(start, end) of every daily peak of ``spec`` that begins within the trace."""
+    pk = spec.peaks
+    if pk is None:
+        return []
+    out: list[tuple[float, float]] = []
+    k = 0
+    while k * spec.day_s + pk.start_s < spec.duration_s:
+        start = k * spec.day_s + pk.start_s
+        out.append((start, min(spec.duration_s, start + pk.length_s)))
+        k += 1
+    return out
+
+
+@dataclass(frozen=True, slots=True)
 class TraceSpec:
     edges: tuple[str, ...]
     duration_s: float
@@ -79,6 +111,7 @@ class TraceSpec:
     # classes the diurnal base offers at the spike's edge (None: all); leaving the spike's class
     # (and any class whose variants would also serve it) out makes the spike land on cold variants
     spike_edge_classes: tuple[str, ...] | None = None
+    peaks: DailyPeak | None = None  # a class recurring once per day at one edge (cold-start bench)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +120,10 @@ class Trace:
     events: tuple[TraceEvent, ...]
 
     def classes(self) -> dict[str, SloClass]:
-        return {c.name: c for c in self.spec.classes}
+        out = {c.name: c for c in self.spec.classes}
+        if self.spec.peaks is not None:
+            out[self.spec.peaks.slo.name] = self.spec.peaks.slo
+        return out
 
 
 def _phase(spec: TraceSpec, i: int, edge: str) -> float:
@@ -143,6 +179,12 @@ def make_trace(spec: TraceSpec, n_samples: int) -> Trace:
     if sp is not None:
         for t in _thin(rng, max(sp.ramp_qps, sp.cliff_qps), spec.duration_s, lambda t: spike_rate(sp, t)):
             events.append(TraceEvent(round(t, 6), sp.edge, sp.slo_class, int(rng.integers(n_samples))))
+    pk = spec.peaks
+    if pk is not None:
+        for start, end in peak_windows(spec):
+            onset = [0.01 * i for i in range(pk.burst)]
+            for t in onset + _thin(rng, pk.qps, end - start, lambda t: pk.qps):
+                events.append(TraceEvent(round(start + t, 6), pk.edge, pk.slo.name, int(rng.integers(n_samples))))
     events.sort(key=lambda e: (e.t, e.edge, e.slo_class, e.sample))
     return Trace(spec, tuple(events[: spec.max_events]))
 

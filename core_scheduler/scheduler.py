@@ -45,6 +45,11 @@ class SchedulerConfig:
     interval_s: float = 1.0
     proactive: bool = True            # forecast demand and prewarm ahead of it
     forecast_horizon_s: float = 10.0  # how far ahead prewarming looks
+    # seasonal forecast: demand recurring every period (a day) is prewarmed ahead of its phase;
+    # None: trend only. Bins of forecast_bin_s; forecasts below forecast_min_qps count as none
+    forecast_period_s: float | None = 86_400.0
+    forecast_bin_s: float = 300.0
+    forecast_min_qps: float = 0.1    # one query per 10 s demand window
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     mode: str = "tiermesh"            # or a baseline's placement (core_scheduler.policy.modes)
 
@@ -61,7 +66,8 @@ class Scheduler:
         self.refused = 0                  # fenced writes etcd refused (we were a stale leader)
         self.terms = 0                    # times this replica became leader
         self.events: list[dict[str, Any]] = []
-        self.forecaster = DemandForecaster()
+        self.forecaster = DemandForecaster(period_s=cfg.forecast_period_s, bin_s=cfg.forecast_bin_s,
+                                           min_qps=cfg.forecast_min_qps)
         self._last_used: dict[tuple[str, str], float] = {}
         self._loaded_since: dict[tuple[str, str], float] = {}
         self._served: dict[tuple[str, str], int] = {}
@@ -155,8 +161,10 @@ class Scheduler:
         current = self.demands()
         demand = current
         if self.cfg.proactive:
-            self.forecaster.observe(current, now)
-            demand = self.forecaster.with_forecast(current, self.cfg.forecast_horizon_s)
+            # wall clock: a seasonal phase is a time of day, and it must mean the same to the next leader
+            wall = time.time()
+            self.forecaster.observe(current, wall)
+            demand = self.forecaster.with_forecast(current, self.cfg.forecast_horizon_s, wall)
         plan = plan_placement(snap, demand, now, self._last_used, self._loaded_since, self.cfg.placement,
                               pinned=floor)
         per_site = {s: set(vs) for s, vs in plan.per_site.items()}

@@ -16,7 +16,7 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from core_scheduler.scheduler import Scheduler, SchedulerConfig
@@ -58,6 +58,26 @@ class MeshOptions:
     startup_timeout_s: float = 90.0
     mode: str = "tiermesh"          # routing + placement mode (baselines for benchmarks)
     proactive: bool = True           # scheduler forecasts demand and prewarms
+    agent_env: dict[str, str] = field(default_factory=dict)  # extra environment of every agent
+    # scheduler knobs (None: SchedulerConfig / PlacementConfig defaults); benchmarks compress time
+    interval_s: float | None = None
+    forecast_horizon_s: float | None = None
+    forecast_period_s: float | None = None
+    forecast_bin_s: float | None = None
+    idle_evict_s: float | None = None
+    min_residency_s: float | None = None
+
+    def scheduler_config(self, candidate_id: str) -> SchedulerConfig:
+        cfg = SchedulerConfig(candidate_id=candidate_id, mode=self.mode, proactive=self.proactive)
+        for name in ("interval_s", "forecast_horizon_s", "forecast_period_s", "forecast_bin_s"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(cfg, name, value)
+        if self.idle_evict_s is not None:
+            cfg.placement = replace(cfg.placement, idle_evict_s=self.idle_evict_s)
+        if self.min_residency_s is not None:
+            cfg.placement = replace(cfg.placement, min_residency_s=self.min_residency_s)
+        return cfg
 
 
 @dataclass(slots=True)
@@ -112,8 +132,7 @@ class LocalMesh:
         self.variant_server = VariantStoreServer(self.blobs, self.catalog)
         await self.variant_server.start()
         if self.opts.scheduler:
-            self.scheduler = Scheduler(self.store, SchedulerConfig(
-                candidate_id=f"up-{os.getpid()}", mode=self.opts.mode, proactive=self.opts.proactive))
+            self.scheduler = Scheduler(self.store, self.opts.scheduler_config(f"up-{os.getpid()}"))
             await self.scheduler.start()
         names = self.opts.sites or sorted(self.topology.sites)
         for name in names:
@@ -220,7 +239,8 @@ class LocalMesh:
                "--routing-mode", self.opts.mode]
         if sp.peer_map_path is not None:
             cmd += ["--peer-map", str(sp.peer_map_path)]
-        env = {**os.environ, "TIERMESH_LOG_LEVEL": self.opts.agent_log_level, **sp.extra_env}
+        env = {**os.environ, "TIERMESH_LOG_LEVEL": self.opts.agent_log_level, **self.opts.agent_env,
+               **sp.extra_env}
         logf = sp.log_path.open("ab")
         try:
             sp.proc = await asyncio.create_subprocess_exec(*cmd, stdout=logf, stderr=logf, env=env,

@@ -21,4 +21,7 @@ class MeshSettings(BaseSettings):
     prefix: str = Field(default="/tiermesh/", description="Key prefix of everything tiermesh writes to etcd.")
     log_format: str = Field(default="text", description="'text' for people, 'json' for machines.")
     log_level: str = Field(default="INFO", description="Python logging level name.")
+    agent_idle_unload_s: float = Field(default=120.0,
+                                       description="Seconds an agent keeps a variant that placement no longer asks "
+                                                   "for, after its last use, before unloading it.")
     max_body_bytes: int = Field(default=16 * 1024 * 1024, description="Largest HTTP / wire request accepted.")

@@ -1,23 +1,45 @@
-"""Demand forecast for proactive placement: Holt's linear smoothing (level + trend) per key.
+"""Demand forecast for proactive placement: Holt's linear smoothing (level + trend) per key, and a
+seasonal profile for traffic that recurs every period (a diurnal peak).
 
-A rising ramp is forecast above its last value, so placement can load ("prewarm") a variant
-before the rise arrives instead of paying the cold start on the first queries of the rise.
+A rising ramp is forecast above its last value, and a peak seen at some phase of the previous
+period(s) is forecast ahead of its recurrence, so placement can load ("prewarm") a variant before
+the traffic arrives instead of paying the cold start on its first queries.
 
-:class:`EwmaTrend` is an immutable state; :func:`update` and :func:`forecast` are pure.
-``dt`` and horizons are seconds; the trend is in qps per second so irregular observation
-intervals stay meaningful. :class:`DemandForecaster` keeps one state per (site, task,
-slo_class, tenant) and turns them into :class:`~core_scheduler.policy.placement.Demand` values;
-it reads no clock (``now`` is an argument).
+:class:`EwmaTrend` and :class:`Seasonal` are immutable states; :func:`update`, :func:`forecast`,
+:func:`seasonal_update` and :func:`seasonal_peak` are pure. ``dt``, horizons and times are seconds;
+the trend is in qps per second so irregular observation intervals stay meaningful.
+
+Seasonal: the period is cut into bins of ``bin_s`` seconds (bin = phase of ``t`` in the period).
+Within one period a bin keeps the highest rate observed in it (prewarming is about the peak, not
+the mean); across periods it is smoothed, ``value = gamma x this period + (1 - gamma) x before``,
+so a peak that recurs stays forecast and a one-off blip halves (gamma 0.5) with every period
+that does not repeat it.
+
+:class:`DemandForecaster` keeps both per (site, task, slo_class, tenant) and turns them into
+:class:`~core_scheduler.policy.placement.Demand` values; it reads no clock (``now`` is an argument).
+The forecast of a key is ``max(Holt at t + h, seasonal peak over phases (t, t + h])``, and zero
+below ``min_qps`` so residual values never pin a variant.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from core_scheduler.policy.placement import Demand
 
-__all__ = ["DemandForecaster", "EwmaTrend", "forecast", "update", "with_forecast"]
+__all__ = [
+    "DemandForecaster",
+    "EwmaTrend",
+    "Seasonal",
+    "forecast",
+    "seasonal_peak",
+    "seasonal_update",
+    "seasonal_value",
+    "update",
+    "with_forecast",
+]
 
 Key = tuple[str, str, str, str]  # site, task, slo_class, tenant
 
@@ -48,25 +70,111 @@ def forecast(state: EwmaTrend, horizon_s: float) -> float:
 
 
 @dataclass(frozen=True, slots=True)
+class Seasonal:
+    """Per phase bin: the smoothed rate of earlier periods (``prior``, nan = none), the highest
+    rate seen in the period the bin was last observed in (``current``) and that period's index."""
+
+    period_s: float
+    bin_s: float
+    prior: tuple[float, ...]
+    current: tuple[float, ...]
+    cycle: tuple[int, ...]       # -1: never observed
+    gamma: float = 0.5
+
+    @classmethod
+    def empty(cls, period_s: float, bin_s: float, gamma: float = 0.5) -> Seasonal:
+        if period_s <= 0 or bin_s <= 0:
+            raise ValueError("seasonal period and bin must be positive")
+        n = max(1, round(period_s / bin_s))
+        return cls(period_s, period_s / n, (math.nan,) * n, (0.0,) * n, (-1,) * n, gamma)
+
+    @property
+    def bins(self) -> int:
+        return len(self.prior)
+
+    def bin_of(self, t: float) -> int:
+        return int((t % self.period_s) // self.bin_s) % self.bins
+
+    def cycle_of(self, t: float) -> int:
+        return int(t // self.period_s)
+
+
+def _blend(s: Seasonal, i: int) -> float:
+    """The bin's value over every period observed so far (nan when never observed)."""
+    if s.cycle[i] < 0:
+        return s.prior[i]
+    if math.isnan(s.prior[i]):
+        return s.current[i]
+    return s.gamma * s.current[i] + (1.0 - s.gamma) * s.prior[i]
+
+
+def seasonal_update(s: Seasonal, observation: float, t: float) -> Seasonal:
+    """Fold the rate observed at time ``t`` into the bin of its phase."""
+    i, c = s.bin_of(t), s.cycle_of(t)
+    prior, current, cycle = list(s.prior), list(s.current), list(s.cycle)
+    obs = max(0.0, float(observation))
+    if cycle[i] == c:
+        current[i] = max(current[i], obs)
+    else:
+        # a new period reached this bin: what was current becomes history
+        prior[i] = _blend(s, i)
+        current[i], cycle[i] = obs, c
+    return replace(s, prior=tuple(prior), current=tuple(current), cycle=tuple(cycle))
+
+
+def seasonal_value(s: Seasonal, t: float) -> float:
+    """The rate this phase had in earlier periods, or nan when it has never been observed."""
+    return _blend(s, s.bin_of(t))
+
+
+def seasonal_peak(s: Seasonal, t: float, horizon_s: float) -> tuple[float, float]:
+    """The highest rate recorded for the phases of ``[t, t + horizon_s]``, and how many seconds
+    after ``t`` its bin starts (0 when it is the bin of ``t``); ``(0.0, 0.0)`` when none is known."""
+    best, best_at = 0.0, 0.0
+    first = s.bin_of(t)
+    into = (t % s.period_s) - first * s.bin_s  # seconds already spent in the bin of t
+    for k in range(s.bins):
+        at = 0.0 if k == 0 else k * s.bin_s - into
+        if at > horizon_s:
+            break
+        v = _blend(s, (first + k) % s.bins)
+        if not math.isnan(v) and v > best:
+            best, best_at = v, at
+    return best, best_at
+
+
+@dataclass(frozen=True, slots=True)
 class _Tracked:
     state: EwmaTrend
-    template: Demand   # latest SLO parameters seen for the key
-    at: float          # time of the last observation
+    template: Demand            # latest SLO parameters seen for the key
+    at: float                   # time of the last observation
+    seasonal: Seasonal | None
 
 
 class DemandForecaster:
-    """One :class:`EwmaTrend` per demand key, fed with the full demand list each round."""
+    """Holt (and, given ``period_s``, a seasonal profile) per demand key, fed with the full demand
+    list each round. Keys whose traffic is gone are forgotten once neither model remembers them."""
 
-    def __init__(self, alpha: float = 0.5, beta: float = 0.3, forget_below_qps: float = 0.01) -> None:
+    def __init__(self, alpha: float = 0.5, beta: float = 0.3, forget_below_qps: float = 0.01, *,
+                 period_s: float | None = None, bin_s: float = 1.0, gamma: float = 0.5,
+                 min_qps: float = 0.0) -> None:
         self._proto = EwmaTrend(alpha=alpha, beta=beta)
         self._forget = forget_below_qps
+        self._season = Seasonal.empty(period_s, bin_s, gamma) if period_s else None
+        self._min_qps = min_qps
         self._tracked: dict[Key, _Tracked] = {}
+        self._now: float | None = None
 
     def __len__(self) -> int:
         return len(self._tracked)
 
+    @property
+    def period_s(self) -> float | None:
+        return self._season.period_s if self._season is not None else None
+
     def observe(self, demands: Iterable[Demand], now: float) -> None:
         """Record one round of observed demand; a known key missing from it observed 0 qps."""
+        self._now = now
         seen: dict[Key, Demand] = {}
         for d in demands:
             key = (d.site, d.task, d.slo_class, d.tenant)
@@ -82,27 +190,49 @@ class DemandForecaster:
             state = old.state if old is not None else self._proto
             dt = now - old.at if old is not None else 0.0
             new = update(state, qps, dt)
-            if cur is None and new.level < self._forget and forecast(new, 0.0) < self._forget:
-                self._tracked.pop(key, None)  # traffic gone: bound the memory
+            season = old.seasonal if old is not None else self._season
+            if season is not None:
+                season = seasonal_update(season, qps, now)
+            if cur is None and self._forgettable(new, season):
+                self._tracked.pop(key, None)  # traffic gone and not recurring: bound the memory
                 continue
-            self._tracked[key] = _Tracked(new, template, now)
+            self._tracked[key] = _Tracked(new, template, now, season)
+
+    def _forgettable(self, state: EwmaTrend, season: Seasonal | None) -> bool:
+        if state.level >= self._forget or forecast(state, 0.0) >= self._forget:
+            return False
+        if season is None:
+            return True
+        return all(math.isnan(v) or v < self._forget
+                   for v in (_blend(season, i) for i in range(season.bins)))
 
     def state(self, site: str, task: str, slo_class: str, tenant: str = "public") -> EwmaTrend | None:
         t = self._tracked.get((site, task, slo_class, tenant))
         return None if t is None else t.state
 
-    def forecast(self, horizon_s: float) -> list[Demand]:
-        """Forecast demand ``horizon_s`` ahead, as Demands whose ``qps`` is the forecast."""
+    def seasonal(self, site: str, task: str, slo_class: str, tenant: str = "public") -> Seasonal | None:
+        t = self._tracked.get((site, task, slo_class, tenant))
+        return None if t is None else t.seasonal
+
+    def forecast(self, horizon_s: float, now: float | None = None) -> list[Demand]:
+        """Forecast demand within ``horizon_s`` of ``now`` (default: the last observation), as
+        Demands whose ``qps`` is the forecast and whose ``forecast_why`` says which model gave it."""
+        at = now if now is not None else self._now
         out = []
         for key in sorted(self._tracked):
             t = self._tracked[key]
-            qps = forecast(t.state, horizon_s)
-            if qps > 0:
-                out.append(replace(t.template, qps=qps, forecast_qps=0.0))
+            qps, why = forecast(t.state, horizon_s), f"trend {forecast(t.state, horizon_s):.2f} qps in {horizon_s:g} s"
+            if t.seasonal is not None and at is not None:
+                peak, lead = seasonal_peak(t.seasonal, at, horizon_s)
+                if peak > qps:
+                    qps, why = peak, f"seasonal {peak:.2f} qps in {lead:.0f} s (last period at this phase)"
+            if qps > 0 and qps >= self._min_qps:
+                out.append(replace(t.template, qps=qps, forecast_qps=0.0, forecast_why=why))
         return out
 
-    def with_forecast(self, current: Iterable[Demand], horizon_s: float) -> list[Demand]:
-        return with_forecast(current, self.forecast(horizon_s))
+    def with_forecast(self, current: Iterable[Demand], horizon_s: float, now: float | None = None
+                      ) -> list[Demand]:
+        return with_forecast(current, self.forecast(horizon_s, now))
 
 
 def with_forecast(current: Iterable[Demand], predicted: Iterable[Demand]) -> list[Demand]:
@@ -113,6 +243,6 @@ def with_forecast(current: Iterable[Demand], predicted: Iterable[Demand]) -> lis
     for d in current:
         key = (d.site, d.task, d.slo_class, d.tenant)
         p = pred.pop(key, None)
-        out.append(replace(d, forecast_qps=p.qps) if p is not None else d)
+        out.append(replace(d, forecast_qps=p.qps, forecast_why=p.forecast_why) if p is not None else d)
     out.extend(replace(p, qps=0.0, forecast_qps=p.qps) for _, p in sorted(pred.items()))
     return out

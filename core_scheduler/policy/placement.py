@@ -24,7 +24,10 @@ Steps, following INFaaS (prefer what is loaded; scale a variant out before buyin
    never when it is pinned (e.g. the warm floor).
 
 Forecasts: ``Demand.forecast_qps`` (see ``forecast.with_forecast``) raises a demand to
-``max(qps, forecast_qps)``; a load that only the forecast needs is a ``prewarm`` event.
+``max(qps, forecast_qps)``; a load that only the forecast needs is a ``prewarm`` event, its
+reason naming the forecast (``Demand.forecast_why``). A variant a forecast still needs is kept (it is
+"needed"); once neither current nor forecast demand needs it, step 3 evicts it, so between
+recurring peaks an edge really drops what the peak used and the next peak is prewarmed again.
 
 Time: ``last_used`` and ``loaded_since`` are seconds on the caller's clock, as ``now``. A pair with
 no ``loaded_since`` counts as loaded at ``now`` (the caller has just seen it: keep it a while).
@@ -56,6 +59,7 @@ class Demand:
     budget_ms: float
     tenant: str = "public"    # private variants only serve their owner's demand
     forecast_qps: float = 0.0  # predicted for the planning horizon; 0 = none
+    forecast_why: str = ""     # which forecast gave forecast_qps (named in prewarm reasons)
 
     @property
     def effective_qps(self) -> float:
@@ -217,7 +221,8 @@ class _Planner:
                 fits = [v for v in self.snap.variants.get(d.task, ()) if self.meets(d, s, v)]
                 for v in self.variant_order(info, fits):
                     if self.try_load(s, v, action, f"serve {what}"
-                                     + (" (forecast)" if action == "prewarm" else "")):
+                                     + (f" (forecast: {d.forecast_why or 'predicted'})"
+                                        if action == "prewarm" else "")):
                         pair = (s, v.variant_id)
                         break
                 if pair is not None:
@@ -305,7 +310,8 @@ def plan_placement(snap: MeshSnapshot, demand: Iterable[Demand], now: float,
         old = merged.get(key)
         merged[key] = d if old is None else Demand(
             d.site, d.task, d.slo_class, old.qps + d.qps, max(old.min_accuracy, d.min_accuracy),
-            min(old.budget_ms, d.budget_ms), d.tenant, old.forecast_qps + d.forecast_qps)
+            min(old.budget_ms, d.budget_ms), d.tenant, old.forecast_qps + d.forecast_qps,
+            old.forecast_why or d.forecast_why)
     # tightest first: they have the fewest options; what is already placed is claimed before
     # anything is evicted to make room
     order = sorted(merged.values(), key=lambda d: (d.budget_ms, -d.min_accuracy, d.site, d.task,

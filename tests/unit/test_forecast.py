@@ -1,10 +1,13 @@
-"""Demand forecast: Holt's level + trend, per-key tracking, merging with current demand."""
+"""Demand forecast: Holt's level + trend, the seasonal profile, per-key tracking, merging."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 
 from core_scheduler.policy import Demand, DemandForecaster, EwmaTrend, forecast, update, with_forecast
+from core_scheduler.policy.forecast import Seasonal, seasonal_peak, seasonal_update, seasonal_value
 
 pytestmark = pytest.mark.unit
 
@@ -79,3 +82,114 @@ def test_with_forecast_merges_and_adds_forecast_only_keys() -> None:
     assert (by_site["edge-a"].qps, by_site["edge-a"].forecast_qps) == (30.0, 45.0)
     assert (by_site["edge-b"].qps, by_site["edge-b"].forecast_qps) == (0.0, 8.0)
     assert by_site["edge-b"].effective_qps == 8.0
+
+
+# -- seasonal -------------------------------------------------------------------------------
+
+P = 30.0  # a compressed "day"
+
+
+def peak_day(t: float) -> float:
+    """10 qps between phases 20 and 25 s of every period, else nothing."""
+    return 10.0 if 20.0 <= t % P < 25.0 else 0.0
+
+
+def feed(s: Seasonal, t0: float, t1: float, rate: object, dt: float = 1.0) -> Seasonal:
+    assert callable(rate)
+    t = t0
+    while t < t1:
+        s = seasonal_update(s, rate(t), t)
+        t += dt
+    return s
+
+
+def test_pattern_of_last_period_is_forecast_ahead_of_its_recurrence() -> None:
+    s = feed(Seasonal.empty(P, 1.0), 0.0, P, peak_day)  # one period observed
+    # at 16 s of the next period: the peak is 4 s away; a 5 s horizon sees it, a 3 s one does not
+    peak, lead = seasonal_peak(s, P + 16.0, 5.0)
+    assert peak == pytest.approx(10.0) and lead == pytest.approx(4.0)
+    assert seasonal_peak(s, P + 16.0, 3.0) == (0.0, 0.0)
+    assert seasonal_value(s, P + 22.5) == pytest.approx(10.0)
+    assert seasonal_value(s, P + 5.0) == 0.0
+
+
+def test_horizon_wraps_across_the_period_boundary() -> None:
+    s = feed(Seasonal.empty(P, 1.0), 0.0, P, lambda t: 4.0 if t % P < 2.0 else 0.0)
+    peak, lead = seasonal_peak(s, 2 * P - 3.0, 5.0)  # 3 s before the next period starts
+    assert peak == pytest.approx(4.0) and lead == pytest.approx(3.0)
+
+
+def test_unseen_phases_forecast_nothing() -> None:
+    s = feed(Seasonal.empty(P, 1.0), 0.0, 10.0, lambda t: 7.0)  # only phases 0-10 s seen
+    assert math.isnan(seasonal_value(s, P + 20.0))
+    assert seasonal_peak(s, P + 15.0, 10.0) == (0.0, 0.0)
+
+
+def test_one_off_blip_decays_while_a_recurring_peak_stays() -> None:
+    blip = feed(Seasonal.empty(P, 1.0), 0.0, P, peak_day)
+    recurring = blip
+    values = []
+    for k in range(1, 5):
+        blip = feed(blip, k * P, (k + 1) * P, lambda t: 0.0)
+        recurring = feed(recurring, k * P, (k + 1) * P, peak_day)
+        values.append(seasonal_value(blip, (k + 1) * P + 22.0))
+    assert values == sorted(values, reverse=True) and values[0] < 10.0 and values[-1] < 1.0
+    assert seasonal_value(recurring, 5 * P + 22.0) == pytest.approx(10.0)
+
+
+def test_bin_keeps_the_highest_rate_of_its_period() -> None:
+    s = Seasonal.empty(P, 10.0)  # three bins of 10 s
+    for t, q in ((1.0, 2.0), (4.0, 9.0), (8.0, 3.0)):
+        s = seasonal_update(s, q, t)
+    assert seasonal_value(s, P + 5.0) == 9.0
+    assert s.bins == 3 and s.bin_of(P + 25.0) == 2 and s.cycle_of(P + 25.0) == 1
+
+
+def seasonal_forecaster() -> DemandForecaster:
+    return DemandForecaster(period_s=P, bin_s=1.0, min_qps=0.05)
+
+
+def run_days(fc: DemandForecaster, days: float, rate: object, t0: float = 1000.0 * P) -> None:
+    assert callable(rate)
+    for k in range(int(days * P)):
+        t = t0 + k
+        q = rate(t)
+        fc.observe([d("edge-sin", q, "peak")] if q > 0 else [], now=t)
+
+
+def test_forecaster_prewarms_a_recurring_peak_but_not_the_first() -> None:
+    fc = seasonal_forecaster()
+    t0 = 1000.0 * P
+    # before any peak was seen, nothing is forecast for the peak's key
+    run_days(fc, 0.5, peak_day, t0)
+    assert fc.forecast(5.0, now=t0 + 16.0) == []
+    run_days(fc, 1.0, peak_day, t0 + 0.5 * P)      # the first peak (phase 20-25 s) happens
+    assert fc.seasonal("edge-sin", "digits", "peak") is not None
+    # the trend model alone has decayed to nothing by phase 16 of the next day ...
+    quiet = t0 + 2 * P + 16.0
+    run_days(fc, 16.0 / P, lambda t: 0.0, t0 + 2 * P)
+    out = fc.forecast(5.0, now=quiet)
+    assert [x.site for x in out] == ["edge-sin"]
+    assert out[0].qps == pytest.approx(10.0) and "seasonal" in out[0].forecast_why
+    assert out[0].budget_ms == 20.0 and out[0].min_accuracy == 0.95
+    # ... but the horizon decides: 3 s ahead there is nothing yet
+    assert fc.forecast(3.0, now=quiet) == []
+    merged = fc.with_forecast([], 5.0, now=quiet)
+    assert merged[0].qps == 0.0 and merged[0].effective_qps == pytest.approx(10.0)
+
+
+def test_trend_only_forecaster_forgets_what_seasonal_remembers() -> None:
+    trend_only = DemandForecaster()
+    seasonal = seasonal_forecaster()
+    for fc in (trend_only, seasonal):
+        run_days(fc, 1.0, peak_day)
+        run_days(fc, 0.5, lambda t: 0.0, 1000.0 * P + P)
+    assert len(trend_only) == 0
+    assert len(seasonal) == 1
+
+
+def test_seasonal_key_is_forgotten_once_its_peak_stops_recurring() -> None:
+    fc = seasonal_forecaster()
+    run_days(fc, 1.0, peak_day)
+    run_days(fc, 12.0, lambda t: 0.0, 1001.0 * P)  # 10 qps halves every silent day
+    assert len(fc) == 0

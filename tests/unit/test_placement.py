@@ -221,3 +221,76 @@ def test_dead_site_keeps_its_placement_and_demand_moves() -> None:
     p = plan(s, [demand(acc=0.98, budget=20.0)])
     assert actions(p) == {("mid2", "cnn.fp32", "load")}
     assert p.per_site["mid1"] == ("cnn.fp32",)
+
+
+def peak_demand(qps: float, forecast: float = 0.0, why: str = "") -> Demand:
+    # only the edge's cnn meets 10 ms at 0.98 (mid1 is 10 ms away; edge-a has room for 50 MB)
+    return Demand("edge-a", "digits", "peak", qps, 0.98, 10.0, forecast_qps=forecast, forecast_why=why)
+
+
+def test_prewarm_reason_names_the_forecast() -> None:
+    why = "seasonal 6.00 qps in 4 s (last period at this phase)"
+    p = plan(snap({}), [peak_demand(0.0, 6.0, why)])
+    assert actions(p) == {("edge-a", "cnn.fp32", "prewarm")}
+    assert why in p.events[0].reason
+    # the same demand observed now is a plain load, and says nothing of a forecast
+    p = plan(snap({}), [peak_demand(6.0)])
+    assert actions(p) == {("edge-a", "cnn.fp32", "load")} and "forecast" not in p.events[0].reason
+
+
+# between recurring peaks: (current qps, forecast qps, idle s, resident s) -> kept?
+BETWEEN_PEAKS = [
+    ("peak_now", 5.0, 0.0, 20.0, 60.0, True),
+    ("forecast_ahead", 0.0, 5.0, 20.0, 60.0, True),
+    ("quiet_and_idle", 0.0, 0.0, 20.0, 60.0, False),
+    ("quiet_but_just_used", 0.0, 0.0, 1.0, 60.0, True),
+    ("quiet_but_just_prewarmed", 0.0, 0.0, 20.0, 2.0, True),
+]
+
+
+@pytest.mark.parametrize("name,qps,fc,idle,resident,kept", BETWEEN_PEAKS, ids=[c[0] for c in BETWEEN_PEAKS])
+def test_peak_variant_is_dropped_between_peaks_unless_demand_or_forecast_needs_it(
+        name: str, qps: float, fc: float, idle: float, resident: float, kept: bool) -> None:
+    pair = ("edge-a", "cnn.fp32")
+    cfg = PlacementConfig(idle_evict_s=4.0, min_residency_s=4.0)
+    ds = [peak_demand(qps, fc, "seasonal")] if qps or fc else []
+    p = plan(snap({"edge-a": {"cnn.fp32"}}), ds, {pair: NOW - idle}, {pair: NOW - resident}, cfg)
+    assert ("cnn.fp32" in p.per_site["edge-a"]) == kept
+    assert (("edge-a", "cnn.fp32", "evict") in actions(p)) == (not kept)
+
+
+def test_reactive_and_proactive_plans_over_a_recurring_peak() -> None:
+    """Replay two compressed days of a peak through forecaster + planner: the proactive plan holds
+    the peak's variant before the second peak starts, the reactive plan only once it is observed,
+    and both drop it in the quiet hours."""
+    period, t0 = 30.0, 30_000.0
+    fc = DemandForecaster(period_s=period, bin_s=1.0, min_qps=0.05)
+    cfg = PlacementConfig(idle_evict_s=3.0, min_residency_s=3.0)
+    held: dict[str, set[str]] = {"reactive": set(), "proactive": set()}
+    at_peak2: dict[str, bool] = {}
+    dropped: dict[str, bool] = {"reactive": False, "proactive": False}
+    since: dict[str, dict[tuple[str, str], float]] = {"reactive": {}, "proactive": {}}
+    used: dict[str, dict[tuple[str, str], float]] = {"reactive": {}, "proactive": {}}
+    for k in range(int(2 * period)):
+        t = t0 + k
+        phase = k % period
+        qps = 8.0 if 20 <= phase < 25 else 0.0
+        current = [peak_demand(qps)] if qps else []
+        fc.observe(current, now=t)
+        for mode in ("reactive", "proactive"):
+            ds = fc.with_forecast(current, 5.0, now=t) if mode == "proactive" else current
+            placed = {"edge-a": set(held[mode])}
+            p = plan_placement(snap(placed), ds, t, used[mode], since[mode], cfg)
+            now_held = set(p.per_site["edge-a"])
+            for vid in now_held - held[mode]:
+                since[mode][("edge-a", vid)] = t
+            if qps:
+                for vid in now_held:
+                    used[mode][("edge-a", vid)] = t
+            if k >= period and 5 <= phase < 15:
+                dropped[mode] = dropped[mode] or "cnn.fp32" not in now_held
+            if k == period + 18:  # 2 s before the second peak
+                at_peak2[mode] = "cnn.fp32" in now_held
+            held[mode] = now_held
+    assert dropped == {"reactive": True, "proactive": True}
+    assert at_peak2 == {"reactive": False, "proactive": True}
