@@ -176,6 +176,10 @@ class Agent:
         for site, endpoint in self.cfg.peer_map.items():
             if site not in self.view.live:
                 self.zmq_client.fail_peer(endpoint, f"{site} lease expired")
+        # live peers: connect ahead of the first query (the handshake costs WAN round trips)
+        for site in self.view.live:
+            if site != self.site and (peer := self._peer_endpoint(site)):
+                self.zmq_client.connect(peer)
         self.table = make_router(self.cfg.routing_mode, snap, self.site)
         self.table_version = snap.version
         self._reconcile.set()

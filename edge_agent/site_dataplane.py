@@ -9,6 +9,7 @@ deadline allows, else answered with the error in time.
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import Callable
@@ -38,6 +39,7 @@ __all__ = ["SiteDataPlane"]
 log = get_logger(__name__)
 _RETRYABLE = (PeerUnavailable, Overloaded)
 MAX_RETRIES = 2
+PATH_ESTIMATE_DECAY_S = 20.0  # an unused path's learnt overhead halves in ~14 s
 
 
 class SiteDataPlane:
@@ -54,9 +56,11 @@ class SiteDataPlane:
         self.inflight = 0
         self.served = 0
         self.forwarded = 0
-        # observed path overhead beyond the topology's RTT, per destination: (mean, mean deviation),
-        # as TCP estimates its retransmission timeout; routing adds mean + 2 x deviation
-        self.path_overhead: dict[str, tuple[float, float]] = {}
+        # observed path overhead beyond the topology's RTT, per destination: (mean, mean deviation,
+        # when last observed), as TCP estimates its retransmission timeout; routing adds
+        # mean + 2 x deviation, decaying while a path goes unused so that one bad spell (a
+        # connection set-up, a burst) does not keep routing away from it for ever
+        self.path_overhead: dict[str, tuple[float, float, float]] = {}
 
     # -- DataPlane protocol ----------------------------------------------------------------
     def ready(self) -> bool:
@@ -137,13 +141,15 @@ class SiteDataPlane:
     def _observe_path(self, site: str, excess_ms: float) -> None:
         """Fold one observation of (actual - predicted) network time into the site's estimate."""
         excess = max(0.0, excess_ms)
-        mean, dev = self.path_overhead.get(site, (excess, excess / 2))
+        mean, dev, _ = self.path_overhead.get(site, (excess, excess / 2, 0.0))
         dev = 0.75 * dev + 0.25 * abs(excess - mean)
         mean = 0.875 * mean + 0.125 * excess
-        self.path_overhead[site] = (mean, dev)
+        self.path_overhead[site] = (mean, dev, time.monotonic())
 
-    def rtt_correction(self) -> dict[str, float]:
-        return {s: mean + 2 * dev for s, (mean, dev) in self.path_overhead.items()}
+    def rtt_correction(self, now: float | None = None) -> dict[str, float]:
+        now = time.monotonic() if now is None else now
+        return {s: (mean + 2 * dev) * math.exp(-max(0.0, now - seen) / PATH_ESTIMATE_DECAY_S)
+                for s, (mean, dev, seen) in self.path_overhead.items()}
 
     async def _serve_local(self, req: InferRequest, variant_id: str, reason: str, best_effort: bool,
                            received: float) -> InferResponse:

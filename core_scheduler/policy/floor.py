@@ -13,6 +13,7 @@ Pure: a function of the snapshot only. Demand-driven placement adds to this floo
 
 from __future__ import annotations
 
+from core_scheduler.policy.routing import resolve_compute
 from core_scheduler.policy.snapshot import MeshSnapshot, SiteInfo, VariantInfo
 
 __all__ = ["floor_placement"]
@@ -35,17 +36,21 @@ def floor_placement(snap: MeshSnapshot, *, middle_compute_factor: float = 3.0,
             public = [v for v in snap.variants[task] if v.owner == "public" and v.runs_on(hw)]
             if not public:
                 continue
-            fastest = min(public, key=lambda v: (v.compute_at(hw), -v.accuracy, v.variant_id))
+            # compared at the profiles' resolution, as the router compares them
+            def ms(v: VariantInfo, hw: str = hw) -> float:
+                return resolve_compute(v.compute_at(hw))
+
+            fastest = min(public, key=lambda v: (ms(v), -v.accuracy, v.variant_id))
             if site.tier == "edge":
-                limit = fastest.compute_at(hw) * edge_compute_factor
-                pick = min((v for v in public if v.compute_at(hw) <= limit),
-                           key=lambda v: (v.size_bytes, v.compute_at(hw), v.variant_id))
+                limit = ms(fastest) * edge_compute_factor
+                pick = min((v for v in public if ms(v) <= limit),
+                           key=lambda v: (v.size_bytes, ms(v), v.variant_id))
             elif site.tier == "middle":
-                limit = fastest.compute_at(hw) * middle_compute_factor
-                pick = max((v for v in public if v.compute_at(hw) <= limit),
-                           key=lambda v: (v.accuracy, -v.compute_at(hw), v.variant_id))
+                limit = ms(fastest) * middle_compute_factor
+                pick = max((v for v in public if ms(v) <= limit),
+                           key=lambda v: (v.accuracy, -ms(v), -v.size_bytes, v.variant_id))
             else:
-                pick = max(public, key=lambda v: (v.accuracy, -v.compute_at(hw), v.variant_id))
+                pick = max(public, key=lambda v: (v.accuracy, -ms(v), -v.size_bytes, v.variant_id))
             if _fits(site, pick, used, memory_fraction):
                 chosen.append(pick.variant_id)
                 used += max(pick.memory_bytes, pick.size_bytes)

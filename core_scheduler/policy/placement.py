@@ -187,15 +187,18 @@ class _Planner:
 
     # -- steps ---------------------------------------------------------------------------
     def site_order(self, d: Demand) -> list[str]:
-        own = [d.site] if d.site in self.alive else []
-        others = sorted((s for s in self.alive if s != d.site),
-                        key=lambda s: (self.snap.sites[s].tier == "edge", self.snap.rtt(d.site, s), s))
-        return own + [s for s in others if math.isfinite(self.snap.rtt(d.site, s))]
+        """Cheapest slot first (the router bills compute x price per slot, so placing where it is
+        cheapest is placing where the router will send the demand), then nearest, then by name.
+        ``meets`` leaves only the sites that can serve the demand within its budget."""
+        reachable = [s for s in self.alive if math.isfinite(self.snap.rtt(d.site, s))]
+        return sorted(reachable, key=lambda s: (self.snap.sites[s].price_per_hour / max(self.snap.sites[s].slots, 1),
+                                                self.snap.rtt(d.site, s), s))
 
     def variant_order(self, site: SiteInfo, vs: list[VariantInfo]) -> list[VariantInfo]:
         hw = site.hardware_class
         if site.tier == "edge" and self.cfg.edge_prefer_small:
-            return sorted(vs, key=lambda v: (v.memory_bytes, _PRECISION_RANK.get(v.precision, 3),
+            # the file size, not the measured peak: peaks are noisy while other loads run
+            return sorted(vs, key=lambda v: (v.size_bytes, _PRECISION_RANK.get(v.precision, 3),
                                              v.compute_at(hw), v.variant_id))
         # elsewhere: cheapest per query (same machine, so least compute), then smaller
         return sorted(vs, key=lambda v: (v.compute_at(hw), v.memory_bytes, v.variant_id))

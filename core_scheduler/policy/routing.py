@@ -12,9 +12,11 @@ Per candidate (site ``s``, variant ``v`` of the task), in milliseconds::
                                            # b = 1 + queue // compute(batch 1), capped at max_batch
             + load_ms(v, hw(s))            # only when v is not loaded at s: cold start is a cost
 
-    cost    = (compute(b) / b + load_ms) / 1000 s x price_per_hour(s) / 3600 / slots(s)
+    cost    = (compute(1) + load_ms) / 1000 s x price_per_hour(s) / 3600 / slots(s)
               # dollars per query: the resource-seconds of one slot (one GPU, else one core) of
-              # the machine; a cold start bills its load time, so loaded variants win ties
+              # the machine; a cold start bills its load time, so loaded variants win ties.
+              # Billed at batch 1: amortising by a batch estimated from a queue sample made busy
+              # sites look cheaper and pulled traffic to them (positive feedback)
 
 Filters. *Hard* (never served otherwise): site alive and reachable, variant profiled on the
 site's hardware, enough free memory to load it if cold, tenant may use it (owner public or the
@@ -49,7 +51,8 @@ from core_scheduler.policy.snapshot import MeshSnapshot, VariantInfo
 from mesh.errors import ConfigError, ImpossibleSLO, NoRoute, UnknownTask
 from mesh.types import DEFAULT_TENANT, SLO, Prefer
 
-__all__ = ["REASONS", "CandidateArrays", "Decision", "Query", "RoutingTable"]
+__all__ = ["COMPUTE_RESOLUTION_MS", "REASONS", "CandidateArrays", "Decision", "Query", "RoutingTable",
+           "resolve_compute"]
 
 REASONS = ("local", "forward", "cold_start", "best_effort_latency", "best_effort_accuracy")
 _INF = np.inf
@@ -283,7 +286,8 @@ class RoutingTable:
 COMPUTE_RESOLUTION_MS = 0.05
 
 
-def _resolve(ms: float) -> float:
+def resolve_compute(ms: float) -> float:
+    """``ms`` rounded up to ``COMPUTE_RESOLUTION_MS`` (what profiles can tell apart)."""
     if not np.isfinite(ms) or ms <= 0:
         return ms
     return float(np.ceil(ms / COMPUTE_RESOLUTION_MS - 1e-9) * COMPUTE_RESOLUTION_MS)
@@ -317,13 +321,16 @@ def _candidates(snap: MeshSnapshot, here: str, variants: tuple[VariantInfo, ...]
             batch = 1
             if queue > 0 and np.isfinite(c1) and c1 > 0:
                 batch = max(1, min(v.max_batch, 1 + int(queue // c1)))
-            compute = _resolve(v.compute_at(hw, batch))
+            compute = resolve_compute(v.compute_at(hw, batch))
             runs = v.runs_on(hw)
             load_ms = 0.0 if loaded else v.load_at(hw)
             fits = loaded or (load is not None and v.memory_bytes <= load.memory_free_bytes)
             hard = bool(alive and reachable and runs and fits)
             if runs:
-                cost = (compute / batch + load_ms) / 1000.0 * info.price_per_hour / 3600.0 / info.slots
+                # billed at batch 1: the batch a query will join is estimated from a heartbeat's queue
+                # sample, and amortising by it made a busy site look cheaper and drew more traffic to
+                # it (a feedback loop that sent far edges' queries past the cheaper core)
+                cost = (resolve_compute(c1) + load_ms) / 1000.0 * info.price_per_hour / 3600.0 / info.slots
             else:
                 cost = float("inf")
             base = rtt + queue + compute + load_ms if reachable else float("inf")

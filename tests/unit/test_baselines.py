@@ -154,9 +154,10 @@ def test_infaas_placer_is_reactive_and_network_blind() -> None:
     s = snap({"core": {"big.fp32"}})
     floor: dict[str, tuple[str, ...]] = {"core": ("big.fp32",), "edge-a": ("tiny.int8",)}
     want = Demand("edge-a", "digits", "acc", qps=5.0, min_accuracy=0.98, budget_ms=12.0)
-    # tiermesh (network-aware) loads mid.fp32 at the edge: the core's big.fp32 is 50 ms away
+    # tiermesh (network-aware) loads mid.fp32 one short hop away, at the cheapest slot that meets
+    # 12 ms (the middle, 10 ms round trip): the core's big.fp32 is 50 ms away
     aware = plan_placement(s, [want], 0.0, {}, {}, pinned=floor)
-    assert "mid.fp32" in aware.per_site["edge-a"]
+    assert "mid.fp32" in aware.per_site["mid"]
     # INFaaS believes the core's copy is 5 ms away: nothing new is placed
     plan = b.infaas_placer(s, floor, {}, [want])
     assert plan["edge-a"] == ("tiny.int8",) and plan["core"] == ("big.fp32",)
