@@ -63,19 +63,20 @@ Intervals = dict[tuple[str, str], list[tuple[float, float]]]  # (site, variant) 
 
 def cold_spec(quick: bool, edges: tuple[str, ...]) -> TraceSpec:
     """``days`` compressed days; the peak starts mid-day (after the mesh has settled) for 5 s."""
-    day = 28.0 if quick else 30.0
+    day = 15.0 if quick else 30.0
     days = 2 if quick else 4
     return TraceSpec(edges=edges, duration_s=day * days, day_s=day, base_qps=2.0, peak_qps=4.0,
                      classes=(TIGHT,), seed=7, max_events=4000,
                      peaks=DailyPeak(PEAK_EDGE, PEAK_CLASS, start_s=0.5 * day, length_s=5.0, qps=10.0,
-                                     burst=5))
+                                     burst=10, burst_gap_s=0.002))
 
 
 def mesh_knobs(spec: TraceSpec) -> dict[str, Any]:
     """Scheduler and agent timing compressed like the trace's day (same for both modes)."""
     return {"interval_s": 0.5, "forecast_horizon_s": 4.0, "forecast_period_s": spec.day_s, "forecast_bin_s": 1.0,
             "idle_evict_s": 2.0, "min_residency_s": 2.0,
-            "agent_env": {"TIERMESH_AGENT_IDLE_UNLOAD_S": "1", "TIERMESH_LOG_FORMAT": "json"}}
+            "agent_env": {"TIERMESH_AGENT_IDLE_UNLOAD_S": "1", "TIERMESH_AGENT_DEMAND_WINDOW_S": "3",
+                          "TIERMESH_LOG_FORMAT": "json"}}
 
 
 @dataclass(slots=True)

@@ -71,8 +71,8 @@ class Spike:
 class DailyPeak:
     """One class at one edge that arrives once per compressed day: from ``start_s`` into each day,
     ``qps`` for ``length_s``, nothing the rest of the day (a morning rush at one region). The peak
-    opens with ``burst`` extra queries 10 ms apart (a fleet of devices waking at the same minute):
-    what a cold start at the onset costs is then visible beyond the single first query."""
+    opens with ``burst`` extra queries ``burst_gap_s`` apart (a fleet of devices waking at the same
+    minute): what a cold start at the onset costs is then visible beyond the single first query."""
 
     edge: str
     slo: SloClass
@@ -80,6 +80,7 @@ class DailyPeak:
     length_s: float
     qps: float
     burst: int = 0
+    burst_gap_s: float = 0.01
 
 
 def peak_windows(spec: TraceSpec) -> list[tuple[float, float]]:
@@ -182,7 +183,7 @@ def make_trace(spec: TraceSpec, n_samples: int) -> Trace:
     pk = spec.peaks
     if pk is not None:
         for start, end in peak_windows(spec):
-            onset = [0.01 * i for i in range(pk.burst)]
+            onset = [pk.burst_gap_s * i for i in range(pk.burst)]
             for t in onset + _thin(rng, pk.qps, end - start, lambda t: pk.qps):
                 events.append(TraceEvent(round(start + t, 6), pk.edge, pk.slo.name, int(rng.integers(n_samples))))
     events.sort(key=lambda e: (e.t, e.edge, e.slo_class, e.sample))

@@ -56,6 +56,7 @@ class AgentConfig:
     lease_ttl_s: float = 3.0
     heartbeat_s: float = 1.0
     idle_unload_s: float = 120.0
+    demand_window_s: float = 10.0     # demand reported per task and SLO class, averaged over this
     model_memory_fraction: float = 0.25  # share of the site's memory its models may take
     routing_mode: str = "tiermesh"      # or a baseline (core_scheduler.policy.modes), for benchmarks
 
@@ -75,7 +76,7 @@ class Agent:
         self.dataplane: SiteDataPlane | None = None
         self.table: Router | None = None
         self.table_version = 0
-        self.demand = DemandMeter()
+        self.demand = DemandMeter(window_s=cfg.demand_window_s)
         self._tasks: list[asyncio.Task[None]] = []
         self._reconcile = asyncio.Event()
         self.hardware_class = local_hardware_class()

@@ -49,7 +49,8 @@ async def run_agent(args: argparse.Namespace) -> int:
                       home=Path(args.home) if args.home else settings.home, http_port=args.http_port,
                       zmq_bind=f"tcp://127.0.0.1:{args.zmq_port}", peer_map=load_peer_map(args.peer_map),
                       lease_ttl_s=args.lease_ttl, routing_mode=args.routing_mode,
-                      idle_unload_s=settings.agent_idle_unload_s)
+                      idle_unload_s=settings.agent_idle_unload_s,
+                      demand_window_s=settings.agent_demand_window_s)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

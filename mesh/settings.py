@@ -24,4 +24,7 @@ class MeshSettings(BaseSettings):
     agent_idle_unload_s: float = Field(default=120.0,
                                        description="Seconds an agent keeps a variant that placement no longer asks "
                                                    "for, after its last use, before unloading it.")
+    agent_demand_window_s: float = Field(default=10.0,
+                                         description="Window over which an agent measures the demand it reports "
+                                                     "per task and SLO class (queries/s).")
     max_body_bytes: int = Field(default=16 * 1024 * 1024, description="Largest HTTP / wire request accepted.")
