@@ -52,6 +52,8 @@ def add_common(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tiermesh", description=DESCRIPTION,
+                                     epilog="exit codes: 0 ok, 1 failed at run time, 2 bad input (usage, invalid "
+                                            "file or request), 3 etcd or a peer unreachable, 130 interrupted",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default INFO)")
     parser.add_argument("--log-json", action="store_true", help="structured JSON logs on stderr")
