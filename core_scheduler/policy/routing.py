@@ -41,8 +41,8 @@ Reason codes (``Decision.reason``):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
 
 import numpy as np
 from numpy.typing import NDArray
@@ -57,6 +57,7 @@ __all__ = ["COMPUTE_RESOLUTION_MS", "REASONS", "CandidateArrays", "Decision", "Q
 REASONS = ("local", "forward", "cold_start", "best_effort_latency", "best_effort_accuracy")
 _INF = np.inf
 _MASK_CACHE_MAX = 256  # (tenant, min_accuracy) pairs kept per task; cleared when exceeded
+_TRANSFER_CACHE_MAX = 64  # payload sizes whose transfer term is kept per task
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,17 +121,28 @@ class CandidateArrays:
 
 
 class _TaskTable:
-    """Candidate arrays of one task plus lazily cached per-tenant masks."""
+    """Candidate arrays of one task plus lazily cached per-tenant masks.
 
-    __slots__ = ("access", "arr", "masked", "n", "public", "tie_end", "visible")
+    ``decide()`` runs per query, so the per-candidate scalars it returns are kept as Python
+    lists too: indexing a list is several times cheaper than a numpy scalar plus ``float()``."""
 
-    def __init__(self, arr: CandidateArrays) -> None:
+    __slots__ = ("access", "accuracy", "arr", "best", "cost", "masked", "n", "public", "reason",
+                 "tie_end", "tie_end_l", "transfer", "visible")
+
+    def __init__(self, arr: CandidateArrays, here: str = "") -> None:
         self.arr = arr
         self.n = len(arr)
         self.public = np.array([o == "public" for o in arr.owner], dtype=bool)
         self.access: dict[str, NDArray[np.bool_]] = {}
         self.visible: dict[str, bool] = {}
         self.masked: dict[tuple[str, float], NDArray[np.float64]] = {}
+        self.best: dict[tuple[str, float, str], tuple[NDArray[np.float64], str]] = {}
+        self.transfer: dict[int, NDArray[np.float64]] = {}
+        self.cost: list[float] = arr.cost.tolist()
+        self.accuracy: list[float] = arr.accuracy.tolist()
+        self.reason: tuple[str, ...] = tuple(
+            ("local" if s == here else "forward") if loaded else "cold_start"
+            for s, loaded in zip(arr.site, arr.loaded.tolist(), strict=True))
         # equal-cost runs are contiguous (sorted by cost); tie_end[i] = one past i's run
         cost = arr.cost
         if self.n:
@@ -140,6 +152,7 @@ class _TaskTable:
             self.tie_end = np.repeat(ends, np.diff(np.append(starts, self.n)))
         else:
             self.tie_end = np.zeros(0, dtype=np.int64)
+        self.tie_end_l: list[int] = self.tie_end.tolist()
 
     def tenant_mask(self, tenant: str) -> NDArray[np.bool_]:
         mask = self.access.get(tenant)
@@ -151,6 +164,20 @@ class _TaskTable:
             self.access[tenant] = mask
             self.visible[tenant] = _any(mask)
         return mask
+
+    def transfer_ms(self, nbytes: int) -> NDArray[np.float64]:
+        """Per-candidate transfer term of an ``nbytes`` request (read-only, cached per size).
+
+        A task's payload size rarely varies (fixed input tensors), so caching it per size saves
+        a ufunc call (~1 µs, most of it call overhead at these sizes) on the hot path."""
+        out = self.transfer.get(nbytes)
+        if out is None:
+            out = self.arr.per_byte_ms * float(nbytes)
+            out.flags.writeable = False
+            if len(self.transfer) >= _TRANSFER_CACHE_MAX:
+                self.transfer.clear()
+            self.transfer[nbytes] = out
+        return out
 
     def masked_base(self, tenant: str, min_accuracy: float) -> NDArray[np.float64]:
         """``base_ms`` where every filter but budget, cost and exclusion passes, else inf."""
@@ -182,7 +209,8 @@ class RoutingTable:
     def build(cls, snap: MeshSnapshot, here: str) -> RoutingTable:
         if here not in snap.site_index:
             raise ConfigError(f"routing site {here!r} is not in the topology")
-        tasks = {task: _TaskTable(_candidates(snap, here, vs)) for task, vs in snap.variants.items() if vs}
+        tasks = {task: _TaskTable(_candidates(snap, here, vs), here)
+                 for task, vs in snap.variants.items() if vs}
         return cls(here, snap.version, tasks, snap.site_index)
 
     def tasks(self) -> tuple[str, ...]:
@@ -201,15 +229,48 @@ class RoutingTable:
         t = self._tasks.get(q.task)
         if t is None:
             raise UnknownTask(f"no variant of task {q.task!r} is registered", task=q.task)
-        visible = t.visible.get(q.tenant)
-        if visible is None:
-            t.tenant_mask(q.tenant)
-            visible = t.visible[q.tenant]
-        if not visible:
-            raise UnknownTask(f"no variant of task {q.task!r} is visible to tenant {q.tenant!r}",
-                              task=q.task)
+        # a cached masked base implies the tenant was visible when it was made, and visibility
+        # is fixed per table: the hit skips the visibility lookups
+        base = t.masked.get((q.tenant, q.min_accuracy))
+        if base is None:
+            visible = t.visible.get(q.tenant)
+            if visible is None:
+                t.tenant_mask(q.tenant)
+                visible = t.visible[q.tenant]
+            if not visible:
+                raise UnknownTask(f"no variant of task {q.task!r} is visible to tenant {q.tenant!r}",
+                                  task=q.task)
+            base = t.masked_base(q.tenant, q.min_accuracy)
+        if q.max_cost is not None or q.exclude_sites or not t.n:
+            return self._decide_restricted(t, q, base)
+        # the common query: no cost ceiling, no exclusions; as _decide_restricted with n == t.n
+        nbytes = q.nbytes
+        budget = q.budget_ms
+        if 1e300 < budget:  # min(budget, 1e300): an infinite budget must not admit masked (inf)
+            budget = 1e300
+        if nbytes:
+            tx = t.transfer.get(nbytes)
+            if tx is None:
+                tx = t.transfer_ms(nbytes)
+            lat = tx + base
+        else:
+            lat = base
+        ok = lat <= budget
+        i = int(ok.argmax())
+        if not ok[i]:
+            return self._best_effort(t, q)
+        if nbytes:
+            # an equal-cost run is sorted by static latency; only the transfer term can reorder it,
+            # and every entry below lat[i] is feasible too
+            end = t.tie_end_l[i]
+            if end - i > 1:
+                i += int(lat[i:end].argmin())
+        return _decision(t.arr.site[i], t.arr.variant_id[i], t.reason[i], lat.item(i), t.cost[i],
+                         t.accuracy[i], False, int(np.count_nonzero(ok)))
+
+    def _decide_restricted(self, t: _TaskTable, q: Query, base: NDArray[np.float64]) -> Decision:
+        """``decide()`` under a cost ceiling or site exclusions."""
         a = t.arr
-        base = t.masked_base(q.tenant, q.min_accuracy)
         # sorted by cost, so a cost ceiling is a prefix
         n = t.n if q.max_cost is None else int(np.searchsorted(a.cost, q.max_cost, side="right"))
         if n:
@@ -229,7 +290,7 @@ class RoutingTable:
                     ok &= (a.site_idx if n == t.n else a.site_idx[:n]) != pos
             i = int(ok.argmax())
             if ok[i]:
-                end = min(int(t.tie_end[i]), n)
+                end = min(t.tie_end_l[i], n)
                 # an equal-cost run is sorted by static latency; only the transfer term can
                 # reorder it. Without exclusions every entry below lat[i] is feasible too.
                 if end - i > 1 and q.nbytes:
@@ -237,15 +298,41 @@ class RoutingTable:
                         i += int(np.where(ok[i:end], lat[i:end], _INF).argmin())
                     else:
                         i += int(lat[i:end].argmin())
-                if not a.loaded[i]:
-                    reason = "cold_start"
-                else:
-                    reason = "local" if a.site[i] == self.here else "forward"
-                return Decision(a.site[i], a.variant_id[i], reason, float(lat[i]), float(a.cost[i]),
-                                float(a.accuracy[i]), False, int(np.count_nonzero(ok)))
+                return _decision(a.site[i], a.variant_id[i], t.reason[i], lat.item(i), t.cost[i],
+                                 t.accuracy[i], False, int(np.count_nonzero(ok)))
         return self._best_effort(t, q)
 
     def _best_effort(self, t: _TaskTable, q: Query) -> Decision:
+        if q.exclude_sites or q.prefer == "refuse":
+            return self._best_effort_full(t, q)
+        # without exclusions the chosen pool depends on (tenant, accuracy floor, prefer) only:
+        # cache it as a masked base so a query costs one transfer term and an argmin
+        key = (q.tenant, q.min_accuracy, q.prefer)
+        hit = t.best.get(key)
+        if hit is None:
+            hit = self._best_effort_pool(t, q)
+            if len(t.best) >= _MASK_CACHE_MAX:
+                t.best.clear()
+            t.best[key] = hit
+        base, reason = hit
+        a = t.arr
+        if q.nbytes:
+            lat = t.transfer_ms(q.nbytes) + base  # inf + a finite transfer stays inf: masked stay out
+            i = int(lat.argmin())
+            # from the unmasked terms, as a.latency_ms() has it (should every pick be inf)
+            latency = a.base_ms.item(i) + a.per_byte_ms.item(i) * float(q.nbytes)
+        else:
+            i = int(base.argmin())
+            latency = a.base_ms.item(i)
+        return _decision(a.site[i], a.variant_id[i], reason, latency, t.cost[i], t.accuracy[i], True, 0)
+
+    def _best_effort_pool(self, t: _TaskTable, q: Query) -> tuple[NDArray[np.float64], str]:
+        """``base_ms`` masked to the best-effort pool of ``q`` (no exclusions, not refuse)."""
+        choose, reason = self._best_effort_choice(t, q, self._pool(t, q))
+        return np.where(choose, t.arr.base_ms, _INF), reason
+
+    def _pool(self, t: _TaskTable, q: Query) -> NDArray[np.bool_]:
+        """Hard-feasible candidates of ``q``, those with capacity if any; NoRoute if none."""
         a = t.arr
         hard = a.hard_ok & t.tenant_mask(q.tenant)
         for name in q.exclude_sites:
@@ -255,8 +342,20 @@ class RoutingTable:
         if not _any(hard):
             raise NoRoute(f"no live site can serve task {q.task!r} for tenant {q.tenant!r}", task=q.task)
         pool = hard & a.capacity_ok
-        if not _any(pool):
-            pool = hard
+        return pool if _any(pool) else hard
+
+    @staticmethod
+    def _best_effort_choice(t: _TaskTable, q: Query, pool: NDArray[np.bool_]) -> tuple[NDArray[np.bool_], str]:
+        a = t.arr
+        if q.prefer == "accuracy":
+            best_acc = a.accuracy[pool].max()
+            return pool & (a.accuracy >= best_acc), "best_effort_accuracy"
+        choose = pool & (a.accuracy >= q.min_accuracy)
+        return (choose if _any(choose) else pool), "best_effort_latency"
+
+    def _best_effort_full(self, t: _TaskTable, q: Query) -> Decision:
+        a = t.arr
+        pool = self._pool(t, q)
         lat = a.latency_ms(q.nbytes)
         if q.prefer == "refuse":
             i_lat = int(np.where(pool, lat, _INF).argmin())
@@ -266,18 +365,31 @@ class RoutingTable:
                 f"{q.min_accuracy:.3f}: best latency {lat[i_lat]:.1f} ms (accuracy "
                 f"{a.accuracy[i_lat]:.3f}), best accuracy {best_acc:.3f}",
                 task=q.task, best_latency_ms=float(lat[i_lat]), best_accuracy=best_acc)
-        if q.prefer == "accuracy":
-            best_acc = a.accuracy[pool].max()
-            choose = pool & (a.accuracy >= best_acc)
-            reason = "best_effort_accuracy"
-        else:
-            choose = pool & (a.accuracy >= q.min_accuracy)
-            if not _any(choose):
-                choose = pool
-            reason = "best_effort_latency"
+        choose, reason = self._best_effort_choice(t, q, pool)
         i = int(np.where(choose, lat, _INF).argmin())
-        return Decision(a.site[i], a.variant_id[i], reason, float(lat[i]), float(a.cost[i]),
-                        float(a.accuracy[i]), True, 0)
+        return _decision(a.site[i], a.variant_id[i], reason, lat.item(i), t.cost[i], t.accuracy[i], True, 0)
+
+
+_new = object.__new__
+# Decision is frozen, so its generated __init__ sets each field through object.__setattr__ (over
+# 2 µs here, a fifth of a decision); writing the slots through their descriptors is the same
+# object, several times cheaper. Only for values decide() has already typed.
+_SET_FIELDS = tuple(getattr(Decision, f.name).__set__ for f in fields(Decision))
+
+
+def _decision(site: str, variant_id: str, reason: str, latency_ms: float, cost: float, accuracy: float,
+              best_effort: bool, feasible_count: int,
+              _s: tuple[Callable[[Decision, object], None], ...] = _SET_FIELDS) -> Decision:
+    d: Decision = _new(Decision)
+    _s[0](d, site)
+    _s[1](d, variant_id)
+    _s[2](d, reason)
+    _s[3](d, latency_ms)
+    _s[4](d, cost)
+    _s[5](d, accuracy)
+    _s[6](d, best_effort)
+    _s[7](d, feasible_count)
+    return d
 
 
 # Profiles cannot tell apart compute times closer than this: below it the serving path's own

@@ -269,3 +269,89 @@ def test_compute_differences_below_resolution_tie_to_the_smaller_variant(
     load = SiteLoad("e", loaded=frozenset({"m.fp32", "m.int8"}), capacity=8, memory_free_bytes=1 << 30)
     table = RoutingTable.build(MeshSnapshot.from_parts([site], vs, [load]), "e")
     assert table.decide(Query("t", budget_ms=10)).variant_id == winner
+
+
+def _reference(table: RoutingTable, q: Query) -> tuple[object, ...]:
+    """decide() written plainly from the module docstring over full-length masks: no caches,
+    no prefix tricks. ``decide()`` must agree with it exactly, floats and counts included."""
+    a = table.candidates(q.task)
+    access = np.array([o in ("public", q.tenant) for o in a.owner], dtype=bool)
+    if not access.any():
+        raise UnknownTask("invisible")
+    lat = a.latency_ms(q.nbytes)
+    hard = a.hard_ok & access & np.array([s not in q.exclude_sites for s in a.site], dtype=bool)
+    cheap = np.ones(len(a), dtype=bool) if q.max_cost is None else a.cost <= q.max_cost
+    feas = hard & a.capacity_ok & (a.accuracy >= q.min_accuracy) & (lat <= min(q.budget_ms, 1e300)) & cheap
+    if feas.any():
+        i = int(np.flatnonzero(feas)[0])
+        if q.nbytes:  # the transfer term may reorder an equal-cost run (costs within 1e-9)
+            end = i + 1
+            while end < len(a) and np.isfinite(a.cost[end]) and np.isclose(
+                    a.cost[end], a.cost[end - 1], rtol=1e-9, atol=0.0):
+                end += 1
+            i += int(np.where(feas[i:end], lat[i:end], np.inf).argmin())
+        reason = "cold_start" if not a.loaded[i] else ("local" if a.site[i] == table.here else "forward")
+        return (a.site[i], a.variant_id[i], reason, float(lat[i]), float(a.cost[i]), float(a.accuracy[i]),
+                False, int(feas.sum()))
+    if not hard.any():
+        raise NoRoute("none")
+    pool = hard & a.capacity_ok if (hard & a.capacity_ok).any() else hard
+    if q.prefer == "refuse":
+        raise ImpossibleSLO("refused")
+    if q.prefer == "accuracy":
+        choose, reason = pool & (a.accuracy >= a.accuracy[pool].max()), "best_effort_accuracy"
+    else:
+        meets = pool & (a.accuracy >= q.min_accuracy)
+        choose, reason = (meets if meets.any() else pool), "best_effort_latency"
+    i = int(np.where(choose, lat, np.inf).argmin())
+    return (a.site[i], a.variant_id[i], reason, float(lat[i]), float(a.cost[i]), float(a.accuracy[i]), True, 0)
+
+
+def random_mesh(rng: np.random.Generator, n_sites: int) -> MeshSnapshot:
+    """Sites in a few identical price classes (equal-cost runs), random links, loads and queues."""
+    classes = [("edge", "cpu-arm", 4, 0, 0.036), ("middle", "cpu-x86", 16, 0, 1.44), ("core", "gpu", 64, 4, 14.4)]
+    ss = []
+    for k in range(n_sites):
+        tier, hw, cores, gpus, price = classes[int(rng.integers(0, 3))]
+        ss.append(SiteInfo(f"s{k}", tier, "eu", hw, cores, 32768, gpus, price, alive=bool(rng.random() > 0.1)))
+    links = [(f"s{k}", f"s{j}", float(rng.uniform(1, 30)), float(rng.choice([10.0, 100.0, 1000.0])))
+             for k in range(n_sites) for j in range(k + 1, n_sites) if rng.random() < 0.6]
+    vids = [v.variant_id for v in variants()]
+    loads = [SiteLoad(s.name, frozenset(v for v in vids if rng.random() < 0.5),
+                      {v: float(rng.exponential(2.0)) for v in vids if rng.random() < 0.5},
+                      int(rng.integers(0, 6)), s.slots, int(rng.integers(0, 2000)) * MB,
+                      degraded=bool(rng.random() < 0.1)) for s in ss if s.alive]
+    return MeshSnapshot.from_parts(ss, variants(), loads, links)
+
+
+def _outcome(fn: object, *args: object) -> tuple[object, ...]:
+    try:
+        d = fn(*args)  # type: ignore[operator]
+    except (UnknownTask, NoRoute, ImpossibleSLO) as exc:
+        return ("raised", type(exc).__name__)
+    if isinstance(d, tuple):
+        return d
+    return (d.site, d.variant_id, d.reason, d.expected_latency_ms, d.cost, d.accuracy, d.best_effort,
+            d.feasible_count)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_decide_matches_plain_reference(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    mesh = random_mesh(rng, 6 + 2 * seed)
+    names = list(mesh.site_index)
+    table = RoutingTable.build(mesh, names[0])
+    costs = [float(c) for c in table.candidates("digits").cost if np.isfinite(c)]
+    paths: set[tuple[object, ...]] = set()
+    for _ in range(300):  # repeated (tenant, floor, size) keys exercise the caches as well
+        excl = frozenset(str(s) for s in rng.choice(names, size=int(rng.choice([0, 0, 0, 1, 2])), replace=False))
+        q = Query("digits", str(rng.choice(["t1", "acme"])),
+                  float(rng.choice([0.5, 5.0, 15.0, 40.0, 200.0, 5000.0, np.inf])),
+                  float(rng.choice([0.0, 0.97, 0.985, 0.99, 0.999])),
+                  None if rng.random() < 0.7 or not costs else float(rng.choice(costs)),
+                  str(rng.choice(["latency", "latency", "accuracy", "refuse"])),  # type: ignore[arg-type]
+                  int(rng.choice([0, 0, 1000, 125_000, int(rng.integers(1, 10**6))])), excl)
+        got, want = _outcome(table.decide, q), _outcome(_reference, table, q)
+        assert got == want, q
+        paths.add(got[2:3] if got[0] != "raised" else got)
+    assert len(paths) >= 3  # several reasons / outcomes were reached, not one path 300 times
