@@ -6,7 +6,9 @@ mesh's answer (site, variant, accuracy, reason, timing) in response ``parameters
 V2 clients such as ``tritonclient.http`` work.
 
 Errors are JSON ``{"error": message, "code": code}`` with the status each ``MeshError`` class
-declares (``http_status`` in ``mesh.errors`` is the one table); anything else is a logged 500.
+declares (``http_status`` in ``mesh.errors`` is the one table); anything else is a logged 500;
+paths and methods nothing serves are a JSON 404 / 405 from a catch-all route. No middleware does
+this: with none, aiohttp builds no middleware chain per request.
 """
 
 from __future__ import annotations
@@ -57,39 +59,51 @@ def _version() -> str:
         return "0+unknown"
 
 
-def _error(status: int, code: str, message: str) -> web.Response:
-    return web.json_response({"error": message, "code": code}, status=status)
+_JSON = "application/json"
+_OCTETS = "application/octet-stream"
 
 
-@web.middleware
-async def _errors(request: web.Request,
-                  handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except MeshError as exc:
-        return web.json_response(exc.to_dict(), status=exc.http_status)
-    except web.HTTPException as exc:
-        # aiohttp's own 404/405/413 come as text; V2 clients parse a JSON error body.
-        if exc.status < 400:
-            raise
-        code = "too_large" if exc.status == 413 else "not_found" if exc.status == 404 else "bad_request"
-        return _error(exc.status, code, exc.reason)
-    except Exception:
-        log.exception("unhandled error serving %s %s", request.method, request.path)
-        return _error(500, "internal", "internal server error")
+def _error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response({"error": message, "code": code}, status=status, headers=headers)
 
 
-async def _read_body(request: web.Request, max_body: int) -> bytes:
-    if request.content_length is not None and request.content_length > max_body:
-        raise PayloadTooLarge(f"body of {request.content_length} bytes exceeds the limit of {max_body}")
-    try:
-        return await request.read()
-    except web.HTTPRequestEntityTooLarge as exc:
-        raise PayloadTooLarge(f"body exceeds the limit of {max_body} bytes") from exc
+def _mesh_error(exc: MeshError) -> web.Response:
+    return web.json_response(exc.to_dict(), status=exc.http_status)
 
 
-def _header_length(request: web.Request) -> int | None:
-    raw = request.headers.get(codec.HEADER_LENGTH)
+_Handler = Callable[[web.Request], Awaitable[web.Response]]
+
+
+def _guarded(handler: _Handler) -> _Handler:
+    """Errors as JSON for a handler off the hot path. The app has no middleware on purpose:
+    aiohttp then runs no middleware chain at all, which ``infer`` (which maps its own errors)
+    would otherwise pay on every query."""
+    async def guarded(request: web.Request) -> web.Response:
+        try:
+            return await handler(request)
+        except MeshError as exc:
+            return _mesh_error(exc)
+        except Exception:
+            log.exception("unhandled error serving %s %s", request.method, request.path)
+            return _error(500, "internal", "internal server error")
+    return guarded
+
+
+async def _unrouted(request: web.Request) -> web.Response:
+    """The last route, matching every path: what aiohttp would answer as a text 404 or 405,
+    answered in JSON, as V2 clients parse errors. Only requests nothing else matched get here."""
+    allowed: set[str] = set()
+    this = request.match_info.route.resource
+    for resource in request.app.router.resources():
+        if resource is not this:
+            allowed |= (await resource.resolve(request))[1]
+    if allowed:
+        return _error(405, "bad_request", f"method {request.method} not allowed; use {sorted(allowed)}",
+                      headers={"Allow": ",".join(sorted(allowed))})
+    return _error(404, "not_found", f"no route for {request.path}")
+
+
+def _header_length(raw: str | None) -> int | None:
     if raw is None:
         return None
     try:
@@ -124,45 +138,54 @@ class _Handlers:
         return web.json_response({"name": task, "ready": ok}, status=200 if ok else 503)
 
     async def infer(self, request: web.Request) -> web.Response:
-        task = request.match_info["task"]
-        tenant = self.who(request)
+        # One coroutine for the whole query, its errors mapped here: every frame and call on this
+        # path costs each query a micro-second or more.
+        started = time.perf_counter()
+        task, tenant = request.match_info["task"], "?"
         try:
-            return await self._infer(request, task, tenant)
+            tenant = self.who(request)
+            sig = self.dp.task_signature(task)
+            length = request.content_length
+            if length is not None and length > self.max_body:
+                raise PayloadTooLarge(f"body of {length} bytes exceeds the limit of {self.max_body}")
+            try:
+                body = await request.read()
+            except web.HTTPRequestEntityTooLarge as exc:
+                raise PayloadTooLarge(f"body exceeds the limit of {self.max_body} bytes") from exc
+            # copy=False: the inputs are read-only views of the body, which they keep alive
+            dec = codec.decode_infer_request(body, _header_length(request.headers.get(codec.HEADER_LENGTH)),
+                                             max_bytes=self.max_body, copy=False)
+            params = dec.parameters
+            slo = codec.parse_slo(params)
+            claimed = params.get("tenant")
+            if claimed is not None and claimed != tenant:
+                # The body must not choose the tenant: identity comes from the connection.
+                raise RequestError(f"parameter tenant {claimed!r} does not match the caller's "
+                                   f"identity {tenant!r}")
+            codec.validate_inputs(dec.inputs, sig)
+            wanted = dec.outputs
+            if wanted is not None and (unknown := sorted(set(wanted) - {s.name for s in sig.outputs})):
+                raise BadTensor(f"task {task} has no output(s) {unknown}")
+            rid = dec.request_id or new_request_id()
+            resp = await self.dp.infer(InferRequest(task=task, inputs=dec.inputs, slo=slo, tenant=tenant,
+                                                    request_id=rid, deadline=time.time() + slo.latency_ms / 1000.0))
+            outputs = resp.outputs
+            binary: bool | dict[str, bool] = dec.binary_default
+            if wanted is not None:
+                outputs, binary = {n: outputs[n] for n in wanted if n in outputs}, wanted
+            if resp.timing.total_ms == 0.0:
+                resp.timing.total_ms = (time.perf_counter() - started) * 1000.0
+            out, hlen = codec.encode_infer_response(task, rid, outputs, codec.response_parameters(resp), binary)
         except MeshError as exc:
             log.info("infer rejected: %s", exc.message,
                      extra=kv(event="http_error", reason=exc.code, tenant=tenant, task=task))
-            raise
-
-    async def _infer(self, request: web.Request, task: str, tenant: str) -> web.Response:
-        started = time.perf_counter()
-        sig = self.dp.task_signature(task)
-        body = await _read_body(request, self.max_body)
-        dec = codec.decode_infer_request(body, _header_length(request), max_bytes=self.max_body)
-        rid = dec.request_id or new_request_id()
-        slo = codec.parse_slo(dec.parameters)
-        claimed = dec.parameters.get("tenant")
-        if claimed is not None and claimed != tenant:
-            # The body must not choose the tenant: identity comes from the connection.
-            raise RequestError(f"parameter tenant {claimed!r} does not match the caller's "
-                               f"identity {tenant!r}")
-        codec.validate_inputs(dec.inputs, sig)
-        if dec.outputs is not None and (unknown := sorted(set(dec.outputs) - {s.name for s in sig.outputs})):
-            raise BadTensor(f"task {task} has no output(s) {unknown}")
-        req = InferRequest(task=task, inputs=dec.inputs, slo=slo, tenant=tenant, request_id=rid,
-                           deadline=time.time() + slo.latency_ms / 1000.0)
-        resp = await self.dp.infer(req)
-        if dec.outputs is None:
-            outputs, binary = resp.outputs, dict.fromkeys(resp.outputs, dec.binary_default)
-        else:
-            outputs = {n: resp.outputs[n] for n in dec.outputs if n in resp.outputs}
-            binary = dec.outputs
-        if resp.timing.total_ms == 0.0:
-            resp.timing.total_ms = (time.perf_counter() - started) * 1000.0
-        out, hlen = codec.encode_infer_response(task, rid, outputs, codec.response_parameters(resp), binary)
+            return _mesh_error(exc)
+        except Exception:
+            log.exception("unhandled error serving %s %s", request.method, request.path)
+            return _error(500, "internal", "internal server error")
         if hlen is None:
-            return web.Response(body=out, content_type="application/json")
-        return web.Response(body=out, content_type="application/octet-stream",
-                            headers={codec.HEADER_LENGTH: str(hlen)})
+            return web.Response(body=out, content_type=_JSON)
+        return web.Response(body=out, headers={"Content-Type": _OCTETS, codec.HEADER_LENGTH: str(hlen)})
 
 
 def make_app(dp: DataPlane, *, max_body_bytes: int = DEFAULT_MAX_BODY,
@@ -170,15 +193,19 @@ def make_app(dp: DataPlane, *, max_body_bytes: int = DEFAULT_MAX_BODY,
     """The V2 application over ``dp``. ``max_body_bytes`` bounds every request body and each
     declared binary tensor; ``identify`` maps a request to its tenant."""
     h = _Handlers(dp, max_body_bytes, identify)
-    app = web.Application(client_max_size=max_body_bytes, middlewares=[_errors])
-    app.router.add_get("/v2/health/live", h.live)
-    app.router.add_get("/v2/health/ready", h.ready)
-    app.router.add_get("/v2", h.server_metadata)
-    for prefix in ("/v2/models/{task}", "/v2/models/{task}/versions/{version}"):
-        # Versions are accepted and ignored: the mesh, not the caller, picks the variant.
-        app.router.add_get(prefix, h.model_metadata)
-        app.router.add_get(prefix + "/ready", h.model_ready)
+    app = web.Application(client_max_size=max_body_bytes)
+    prefixes = ("/v2/models/{task}", "/v2/models/{task}/versions/{version}")
+    # Versions are accepted and ignored: the mesh, not the caller, picks the variant. The infer
+    # routes go first: aiohttp tries the routes under /v2/models in the order they were added.
+    for prefix in prefixes:
         app.router.add_post(prefix + "/infer", h.infer)
+    app.router.add_get("/v2/health/live", _guarded(h.live))
+    app.router.add_get("/v2/health/ready", _guarded(h.ready))
+    app.router.add_get("/v2", _guarded(h.server_metadata))
+    for prefix in prefixes:
+        app.router.add_get(prefix, _guarded(h.model_metadata))
+        app.router.add_get(prefix + "/ready", _guarded(h.model_ready))
+    app.router.add_route("*", "/{path:.*}", _unrouted)
     return app
 
 

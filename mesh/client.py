@@ -98,10 +98,13 @@ class AsyncClient:
         self.tenant = tenant
         self.timeout = timeout
         self.binary = binary
-        self._transport: Transport = transport or AiohttpTransport(base_url, timeout=timeout)
-        # our own transport bounds every request by ``timeout`` already (aiohttp's total timeout,
-        # raised as DeadlineExceeded); a second timer per call would only add cost
-        self._bounded = transport is None
+        # our own transport bounds every request itself (aiohttp's total timeout, raised as
+        # DeadlineExceeded, per call for a query's budget); a second timer per call would only add cost
+        self._own: AiohttpTransport | None = None
+        if transport is None:
+            transport = self._own = AiohttpTransport(base_url, timeout=timeout)
+        self._transport: Transport = transport
+        self._bounded = self._own is not None
         self._state = _State.UNOPENED
         self._signatures: dict[str, TaskSignature] = {}
         self._infer_paths: dict[str, str] = {}  # quote() costs microseconds; tasks are few
@@ -174,8 +177,11 @@ class AsyncClient:
         if max_cost is not None:
             params["max_cost"] = max_cost
         body, hlen = codec.encode_infer_request(tensors, params, request_id=request_id, binary=self.binary)
-        headers = {"Content-Type": "application/octet-stream" if hlen is not None else "application/json"}
-        if hlen is not None:
+        headers = {codec.TENANT_HEADER: self.tenant}
+        if hlen is None:
+            headers["Content-Type"] = "application/json"
+        else:
+            headers["Content-Type"] = "application/octet-stream"
             headers[codec.HEADER_LENGTH] = str(hlen)
         path = self._infer_paths.get(task)
         if path is None:
@@ -184,10 +190,15 @@ class AsyncClient:
         # caller from an agent that hangs: the SLO budget plus a grace for the loopback/LAN hop.
         bound = min(self.timeout, latency_ms / 1000.0 + DEADLINE_GRACE_S)
         try:
-            async with asyncio.timeout(bound):
-                rh, rb = await self._checked("POST", path, headers, body)
-        except TimeoutError as exc:
+            if self._own is not None:
+                status, rh, rb = await self._own.request("POST", path, headers, body, limit_s=bound)
+            else:
+                async with asyncio.timeout(bound):
+                    status, rh, rb = await self._transport.request("POST", path, headers, body)
+        except (TimeoutError, DeadlineExceeded) as exc:
             raise DeadlineExceeded(f"{task}: no answer within {bound:.3f} s (budget {latency_ms} ms)") from exc
+        if status >= 400:
+            raise _error_from(status, rb)
         raw_len = _header(rh, codec.HEADER_LENGTH)
         dec = codec.decode_infer_response(rb, int(raw_len) if raw_len is not None else None)
         return InferResult(outputs=dec.outputs, request_id=dec.request_id,

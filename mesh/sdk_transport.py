@@ -9,10 +9,12 @@ timeout -> ``DeadlineExceeded``. HTTP error statuses are *not* errors here; the 
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Protocol, runtime_checkable
 
 import aiohttp
+from yarl import URL
 
 from mesh.errors import DeadlineExceeded, PeerUnavailable
 
@@ -34,7 +36,12 @@ class Transport(Protocol):
 
 
 class AiohttpTransport:
-    """HTTP/1.1 over one lazily created ``ClientSession`` (created inside the running loop)."""
+    """HTTP/1.1 over one lazily created ``ClientSession`` (created inside the running loop).
+
+    ``request`` takes an optional ``limit_s`` (seconds) for that call alone, in place of the
+    transport's ``timeout``: the SDK bounds a query by its budget with it, so aiohttp's own timer is
+    the only one.
+    """
 
     def __init__(self, base_url: str, *, timeout: float = 30.0, limit: int = 16) -> None:
         self.base_url = base_url.rstrip("/")
@@ -42,6 +49,26 @@ class AiohttpTransport:
         self._limit = limit
         self._session: aiohttp.ClientSession | None = None
         self._closed = False
+        # parsing a URL and building a ClientTimeout cost micro-seconds; paths and budgets repeat
+        self._urls: dict[str, URL] = {}
+        self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
+
+    def _url(self, path: str) -> URL:
+        url = self._urls.get(path)
+        if url is None:
+            if len(self._urls) >= 256:
+                self._urls.clear()
+            url = self._urls[path] = URL(f"{self.base_url}/{path.lstrip('/')}")
+        return url
+
+    def _timeout(self, seconds: float) -> aiohttp.ClientTimeout:
+        found = self._timeouts.get(seconds)
+        if found is None:
+            if len(self._timeouts) >= 256:
+                self._timeouts.clear()
+            # ceil_threshold=inf: aiohttp would round a bound above 5 s up to a whole second
+            found = self._timeouts[seconds] = aiohttp.ClientTimeout(total=seconds, ceil_threshold=math.inf)
+        return found
 
     @property
     def session(self) -> aiohttp.ClientSession | None:
@@ -57,16 +84,19 @@ class AiohttpTransport:
             )
         return self._session
 
-    async def request(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> Response:
+    async def request(self, method: str, path: str, headers: Mapping[str, str], body: bytes, *,
+                      limit_s: float | None = None) -> Response:
         session = self._get_session()
-        url = f"{self.base_url}/{path.lstrip('/')}"
+        url = self._url(path)
+        bound = self.timeout if limit_s is None else limit_s
         try:
-            async with session.request(method, url, headers=headers, data=body or None) as resp:
+            async with session.request(method, url, headers=headers, data=body or None,
+                                       timeout=self._timeout(bound)) as resp:
                 data = await resp.read()
                 # the read-only view needs no copy: it outlives the response it came from
                 return resp.status, resp.headers, data
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
-            raise DeadlineExceeded(f"{method} {url}: no answer within {self.timeout} s") from exc
+            raise DeadlineExceeded(f"{method} {url}: no answer within {bound} s") from exc
         except aiohttp.ClientError as exc:
             raise PeerUnavailable(f"{method} {url}: {exc}") from exc
 

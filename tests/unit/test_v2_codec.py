@@ -206,3 +206,17 @@ def test_datatype_mapping_rejects_unknown() -> None:
         codec.datatype_of(np.dtype(np.complex64))
     with pytest.raises(BadTensor):
         codec.dtype_of(None)
+
+
+def test_server_side_decode_without_copy_is_read_only_and_cache_safe() -> None:
+    x = np.arange(64, dtype=np.float32).reshape(1, 64)
+    body, hlen = codec.encode_infer_request({"x": x}, {"latency_ms": 20.0}, binary=True)
+    first = codec.decode_infer_request(body, hlen, copy=False)
+    assert not first.inputs["x"].flags.writeable          # a view of the body, not a copy
+    np.testing.assert_array_equal(first.inputs["x"], x)
+    first.parameters["latency_ms"] = 99999.0               # a caller mutating what it got back...
+    again = codec.decode_infer_request(body, hlen, copy=False)
+    assert again.parameters["latency_ms"] == 20.0          # ...never leaks into the header cache
+    with pytest.raises((RequestError, BadTensor)):         # a cached header still checks the body
+        codec.decode_infer_request(body[:-8], hlen, copy=False)
+    assert codec.decode_infer_request(body, hlen).inputs["x"].flags.writeable  # default copies
