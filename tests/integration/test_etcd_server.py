@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import child_pids
+from tests.conftest import child_pids
 
 from mesh.context import open_store
 from mesh.errors import EtcdServerError
