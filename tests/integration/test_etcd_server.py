@@ -12,12 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.conftest import child_pids
 
 from mesh.context import open_store
 from mesh.errors import EtcdServerError
 from mesh.etcd_server import EmbeddedEtcd, find_running, healthy, write_record
 from mesh.store import Store
+from tests.conftest import child_pids
 
 pytestmark = pytest.mark.integration
 
