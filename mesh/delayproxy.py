@@ -86,6 +86,7 @@ class DelayProxy:
                  name: str = "", seed: int = 0) -> None:
         _require_loopback(upstream_host)
         _require_loopback(listen_host)
+        # port 0: the upstream is not known yet (set_upstream); connections are refused until it is
         self.upstream = (upstream_host, upstream_port)
         self.forward, self.backward = forward, backward or forward
         self.listen_host, self._listen_port = listen_host, listen_port
@@ -133,6 +134,11 @@ class DelayProxy:
         self._cut = False
         log.info("link restored", extra=kv(event="link_restored", reason=self.name))
 
+    def set_upstream(self, host: str, port: int) -> None:
+        """Point new connections at ``host:port`` (0: refuse them, e.g. while the peer is down)."""
+        _require_loopback(host)
+        self.upstream = (host, port)
+
     def set_shape(self, forward: LinkShape, backward: LinkShape | None = None) -> None:
         """Change latency for new data (existing queued chunks keep their release times)."""
         self.forward, self.backward = forward, backward or forward
@@ -159,6 +165,8 @@ class DelayProxy:
 
     async def _serve(self, c_reader: asyncio.StreamReader, c_writer: asyncio.StreamWriter) -> None:
         try:
+            if not self.upstream[1]:
+                raise ConnectionRefusedError("upstream not known yet")
             u_reader, u_writer = await asyncio.open_connection(*self.upstream)
         except OSError:
             c_writer.close()

@@ -138,7 +138,9 @@ class LocalMesh:
         for name in names:
             if name not in self.topology.sites:
                 raise ConfigError(f"site {name!r} is not in {self.opts.topology}")
-            self.sites[name] = SiteProcess(name=name, zmq_port=_free_port())
+            # port 0: each agent binds its own (reserving ports here and releasing them raced with
+            # the proxies' own listening ports); the proxies learn the real port when it is ready
+            self.sites[name] = SiteProcess(name=name, zmq_port=0)
         if self.opts.wan:
             await self._start_proxies()
         await asyncio.gather(*(self.start_site(n) for n in names))
@@ -234,7 +236,7 @@ class LocalMesh:
         ready.unlink(missing_ok=True)
         sp.log_path = self.opts.home / "sites" / name / "agent.log"
         cmd = [sys.executable, "-m", "edge_agent", "--site", name, "--etcd", self.etcd_url,
-               "--prefix", self.opts.prefix, "--home", str(self.opts.home), "--zmq-port", str(sp.zmq_port),
+               "--prefix", self.opts.prefix, "--home", str(self.opts.home), "--zmq-port", "0",
                "--lease-ttl", str(self.opts.lease_ttl_s), "--ready-file", str(ready),
                "--routing-mode", self.opts.mode]
         if sp.peer_map_path is not None:
@@ -255,7 +257,12 @@ class LocalMesh:
                 raise MeshError(f"agent {name} not ready in {self.opts.startup_timeout_s:.0f} s; "
                                 f"see {sp.log_path}")
             await asyncio.sleep(0.1)
-        sp.http = json.loads(ready.read_text())["http"]
+        info = json.loads(ready.read_text())
+        sp.http = info["http"]
+        sp.zmq_port = int(str(info["zmq"]).rsplit(":", 1)[1])
+        for (_, dst), proxy in self.proxies.proxies.items():
+            if dst == name:
+                proxy.set_upstream("127.0.0.1", sp.zmq_port)
 
     async def kill_site(self, name: str, *, graceful: bool = False) -> None:
         """SIGKILL (a crash: its lease must expire) or SIGTERM (a clean stop)."""
