@@ -58,7 +58,7 @@ def geo_spec(quick: bool, edges: tuple[str, ...]) -> TraceSpec:
     """One compressed day; the spike is balanced traffic at the far edge (Singapore), where only a
     local variant better than the warm floor's can meet it. That edge's everyday traffic is tight
     only (any more accurate class would make placement load a variant that also serves the spike)."""
-    day = 8.0 if quick else 50.0
+    day = 6.0 if quick else 50.0
     spike = Spike(edge="edge-sin-1", slo_class="balanced", ramp_start_s=0.35 * day, cliff_s=0.6 * day,
                   spike_end_s=0.8 * day, ramp_qps=4.0 if quick else 6.0, cliff_qps=12.0 if quick else 20.0)
     return TraceSpec(edges=edges, duration_s=day, day_s=day, base_qps=2.0 if quick else 3.0,
