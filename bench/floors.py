@@ -156,7 +156,25 @@ async def run_mesh_hop(ctx: RunContext) -> Path:
 # ------------------------------------------------------------------ http
 
 
-class EchoDataPlane:
+class _OneTaskPlane:
+    """What both bench data planes share: one task, always ready."""
+
+    task: str
+    signature: TaskSignature
+
+    def task_signature(self, task: str) -> TaskSignature:
+        if task != self.task:
+            raise UnknownTask(f"no task {task!r}")
+        return self.signature
+
+    def tasks(self) -> list[str]:
+        return [self.task]
+
+    def ready(self) -> bool:
+        return True
+
+
+class EchoDataPlane(_OneTaskPlane):
     """A data plane with no model: it answers every query with its own input (output ``y``)."""
 
     site = "bench"
@@ -169,16 +187,6 @@ class EchoDataPlane:
     async def infer(self, req: InferRequest) -> InferResponse:
         return await _echo_handler(req)
 
-    def task_signature(self, task: str) -> TaskSignature:
-        if task != self.task:
-            raise UnknownTask(f"no task {task!r}")
-        return self.signature
-
-    def tasks(self) -> list[str]:
-        return [self.task]
-
-    def ready(self) -> bool:
-        return True
 
 
 def self_signed(workdir: Path) -> tuple[ssl.SSLContext, ssl.SSLContext]:
@@ -309,7 +317,7 @@ async def run_http_api(ctx: RunContext) -> Path:
 # ------------------------------------------------------------------ sdk + model
 
 
-class ModelDataPlane:
+class ModelDataPlane(_OneTaskPlane):
     """One site, one task, one real ONNX variant: ``open_runtime`` + ``Batcher``, as an agent hosts it."""
 
     site = "bench-edge"
@@ -342,16 +350,6 @@ class ModelDataPlane:
                              timing=Timing(queue_ms=res.queue_ms, compute_ms=res.compute_ms),
                              hops=[*req.hops, self.site])
 
-    def task_signature(self, task: str) -> TaskSignature:
-        if task != self.task:
-            raise UnknownTask(f"no task {task!r}")
-        return self.signature
-
-    def tasks(self) -> list[str]:
-        return [self.task]
-
-    def ready(self) -> bool:
-        return True
 
 
 async def run_sdk_local(ctx: RunContext) -> Path:
