@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -70,17 +71,7 @@ def mlp_onnx_bytes(hidden: tuple[int, ...] = (64,), seed: int = 0) -> bytes:
         if not last:
             nodes.append(helper.make_node("Relu", [out], [f"relu{i}_out"], name=f"relu{i}"))
             prev = f"relu{i}_out"
-    graph = helper.make_graph(
-        nodes, "digits_mlp",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 64])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 10])],
-        inits,
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
-                              producer_name="tiermesh-tests")
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    return model.SerializeToString()
+    return _digits_graph(nodes, inits, "digits_mlp")
 
 
 def trained_mlp_onnx(path: Path, hidden: tuple[int, ...] = (64,)) -> Path:
@@ -107,8 +98,14 @@ def conv_onnx(path: Path, seed: int = 0) -> Path:
         helper.make_node("Flatten", ["p1"], ["flat"], name="flatten", axis=1),
         helper.make_node("Gemm", ["flat", "fc.weight", "fc.bias"], ["logits"], name="fc", transB=1),
     ]
+    path.write_bytes(_digits_graph(nodes, inits, "digits_conv"))
+    return path
+
+
+def _digits_graph(nodes: list[Any], inits: list[Any], name: str) -> bytes:
+    """A checked model with the digits signature: x (N, 64) float32 -> logits (N, 10)."""
     graph = helper.make_graph(
-        nodes, "digits_conv",
+        nodes, name,
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 64])],
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 10])],
         inits,
@@ -117,5 +114,4 @@ def conv_onnx(path: Path, seed: int = 0) -> Path:
                               producer_name="tiermesh-tests")
     model.ir_version = 8
     onnx.checker.check_model(model)
-    path.write_bytes(model.SerializeToString())
-    return path
+    return model.SerializeToString()

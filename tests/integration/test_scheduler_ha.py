@@ -21,6 +21,7 @@ from mesh.election import Election
 from mesh.etcd_server import EmbeddedEtcd
 from mesh.keys import live_key
 from mesh.store import Lease, Store
+from tests.helpers.waiting import eventually
 from topology.loader import load_topology_file
 from topology.store_io import apply as apply_topology
 from variant_store.blobs import BlobStore
@@ -82,17 +83,6 @@ def replicas(store: Store, etcd_server: EmbeddedEtcd, tmp_path: Path) -> Iterato
                 p.wait(5)
 
 
-async def _eventually(check: Any, timeout: float, what: str) -> Any:  # noqa: ASYNC109
-    deadline = time.monotonic() + timeout
-    while True:
-        got = await check()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:.0f} s: {what}")
-        await asyncio.sleep(0.1)
-
-
 async def _placements(store: Store) -> dict[str, dict[str, Any]]:
     return {kv.key.rsplit("/", 1)[-1]: kv.value for kv in await store.get_prefix("placement/")}
 
@@ -103,14 +93,14 @@ async def test_killed_leader_is_replaced_within_ttl_and_stale_leader_is_fenced(
     observer = Election(store, "scheduler", "observer")
 
     # startup imports onnxruntime & co. in each replica: generous
-    first = await _eventually(observer.leader, 60, "a first leader")
+    first = await eventually(observer.leader, 60, "a first leader")
     assert first in REPLICAS
 
     async def all_placed_by(leader: str) -> bool:
         p = await _placements(store)
         return set(p) == set(sites) and all(v.get("leader") == leader for v in p.values())
 
-    await _eventually(lambda: all_placed_by(first), 30, f"placement of every site by {first}")
+    await eventually(lambda: all_placed_by(first), 30, f"placement of every site by {first}")
     before = await _placements(store)
     assert any(v["variants"] for v in before.values()), "the warm floor placed nothing"
     old_key = min(await store.get_prefix("election/scheduler/"), key=lambda kv: kv.create_revision)
@@ -125,7 +115,7 @@ async def test_killed_leader_is_replaced_within_ttl_and_stale_leader_is_fenced(
         who = await observer.leader()
         return who if who not in (None, first) else None
 
-    second = await _eventually(new_leader, TTL + MARGIN + 5, "a new leader")
+    second = await eventually(new_leader, TTL + MARGIN + 5, "a new leader")
     took = time.monotonic() - killed_at
     assert took <= TTL + MARGIN, f"new leader after {took:.1f} s (TTL {TTL} s)"
     assert second in REPLICAS and second != first
@@ -134,7 +124,7 @@ async def test_killed_leader_is_replaced_within_ttl_and_stale_leader_is_fenced(
     # placement goes on under the new leader: wipe it, the new leader writes it again, fenced by
     # its own (newer) election revision
     await store.delete_prefix("placement/")
-    await _eventually(lambda: all_placed_by(second), 20, f"placement rewritten by {second}")
+    await eventually(lambda: all_placed_by(second), 20, f"placement rewritten by {second}")
     after = await _placements(store)
     assert {s: v["variants"] for s, v in after.items()} == {s: v["variants"] for s, v in before.items()}
     assert all(v["leader_revision"] > old_key.create_revision for v in after.values())
@@ -145,7 +135,7 @@ async def test_killed_leader_is_replaced_within_ttl_and_stale_leader_is_fenced(
     try:
         election = stale.election = Election(store, "scheduler", "stale", ttl=TTL)
         election.key, election.leader_revision, election.is_leader = old_key.key, old_key.create_revision, True
-        await _eventually(lambda: asyncio.sleep(0, result=bool(stale.view.placement)), 10, "stale view loaded")
+        await eventually(lambda: asyncio.sleep(0, result=bool(stale.view.placement)), 10, "stale view loaded")
         stale.view.placement.clear()  # its cache is behind: it thinks every site needs a write
         changed = await stale.plan_once()
         assert changed == 0 and stale.refused == 1 and stale.writes == 0

@@ -18,6 +18,7 @@ from mesh.harness import LocalMesh, MeshOptions
 from mesh.keys import live_key, placement_key
 from mesh.store import Store, Watch, WatchEvent
 from mesh.workload import SloClass, run_workload, summarise
+from tests.helpers.waiting import eventually
 from variant_store.families.datasets import load_validation_npz
 
 pytestmark = [pytest.mark.system, pytest.mark.slow]
@@ -37,17 +38,6 @@ async def mesh(tmp_path: Path) -> AsyncIterator[LocalMesh]:
         await m.wait_live(timeout=60)
         await m.wait_placed(timeout=60)
         yield m
-
-
-async def _eventually(check: Any, timeout: float, what: str) -> Any:  # noqa: ASYNC109
-    deadline = time.monotonic() + timeout
-    while True:
-        got = await check()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:.0f} s: {what}")
-        await asyncio.sleep(0.2)
 
 
 async def _live(store: Store, site: str) -> dict[str, Any]:
@@ -96,7 +86,7 @@ async def test_edge_serves_through_etcd_outage_and_recovers(mesh: LocalMesh) -> 
 
     # every agent says, once etcd is back, that it served degraded for about the outage
     for site in SITES:
-        rec = await _eventually(lambda site=site: _live_store_degraded(store, site), 20, f"{site} degraded report")
+        rec = await eventually(lambda site=site: _live_store_degraded(store, site), 20, f"{site} degraded report")
         assert rec["degraded_episodes"] >= 1 and rec["degraded_total_s"] > OUTAGE_S / 2, rec
 
     # leases lost in the outage were re-granted without the record ever leaving etcd: a delete of
@@ -108,7 +98,7 @@ async def test_edge_serves_through_etcd_outage_and_recovers(mesh: LocalMesh) -> 
         assert (await _live(store, site)).get("lease_renewals", 0) >= 1, site
 
     # the scheduler lost its election lease (TTL 3 s < outage) and campaigned again
-    await _eventually(lambda: asyncio.sleep(0, result=mesh.scheduler is not None and mesh.scheduler.is_leader
+    await eventually(lambda: asyncio.sleep(0, result=mesh.scheduler is not None and mesh.scheduler.is_leader
                                              and mesh.scheduler.terms >= 2), 20, "scheduler leads again")
 
     # the agents' watches resumed: their views reach a revision written after the restart
@@ -118,7 +108,7 @@ async def test_edge_serves_through_etcd_outage_and_recovers(mesh: LocalMesh) -> 
         recs = [await _live(store, site) for site in SITES]
         return all(int(r.get("view_revision", 0)) >= rev for r in recs)
 
-    await _eventually(views_caught_up, 20, "agent views past the post-restart revision")
+    await eventually(views_caught_up, 20, "agent views past the post-restart revision")
 
     # and a placement change made after the restart reaches the edge (scheduler stopped, so the
     # operator's placement is not planned away before the agent acts on it)
@@ -135,7 +125,7 @@ async def test_edge_serves_through_etcd_outage_and_recovers(mesh: LocalMesh) -> 
     async def edge_loaded_extra() -> bool:
         return extra.variant_id in ((await _live(store, EDGE)).get("loaded") or {})
 
-    await _eventually(edge_loaded_extra, 30, f"{EDGE} loads {extra.variant_id}")
+    await eventually(edge_loaded_extra, 30, f"{EDGE} loads {extra.variant_id}")
 
 
 async def _events(store: Store, prefix: str, start: int, end: int) -> list[WatchEvent]:
@@ -159,3 +149,4 @@ async def _events(store: Store, prefix: str, start: int, end: int) -> list[Watch
 async def _live_store_degraded(store: Store, site: str) -> dict[str, Any] | None:
     rec = await _live(store, site)
     return rec if float(rec.get("degraded_total_s", 0)) > 0 else None
+
