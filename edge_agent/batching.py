@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -25,6 +26,10 @@ from mesh.log import get_logger, kv
 __all__ = ["BatchResult", "Batcher", "batch_window_s"]
 
 log = get_logger(__name__)
+# The learnt overhead fades with this time constant while no batch runs to refresh it. Without
+# it one slow batch (a burst of CPU contention) could make admission refuse every later request
+# for ever: refused requests never run, so the estimate would never come down again.
+OVERHEAD_DECAY_S = 1.0
 InferFn = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
 
 
@@ -74,7 +79,8 @@ class Batcher:
         self._executor = executor
         self._profile_ms = compute_ms
         # what a batch really costs beyond the profile (executor hop, contention), learnt online
-        self.overhead_ms = 0.0
+        self._overhead_ms = 0.0
+        self._overhead_seen = 0.0
         self.max_batch = max(1, max_batch)
         self.max_window_s = max_window_ms / 1000.0
         self.max_queue_rows = max_queue_rows
@@ -111,6 +117,12 @@ class Batcher:
             if not item.future.done():
                 item.future.set_exception(Overloaded(f"variant {self.variant_id} unloaded"))
         self._queued_rows = 0
+
+    @property
+    def overhead_ms(self) -> float:
+        """Learnt cost beyond the profile, faded by the time since a batch last measured it."""
+        age = max(0.0, time.monotonic() - self._overhead_seen)
+        return self._overhead_ms * math.exp(-age / OVERHEAD_DECAY_S)
 
     def _compute_ms(self, rows: int) -> float:
         return self._profile_ms(rows) + self.overhead_ms
@@ -223,7 +235,8 @@ class Batcher:
         compute_ms = (done - started) * 1000.0
         self.ewma_compute_ms = 0.8 * self.ewma_compute_ms + 0.2 * compute_ms
         excess = max(0.0, compute_ms - self._profile_ms(rows))
-        self.overhead_ms = 0.8 * self.overhead_ms + 0.2 * excess
+        self._overhead_ms = 0.8 * self.overhead_ms + 0.2 * excess
+        self._overhead_seen = done
         self.batches += 1
         offset = 0
         for it in batch:

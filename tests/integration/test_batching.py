@@ -89,3 +89,37 @@ async def test_closed_loop_caller_is_not_held_for_the_window(tmp_path: Path) -> 
             assert max(times[-5:]) < 0.04, times
         finally:
             await b.stop()
+
+
+async def test_one_slow_batch_does_not_refuse_tight_requests_for_ever(tmp_path: Path) -> None:
+    """A burst of contention makes one batch slow and raises the learnt overhead. Refused requests
+    never run, so nothing would bring the estimate down again: it must fade with time instead."""
+    calls = 0
+
+    def first_slow(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            time.sleep(0.3)
+        return {"logits": inputs["x"][:, :10]}
+
+    with ThreadPoolExecutor(1) as pool:
+        b = Batcher("bursty", first_slow, executor=pool, compute_ms=lambda n: 0.05, max_batch=1)
+        b.start()
+        try:
+            await b.submit({"x": np.ones((1, 64), np.float32)}, time.time() + 5)
+            assert b.overhead_ms > 20.0  # learnt from the slow batch
+            with pytest.raises(Overloaded):
+                await b.submit({"x": np.ones((1, 64), np.float32)}, time.time() + 0.01)
+            ok = None
+            for _ in range(100):  # bounded: the estimate fades within a few OVERHEAD_DECAY_S
+                await asyncio.sleep(0.1)
+                try:
+                    ok = await b.submit({"x": np.ones((1, 64), np.float32)}, time.time() + 0.01)
+                    break
+                except Overloaded:
+                    continue
+            assert ok is not None, f"still refusing tight requests; overhead {b.overhead_ms:.1f} ms"
+            assert b.overhead_ms < 10.0
+        finally:
+            await b.stop()
