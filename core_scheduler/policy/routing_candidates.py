@@ -1,0 +1,224 @@
+"""The candidate table of :mod:`core_scheduler.policy.routing`: every (site, variant) pair of a task
+with its static cost-model terms, built once per (snapshot, here-site) when state changes, plus the
+per-tenant masks ``decide()`` caches on it.
+
+Per candidate (site ``s``, variant ``v`` of the task), in milliseconds::
+
+    latency = rtt(here, s)                 # round trip, snapshot.rtt_ms (2 x one-way path latency)
+            + nbytes x 8 / bandwidth       # request bytes over the path's bottleneck; 0 when s == here
+            + queue_ms(s, v)               # heartbeat's expected wait; 0 for a variant not loaded
+            + compute(v, hw(s), b)         # profiled p50 of the batch it will likely join:
+                                           # b = 1 + queue // compute(batch 1), capped at max_batch
+            + load_ms(v, hw(s))            # only when v is not loaded at s: cold start is a cost
+
+    cost    = (compute(1) + load_ms) / 1000 s x price_per_hour(s) / 3600 / slots(s)
+              # dollars per query: the resource-seconds of one slot (one GPU, else one core) of
+              # the machine; a cold start bills its load time, so loaded variants win ties.
+              # Billed at batch 1: amortising by a batch estimated from a queue sample made busy
+              # sites look cheaper and pulled traffic to them (positive feedback)
+
+Filters folded in here: ``hard_ok`` (site alive and reachable, variant profiled on the site's
+hardware, enough free memory to load it if cold) and ``capacity_ok``. Tenant access and the accuracy
+floor are masks cached on the :class:`TaskTable` per (tenant, floor); exclusions, budget and cost
+ceiling are applied per query by ``decide()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+
+from core_scheduler.policy.snapshot import MeshSnapshot, VariantInfo
+
+__all__ = ["COMPUTE_RESOLUTION_MS", "MASK_CACHE_MAX", "CandidateArrays", "TaskTable", "any_true",
+           "build_candidates", "resolve_compute"]
+
+_INF = np.inf
+MASK_CACHE_MAX = 256  # (tenant, min_accuracy) pairs kept per task; cleared when exceeded
+_TRANSFER_CACHE_MAX = 64  # payload sizes whose transfer term is kept per task
+
+
+@dataclass(frozen=True, slots=True)
+class CandidateArrays:
+    """Every (site, variant) pair of one task, sorted by (cost, static latency, not-here).
+
+    ``base_ms`` is the latency without the transfer term; ``hard_ok`` the hard filters except
+    tenant access and exclusion; ``capacity_ok`` the site's capacity."""
+
+    site: tuple[str, ...]
+    variant_id: tuple[str, ...]
+    owner: tuple[str, ...]
+    site_idx: NDArray[np.int64]
+    rtt_ms: NDArray[np.float64]
+    per_byte_ms: NDArray[np.float64]
+    queue_ms: NDArray[np.float64]
+    compute_ms: NDArray[np.float64]
+    load_ms: NDArray[np.float64]
+    base_ms: NDArray[np.float64]
+    cost: NDArray[np.float64]
+    accuracy: NDArray[np.float64]
+    loaded: NDArray[np.bool_]
+    hard_ok: NDArray[np.bool_]
+    capacity_ok: NDArray[np.bool_]
+
+    def latency_ms(self, nbytes: int) -> NDArray[np.float64]:
+        return self.base_ms + self.per_byte_ms * float(nbytes) if nbytes else self.base_ms.copy()
+
+    def __len__(self) -> int:
+        return len(self.site)
+
+
+class TaskTable:
+    """Candidate arrays of one task plus lazily cached per-tenant masks.
+
+    ``decide()`` runs per query, so the per-candidate scalars it returns are kept as Python
+    lists too: indexing a list is several times cheaper than a numpy scalar plus ``float()``."""
+
+    __slots__ = ("access", "accuracy", "arr", "best", "cost", "masked", "n", "public", "reason",
+                 "tie_end", "tie_end_l", "transfer", "visible")
+
+    def __init__(self, arr: CandidateArrays, here: str = "") -> None:
+        self.arr = arr
+        self.n = len(arr)
+        self.public = np.array([o == "public" for o in arr.owner], dtype=bool)
+        self.access: dict[str, NDArray[np.bool_]] = {}
+        self.visible: dict[str, bool] = {}
+        self.masked: dict[tuple[str, float], NDArray[np.float64]] = {}
+        self.best: dict[tuple[str, float, str], tuple[NDArray[np.float64], str]] = {}
+        self.transfer: dict[int, NDArray[np.float64]] = {}
+        self.cost: list[float] = arr.cost.tolist()
+        self.accuracy: list[float] = arr.accuracy.tolist()
+        self.reason: tuple[str, ...] = tuple(
+            ("local" if s == here else "forward") if loaded else "cold_start"
+            for s, loaded in zip(arr.site, arr.loaded.tolist(), strict=True))
+        # equal-cost runs are contiguous (sorted by cost); tie_end[i] = one past i's run
+        cost = arr.cost
+        if self.n:
+            same = np.isclose(cost[1:], cost[:-1], rtol=1e-9, atol=0.0) & np.isfinite(cost[1:])
+            starts = np.flatnonzero(np.concatenate(([True], ~same)))
+            ends = np.append(starts[1:], self.n)
+            self.tie_end = np.repeat(ends, np.diff(np.append(starts, self.n)))
+        else:
+            self.tie_end = np.zeros(0, dtype=np.int64)
+        self.tie_end_l: list[int] = self.tie_end.tolist()
+
+    def tenant_mask(self, tenant: str) -> NDArray[np.bool_]:
+        mask = self.access.get(tenant)
+        if mask is None:
+            mask = self.public | np.array([o == tenant for o in self.arr.owner], dtype=bool)
+            if len(self.access) >= MASK_CACHE_MAX:
+                self.access.clear()
+                self.visible.clear()
+            self.access[tenant] = mask
+            self.visible[tenant] = any_true(mask)
+        return mask
+
+    def transfer_ms(self, nbytes: int) -> NDArray[np.float64]:
+        """Per-candidate transfer term of an ``nbytes`` request (read-only, cached per size).
+
+        A task's payload size rarely varies (fixed input tensors), so caching it per size saves
+        a ufunc call (~1 µs, most of it call overhead at these sizes) on the hot path."""
+        out = self.transfer.get(nbytes)
+        if out is None:
+            out = self.arr.per_byte_ms * float(nbytes)
+            out.flags.writeable = False
+            if len(self.transfer) >= _TRANSFER_CACHE_MAX:
+                self.transfer.clear()
+            self.transfer[nbytes] = out
+        return out
+
+    def masked_base(self, tenant: str, min_accuracy: float) -> NDArray[np.float64]:
+        """``base_ms`` where every filter but budget, cost and exclusion passes, else inf."""
+        key = (tenant, min_accuracy)
+        out = self.masked.get(key)
+        if out is None:
+            a = self.arr
+            ok = a.hard_ok & a.capacity_ok & self.tenant_mask(tenant) & (a.accuracy >= min_accuracy)
+            out = np.where(ok, a.base_ms, _INF)
+            if len(self.masked) >= MASK_CACHE_MAX:
+                self.masked.clear()
+            self.masked[key] = out
+        return out
+
+
+# Profiles cannot tell apart compute times closer than this: below it the serving path's own
+# overhead (an executor hop is ~0.2 ms here) and run-to-run noise dominate. Compute is rounded up
+# to this resolution, so variants that differ by less tie and the tie goes to the smaller one.
+COMPUTE_RESOLUTION_MS = 0.05
+
+
+def resolve_compute(ms: float) -> float:
+    """``ms`` rounded up to ``COMPUTE_RESOLUTION_MS`` (what profiles can tell apart)."""
+    if not np.isfinite(ms) or ms <= 0:
+        return ms
+    return float(np.ceil(ms / COMPUTE_RESOLUTION_MS - 1e-9) * COMPUTE_RESOLUTION_MS)
+
+
+def any_true(mask: NDArray[np.bool_]) -> bool:
+    # count_nonzero beats ndarray.any() several-fold on small boolean arrays (no ufunc reduce)
+    return bool(np.count_nonzero(mask))
+
+
+def build_candidates(snap: MeshSnapshot, here: str, variants: tuple[VariantInfo, ...]) -> CandidateArrays:
+    """Static per-candidate terms; Python loops are fine here (once per state change)."""
+    h = snap.site_index[here]
+    names = sorted(snap.site_index, key=lambda s: (s != here, s))
+    rows: list[tuple[object, ...]] = []
+    for s in names:
+        info = snap.sites[s]
+        j = snap.site_index[s]
+        load = snap.loads.get(s)
+        rtt = float(snap.rtt_ms[h, j])
+        bw = float(snap.bandwidth_mbps[h, j])
+        reachable = np.isfinite(rtt) and bw > 0
+        per_byte = 0.0 if (s == here or not reachable) else 8.0 / (bw * 1000.0)
+        alive = info.alive and load is not None
+        cap_ok = load is not None and load.has_capacity
+        hw = info.hardware_class
+        for v in variants:
+            loaded = load is not None and v.variant_id in load.loaded
+            queue = float(load.queue_ms.get(v.variant_id, 0.0)) if (load is not None and loaded) else 0.0
+            c1 = v.compute_at(hw, 1)
+            batch = 1
+            if queue > 0 and np.isfinite(c1) and c1 > 0:
+                batch = max(1, min(v.max_batch, 1 + int(queue // c1)))
+            compute = resolve_compute(v.compute_at(hw, batch))
+            runs = v.runs_on(hw)
+            load_ms = 0.0 if loaded else v.load_at(hw)
+            fits = loaded or (load is not None and v.memory_bytes <= load.memory_free_bytes)
+            hard = bool(alive and reachable and runs and fits)
+            if runs:
+                # billed at batch 1: the batch a query will join is estimated from a heartbeat's queue
+                # sample, and amortising by it made a busy site look cheaper and drew more traffic to
+                # it (a feedback loop that sent far edges' queries past the cheaper core)
+                cost = (resolve_compute(c1) + load_ms) / 1000.0 * info.price_per_hour / 3600.0 / info.slots
+            else:
+                cost = float("inf")
+            base = rtt + queue + compute + load_ms if reachable else float("inf")
+            rows.append((s, v.variant_id, v.owner, j, rtt, per_byte, queue, compute, load_ms, base,
+                         cost, v.accuracy, loaded, hard, cap_ok, s != here, v.size_bytes))
+    cols = list(zip(*rows, strict=True)) if rows else [()] * 17
+    cost_a = np.array(cols[10], dtype=np.float64)
+    base_a = np.array(cols[9], dtype=np.float64)
+    not_here = np.array(cols[15], dtype=bool)
+    size_a = np.array(cols[16], dtype=np.float64)
+    # lexsort: last key is primary: cost, then latency, then here before elsewhere, then the smaller
+    # variant (memory is what an edge lacks); it is stable, so equal keys keep (site, variant) order
+    order = np.lexsort((size_a, not_here, base_a, cost_a)) if rows else np.zeros(0, dtype=np.int64)
+
+    def f(k: int) -> NDArray[np.float64]:
+        return np.asarray(np.array(cols[k], dtype=np.float64)[order])
+
+    def b(k: int) -> NDArray[np.bool_]:
+        return np.asarray(np.array(cols[k], dtype=bool)[order])
+
+    def s_(k: int) -> tuple[str, ...]:
+        return tuple(str(cols[k][i]) for i in order)
+
+    return CandidateArrays(site=s_(0), variant_id=s_(1), owner=s_(2),
+                           site_idx=np.array(cols[3], dtype=np.int64)[order], rtt_ms=f(4),
+                           per_byte_ms=f(5), queue_ms=f(6), compute_ms=f(7), load_ms=f(8),
+                           base_ms=f(9), cost=f(10), accuracy=f(11), loaded=b(12), hard_ok=b(13),
+                           capacity_ok=b(14))
