@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from core_scheduler.policy.snapshot import MeshSnapshot, SiteInfo, SiteLoad, VariantInfo, path_tables
+from core_scheduler.policy.snapshot import (
+    MeshSnapshot,
+    SiteInfo,
+    SiteLoad,
+    VariantInfo,
+    path_jitter_ms,
+    path_tables,
+    tail_margin_ms,
+)
 from edge_agent.view import MeshView
 
 __all__ = ["build_snapshot", "site_load_from_record"]
@@ -62,6 +70,8 @@ def build_snapshot(view: MeshView, *, here: str | None = None,
     sites = [SiteInfo(**{**_fields(s), "alive": s.name in alive}) for s in sites]
     index = {name: i for i, name in enumerate(sorted(topo.sites))}
     rtt, bw = path_tables(index, links)
+    margin = tail_margin_ms(rtt, path_jitter_ms(index, [(lk.a, lk.b, lk.latency_ms, lk.jitter_ms)
+                                                        for lk in topo.links]))
     if here is not None and rtt_correction and here in index:
         h = index[here]
         for site, extra in rtt_correction.items():
@@ -69,7 +79,7 @@ def build_snapshot(view: MeshView, *, here: str | None = None,
                 rtt[h, index[site]] += extra
                 rtt[index[site], h] += extra
     return MeshSnapshot.from_parts(sites, variants, loads, links, rtt_ms=rtt, bandwidth_mbps=bw,
-                                   placement=placement, version=view.revision)
+                                   placement=placement, margin_ms=margin, version=view.revision)
 
 
 def _fields(s: SiteInfo) -> dict[str, Any]:

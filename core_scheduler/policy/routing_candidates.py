@@ -5,6 +5,8 @@ per-tenant masks ``decide()`` caches on it.
 Per candidate (site ``s``, variant ``v`` of the task), in milliseconds::
 
     latency = rtt(here, s)                 # round trip, snapshot.rtt_ms (2 x one-way path latency)
+            + margin(here, s)              # tail allowance of the path, snapshot.margin_ms: declared
+                                           # jitter + a share of the round trip; 0 when s == here
             + nbytes x 8 / bandwidth       # request bytes over the path's bottleneck; 0 when s == here
             + queue_ms(s, v)               # heartbeat's expected wait; 0 for a variant not loaded
             + compute(v, hw(s), b)         # profiled p50 of the batch it will likely join:
@@ -171,6 +173,7 @@ def build_candidates(snap: MeshSnapshot, here: str, variants: tuple[VariantInfo,
         j = snap.site_index[s]
         load = snap.loads.get(s)
         rtt = float(snap.rtt_ms[h, j])
+        margin = float(snap.margin_ms[h, j]) if snap.margin_ms is not None else 0.0
         bw = float(snap.bandwidth_mbps[h, j])
         reachable = np.isfinite(rtt) and bw > 0
         per_byte = 0.0 if (s == here or not reachable) else 8.0 / (bw * 1000.0)
@@ -196,7 +199,7 @@ def build_candidates(snap: MeshSnapshot, here: str, variants: tuple[VariantInfo,
                 cost = (resolve_compute(c1) + load_ms) / 1000.0 * info.price_per_hour / 3600.0 / info.slots
             else:
                 cost = float("inf")
-            base = rtt + queue + compute + load_ms if reachable else float("inf")
+            base = rtt + margin + queue + compute + load_ms if reachable else float("inf")
             rows.append((s, v.variant_id, v.owner, j, rtt, per_byte, queue, compute, load_ms, base,
                          cost, v.accuracy, loaded, hard, cap_ok, s != here, v.size_bytes))
     cols = list(zip(*rows, strict=True)) if rows else [()] * 17

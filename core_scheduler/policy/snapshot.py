@@ -9,6 +9,9 @@ Units and conventions (one place, so no two modules disagree):
 * ``MeshSnapshot.rtt_ms[i, j]`` is the **round-trip** path latency in ms between sites ``i`` and
   ``j`` (twice the one-way shortest-path latency over topology links); ``inf`` when unreachable,
   ``0`` on the diagonal.
+* ``MeshSnapshot.margin_ms[i, j]`` is the **tail allowance** routing adds to a forward from ``i``
+  to ``j`` on top of the round trip (see :func:`tail_margin_ms`); ``0`` on the diagonal and
+  wherever the snapshot was built without link jitter.
 * ``MeshSnapshot.bandwidth_mbps[i, j]`` is the bottleneck bandwidth (megabit/s) of that path;
   ``inf`` on the diagonal (no transfer to oneself), ``0`` when unreachable.
 * Variant ids are unique mesh-wide (the catalog builder prefixes them with the task if needed),
@@ -35,7 +38,8 @@ from mesh.errors import CatalogError, TopologyError
 if TYPE_CHECKING:
     from variant_store.meta import VariantMeta
 
-__all__ = ["MIB", "TIERS", "Link", "MeshSnapshot", "SiteInfo", "SiteLoad", "VariantInfo", "path_tables"]
+__all__ = ["MIB", "TIERS", "Link", "MeshSnapshot", "SiteInfo", "SiteLoad", "VariantInfo", "path_jitter_ms",
+           "path_tables", "tail_margin_ms"]
 
 MIB = 1 << 20
 TIERS = ("edge", "middle", "core")
@@ -151,6 +155,7 @@ class MeshSnapshot:
     bandwidth_mbps: NDArray[np.float64]
     site_index: Mapping[str, int]
     placement: Mapping[str, frozenset[str]]
+    margin_ms: NDArray[np.float64] | None = None
     variant_by_id: Mapping[str, VariantInfo] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -158,6 +163,11 @@ class MeshSnapshot:
         if self.rtt_ms.shape != (n, n) or self.bandwidth_mbps.shape != (n, n):
             raise TopologyError(f"path tables must be {n}x{n}, got {self.rtt_ms.shape} and "
                                 f"{self.bandwidth_mbps.shape}", file="<snapshot>", field="rtt_ms")
+        if self.margin_ms is None:
+            object.__setattr__(self, "margin_ms", np.zeros((n, n)))
+        elif self.margin_ms.shape != (n, n):
+            raise TopologyError(f"margin table must be {n}x{n}, got {self.margin_ms.shape}",
+                                file="<snapshot>", field="margin_ms")
         if set(self.site_index) != set(self.sites):
             raise TopologyError("site_index and sites name different sites", file="<snapshot>",
                                 field="site_index")
@@ -189,6 +199,7 @@ class MeshSnapshot:
                    rtt_ms: NDArray[np.float64] | None = None,
                    bandwidth_mbps: NDArray[np.float64] | None = None,
                    placement: Mapping[str, Iterable[str]] | None = None,
+                   margin_ms: NDArray[np.float64] | None = None,
                    version: int = 0) -> MeshSnapshot:
         """Assemble a snapshot; sites are indexed in name order. Path tables come from ``links``
         (one-way latencies) unless given. A site without a load gets an idle heartbeat holding
@@ -216,7 +227,8 @@ class MeshSnapshot:
         return cls(version=version, sites=site_map, variants={t: tuple(vs) for t, vs in by_task.items()},
                    loads=load_map, rtt_ms=np.asarray(rtt_ms, dtype=np.float64),
                    bandwidth_mbps=np.asarray(bandwidth_mbps, dtype=np.float64), site_index=index,
-                   placement=place)
+                   placement=place,
+                   margin_ms=None if margin_ms is None else np.asarray(margin_ms, dtype=np.float64))
 
 
 def path_tables(index: Mapping[str, int], links: Iterable[Link]
@@ -248,3 +260,50 @@ def path_tables(index: Mapping[str, int], links: Iterable[Link]
     rtt = 2.0 * dist
     np.fill_diagonal(rtt, 0.0)
     return rtt, path_bw
+
+
+# Tail allowance of a forward (see tail_margin_ms): a proportional share of the round trip, at
+# least TAIL_MIN_MS, on top of the links' declared jitter.
+TAIL_FRAC = 0.10
+TAIL_MIN_MS = 1.0
+
+
+def path_jitter_ms(index: Mapping[str, int], links: Iterable[tuple[str, str, float, float]]
+                   ) -> NDArray[np.float64]:
+    """Round-trip jitter bound between all pairs: twice the sum of the declared jitter of the links
+    on the lowest-latency path (``links``: ``(a, b, latency_ms, jitter_ms)``); 0 when unreachable."""
+    n = len(index)
+    lat = np.full((n, n), np.inf)
+    jit = np.zeros((n, n))
+    for a, b, latency, jitter in links:
+        if a not in index or b not in index:
+            raise TopologyError(f"link {a}-{b} names an unknown site", file="<snapshot>", field="links")
+        i, j = index[a], index[b]
+        w = max(float(latency), 1e-9)
+        if w < lat[i, j]:
+            lat[i, j] = lat[j, i] = w
+            jit[i, j] = jit[j, i] = float(jitter)
+    weights = np.where(np.isfinite(lat), lat, 0.0)
+    dist, pred = shortest_path(csr_matrix(weights), method="D", directed=False, return_predecessors=True)
+    out = np.zeros((n, n))
+    for src in range(n):
+        for dst in np.argsort(dist[src], kind="stable"):
+            p = pred[src, dst]
+            if dst != src and p >= 0:
+                out[src, dst] = out[src, p] + jit[p, dst]
+    return 2.0 * out
+
+
+def tail_margin_ms(rtt_ms: NDArray[np.float64], jitter_rtt_ms: NDArray[np.float64]) -> NDArray[np.float64]:
+    """What routing adds to a forward's planned latency so that the path's tail, not its mean,
+    fits the budget: the declared round-trip jitter plus ``max(TAIL_MIN_MS, TAIL_FRAC x rtt)``.
+
+    Planning a remote site on the mean round trip accepts forwards whose slack is thinner than the
+    path's own variation (a 40 ms query sent over a 34 ms path), and a share of them then miss;
+    serving where the query arrived carries no network risk, so the diagonal stays 0. Unreachable
+    pairs (``inf``) are left to the round trip to exclude."""
+    finite = np.isfinite(rtt_ms)
+    margin = np.where(finite, jitter_rtt_ms + np.maximum(TAIL_MIN_MS, TAIL_FRAC * np.where(finite, rtt_ms, 0.0)),
+                      0.0)
+    np.fill_diagonal(margin, 0.0)
+    return margin
