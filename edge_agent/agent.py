@@ -30,9 +30,12 @@ from mesh.store import Store
 from mesh.transport import ZmqClient, ZmqServer
 from variant_store.hardware import gpu_available, local_hardware_class
 
-__all__ = ["Agent", "AgentConfig"]
+__all__ = ["BLOB_PEER", "Agent", "AgentConfig"]
 
 log = get_logger(__name__)
+# Peer-map key of the variant store (not a site: '@' is not allowed in site names). With WAN
+# emulation the harness maps it to a delay proxy, so blob fetches travel the site's real path.
+BLOB_PEER = "@variant-store"
 # Batching keeps a core busy with several queries in flight; past this many per core the
 # queue wait dominates and routing should look elsewhere.
 INFLIGHT_PER_CORE = 8
@@ -52,7 +55,8 @@ class AgentConfig:
     home: Path = Path(".tiermesh")
     http_port: int = 0
     zmq_bind: str = "tcp://127.0.0.1:0"
-    peer_map: dict[str, str] = field(default_factory=dict)  # site -> endpoint (WAN emulation proxies)
+    peer_map: dict[str, str] = field(default_factory=dict)  # site -> endpoint (WAN emulation proxies);
+    # BLOB_PEER -> the variant store's URL as this site reaches it
     lease_ttl_s: float = 3.0
     heartbeat_s: float = 1.0
     idle_unload_s: float = 120.0
@@ -167,7 +171,7 @@ class Agent:
     def _on_view_change(self) -> None:
         assert self.view is not None and self.host is not None and self.zmq_client is not None
         svc = self.view.services.get("variant-store")
-        self.host.blob_url = svc.get("url") if isinstance(svc, dict) else None
+        self.host.blob_url = self.cfg.peer_map.get(BLOB_PEER) or (svc.get("url") if isinstance(svc, dict) else None)
         snap = build_snapshot(self.view, here=self.site, local_loads=self._local_load(),
                               rtt_correction=self.dataplane.rtt_correction() if self.dataplane else None)
         if snap is None:
@@ -175,7 +179,7 @@ class Agent:
             return
         # sites whose lease ended: fail what is pending to them now, not at the deadline
         for site, endpoint in self.cfg.peer_map.items():
-            if site not in self.view.live:
+            if site != BLOB_PEER and site not in self.view.live:
                 self.zmq_client.fail_peer(endpoint, f"{site} lease expired")
         # live peers: connect ahead of the first query (the handshake costs WAN round trips)
         for site in self.view.live:

@@ -18,8 +18,10 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from core_scheduler.scheduler import Scheduler, SchedulerConfig
+from edge_agent.agent import BLOB_PEER
 from mesh.delayproxy import LinkShape, ProxyPool
 from mesh.errors import ConfigError, MeshError, StoreError
 from mesh.etcd_server import EmbeddedEtcd
@@ -59,6 +61,9 @@ class MeshOptions:
     mode: str = "tiermesh"          # routing + placement mode (baselines for benchmarks)
     proactive: bool = True           # scheduler forecasts demand and prewarms
     agent_env: dict[str, str] = field(default_factory=dict)  # extra environment of every agent
+    # where the variant store lives in the topology (None: the first core site): with ``wan``,
+    # every other site fetches blobs over that site's path, so a cold start pays a real WAN fetch
+    store_site: str | None = None
     # scheduler knobs (None: SchedulerConfig / PlacementConfig defaults); benchmarks compress time
     interval_s: float | None = None
     forecast_horizon_s: float | None = None
@@ -213,10 +218,35 @@ class LocalMesh:
                                   bandwidth_mbps=graph.bottleneck_bandwidth_mbps(src, dst))
                 proxy = await self.proxies.add(src, dst, ("127.0.0.1", sp.zmq_port), shape)
                 peer_map[dst] = proxy.endpoint
+            blob_proxy = await self._blob_proxy(src)
+            if blob_proxy is not None:
+                peer_map[BLOB_PEER] = blob_proxy
             path = self.opts.home / "sites" / src / "peers.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(peer_map, indent=1))
             self.sites[src].peer_map_path = path
+
+    def _store_site(self) -> str | None:
+        if self.opts.store_site is not None:
+            if self.opts.store_site not in self.topology.sites:
+                raise ConfigError(f"store_site {self.opts.store_site!r} is not in {self.opts.topology}")
+            return self.opts.store_site
+        cores = sorted(n for n, s in self.topology.sites.items() if s.tier == "core")
+        return cores[0] if cores else None
+
+    async def _blob_proxy(self, src: str) -> str | None:
+        """URL through which ``src`` reaches the variant store over its path to the store's site."""
+        home_site = self._store_site()
+        if home_site is None or home_site == src or self.variant_server is None:
+            return None
+        url = urlsplit(self.variant_server.url)
+        if url.hostname is None or url.port is None:
+            return None
+        graph = self.topology.graph
+        shape = LinkShape(latency_ms=graph.path_latency_ms(src, home_site),
+                          bandwidth_mbps=graph.bottleneck_bandwidth_mbps(src, home_site))
+        proxy = await self.proxies.add(src, BLOB_PEER, (url.hostname, url.port), shape)
+        return f"http://{proxy.listen_host}:{proxy.port}"
 
     async def cut_link(self, a: str, b: str) -> None:
         for key in ((a, b), (b, a)):

@@ -287,3 +287,28 @@ async def test_unknown_tenant_is_refused_and_a_known_tenant_is_served(
     assert res.tenant == "acme" and res.output().shape == (3, 10)
     assert res.accuracy >= 0.9 and not res.best_effort
     assert (res.output().argmax(axis=1) == holdout.y[:3]).sum() >= 2
+
+
+async def test_blob_fetches_travel_each_sites_path_to_the_variant_store(small_mesh: LocalMesh) -> None:
+    """The variant store lives at the core: every other site fetched the blobs it loaded through
+    its own delay proxy, so a cold start there paid at least one round trip of that path."""
+    from edge_agent.agent import BLOB_PEER
+    from mesh.keys import live_key
+
+    store = small_mesh.store
+    assert store is not None
+    graph = small_mesh.topology.graph
+    proxies = small_mesh.proxies.proxies
+    assert ("core-eu", BLOB_PEER) not in proxies  # the store's own site fetches locally
+    for site in ("edge-fra-1", "edge-par-1", "mid-eu"):
+        peers = json.loads((small_mesh.opts.home / "sites" / site / "peers.json").read_text())
+        proxy = proxies[(site, BLOB_PEER)]
+        assert peers[BLOB_PEER] == f"http://127.0.0.1:{proxy.port}"
+        kv = await store.get(live_key(site))
+        assert kv is not None and kv.value["loaded"], site
+        assert proxy.bytes_forwarded > 0, f"{site} loaded variants without fetching through its path"
+        rtt = 2 * graph.path_latency_ms(site, "core-eu")
+        # every load fetched at least one blob over the path (a shared backbone is fetched once,
+        # so a head may load without a fetch of its own): the slowest load paid a round trip
+        slowest = max(float(v["load_ms"]) for v in kv.value["loaded"].values())
+        assert slowest >= rtt, (site, rtt, kv.value["loaded"])
