@@ -78,8 +78,12 @@ def build_snapshot(view: MeshView, *, here: str | None = None,
             if site in index and site != here:
                 rtt[h, index[site]] += extra
                 rtt[index[site], h] += extra
+    svc = view.services.get("variant-store")
+    store_site = svc.get("site") if isinstance(svc, dict) else None
     return MeshSnapshot.from_parts(sites, variants, loads, links, rtt_ms=rtt, bandwidth_mbps=bw,
-                                   placement=placement, margin_ms=margin, version=view.revision)
+                                   placement=placement, margin_ms=margin,
+                                   store_site=store_site if isinstance(store_site, str) else None,
+                                   version=view.revision)
 
 
 def _fields(s: SiteInfo) -> dict[str, Any]:

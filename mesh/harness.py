@@ -134,7 +134,7 @@ class LocalMesh:
         self.blobs = BlobStore(home / "blobs")
         self.catalog = Catalog(self.store)
         await ensure_digits_family(self.catalog, self.blobs)
-        self.variant_server = VariantStoreServer(self.blobs, self.catalog)
+        self.variant_server = VariantStoreServer(self.blobs, self.catalog, site=self._store_site())
         await self.variant_server.start()
         if self.opts.scheduler:
             self.scheduler = Scheduler(self.store, self.opts.scheduler_config(f"up-{os.getpid()}"))

@@ -81,6 +81,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=0, help="0: any free port (printed)")
     sv.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
+    sv.add_argument("--site", default=None,
+                    help="topology site this store runs at: routing charges a cold start elsewhere the "
+                         "fetch over that site's path (default: none, fetches count as free)")
     sv.set_defaults(func=_serve)
 
     for sp in (r, b, d, pr, ls, sh, sv):
@@ -175,7 +178,8 @@ async def _serve(args: argparse.Namespace) -> int:
     from variant_store.server import VariantStoreServer
 
     async with open_store(args.etcd, args.home, args.prefix) as store, \
-            VariantStoreServer(BlobStore(blob_root(args)), Catalog(store), args.host, args.port) as server:
+            VariantStoreServer(BlobStore(blob_root(args)), Catalog(store), args.host, args.port,
+                               site=args.site) as server:
         print(f"variant store serving at {server.url}", flush=True)
         if args.duration is None:
             await asyncio.Event().wait()  # until interrupted

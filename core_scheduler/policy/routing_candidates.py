@@ -11,7 +11,9 @@ Per candidate (site ``s``, variant ``v`` of the task), in milliseconds::
             + queue_ms(s, v)               # heartbeat's expected wait; 0 for a variant not loaded
             + compute(v, hw(s), b)         # profiled p50 of the batch it will likely join:
                                            # b = 1 + queue // compute(batch 1), capped at max_batch
-            + load_ms(v, hw(s))            # only when v is not loaded at s: cold start is a cost
+            + load_ms(v, hw(s))            # only when v is not loaded at s: cold start is a cost,
+            + fetch(s, v)                  # and so is fetching its blob from the variant store's
+                                           # site first (round trip + size / bandwidth)
 
     cost    = (compute(1) + load_ms) / 1000 s x price_per_hour(s) / 3600 / slots(s)
               # dollars per query: the resource-seconds of one slot (one GPU, else one core) of
@@ -57,7 +59,7 @@ class CandidateArrays:
     per_byte_ms: NDArray[np.float64]
     queue_ms: NDArray[np.float64]
     compute_ms: NDArray[np.float64]
-    load_ms: NDArray[np.float64]
+    load_ms: NDArray[np.float64]  # cold-start latency: load + blob fetch; 0 when loaded
     base_ms: NDArray[np.float64]
     cost: NDArray[np.float64]
     accuracy: NDArray[np.float64]
@@ -190,6 +192,7 @@ def build_candidates(snap: MeshSnapshot, here: str, variants: tuple[VariantInfo,
             compute = resolve_compute(v.compute_at(hw, batch))
             runs = v.runs_on(hw)
             load_ms = 0.0 if loaded else v.load_at(hw)
+            fetch = 0.0 if loaded or not snap.store_site else snap.fetch_ms(s, v.size_bytes)
             fits = loaded or (load is not None and v.memory_bytes <= load.memory_free_bytes)
             hard = bool(alive and reachable and runs and fits)
             if runs:
@@ -199,8 +202,8 @@ def build_candidates(snap: MeshSnapshot, here: str, variants: tuple[VariantInfo,
                 cost = (resolve_compute(c1) + load_ms) / 1000.0 * info.price_per_hour / 3600.0 / info.slots
             else:
                 cost = float("inf")
-            base = rtt + margin + queue + compute + load_ms if reachable else float("inf")
-            rows.append((s, v.variant_id, v.owner, j, rtt, per_byte, queue, compute, load_ms, base,
+            base = rtt + margin + queue + compute + load_ms + fetch if reachable else float("inf")
+            rows.append((s, v.variant_id, v.owner, j, rtt, per_byte, queue, compute, load_ms + fetch, base,
                          cost, v.accuracy, loaded, hard, cap_ok, s != here, v.size_bytes))
     cols = list(zip(*rows, strict=True)) if rows else [()] * 17
     cost_a = np.array(cols[10], dtype=np.float64)

@@ -12,6 +12,8 @@ Units and conventions (one place, so no two modules disagree):
 * ``MeshSnapshot.margin_ms[i, j]`` is the **tail allowance** routing adds to a forward from ``i``
   to ``j`` on top of the round trip (see :func:`tail_margin_ms`); ``0`` on the diagonal and
   wherever the snapshot was built without link jitter.
+* ``MeshSnapshot.store_site`` is where the variant store serves blobs from (``None``: unknown or
+  local to every site); a cold start elsewhere fetches the variant's blob over that path first.
 * ``MeshSnapshot.bandwidth_mbps[i, j]`` is the bottleneck bandwidth (megabit/s) of that path;
   ``inf`` on the diagonal (no transfer to oneself), ``0`` when unreachable.
 * Variant ids are unique mesh-wide (the catalog builder prefixes them with the task if needed),
@@ -156,6 +158,7 @@ class MeshSnapshot:
     site_index: Mapping[str, int]
     placement: Mapping[str, frozenset[str]]
     margin_ms: NDArray[np.float64] | None = None
+    store_site: str | None = None
     variant_by_id: Mapping[str, VariantInfo] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -186,6 +189,17 @@ class MeshSnapshot:
     def rtt(self, a: str, b: str) -> float:
         return float(self.rtt_ms[self.site_index[a], self.site_index[b]])
 
+    def fetch_ms(self, site: str, nbytes: int) -> float:
+        """Time for ``site`` to fetch an ``nbytes`` blob from the variant store: a round trip for
+        the request plus the transfer over the path's bottleneck (0 at the store's own site)."""
+        if self.store_site is None or site == self.store_site:
+            return 0.0
+        i, j = self.site_index[site], self.site_index[self.store_site]
+        bw = float(self.bandwidth_mbps[i, j])
+        if bw <= 0:
+            return float("inf")
+        return float(self.rtt_ms[i, j]) + nbytes * 8.0 / (bw * 1000.0)
+
     def placed(self, site: str) -> frozenset[str]:
         """The desired placement of ``site``, or what its heartbeat says is loaded when none."""
         if site in self.placement:
@@ -200,6 +214,7 @@ class MeshSnapshot:
                    bandwidth_mbps: NDArray[np.float64] | None = None,
                    placement: Mapping[str, Iterable[str]] | None = None,
                    margin_ms: NDArray[np.float64] | None = None,
+                   store_site: str | None = None,
                    version: int = 0) -> MeshSnapshot:
         """Assemble a snapshot; sites are indexed in name order. Path tables come from ``links``
         (one-way latencies) unless given. A site without a load gets an idle heartbeat holding
@@ -228,7 +243,8 @@ class MeshSnapshot:
                    loads=load_map, rtt_ms=np.asarray(rtt_ms, dtype=np.float64),
                    bandwidth_mbps=np.asarray(bandwidth_mbps, dtype=np.float64), site_index=index,
                    placement=place,
-                   margin_ms=None if margin_ms is None else np.asarray(margin_ms, dtype=np.float64))
+                   margin_ms=None if margin_ms is None else np.asarray(margin_ms, dtype=np.float64),
+                   store_site=store_site if store_site in index else None)
 
 
 def path_tables(index: Mapping[str, int], links: Iterable[Link]

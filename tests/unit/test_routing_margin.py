@@ -95,3 +95,34 @@ def test_example_topology_transatlantic_margin_exceeds_the_regional_one() -> Non
     to_core = m[idx["edge-fra-1"], idx["core-eu"]]
     transatlantic = m[idx["edge-nyc-1"], idx["core-eu"]]
     assert 0 < regional < to_core < transatlantic
+
+
+def test_cold_start_elsewhere_pays_the_blob_fetch_from_the_store_site() -> None:
+    base = dict(placement={"edge-a": set(), "mid": set(), "core": set()}, version=1)
+    plain = MeshSnapshot.from_parts(sites(), variants(), (), LINKS, **base)  # type: ignore[arg-type]
+    at_core = MeshSnapshot.from_parts(sites(), variants(), (), LINKS, store_site="core",
+                                      **base)  # type: ignore[arg-type]
+    tiny = next(v for v in variants() if v.variant_id == "tiny.int8")
+    # edge-a -> core: 50 ms round trip, bottleneck 100 Mbit/s
+    want = 50.0 + tiny.size_bytes * 8.0 / (100.0 * 1000.0)
+    assert at_core.fetch_ms("edge-a", tiny.size_bytes) == pytest.approx(want)
+    assert at_core.fetch_ms("core", tiny.size_bytes) == 0.0
+    assert plain.fetch_ms("edge-a", tiny.size_bytes) == 0.0
+
+    def cold_latency(snap: MeshSnapshot) -> float:
+        arr = RoutingTable.build(snap, "edge-a").candidates("digits")
+        i = next(k for k in range(len(arr)) if (arr.site[k], arr.variant_id[k]) == ("edge-a", "tiny.int8"))
+        assert not arr.loaded[i]
+        return float(arr.base_ms[i])
+
+    assert cold_latency(at_core) == pytest.approx(cold_latency(plain) + want)
+    # a loaded variant fetches nothing
+    warm = MeshSnapshot.from_parts(sites(), variants(), (), LINKS, store_site="core", placement=ALL, version=1)
+    arr = RoutingTable.build(warm, "edge-a").candidates("digits")
+    i = next(k for k in range(len(arr)) if (arr.site[k], arr.variant_id[k]) == ("edge-a", "tiny.int8"))
+    assert arr.loaded[i] and arr.load_ms[i] == 0.0
+
+
+def test_unknown_store_site_is_ignored() -> None:
+    snap = MeshSnapshot.from_parts(sites(), variants(), (), LINKS, store_site="nowhere", placement=ALL, version=1)
+    assert snap.store_site is None
