@@ -5,6 +5,22 @@ window taken from the *deadline slack* of what is queued (never holding a reques
 SLO allows), runs them as one batch off the event loop, and splits the outputs back.
 
 The window is a pure function (``batch_window_s``) so it can be tested with tables.
+
+Inline fast path. Handing a batch to the executor and back costs two thread switches and four
+event-loop turns (~100-300 µs on a loaded 2-core machine), which is ten times what a tiny variant
+computes. So a request that the loop would run *at once and alone* anyway (nothing queued, no
+batch running, no window to open for companions) runs on the event-loop thread instead, when the
+variant's profile says it takes at most ``INLINE_MAX_MS``. That is the whole bound: the loop is
+blocked no longer than a tick of its own overhead, and only when nothing else is batching.
+A profile can be wrong (a lock in the runtime, a device), so every inline run is timed. One
+that blocked the loop over ``INLINE_BLOCK_MS``, or inline runs over ``INLINE_STALL_MS`` becoming
+the rule rather than the exception (a moving share above one half; from none, six slow runs in
+a row), turn inline runs off for ``INLINE_BACKOFF_S``, doubled each further time (up to
+``INLINE_BACKOFF_MAX_S``) until ``INLINE_CLEAN_RUNS`` inline runs in a row stay fast. A variant
+that is slow for real thus ends up on the executor, after a handful of slow runs per back-off.
+A preempted thread or a garbage collection makes a run slow now and then on a busy machine, as
+it would any code on the loop: a short such pause alone never turns inline runs off. Everything
+else, and all concurrent load that a window could batch, takes the executor path unchanged.
 """
 
 from __future__ import annotations
@@ -30,6 +46,15 @@ log = get_logger(__name__)
 # it one slow batch (a burst of CPU contention) could make admission refuse every later request
 # for ever: refused requests never run, so the estimate would never come down again.
 OVERHEAD_DECAY_S = 1.0
+# Inline runs (see the module docstring): the profile bound, what counts as a stall, and the
+# back-off after one.
+INLINE_MAX_MS = 0.2
+INLINE_STALL_MS = 1.0
+INLINE_BLOCK_MS = 20.0
+INLINE_SLOW_SHARE = 0.5  # of recent inline runs, weighted 1/8 each
+INLINE_CLEAN_RUNS = 1000
+INLINE_BACKOFF_S = 2.0
+INLINE_BACKOFF_MAX_S = 300.0
 InferFn = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
 
 
@@ -73,7 +98,7 @@ class Batcher:
 
     def __init__(self, variant_id: str, infer: InferFn, *, executor: Executor | None,
                  compute_ms: Callable[[int], float], max_batch: int = 32, max_window_ms: float = 4.0,
-                 max_queue_rows: int = 4096, site: str = "") -> None:
+                 max_queue_rows: int = 4096, site: str = "", inline_max_ms: float = INLINE_MAX_MS) -> None:
         self.variant_id = variant_id
         self._infer = infer
         self._executor = executor
@@ -101,6 +126,13 @@ class Batcher:
         # futile windows, stop holding batches open for a while, then probe again.
         self._futile = 0
         self._skip_windows = 0
+        # inline runs: the profile bound (0 turns them off) and the stall back-off
+        self.inline_max_ms = inline_max_ms
+        self.inline_runs = 0
+        self._inline_off_until = 0.0
+        self._inline_backoff_s = INLINE_BACKOFF_S
+        self._inline_slow = 0.0  # moving share of inline runs over INLINE_STALL_MS
+        self._inline_clean = 0
 
     def start(self) -> None:
         if self._task is None:
@@ -121,8 +153,12 @@ class Batcher:
     @property
     def overhead_ms(self) -> float:
         """Learnt cost beyond the profile, faded by the time since a batch last measured it."""
-        age = max(0.0, time.monotonic() - self._overhead_seen)
-        return self._overhead_ms * math.exp(-age / OVERHEAD_DECAY_S)
+        return self._overhead_at(time.monotonic())
+
+    def _overhead_at(self, now: float) -> float:
+        if not self._overhead_ms:
+            return 0.0
+        return self._overhead_ms * math.exp(-max(0.0, now - self._overhead_seen) / OVERHEAD_DECAY_S)
 
     def _compute_ms(self, rows: int) -> float:
         return self._profile_ms(rows) + self.overhead_ms
@@ -147,21 +183,95 @@ class Batcher:
             raise DeadlineExceeded(f"deadline passed before queueing on {self.variant_id}")
         if self._queued_rows + rows > self.max_queue_rows:
             raise Overloaded(f"queue of {self.variant_id} full ({self._queued_rows} rows)")
-        expected = self.expected_wait_ms() + self._compute_ms(min(rows, self.max_batch))
+        if self._task is None:
+            # stopped (unloaded between routing and here) or never started: nothing would run it
+            raise Overloaded(f"variant {self.variant_id} is not running (unloaded)")
+        now = time.monotonic()
+        # expected_wait_ms() + _compute_ms(), with the faded overhead worked out once
+        overhead = self._overhead_at(now)
+        profile = self._profile_ms(min(rows, self.max_batch))
+        expected = profile + overhead
+        if self._busy_until > now:
+            expected += (self._busy_until - now) * 1000.0
+        if self._queued_rows >= self.max_batch:
+            expected += self._queued_rows // self.max_batch * (self._profile_ms(self.max_batch) + overhead)
         if expected > remaining_ms:
             raise Overloaded(f"{self.variant_id}: expected {expected:.1f} ms > {remaining_ms:.1f} ms left")
-        fut: asyncio.Future[BatchResult] = asyncio.get_running_loop().create_future()
         # the deadline moves onto the monotonic clock for the loop's arithmetic
-        now = time.monotonic()
         mono_deadline = now + remaining_ms / 1000.0
         if self._last_arrival:
             gap = now - self._last_arrival
             self.ewma_gap_s = gap if self.ewma_gap_s is None else 0.8 * self.ewma_gap_s + 0.2 * gap
         self._last_arrival = now
+        if rows > self.max_batch:
+            profile = self._profile_ms(rows)  # an oversized request runs as one batch
+        if self._inline_ok(rows, now, mono_deadline, profile, overhead):
+            return self._run_inline(inputs, rows, now, profile, overhead)
+        fut: asyncio.Future[BatchResult] = asyncio.get_running_loop().create_future()
         self._queue.append(_Item(inputs, rows, mono_deadline, now, fut))
         self._queued_rows += rows
         self._wake.set()
         return await fut
+
+    def _inline_ok(self, rows: int, now: float, mono_deadline: float, profile_ms: float,
+                   overhead_ms: float) -> bool:
+        """Whether the loop would run this request at once and alone, and its profile is tiny."""
+        if (self._queue or self._busy_until or self._task is None or now < self._inline_off_until
+                or profile_ms > self.inline_max_ms):
+            return False
+        if rows >= self.max_batch or self._skip_windows:
+            return True
+        # the window _one_batch would hold open for companions (its wait, as enqueued == now)
+        return batch_window_s([mono_deadline - now], (profile_ms + overhead_ms) / 1000.0, self.max_window_s,
+                              expected_gap_s=self.ewma_gap_s) <= 0.0
+
+    def _run_inline(self, inputs: dict[str, np.ndarray], rows: int, started: float, profile_ms: float,
+                    overhead_ms: float) -> BatchResult:
+        """Run one request on the loop's thread: what ``_one_batch`` and ``_run`` would do for a
+        batch of one, without the executor hop."""
+        if self._skip_windows:
+            self._skip_windows -= 1
+        try:
+            outputs = self._infer(inputs)
+        except MeshError:
+            raise
+        except Exception as exc:
+            raise MeshError(f"inference failed: {exc}") from exc
+        finally:
+            done = time.monotonic()
+            took_ms = (done - started) * 1000.0
+            if took_ms > INLINE_STALL_MS:
+                self._inline_stalled(took_ms, done)
+            else:
+                self._inline_slow *= 0.875
+                self._inline_clean += 1
+                if self._inline_clean == INLINE_CLEAN_RUNS:
+                    self._inline_backoff_s = INLINE_BACKOFF_S
+        self._learn(took_ms, done, profile_ms, overhead_ms)
+        self.inline_runs += 1
+        self.served += rows
+        return BatchResult(outputs, 0.0, took_ms, rows)
+
+    def _inline_stalled(self, took_ms: float, now: float) -> None:
+        self._inline_clean = 0
+        self._inline_slow = 0.875 * self._inline_slow + 0.125
+        if took_ms <= INLINE_BLOCK_MS and self._inline_slow <= INLINE_SLOW_SHARE:
+            return
+        # the profile is wrong here: keep off the loop, longer after each time
+        self._inline_slow = 0.0
+        self._inline_off_until = now + self._inline_backoff_s
+        log.warning("inline run of %s took %.2f ms; executor only for %.0f s", self.variant_id, took_ms,
+                    self._inline_backoff_s, extra=kv(site=self.site, variant=self.variant_id, event="inline_off"))
+        self._inline_backoff_s = min(INLINE_BACKOFF_MAX_S, self._inline_backoff_s * 2.0)
+
+    def _learn(self, compute_ms: float, done: float, profile_ms: float, overhead_ms: float) -> None:
+        """Fold one batch's measured compute into the estimates (``overhead_ms``: the faded
+        estimate the batch was admitted with)."""
+        self.ewma_compute_ms = 0.8 * self.ewma_compute_ms + 0.2 * compute_ms
+        excess = max(0.0, compute_ms - profile_ms)
+        self._overhead_ms = 0.8 * overhead_ms + 0.2 * excess
+        self._overhead_seen = done
+        self.batches += 1
 
     async def _loop(self) -> None:
         while True:
@@ -233,11 +343,7 @@ class Batcher:
             self._busy_until = 0.0
         done = time.monotonic()
         compute_ms = (done - started) * 1000.0
-        self.ewma_compute_ms = 0.8 * self.ewma_compute_ms + 0.2 * compute_ms
-        excess = max(0.0, compute_ms - self._profile_ms(rows))
-        self._overhead_ms = 0.8 * self.overhead_ms + 0.2 * excess
-        self._overhead_seen = done
-        self.batches += 1
+        self._learn(compute_ms, done, self._profile_ms(rows), self._overhead_at(done))
         offset = 0
         for it in batch:
             part = {k: v[offset:offset + it.rows] for k, v in outputs.items()}

@@ -28,6 +28,7 @@ __all__ = [
     "parse_slo",
     "response_parameters",
     "result_fields",
+    "result_values",
     "signature_to_metadata",
     "validate_inputs",
 ]
@@ -210,18 +211,25 @@ def _text(v: object) -> str:
     return v if type(v) is str else str(v)
 
 
+_RESULT_FIELDS = ("site", "variant", "accuracy", "reason", "best_effort", "tenant", "timing", "hops")
+ResultValues = tuple[str, str, float, str, bool, str, Timing, list[str]]
+
+
+def result_values(params: Mapping[str, Any]) -> ResultValues:
+    """``result_fields`` as a tuple in that order (site, variant, accuracy, reason, best_effort,
+    tenant, timing, hops): what the SDK builds its result from, with no dict in between."""
+    get = params.get
+    hops = get("hops")
+    return (_text(get("site", "")), _text(get("variant", "")), _num(get("accuracy", 0.0)),
+            _text(get("reason", "")), get("best_effort") is True, _text(get("tenant", "")),
+            Timing(_num(get("timing_ms_network", 0.0)), _num(get("timing_ms_queue", 0.0)),
+                   _num(get("timing_ms_compute", 0.0)), _num(get("timing_ms_total", 0.0))),
+            [h for h in _text(hops).split(",") if h] if hops else [])
+
+
 def result_fields(params: Mapping[str, Any]) -> dict[str, Any]:
     """Inverse of ``response_parameters``: keyword arguments describing where and how it was served."""
-    get = params.get
-    hops = get("hops") or ""
-    return {
-        "site": _text(get("site", "")), "variant": _text(get("variant", "")),
-        "accuracy": _num(get("accuracy", 0.0)), "reason": _text(get("reason", "")),
-        "best_effort": get("best_effort") is True, "tenant": _text(get("tenant", "")),
-        "timing": Timing(_num(get("timing_ms_network", 0.0)), _num(get("timing_ms_queue", 0.0)),
-                         _num(get("timing_ms_compute", 0.0)), _num(get("timing_ms_total", 0.0))),
-        "hops": [h for h in _text(hops).split(",") if h],
-    }
+    return dict(zip(_RESULT_FIELDS, result_values(params), strict=True))
 
 
 # ---------------------------------------------------------------------------- metadata

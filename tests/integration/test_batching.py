@@ -123,3 +123,16 @@ async def test_one_slow_batch_does_not_refuse_tight_requests_for_ever(tmp_path: 
             assert b.overhead_ms < 10.0
         finally:
             await b.stop()
+
+
+async def test_submit_to_a_stopped_batcher_is_refused_not_left_hanging() -> None:
+    """A request routed to a variant that is unloaded before it queues gets an answer at once."""
+    def fast(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"logits": inputs["x"][:, :10]}
+
+    with ThreadPoolExecutor(1) as pool:
+        b = Batcher("gone", fast, executor=pool, compute_ms=lambda n: 0.01, max_batch=4)
+        b.start()
+        await b.stop()
+        with pytest.raises(Overloaded, match="not running"):
+            await asyncio.wait_for(b.submit({"x": np.ones((1, 64), np.float32)}, time.time() + 5), 2.0)
