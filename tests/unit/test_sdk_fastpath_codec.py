@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from mesh import v2_codec as codec
+from mesh import v2_tensors
 from mesh.client import AsyncClient, InferResult
 from mesh.sdk_transport import MockTransport, Response
 from mesh.types import TaskSignature, TensorSpec
@@ -102,7 +103,7 @@ def test_kept_tensor_descriptions_match_fresh_ones() -> None:
     for shape in ((1, 10), (4, 10), (1, 10)):
         y = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
         body, hlen = codec.encode_infer_response("t", "r", {"y": y}, params, True)
-        codec._DESCS.clear()
+        v2_tensors.DESCS.clear()
         assert (body, hlen) == codec.encode_infer_response("t", "r", {"y": y}, params, True)
         head = json.loads(body[:hlen])
         assert head["outputs"][0]["shape"] == list(shape)
