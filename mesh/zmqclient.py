@@ -26,7 +26,7 @@ from mesh import protocol as wire
 from mesh.errors import DeadlineExceeded, MeshError, PayloadTooLarge, PeerUnavailable, RequestError
 from mesh.log import get_logger, kv
 from mesh.types import InferRequest, InferResponse
-from mesh.zmqbase import LifecycleState, SocketSecurity
+from mesh.zmqbase import LifecycleState, SocketSecurity, close_context, open_context
 from mesh.zmqio import Pump, io_socket
 
 __all__ = ["ZmqClient"]
@@ -60,8 +60,9 @@ class ZmqClient:
     def __init__(self, *, ctx: zmq.asyncio.Context | None = None, security: SocketSecurity | None = None,
                  server_key_for: Callable[[str], bytes | None] | None = None,
                  max_bytes: int = wire.DEFAULT_MAX_BYTES) -> None:
-        self._own_ctx = ctx is None
-        self._ctx = zmq.asyncio.Context() if ctx is None else ctx
+        # None until the first peer opens: then the shared context, or its own when ``security`` is set
+        self._given_ctx = ctx
+        self._ctx: zmq.asyncio.Context | None = ctx
         self._security = security
         self._server_key_for = server_key_for
         self._max_bytes = max_bytes
@@ -159,12 +160,15 @@ class ZmqClient:
         for peer in list(self._peers.values()):
             self._drop_peer(peer, "client closed")
         await asyncio.gather(*self._dying, return_exceptions=True)
-        if self._own_ctx:
-            self._ctx.destroy(linger=0)
+        ctx, self._ctx = self._ctx, self._given_ctx
+        if ctx is not None and ctx is not self._given_ctx:
+            close_context(ctx, self._security)
 
     # ------------------------------------------------------------ internals
 
     def _open_peer(self, endpoint: str) -> _Peer:
+        if self._ctx is None:
+            self._ctx = open_context(self._security)
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self._max_bytes + wire.MAX_HEADER_BYTES)

@@ -27,6 +27,7 @@ log = get_logger("mesh.transport")
 
 # plain ints: pyzmq's flag enums cost a Python call per bitwise operation
 _EVENTS, _POLLIN, _POLLOUT, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.NOBLOCK)
+_MORE_NOBLOCK = int(zmq.SNDMORE) | _NOBLOCK
 _DRAIN_BATCH = 64  # messages per wake-up before other callbacks get a turn
 # Below this a frame is copied into libzmq rather than lent to it: lending costs a pyzmq
 # garbage-collector round trip per frame (~13 µs here), a memcpy of 100 KB ~7 µs; they cross near
@@ -66,7 +67,14 @@ class Pump:
                     self._wake_writers()
                 if not events & _POLLIN:
                     return
-                msg = sock.recv_multipart(_NOBLOCK, copy=False)
+                # not recv_multipart: it asks libzmq for RCVMORE once per frame through an enum
+                # lookup, while every received Frame already says whether more parts follow (and
+                # once a message's first part is here, all of it is)
+                frame = sock.recv(_NOBLOCK, copy=False)
+                msg = [frame]
+                while frame.more:
+                    frame = sock.recv(_NOBLOCK, copy=False)
+                    msg.append(frame)
             except zmq.Again:
                 return
             except zmq.ZMQError as exc:
@@ -94,8 +102,16 @@ class Pump:
             self.kick()
 
     def send(self, frames: list[Any]) -> None:
-        """Send now or raise ``zmq.Again`` (queue full) / ``zmq.ZMQError``."""
-        self.sock.send_multipart(frames, _NOBLOCK, copy=False)
+        """Send now or raise ``zmq.Again`` (queue full) / ``zmq.ZMQError``. ``frames`` are
+        ``bytes``, ``memoryview`` or ``zmq.Frame`` (what :mod:`mesh.protocol` writes)."""
+        # the loop send_multipart runs, without its enum ``SNDMORE | flags`` per frame (which costs
+        # more than the send). libzmq checks the high-water mark at a message's first part only, so
+        # ``Again`` comes before anything of the message is queued.
+        send = self.sock.send
+        last = len(frames) - 1
+        for i in range(last):
+            send(frames[i], _MORE_NOBLOCK, copy=False)
+        send(frames[last], _NOBLOCK, copy=False)
         self.after_send()
 
     async def wait_writable(self, within_s: float) -> None:

@@ -21,7 +21,7 @@ from mesh import protocol as wire
 from mesh.errors import DeadlineExceeded, MeshError, Overloaded
 from mesh.log import get_logger, kv
 from mesh.types import InferRequest, InferResponse
-from mesh.zmqbase import LifecycleState, SocketSecurity
+from mesh.zmqbase import LifecycleState, SocketSecurity, close_context, open_context
 from mesh.zmqio import Pump, io_socket
 
 __all__ = ["Handler", "ZmqServer"]
@@ -41,8 +41,9 @@ class ZmqServer:
                  enforce_deadline: bool = True) -> None:
         self._handler = handler
         self._bind = bind
-        self._own_ctx = ctx is None
-        self._ctx = zmq.asyncio.Context() if ctx is None else ctx
+        # None until start(): then the shared context, or one of its own when ``security`` is set
+        self._given_ctx = ctx
+        self._ctx: zmq.asyncio.Context | None = ctx
         self._security = security
         self._max_inflight = max_inflight
         self._max_bytes = max_bytes
@@ -67,16 +68,21 @@ class ZmqServer:
     async def start(self) -> None:
         if self._state is not LifecycleState.UNOPENED:
             raise RuntimeError(f"server is {self._state.value}")
-        sock = self._ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        # libzmq drops a peer that sends a frame over this, before we ever buffer it
-        sock.setsockopt(zmq.MAXMSGSIZE, self._max_bytes + wire.MAX_HEADER_BYTES)
+        if self._ctx is None:
+            self._ctx = open_context(self._security)
+        sock: zmq.Socket[Any] | None = None
         try:
+            sock = self._ctx.socket(zmq.ROUTER)
+            sock.setsockopt(zmq.LINGER, 0)
+            # libzmq drops a peer that sends a frame over this, before we ever buffer it
+            sock.setsockopt(zmq.MAXMSGSIZE, self._max_bytes + wire.MAX_HEADER_BYTES)
             if self._security is not None:
                 self._security.apply_server(sock)
             sock.bind(self._bind)
         except Exception:
-            sock.close(linger=0)
+            if sock is not None:
+                sock.close(linger=0)
+            self._release_context()
             raise
         self._sock = sock
         self._endpoint = cast(bytes, sock.getsockopt(zmq.LAST_ENDPOINT)).decode()
@@ -96,8 +102,12 @@ class ZmqServer:
         await asyncio.gather(*tasks, return_exceptions=True)
         if self._sock is not None:
             self._sock.close(linger=0)
-        if self._own_ctx:
-            self._ctx.destroy(linger=0)
+        self._release_context()
+
+    def _release_context(self) -> None:
+        ctx, self._ctx = self._ctx, self._given_ctx
+        if ctx is not None and ctx is not self._given_ctx:
+            close_context(ctx, self._security)
 
     async def __aenter__(self) -> Self:
         await self.start()
