@@ -70,7 +70,7 @@ def build_snapshot(view: MeshView, *, here: str | None = None,
     sites = [SiteInfo(**{**_fields(s), "alive": s.name in alive}) for s in sites]
     index = {name: i for i, name in enumerate(sorted(topo.sites))}
     rtt, bw = path_tables(index, links)
-    margin = tail_margin_ms(rtt, path_jitter_ms(index, [(lk.a, lk.b, lk.latency_ms, lk.jitter_ms)
+    margin = tail_margin_ms(rtt, path_jitter_ms(index, [(lk.a, lk.b, lk.latency_ms, lk.bandwidth_mbps, lk.jitter_ms)
                                                         for lk in topo.links]))
     if here is not None and rtt_correction and here in index:
         h = index[here]

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Mapping
+import operator
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -247,13 +248,16 @@ class MeshSnapshot:
                    store_site=store_site if store_site in index else None)
 
 
-def path_tables(index: Mapping[str, int], links: Iterable[Link]
-                ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
-    """Round-trip latency and bottleneck bandwidth along the lowest-latency path between all pairs."""
+def _paths(index: Mapping[str, int], links: Iterable[tuple[str, str, float, float, float]]
+           ) -> tuple[NDArray[np.float64], NDArray[np.int32], NDArray[np.float64], NDArray[np.float64]]:
+    """Lowest-latency paths over ``(a, b, latency_ms, mbps, jitter_ms)`` links: one-way distances,
+    predecessors, and each direct link's bandwidth and jitter (parallel links: the faster one, then
+    the wider)."""
     n = len(index)
     lat = np.full((n, n), np.inf)
     bw = np.zeros((n, n))
-    for a, b, latency, mbps in links:
+    jit = np.zeros((n, n))
+    for a, b, latency, mbps, jitter in links:
         if a not in index or b not in index:
             raise TopologyError(f"link {a}-{b} names an unknown site", file="<snapshot>", field="links")
         i, j = index[a], index[b]
@@ -262,20 +266,34 @@ def path_tables(index: Mapping[str, int], links: Iterable[Link]
         if w < lat[i, j] or (w == lat[i, j] and mbps > bw[i, j]):
             lat[i, j] = lat[j, i] = w
             bw[i, j] = bw[j, i] = float(mbps)
+            jit[i, j] = jit[j, i] = float(jitter)
     weights = np.where(np.isfinite(lat), lat, 0.0)
     dist, pred = shortest_path(csr_matrix(weights), method="D", directed=False, return_predecessors=True)
-    path_bw = np.zeros((n, n))
+    return dist, pred, bw, jit
+
+
+def _along_paths(dist: NDArray[np.float64], pred: NDArray[np.int32], per_link: NDArray[np.float64],
+                 fold: Callable[[float, float], float], own: float) -> NDArray[np.float64]:
+    """``per_link`` folded along every shortest path (``own`` from a site to itself; 0 when
+    unreachable). Nodes go in distance order, so each predecessor is settled before its successor."""
+    n = len(dist)
+    out = np.zeros((n, n))
     for src in range(n):
-        path_bw[src, src] = np.inf
-        # nodes in distance order: each node's predecessor is settled before it
+        out[src, src] = own
         for dst in np.argsort(dist[src], kind="stable"):
             p = pred[src, dst]
-            if dst == src or p < 0:
-                continue
-            path_bw[src, dst] = min(path_bw[src, p], bw[p, dst])
+            if dst != src and p >= 0:
+                out[src, dst] = fold(out[src, p], per_link[p, dst])
+    return out
+
+
+def path_tables(index: Mapping[str, int], links: Iterable[Link]
+                ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """Round-trip latency and bottleneck bandwidth along the lowest-latency path between all pairs."""
+    dist, pred, bw, _ = _paths(index, [(a, b, lat, mbps, 0.0) for a, b, lat, mbps in links])
     rtt = 2.0 * dist
     np.fill_diagonal(rtt, 0.0)
-    return rtt, path_bw
+    return rtt, _along_paths(dist, pred, bw, min, np.inf)
 
 
 # Tail allowance of a forward (see tail_margin_ms): a proportional share of the round trip, at
@@ -284,30 +302,13 @@ TAIL_FRAC = 0.10
 TAIL_MIN_MS = 1.0
 
 
-def path_jitter_ms(index: Mapping[str, int], links: Iterable[tuple[str, str, float, float]]
+def path_jitter_ms(index: Mapping[str, int], links: Iterable[tuple[str, str, float, float, float]]
                    ) -> NDArray[np.float64]:
     """Round-trip jitter bound between all pairs: twice the sum of the declared jitter of the links
-    on the lowest-latency path (``links``: ``(a, b, latency_ms, jitter_ms)``); 0 when unreachable."""
-    n = len(index)
-    lat = np.full((n, n), np.inf)
-    jit = np.zeros((n, n))
-    for a, b, latency, jitter in links:
-        if a not in index or b not in index:
-            raise TopologyError(f"link {a}-{b} names an unknown site", file="<snapshot>", field="links")
-        i, j = index[a], index[b]
-        w = max(float(latency), 1e-9)
-        if w < lat[i, j]:
-            lat[i, j] = lat[j, i] = w
-            jit[i, j] = jit[j, i] = float(jitter)
-    weights = np.where(np.isfinite(lat), lat, 0.0)
-    dist, pred = shortest_path(csr_matrix(weights), method="D", directed=False, return_predecessors=True)
-    out = np.zeros((n, n))
-    for src in range(n):
-        for dst in np.argsort(dist[src], kind="stable"):
-            p = pred[src, dst]
-            if dst != src and p >= 0:
-                out[src, dst] = out[src, p] + jit[p, dst]
-    return 2.0 * out
+    on the lowest-latency path (the path :func:`path_tables` takes; ``links``: ``(a, b, latency_ms,
+    mbps, jitter_ms)``); 0 when unreachable."""
+    dist, pred, _, jit = _paths(index, links)
+    return 2.0 * _along_paths(dist, pred, jit, operator.add, 0.0)
 
 
 def tail_margin_ms(rtt_ms: NDArray[np.float64], jitter_rtt_ms: NDArray[np.float64]) -> NDArray[np.float64]:

@@ -21,7 +21,7 @@ def _index() -> dict[str, int]:
 
 def test_path_jitter_sums_links_on_the_latency_path_both_ways() -> None:
     idx = _index()
-    jit = path_jitter_ms(idx, [(a, b, lat, JITTER[(a, b)]) for a, b, lat, _bw in LINKS])
+    jit = path_jitter_ms(idx, [(a, b, lat, bw, JITTER[(a, b)]) for a, b, lat, bw in LINKS])
     assert jit[idx["edge-a"], idx["core"]] == pytest.approx(2 * (0.5 + 1.0))
     assert jit[idx["edge-a"], idx["edge-b"]] == pytest.approx(2 * (0.5 + 0.8))
     assert jit[idx["core"], idx["edge-b"]] == pytest.approx(2 * (1.0 + 0.8))
@@ -32,7 +32,7 @@ def test_path_jitter_sums_links_on_the_latency_path_both_ways() -> None:
 def test_path_jitter_follows_the_lowest_latency_path_not_the_calmest() -> None:
     idx = {"a": 0, "b": 1, "c": 2}
     # a-b direct is fast but jittery; a-c-b is slower and calm: routing's path is the direct one
-    jit = path_jitter_ms(idx, [("a", "b", 5.0, 4.0), ("a", "c", 10.0, 0.0), ("c", "b", 10.0, 0.0)])
+    jit = path_jitter_ms(idx, [("a", "b", 5.0, 100.0, 4.0), ("a", "c", 10.0, 100.0, 0.0), ("c", "b", 10.0, 100.0, 0.0)])
     assert jit[0, 1] == pytest.approx(8.0)
 
 
@@ -57,7 +57,7 @@ def test_unreachable_pairs_get_no_margin() -> None:
 def _snap_with_margin() -> tuple[MeshSnapshot, np.ndarray]:
     idx = _index()
     rtt, _bw = path_tables(idx, LINKS)
-    margin = tail_margin_ms(rtt, path_jitter_ms(idx, [(a, b, lat, JITTER[(a, b)]) for a, b, lat, _ in LINKS]))
+    margin = tail_margin_ms(rtt, path_jitter_ms(idx, [(a, b, lat, bw, JITTER[(a, b)]) for a, b, lat, bw in LINKS]))
     return MeshSnapshot.from_parts(sites(), variants(), (), LINKS, placement=ALL, margin_ms=margin, version=1), margin
 
 
@@ -90,7 +90,8 @@ def test_example_topology_transatlantic_margin_exceeds_the_regional_one() -> Non
     topo = load_topology_file("examples/topology.yaml")
     idx = {n: i for i, n in enumerate(sorted(topo.sites))}
     rtt, _ = path_tables(idx, [(lk.a, lk.b, lk.latency_ms, lk.bandwidth_mbps) for lk in topo.links])
-    m = tail_margin_ms(rtt, path_jitter_ms(idx, [(lk.a, lk.b, lk.latency_ms, lk.jitter_ms) for lk in topo.links]))
+    m = tail_margin_ms(rtt, path_jitter_ms(idx, [(lk.a, lk.b, lk.latency_ms, lk.bandwidth_mbps, lk.jitter_ms)
+                                                          for lk in topo.links]))
     regional = m[idx["edge-fra-1"], idx["mid-eu"]]
     to_core = m[idx["edge-fra-1"], idx["core-eu"]]
     transatlantic = m[idx["edge-nyc-1"], idx["core-eu"]]
