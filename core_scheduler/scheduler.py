@@ -28,6 +28,7 @@ from mesh.errors import StoreError
 from mesh.keys import placement_key
 from mesh.log import get_logger, kv
 from mesh.store import CreateRevision, Put, Store
+from mesh.tasks import cancel_and_wait
 
 __all__ = ["Scheduler", "SchedulerConfig"]
 
@@ -81,11 +82,8 @@ class Scheduler:
         self._task = asyncio.create_task(self._run(), name=f"scheduler:{self.cfg.candidate_id}")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        task, self._task = self._task, None
+        await cancel_and_wait(task)
         if self.election is not None:
             with contextlib.suppress(Exception):
                 await self.election.resign()

@@ -38,6 +38,7 @@ import numpy as np
 
 from mesh.errors import DeadlineExceeded, MeshError, Overloaded
 from mesh.log import get_logger, kv
+from mesh.tasks import cancel_and_wait
 
 __all__ = ["BatchResult", "Batcher", "batch_window_s"]
 
@@ -139,11 +140,8 @@ class Batcher:
             self._task = asyncio.create_task(self._loop(), name=f"batcher:{self.variant_id}")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        task, self._task = self._task, None
+        await cancel_and_wait(task)
         while self._queue:
             item = self._queue.popleft()
             if not item.future.done():

@@ -17,6 +17,7 @@ from mesh.errors import StoreError
 from mesh.keys import live_key
 from mesh.log import get_logger, kv
 from mesh.store import Lease, Store
+from mesh.tasks import cancel_and_wait
 
 __all__ = ["Liveness"]
 
@@ -47,10 +48,7 @@ class Liveness:
         self._task = asyncio.create_task(self._loop(), name=f"liveness:{self.site}")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
         if self.lease is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.lease.revoke(), 2.0)

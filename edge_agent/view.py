@@ -9,7 +9,6 @@ dirty; ``on_change`` listeners rebuild derived state (the routing table) at most
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 from collections.abc import Callable
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 from mesh.errors import StoreError
 from mesh.log import get_logger, kv
 from mesh.store import Store
+from mesh.tasks import cancel_and_wait
 from mesh.types import TaskSignature
 from topology.schema import Link, Site, Tenant, Topology
 from variant_store.catalog import signature_from_json
@@ -56,11 +56,7 @@ class MeshView:
                        asyncio.create_task(self._notify_loop(), name=f"view-notify:{self.site}")]
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_and_wait(*self._tasks)
         self._tasks = []
 
     def on_change(self, fn: Callable[[], None]) -> None:

@@ -13,12 +13,12 @@ lease when it restarts, so our old key would otherwise stand in front of us for 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from types import TracebackType
 
 from mesh.errors import StoreError
 from mesh.log import get_logger, kv
 from mesh.store import CreateRevision, Lease, Put, Store
+from mesh.tasks import cancel_and_wait
 
 __all__ = ["Election"]
 
@@ -121,10 +121,7 @@ class Election:
     async def resign(self) -> None:
         """Give up leadership (or candidacy) now; the next candidate takes over at once."""
         task, self._monitor = self._monitor, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
         self.is_leader = False
         await self._drop_lease()
 

@@ -7,13 +7,13 @@ touch the etcd client: the store makes each keep-alive round trip and translates
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from types import TracebackType
 from typing import TYPE_CHECKING
 
 from mesh.errors import StoreError
 from mesh.log import get_logger, kv
+from mesh.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from mesh.store import Store
@@ -67,10 +67,7 @@ class Lease:
 
     async def _stop_keepalive(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
 
     async def revoke(self) -> None:
         await self._stop_keepalive()

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from mesh.errors import StoreError
 from mesh.log import get_logger, kv
+from mesh.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from mesh.store import Store
@@ -119,10 +120,7 @@ class Watch:
         self._closed = True
         self._store._watches.discard(self)
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
         with contextlib.suppress(asyncio.QueueFull):
             self._queue.put_nowait(None)  # wake a consumer blocked in __anext__
 

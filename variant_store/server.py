@@ -28,6 +28,7 @@ from mesh.errors import BlobError, MeshError, RequestError
 from mesh.keys import blobs_key
 from mesh.log import get_logger, kv
 from mesh.store import Lease
+from mesh.tasks import cancel_and_wait
 from variant_store.blobs import CHUNK, BlobStore, is_digest
 from variant_store.catalog import Catalog
 
@@ -106,10 +107,7 @@ class VariantStoreServer:
     async def stop(self) -> None:
         runner, self._runner = self._runner, None
         task, self._announcer = self._announcer, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
         if self._lease is not None:
             lease, self._lease = self._lease, None
             with contextlib.suppress(MeshError):
