@@ -27,7 +27,6 @@ effort because the right variant was cold).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import math
@@ -41,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import Panel, RunContext, plot_panels, target, write_result
+from bench.common import Panel, RunContext, plot_panels, run_standalone, target, write_result
 from bench.geo import QUICK_SITES, TOPOLOGY, holdout, prebuild_home_async
 from bench.traces import DailyPeak, Replayed, Trace, TraceSpec, make_trace, peak_windows, replay
 from mesh.harness import LocalMesh, MeshOptions
@@ -289,10 +288,7 @@ async def run_coldstart(ctx: RunContext) -> Path:
 
 def run(quick: bool) -> dict[str, Any]:
     """Run the cold-start benchmark; returns the result document it wrote."""
-    ctx = RunContext(quick=quick, command="python -m bench.coldstart" + (" --quick" if quick else ""))
-    path = asyncio.run(run_coldstart(ctx))
-    doc: dict[str, Any] = json.loads(path.read_text())
-    return doc
+    return run_standalone("coldstart", quick, run_coldstart)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import os
 import platform
 import subprocess
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from importlib import metadata
@@ -60,6 +60,15 @@ class RunContext:
 
     def pick(self, quick: int, full: int) -> int:
         return quick if self.quick else full
+
+
+def run_standalone(module: str, quick: bool,
+                   scenario: Callable[[RunContext], Coroutine[Any, Any, Path]]) -> dict[str, Any]:
+    """Run one scenario as ``python -m bench.<module> [--quick]`` would; returns the document it wrote."""
+    ctx = RunContext(quick=quick, command=f"python -m bench.{module}" + (" --quick" if quick else ""))
+    path: Path = asyncio.run(scenario(ctx))
+    doc: dict[str, Any] = json.loads(path.read_text())
+    return doc
 
 
 # ------------------------------------------------------------------ statistics

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import REPO_ROOT, RunContext, percentile, target, write_result
+from bench.common import REPO_ROOT, RunContext, percentile, run_standalone, target, write_result
 from bench.traces import Replayed, Spike, Trace, TraceSpec, make_trace, replay
 from mesh.harness import LocalMesh, MeshOptions
 from mesh.keys import live_key
@@ -316,10 +316,7 @@ async def run_geo(ctx: RunContext, systems: tuple[str, ...] = SYSTEMS) -> Path:
 
 def run(quick: bool) -> dict[str, Any]:
     """Run the geo benchmark; returns the result document it wrote."""
-    ctx = RunContext(quick=quick, command="python -m bench.geo" + (" --quick" if quick else ""))
-    path = asyncio.run(run_geo(ctx))
-    doc: dict[str, Any] = json.loads(path.read_text())
-    return doc
+    return run_standalone("geo", quick, run_geo)
 
 
 if __name__ == "__main__":
