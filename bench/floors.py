@@ -46,11 +46,12 @@ from bench.common import (
 )
 from edge_agent.batching import Batcher
 from edge_agent.http_api import EdgeHttpServer, make_app
-from mesh import v2_codec as codec
 from mesh.client import AsyncClient
 from mesh.errors import UnknownTask
-from mesh.transport import ZmqClient, ZmqServer
 from mesh.types import SLO, InferRequest, InferResponse, TaskSignature, TensorSpec, Timing
+from mesh.v2 import codec as codec
+from mesh.zmq.client import ZmqClient
+from mesh.zmq.server import ZmqServer
 from variant_store.runtimes import open_runtime
 
 __all__ = ["EchoDataPlane", "ModelDataPlane", "run_http_api", "run_mesh_hop", "run_sdk_local", "self_signed"]

@@ -1,7 +1,7 @@
 """Geo benchmark: SLO attainment, accuracy, latency and cost of tiermesh vs its baselines on one trace.
 
 Every system (``tiermesh`` and the modes of ``core_scheduler.policy.baselines``) runs on the same
-geo trace (``bench.traces``) through the same harness (``mesh.harness.LocalMesh``: real etcd,
+geo trace (``bench.traces``) through the same harness (``tiermesh.harness.LocalMesh``: real etcd,
 agent processes, ZeroMQ through WAN delay proxies), one after another in the same run, each on a
 fresh mesh whose home is a copy of one prebuilt catalog (the variant build and profiling is done
 once per bench run, not once per system).
@@ -42,8 +42,8 @@ import numpy as np
 
 from bench.common import REPO_ROOT, RunContext, percentile, run_standalone, target, write_result
 from bench.traces import Replayed, Spike, Trace, TraceSpec, make_trace, replay
-from mesh.harness import LocalMesh, MeshOptions
-from mesh.keys import live_key
+from mesh.etcd.keys import live_key
+from tiermesh.harness import LocalMesh, MeshOptions
 from topology.loader import load_topology_file
 from topology.schema import Topology
 
@@ -70,8 +70,8 @@ def geo_spec(quick: bool, edges: tuple[str, ...]) -> TraceSpec:
 def prebuild_home(dst: Path, topology: Path = TOPOLOGY) -> float:
     """Build the catalog (digits family, profiled) once into ``dst``; returns seconds taken.
     Synchronous (its own event loop): call it from a thread when a loop is running."""
-    from mesh.etcd_server import EmbeddedEtcd
-    from mesh.store import Store
+    from mesh.etcd.server import EmbeddedEtcd
+    from mesh.etcd.store import Store
     from topology.store_io import apply as apply_topology
     from variant_store.blobs import BlobStore
     from variant_store.build import ensure_digits_family

@@ -28,7 +28,7 @@ import numpy as np
 
 from mesh.client import AsyncClient
 from mesh.errors import MeshError
-from mesh.workload import SloClass
+from tiermesh.workload import SloClass
 
 __all__ = ["GEO_CLASSES", "DailyPeak", "Replayed", "Spike", "Trace", "TraceEvent", "TraceSpec", "make_trace",
            "peak_windows", "replay"]

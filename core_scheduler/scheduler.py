@@ -21,13 +21,13 @@ from core_scheduler.policy.forecast import DemandForecaster
 from core_scheduler.policy.modes import placer_for
 from core_scheduler.policy.placement import Demand, PlacementConfig, plan_placement
 from core_scheduler.policy.snapshot import MeshSnapshot
-from edge_agent.snapshot import build_snapshot
-from edge_agent.view import MeshView
-from mesh.election import Election
+from core_scheduler.state.snapshot import build_snapshot
+from core_scheduler.state.view import MeshView
 from mesh.errors import StoreError
-from mesh.keys import placement_key
+from mesh.etcd.election import Election
+from mesh.etcd.keys import placement_key
+from mesh.etcd.store import CreateRevision, Put, Store
 from mesh.log import get_logger, kv
-from mesh.store import CreateRevision, Put, Store
 from mesh.tasks import cancel_and_wait
 
 __all__ = ["Scheduler", "SchedulerConfig"]

@@ -17,17 +17,18 @@ from pathlib import Path
 from typing import Any
 
 from core_scheduler.policy.modes import Router, make_router
+from core_scheduler.state.snapshot import build_snapshot
+from core_scheduler.state.view import MeshView
 from edge_agent.demand import DemandMeter
 from edge_agent.host import VariantHost
 from edge_agent.http_api import EdgeHttpServer
 from edge_agent.liveness import Liveness
 from edge_agent.site_dataplane import SiteDataPlane
-from edge_agent.snapshot import build_snapshot
-from edge_agent.view import MeshView
 from mesh.errors import ConfigError, MeshError
+from mesh.etcd.store import Store
 from mesh.log import get_logger, kv
-from mesh.store import Store
-from mesh.transport import ZmqClient, ZmqServer
+from mesh.zmq.client import ZmqClient
+from mesh.zmq.server import ZmqServer
 from variant_store.hardware import gpu_available, local_hardware_class
 
 __all__ = ["BLOB_PEER", "Agent", "AgentConfig"]

@@ -1,6 +1,6 @@
 """The edge agent's HTTP front: Open Inference Protocol (KServe V2) over a ``DataPlane``.
 
-A thin adapter: it decodes a request (``mesh.v2_codec``), asks the data plane, and encodes the
+A thin adapter: it decodes a request (``mesh.v2.codec``), asks the data plane, and encodes the
 reply. The task stands where V2 puts a model name; the SLO rides in request ``parameters`` and the
 mesh's answer (site, variant, accuracy, reason, timing) in response ``parameters``, so unmodified
 V2 clients such as ``tritonclient.http`` work.
@@ -23,11 +23,11 @@ from aiohttp import hdrs, web
 from multidict import CIMultiDict
 
 from edge_agent.dataplane import DataPlane
-from mesh import v2_codec as codec
 from mesh.errors import BadTensor, MeshError, PayloadTooLarge, RequestError, UnknownTask
 from mesh.log import get_logger, kv
-from mesh.protocol import new_request_id
 from mesh.types import DEFAULT_TENANT, InferRequest, TaskSignature
+from mesh.v2 import codec as codec
+from mesh.zmq.protocol import new_request_id
 
 __all__ = [
     "DEFAULT_MAX_BODY",

@@ -14,9 +14,9 @@ from collections.abc import Callable
 from typing import Any
 
 from mesh.errors import StoreError
-from mesh.keys import live_key
+from mesh.etcd.keys import live_key
+from mesh.etcd.store import Lease, Store
 from mesh.log import get_logger, kv
-from mesh.store import Lease, Store
 from mesh.tasks import cancel_and_wait
 
 __all__ = ["Liveness"]

@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 from core_scheduler.policy.modes import Router
 from core_scheduler.policy.routing import Decision, Query
+from core_scheduler.state.view import MeshView
 from edge_agent.demand import DemandMeter
 from edge_agent.host import VariantHost
-from edge_agent.view import MeshView
 from mesh.errors import (
     DeadlineExceeded,
     NoRoute,
@@ -30,8 +30,8 @@ from mesh.errors import (
     UnknownTenant,
 )
 from mesh.log import get_logger, kv
-from mesh.transport import ZmqClient
 from mesh.types import DEFAULT_TENANT, InferRequest, InferResponse, TaskSignature, Timing
+from mesh.zmq.client import ZmqClient
 from variant_store.runtimes.base import check_inputs
 
 __all__ = ["SiteDataPlane"]

@@ -25,10 +25,10 @@ from urllib.parse import quote
 
 import numpy as np
 
-from mesh import v2_codec as codec
 from mesh.errors import BadTensor, DeadlineExceeded, MeshError, error_from_code
 from mesh.sdk_transport import AiohttpTransport, Transport
 from mesh.types import DEFAULT_TENANT, TaskSignature, Timing
+from mesh.v2 import codec as codec
 
 __all__ = ["AsyncClient", "Client", "InferResult"]
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from mesh.etcd_server import EmbeddedEtcd
-from mesh.store import Store
+from mesh.etcd.server import EmbeddedEtcd
+from mesh.etcd.store import Store
 
 __all__ = ["child_pids"]
 

@@ -1,6 +1,6 @@
 """Topology <-> etcd: read the applied topology, diff it against a desired one, apply it atomically.
 
-Key layout (relative to the Store prefix, names from :mod:`mesh.keys`): ``topology/sites/<name>``,
+Key layout (relative to the Store prefix, names from :mod:`mesh.etcd.keys`): ``topology/sites/<name>``,
 ``topology/links/<a>/<b>`` (a < b), ``tenants/<name>``, each holding the object's JSON with
 ``"schema": 1``; and ``topology/meta`` = ``{"schema": 1, "digest": <sha256 of the canonical
 topology>}``. The digest is of the content, not of the file's bytes, so re-applying a file whose
@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mesh.errors import ConflictError, StoreError
-from mesh.keys import LINKS, SITES, TENANTS, link_key, site_key, tenant_key
+from mesh.etcd.keys import LINKS, SITES, TENANTS, link_key, site_key, tenant_key
+from mesh.etcd.store import KV, Compare, CreateRevision, Delete, ModRevision, Op, Put, Store
 from mesh.log import get_logger, kv
-from mesh.store import KV, Compare, CreateRevision, Delete, ModRevision, Op, Put, Store
 from topology.schema import SCHEMA_VERSION, Link, Site, Tenant, Topology
 
 __all__ = [

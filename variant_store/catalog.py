@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from mesh.errors import CatalogError, StoreError
-from mesh.keys import CATALOG, catalog_key
-from mesh.store import Store
+from mesh.etcd.keys import CATALOG, catalog_key
+from mesh.etcd.store import Store
 from mesh.types import TaskSignature, TensorSpec
 from variant_store.meta import SCHEMA_VERSION, VariantMeta
 

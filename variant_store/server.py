@@ -25,9 +25,9 @@ from typing import Any
 from aiohttp import web
 
 from mesh.errors import BlobError, MeshError, RequestError
-from mesh.keys import blobs_key
+from mesh.etcd.keys import blobs_key
+from mesh.etcd.store import Lease
 from mesh.log import get_logger, kv
-from mesh.store import Lease
 from mesh.tasks import cancel_and_wait
 from variant_store.blobs import CHUNK, BlobStore, is_digest
 from variant_store.catalog import Catalog

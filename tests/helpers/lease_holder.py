@@ -13,8 +13,8 @@ import asyncio
 import json
 import sys
 
-from mesh.election import Election
-from mesh.store import Store
+from mesh.etcd.election import Election
+from mesh.etcd.store import Store
 
 
 async def main(argv: list[str]) -> None:

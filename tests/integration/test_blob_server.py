@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from mesh.errors import BlobError
-from mesh.keys import blobs_key
+from mesh.etcd.keys import blobs_key
 from variant_store.blobs import BlobStore
 from variant_store.catalog import Catalog
 from variant_store.fetch import fetch_blob

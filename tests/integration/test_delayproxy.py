@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from mesh.delayproxy import DelayProxy, LinkShape
+from tiermesh.delayproxy import DelayProxy, LinkShape
 
 pytestmark = pytest.mark.integration
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mesh.store import Store
+from mesh.etcd.store import Store
 from variant_store.blobs import BlobStore
 from variant_store.build import ensure_digits_family
 from variant_store.catalog import Catalog

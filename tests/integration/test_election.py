@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from mesh.election import Election
-from mesh.etcd_server import EmbeddedEtcd
-from mesh.store import CreateRevision, Put, Store
+from mesh.etcd.election import Election
+from mesh.etcd.server import EmbeddedEtcd
+from mesh.etcd.store import CreateRevision, Put, Store
 
 pytestmark = pytest.mark.integration
 

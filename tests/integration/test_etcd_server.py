@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from mesh.context import open_store
 from mesh.errors import EtcdServerError
-from mesh.etcd_server import EmbeddedEtcd, find_running, healthy, write_record
-from mesh.store import Store
+from mesh.etcd.server import EmbeddedEtcd, find_running, healthy, write_record
+from mesh.etcd.store import Store
 from tests.conftest import child_pids
+from tiermesh.cli.context import open_store
 
 pytestmark = pytest.mark.integration
 
@@ -121,7 +121,7 @@ async def test_open_store_uses_recorded_or_given_etcd(tmp_path: Path, etcd_serve
 
 def _run_cli_etcd(home: Path) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-m", "mesh.cli", "etcd", "--home", str(home)],
+    return subprocess.Popen([sys.executable, "-m", "tiermesh", "etcd", "--home", str(home)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
@@ -133,7 +133,7 @@ async def test_cli_etcd_runs_in_foreground_and_stops_on_sigterm(tmp_path: Path) 
         assert find_running(tmp_path) == url
         etcd_pid = json.loads((tmp_path / "etcd.json").read_text())["pid"]
         second = await asyncio.to_thread(
-            subprocess.run, [sys.executable, "-m", "mesh.cli", "etcd", "--home", str(tmp_path)],
+            subprocess.run, [sys.executable, "-m", "tiermesh", "etcd", "--home", str(tmp_path)],
             capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
         assert second.returncode != 0 and "already running" in second.stderr
         proc.send_signal(signal.SIGTERM)

@@ -17,9 +17,9 @@ from aiohttp import web
 
 from edge_agent.http_api import EdgeHttpServer
 from mesh import errors
-from mesh import v2_codec as codec
 from mesh.client import AsyncClient, Client
 from mesh.sdk_transport import AiohttpTransport
+from mesh.v2 import codec as codec
 from tests.helpers_dataplane import OnnxDataPlane, digits_model, serve_in_thread
 from tests.helpers_models import digits_split
 

@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 
 from core_scheduler.scheduler import Scheduler, SchedulerConfig
-from mesh.election import Election
-from mesh.etcd_server import EmbeddedEtcd
-from mesh.keys import live_key
-from mesh.store import Lease, Store
+from mesh.etcd.election import Election
+from mesh.etcd.keys import live_key
+from mesh.etcd.server import EmbeddedEtcd
+from mesh.etcd.store import Lease, Store
 from tests.helpers.waiting import eventually
 from topology.loader import load_topology_file
 from topology.store_io import apply as apply_topology
@@ -60,14 +60,14 @@ async def mesh_state(store: Store, tmp_path: Path) -> AsyncIterator[Lease]:
 
 @pytest.fixture
 def replicas(store: Store, etcd_server: EmbeddedEtcd, tmp_path: Path) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
-    """Three scheduler replicas (``python -m mesh.cli scheduler``), stopped even if the test fails."""
+    """Three scheduler replicas (``python -m tiermesh scheduler``), stopped even if the test fails."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TIERMESH_LOG_LEVEL": "INFO"}
     procs: dict[str, subprocess.Popen[bytes]] = {}
     try:
         for rid in REPLICAS:
             with open(tmp_path / f"{rid}.log", "wb") as logf:
                 procs[rid] = subprocess.Popen(
-                    [sys.executable, "-m", "mesh.cli", "scheduler", "--etcd", etcd_server.url,
+                    [sys.executable, "-m", "tiermesh", "scheduler", "--etcd", etcd_server.url,
                      "--prefix", store.prefix, "--id", rid, "--election-ttl", str(TTL), "--interval", "0.3"],
                     stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         yield procs

@@ -17,10 +17,10 @@ import pytest
 from edge_agent import batching
 from edge_agent.batching import Batcher
 from edge_agent.http_api import EdgeHttpServer
-from mesh import v2_codec as codec
 from mesh.client import AsyncClient
 from mesh.errors import MeshError
 from mesh.types import InferRequest, InferResponse, TaskSignature, TensorSpec
+from mesh.v2 import codec as codec
 
 pytestmark = pytest.mark.integration
 

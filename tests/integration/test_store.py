@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from mesh.errors import ConflictError, StoreError, StoreUnavailable
-from mesh.etcd_server import EmbeddedEtcd
-from mesh.store import CreateRevision, Delete, ModRevision, Put, Store, ValueEquals, WatchEvent
+from mesh.etcd.server import EmbeddedEtcd
+from mesh.etcd.store import CreateRevision, Delete, ModRevision, Put, Store, ValueEquals, WatchEvent
 
 pytestmark = pytest.mark.integration
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from mesh.keys import link_key, site_key, tenant_key
-from mesh.store import Store
+from mesh.etcd.keys import link_key, site_key, tenant_key
+from mesh.etcd.store import Store
 from topology.loader import parse_topology
 from topology.schema import Topology
 from topology.store_io import META_KEY, apply, desired_state, load_topology

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from mesh import cli as mesh_cli
-from mesh.keys import link_key
-from mesh.store import Store
+from mesh.etcd.keys import link_key
+from mesh.etcd.store import Store
+from tiermesh.cli import main as mesh_cli
 from topology.loader import load_topology_file
 from topology.store_io import desired_state, load_topology
 
@@ -25,7 +25,7 @@ BAD = ROOT / "tests" / "data" / "bad_topologies"
 @pytest.fixture(autouse=True)
 def _topology_cli_only(monkeypatch: pytest.MonkeyPatch) -> None:
     # Other command groups are built in parallel; an import error in one must not hide ours.
-    monkeypatch.setattr(mesh_cli, "_GROUPS", ("topology.cli",))
+    monkeypatch.setattr(mesh_cli, "_GROUPS", ("tiermesh.cli.topology",))
 
 
 async def _cli(store: Store, *argv: str) -> int:

@@ -14,7 +14,6 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from mesh import protocol as p
 from mesh.errors import (
     DeadlineExceeded,
     MeshError,
@@ -24,8 +23,11 @@ from mesh.errors import (
     ProtocolError,
     UnknownTask,
 )
-from mesh.transport import Handler, SyncZmqClient, ZmqClient, ZmqServer
 from mesh.types import SLO, InferRequest, InferResponse
+from mesh.zmq import protocol as p
+from mesh.zmq.client import ZmqClient
+from mesh.zmq.server import Handler, ZmqServer
+from mesh.zmq.sync import SyncZmqClient
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 

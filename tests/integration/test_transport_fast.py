@@ -14,10 +14,11 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from mesh.transport import ZmqClient, ZmqServer
 from mesh.types import SLO, InferRequest, InferResponse
-from mesh.zmqbase import SharedContext
-from mesh.zmqio import Pump, io_socket
+from mesh.zmq.base import SharedContext
+from mesh.zmq.client import ZmqClient
+from mesh.zmq.pump import Pump, io_socket
+from mesh.zmq.server import ZmqServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 

@@ -14,9 +14,9 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from mesh.cli import EXIT_OK, main
-from mesh.store import Store
+from mesh.etcd.store import Store
 from tests.helpers_models import digits_split, trained_mlp_onnx
+from tiermesh.cli.main import EXIT_OK, main
 from variant_store.blobs import BlobStore
 from variant_store.hardware import local_hardware_class
 
@@ -30,7 +30,7 @@ CALIB = 100
 @pytest.fixture
 def common(etcd_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     """--etcd/--prefix/--home for one test: a fresh key prefix on the session etcd, removed after."""
-    monkeypatch.setattr("mesh.cli.configure", lambda *a, **k: None)  # keep pytest's log capture
+    monkeypatch.setattr("tiermesh.cli.main.configure", lambda *a, **k: None)  # keep pytest's log capture
     prefix = f"/t-cli-{uuid.uuid4().hex[:10]}/"
     yield ["--etcd", etcd_server.url, "--prefix", prefix, "--home", str(tmp_path / "home")]
 

@@ -22,9 +22,9 @@ import pytest_asyncio
 
 from mesh.client import AsyncClient
 from mesh.errors import MeshError
-from mesh.harness import LocalMesh, MeshOptions
-from mesh.keys import live_key
-from mesh.workload import DEFAULT_CLASSES
+from mesh.etcd.keys import live_key
+from tiermesh.harness import LocalMesh, MeshOptions
+from tiermesh.workload import DEFAULT_CLASSES
 from variant_store.catalog import Catalog
 from variant_store.families.datasets import load_validation_npz
 from variant_store.meta import VariantMeta

@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
-from mesh.harness import LocalMesh, MeshOptions
-from mesh.keys import live_key, placement_key
-from mesh.store import Store, Watch, WatchEvent
-from mesh.workload import SloClass, run_workload, summarise
+from mesh.etcd.keys import live_key, placement_key
+from mesh.etcd.store import Store, Watch, WatchEvent
 from tests.helpers.waiting import eventually
+from tiermesh.harness import LocalMesh, MeshOptions
+from tiermesh.workload import SloClass, run_workload, summarise
 from variant_store.families.datasets import load_validation_npz
 
 pytestmark = [pytest.mark.system, pytest.mark.slow]

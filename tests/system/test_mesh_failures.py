@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from mesh.keys import live_key
-from mesh.workload import DEFAULT_CLASSES, run_workload, summarise
+from mesh.etcd.keys import live_key
 from tests.system.conftest import Holdout, mesh_running, wait_warm
+from tiermesh.workload import DEFAULT_CLASSES, run_workload, summarise
 
 pytestmark = [pytest.mark.system, pytest.mark.slow]
 

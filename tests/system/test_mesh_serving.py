@@ -24,12 +24,12 @@ import aiohttp
 import numpy as np
 import pytest
 
-from mesh import v2_codec as codec
 from mesh.client import AsyncClient
 from mesh.errors import ImpossibleSLO, UnknownTenant
-from mesh.harness import LocalMesh
-from mesh.workload import DEFAULT_CLASSES, QueryRecord, SloClass, run_workload, summarise
+from mesh.v2 import codec as codec
 from tests.system.conftest import REPO_ROOT, SMALL_TOPOLOGY, TASK, Holdout, catalog_variants
+from tiermesh.harness import LocalMesh
+from tiermesh.workload import DEFAULT_CLASSES, QueryRecord, SloClass, run_workload, summarise
 from variant_store.meta import VariantMeta
 
 pytestmark = [pytest.mark.system, pytest.mark.asyncio(loop_scope="module")]
@@ -57,7 +57,7 @@ async def test_tiermesh_up_demo_writes_a_report() -> None:
     with tempfile.TemporaryDirectory(prefix="tiermesh-up-", ignore_cleanup_errors=True) as tmp:
         report = Path(tmp) / "report.json"
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "mesh.cli", "up", "--topology", str(SMALL_TOPOLOGY), "--home",
+            sys.executable, "-m", "tiermesh", "up", "--topology", str(SMALL_TOPOLOGY), "--home",
             str(Path(tmp) / "home"), "--duration", "15", "--qps", "30", "--report", str(report),
             cwd=REPO_ROOT, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT, env={**os.environ, "COLUMNS": "160"})
@@ -293,7 +293,7 @@ async def test_blob_fetches_travel_each_sites_path_to_the_variant_store(small_me
     """The variant store lives at the core: every other site fetched the blobs it loaded through
     its own delay proxy, so a cold start there paid at least one round trip of that path."""
     from edge_agent.agent import BLOB_PEER
-    from mesh.keys import live_key
+    from mesh.etcd.keys import live_key
 
     store = small_mesh.store
     assert store is not None

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from mesh import cli as mesh_cli
 from mesh.errors import TopologyError
+from tiermesh.cli import main as mesh_cli
 from topology.loader import load_topology_file
 
 pytestmark = pytest.mark.unit
@@ -88,7 +88,7 @@ def test_bad_file_is_rejected_precisely(stem: str) -> None:
 @pytest.fixture
 def topology_cli_only(monkeypatch: pytest.MonkeyPatch) -> None:
     # Other command groups are built in parallel; an import error in one of them must not hide ours.
-    monkeypatch.setattr(mesh_cli, "_GROUPS", ("topology.cli",))
+    monkeypatch.setattr(mesh_cli, "_GROUPS", ("tiermesh.cli.topology",))
 
 
 @pytest.mark.parametrize("stem", sorted(CASES))
@@ -111,7 +111,7 @@ def test_cli_validate_good_file(topology_cli_only: None, capsys: pytest.CaptureF
     assert "core-eu" in out and "gpu-a100" in out
 
 
-_RUN_CLI = ("import sys; from mesh import cli; cli._GROUPS = ('topology.cli',); "
+_RUN_CLI = ("import sys; from tiermesh.cli import main as cli; cli._GROUPS = ('tiermesh.cli.topology',); "
             "sys.exit(cli.main(sys.argv[1:]))")
 
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from mesh import errors
-from mesh import v2_codec as codec
 from mesh.client import AsyncClient, Client, InferResult
 from mesh.sdk_transport import MockTransport, Response
 from mesh.types import TaskSignature, TensorSpec, Timing
+from mesh.v2 import codec as codec
 
 pytestmark = pytest.mark.unit
 

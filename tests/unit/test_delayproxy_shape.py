@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from mesh.delayproxy import DelayProxy, LinkShape
 from mesh.errors import ConfigError
+from tiermesh.delayproxy import DelayProxy, LinkShape
 
 pytestmark = pytest.mark.unit
 

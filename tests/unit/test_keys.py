@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from mesh import keys
+from mesh.etcd import keys
 
 pytestmark = pytest.mark.unit
 

@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from mesh import protocol as p
 from mesh.errors import BadTensor, MeshError, PayloadTooLarge, ProtocolError, UnknownTask
 from mesh.types import SLO, InferRequest, InferResponse, Timing
+from mesh.zmq import protocol as p
 
 pytestmark = pytest.mark.unit
 

@@ -10,11 +10,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from mesh import v2_codec as codec
-from mesh import v2_tensors
 from mesh.client import AsyncClient, InferResult
 from mesh.sdk_transport import MockTransport, Response
 from mesh.types import TaskSignature, TensorSpec
+from mesh.v2 import codec as codec
+from mesh.v2 import tensors as v2_tensors
 
 pytestmark = pytest.mark.unit
 

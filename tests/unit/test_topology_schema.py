@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mesh.errors import TopologyError
-from topology.cli import format_diff
+from tiermesh.cli.topology import format_diff
 from topology.loader import load_topology_file, parse_topology
 from topology.schema import Gpu, Hardware, Link, Site, Tenant, Topology
 from topology.store_io import desired_state, diff

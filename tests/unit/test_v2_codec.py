@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from mesh import v2_codec as codec
 from mesh.errors import BadTensor, PayloadTooLarge, RequestError
 from mesh.types import SLO, InferResponse, TaskSignature, TensorSpec, Timing
+from mesh.v2 import codec as codec
 
 pytestmark = pytest.mark.unit
 

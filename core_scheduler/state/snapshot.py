@@ -1,0 +1,90 @@
+"""Turn an agent's cached view into the policies' immutable ``MeshSnapshot``.
+
+A site's hardware class is the one its heartbeat reports (what it really runs on: a core site
+without a GPU says ``cpu-...``), falling back to the class the topology declares. Profiles are
+keyed by real hardware classes, so a site is never credited with hardware it does not have.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from core_scheduler.policy.snapshot import (
+    MeshSnapshot,
+    SiteInfo,
+    SiteLoad,
+    VariantInfo,
+    path_jitter_ms,
+    path_tables,
+    tail_margin_ms,
+)
+from core_scheduler.state.view import MeshView
+
+__all__ = ["build_snapshot", "site_load_from_record"]
+
+
+def site_load_from_record(site: str, rec: dict[str, Any]) -> SiteLoad:
+    loaded = rec.get("loaded") or {}
+    budget = int(rec.get("model_memory_budget_bytes") or 0)
+    used = int(rec.get("memory_used_bytes") or 0)
+    return SiteLoad(site=site, loaded=frozenset(loaded),
+                    queue_ms={v: float(d.get("queue_ms", 0.0)) for v, d in loaded.items()},
+                    inflight=int(rec.get("inflight", 0)), capacity=max(1, int(rec.get("capacity", 1))),
+                    memory_free_bytes=max(0, budget - used), degraded=False)
+
+
+def build_snapshot(view: MeshView, *, here: str | None = None,
+                   local_loads: dict[str, Any] | None = None,
+                   rtt_correction: dict[str, float] | None = None) -> MeshSnapshot | None:
+    """``None`` until a topology and at least one task are known.
+
+    ``rtt_correction``: extra round-trip ms ``here`` has observed to each site beyond what the
+    topology's link latencies predict (serialisation, proxies, event-loop delays); added to the
+    RTT table's row and column of ``here`` so routing plans with what paths really cost.
+    """
+    topo = view.topology
+    if topo is None or not view.variants:
+        return None
+    sites = []
+    for name, s in topo.sites.items():
+        rec = view.live.get(name) or {}
+        hw = rec.get("hardware_class") or s.hardware.hardware_class
+        sites.append(SiteInfo(name=name, tier=s.tier, region=s.region, hardware_class=hw,
+                              cpu_cores=s.hardware.cpu_cores, memory_mb=s.hardware.memory_mb,
+                              gpus=len(s.hardware.gpus) if rec.get("gpu", False) else 0,
+                              price_per_hour=s.hardware.price_per_hour, alive=True))
+    variants = [VariantInfo.from_meta(m) for vs in view.variants.values() for m in vs.values()]
+    loads = []
+    for name, rec in view.live.items():
+        if name not in topo.sites:
+            continue
+        # our own load is fresher in memory than in our last heartbeat
+        if here == name and local_loads:
+            rec = local_loads
+        loads.append(site_load_from_record(name, rec))
+    links = [(lk.a, lk.b, lk.latency_ms, lk.bandwidth_mbps) for lk in topo.links]
+    placement = {site: [v["variant_id"] for v in (p.get("variants") or [])]
+                 for site, p in view.placement.items()}
+    # sites with no heartbeat are dead: from_parts would invent an idle heartbeat for them
+    alive = {ld.site for ld in loads}
+    sites = [SiteInfo(**{**_fields(s), "alive": s.name in alive}) for s in sites]
+    index = {name: i for i, name in enumerate(sorted(topo.sites))}
+    rtt, bw = path_tables(index, links)
+    margin = tail_margin_ms(rtt, path_jitter_ms(index, [(lk.a, lk.b, lk.latency_ms, lk.bandwidth_mbps, lk.jitter_ms)
+                                                        for lk in topo.links]))
+    if here is not None and rtt_correction and here in index:
+        h = index[here]
+        for site, extra in rtt_correction.items():
+            if site in index and site != here:
+                rtt[h, index[site]] += extra
+                rtt[index[site], h] += extra
+    svc = view.services.get("variant-store")
+    store_site = svc.get("site") if isinstance(svc, dict) else None
+    return MeshSnapshot.from_parts(sites, variants, loads, links, rtt_ms=rtt, bandwidth_mbps=bw,
+                                   placement=placement, margin_ms=margin,
+                                   store_site=store_site if isinstance(store_site, str) else None,
+                                   version=view.revision)
+
+
+def _fields(s: SiteInfo) -> dict[str, Any]:
+    return {f: getattr(s, f) for f in SiteInfo.__dataclass_fields__}

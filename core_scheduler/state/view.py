@@ -1,0 +1,193 @@
+"""An agent's cached view of global state, kept current by one etcd watch.
+
+Per-query routing must not touch etcd: the agent reads everything once, then follows a watch from
+the revision it read (resuming after etcd restarts is the Store's job). Each change marks the view
+dirty; ``on_change`` listeners rebuild derived state (the routing table) at most every
+``debounce_s``. When etcd is unreachable the last view stays in force (degraded mode).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable
+from typing import Any
+
+from mesh.errors import StoreError
+from mesh.etcd.store import Store
+from mesh.log import get_logger, kv
+from mesh.tasks import cancel_and_wait
+from mesh.types import TaskSignature
+from topology.schema import Link, Site, Tenant, Topology
+from variant_store.catalog import signature_from_json
+from variant_store.meta import VariantMeta
+
+__all__ = ["MeshView"]
+
+log = get_logger(__name__)
+
+
+class MeshView:
+    def __init__(self, store: Store, site: str, *, debounce_s: float = 0.05) -> None:
+        self.store = store
+        self.site = site
+        self.debounce_s = debounce_s
+        self.revision = 0
+        self.sites: dict[str, dict[str, Any]] = {}
+        self.links: dict[tuple[str, str], dict[str, Any]] = {}
+        self.tenants: dict[str, dict[str, Any]] = {}
+        self.variants: dict[str, dict[str, VariantMeta]] = {}
+        self.signatures: dict[str, TaskSignature] = {}
+        self.live: dict[str, dict[str, Any]] = {}
+        self.placement: dict[str, dict[str, Any]] = {}
+        self.services: dict[str, Any] = {}
+        self._topology: Topology | None = None
+        self._listeners: list[Callable[[], None]] = []
+        self._dirty = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self.connected = False
+        self.resyncs = 0  # full re-reads after the watch could not resume
+        self.loaded = asyncio.Event()
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self._load_all()
+        self._tasks = [asyncio.create_task(self._follow(), name=f"view-watch:{self.site}"),
+                       asyncio.create_task(self._notify_loop(), name=f"view-notify:{self.site}")]
+
+    async def stop(self) -> None:
+        await cancel_and_wait(*self._tasks)
+        self._tasks = []
+
+    def on_change(self, fn: Callable[[], None]) -> None:
+        self._listeners.append(fn)
+
+    # -- derived ---------------------------------------------------------------------------
+    @property
+    def topology(self) -> Topology | None:
+        if self._topology is None and self.sites:
+            self._topology = Topology(
+                sites={n: Site.from_dict(d) for n, d in self.sites.items()},
+                links=tuple(Link.from_dict(d) for d in self.links.values()),
+                tenants={n: Tenant.from_dict(d) for n, d in self.tenants.items()})
+        return self._topology
+
+    def variant(self, task: str, variant_id: str) -> VariantMeta | None:
+        return self.variants.get(task, {}).get(variant_id)
+
+    def alive_sites(self) -> set[str]:
+        return set(self.live)
+
+    # -- state updates ---------------------------------------------------------------------
+    def _reset(self) -> None:
+        self.sites, self.links, self.tenants = {}, {}, {}
+        self.variants, self.signatures = {}, {}
+        self.live, self.placement, self.services = {}, {}, {}
+        self._topology = None
+
+    async def _load_all(self) -> None:
+        """Read everything at one revision and replace the view with it. A reload after a gap
+        (compaction) must also forget keys deleted meanwhile, so the state is rebuilt, not merged."""
+        # revision first: the watch then replays anything that changed during the read, in order
+        rev = await self.store.revision()
+        items = await self.store.get_prefix("")
+        self._reset()  # no await between reset and apply: listeners never see a half view
+        for item in items:
+            self._apply(item.key, item.value)
+        self.revision = rev
+        self.connected = True
+        self.loaded.set()
+        self._dirty.set()
+
+    async def _follow(self) -> None:
+        backoff = 0.25
+        while True:
+            try:
+                watch = self.store.watch_prefix("", start_revision=self.revision + 1)
+                try:
+                    async for ev in watch:
+                        self.connected = True
+                        backoff = 0.25
+                        self._apply(ev.key, ev.value if ev.kind == "put" else None)
+                        self.revision = max(self.revision, ev.revision)
+                        self._dirty.set()
+                finally:
+                    await watch.close()
+            except asyncio.CancelledError:
+                raise
+            except StoreError as exc:
+                # The Store's watch resumes by itself across etcd restarts; it only gives up when
+                # etcd compacted past our revision. Then the view is read again from scratch.
+                self.connected = False
+                self.resyncs += 1
+                log.warning("watch cannot resume, re-reading the view: %s", exc, extra=kv(site=self.site))
+                await self._resync(backoff)
+                backoff = min(backoff * 2, 5.0)
+            except Exception:
+                self.connected = False
+                log.exception("view follow error", extra=kv(site=self.site))
+                await asyncio.sleep(backoff * random.uniform(0.5, 1.5))
+                backoff = min(backoff * 2, 5.0)
+
+    async def _resync(self, backoff: float) -> None:
+        """Reload until it works (the last view stays in force meanwhile)."""
+        while True:
+            await asyncio.sleep(backoff * random.uniform(0.5, 1.5))
+            try:
+                await self._load_all()
+                return
+            except StoreError as exc:
+                log.warning("view reload failed: %s", exc, extra=kv(site=self.site))
+                backoff = min(backoff * 2, 5.0)
+
+    async def _notify_loop(self) -> None:
+        while True:
+            await self._dirty.wait()
+            await asyncio.sleep(self.debounce_s)
+            self._dirty.clear()
+            for fn in self._listeners:
+                try:
+                    fn()
+                except Exception:
+                    log.exception("view listener failed", extra=kv(site=self.site))
+
+    def _apply(self, key: str, value: Any | None) -> None:
+        parts = key.split("/")
+        try:
+            if parts[0] == "topology" and len(parts) >= 3:
+                self._topology = None
+                if parts[1] == "sites":
+                    _set(self.sites, parts[2], value)
+                elif parts[1] == "links" and len(parts) == 4:
+                    _set(self.links, (parts[2], parts[3]), value)
+            elif parts[0] == "tenants" and len(parts) == 2:
+                self._topology = None
+                _set(self.tenants, parts[1], value)
+            elif parts[0] == "catalog" and len(parts) == 3:
+                task, name = parts[1], parts[2]
+                if name == "_task":
+                    if value is None:
+                        self.signatures.pop(task, None)
+                    else:
+                        self.signatures[task] = signature_from_json(value)
+                else:
+                    bucket = self.variants.setdefault(task, {})
+                    if value is None:
+                        bucket.pop(name, None)
+                    else:
+                        bucket[name] = VariantMeta.from_json(value)
+            elif parts[0] == "live" and len(parts) == 2:
+                _set(self.live, parts[1], value)
+            elif parts[0] == "placement" and len(parts) == 2:
+                _set(self.placement, parts[1], value)
+            elif parts[0] == "services" and len(parts) >= 2:
+                _set(self.services, "/".join(parts[1:]), value)
+        except (KeyError, TypeError, ValueError) as exc:
+            log.warning("ignoring malformed value at %s: %s", key, exc, extra=kv(site=self.site))
+
+
+def _set(d: dict[Any, Any], k: Any, v: Any | None) -> None:
+    if v is None:
+        d.pop(k, None)
+    else:
+        d[k] = v

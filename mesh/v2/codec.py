@@ -1,0 +1,195 @@
+"""Open Inference Protocol (KServe V2) codec: JSON tensors and the binary tensor extension.
+
+Pure functions, no I/O. The HTTP front (``edge_agent.http_api``) decodes requests and encodes
+responses with them; the SDK (``mesh.client``) does the reverse with the same code, so both ends
+agree byte for byte. The layout matches what ``tritonclient.http`` sends and parses: a JSON
+header, then the raw little-endian bytes of every tensor whose ``parameters.binary_data_size``
+is set, in the order the tensors appear; ``Inference-Header-Content-Length`` gives the JSON
+header's length whenever binary data follows it.
+
+tiermesh fields ride in ``parameters``: the SLO on the request, the serving site, variant,
+accuracy, decision reason and timing on the response. That mapping, the datatype table, model
+metadata and input validation live in :mod:`mesh.v2.params`, the tensor encoding and body layout in
+:mod:`mesh.v2.tensors`; the names callers need are re-exported here, so they import only this module.
+
+Hot paths avoid what costs microseconds each on every request: ``dtype.name`` (a Python
+property), the stdlib's JSON (orjson reads and writes headers as bytes), ``bytes`` detours for
+tensor data (one copy into the body; out of it, one copy for the SDK's caller and none for the
+server, which reads its inputs in place).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from mesh.errors import RequestError
+from mesh.v2.params import (
+    DEFAULT_LATENCY_MS,
+    datatype_of,
+    dtype_of,
+    metadata_to_signature,
+    parse_slo,
+    response_parameters,
+    result_fields,
+    result_values,
+    signature_to_metadata,
+    validate_inputs,
+)
+from mesh.v2.tensors import (
+    HEADER_LENGTH,
+    Spec,
+    arrays_at,
+    assemble,
+    binary_specs,
+    fast_binary_tensors,
+    read_tensors,
+    split_body,
+    tensor_data,
+    tensors_json,
+)
+
+__all__ = [
+    "DEFAULT_LATENCY_MS",
+    "HEADER_LENGTH",
+    "TENANT_HEADER",
+    "DecodedRequest",
+    "DecodedResponse",
+    "datatype_of",
+    "decode_infer_request",
+    "decode_infer_response",
+    "dtype_of",
+    "encode_infer_request",
+    "encode_infer_response",
+    "metadata_to_signature",
+    "parse_slo",
+    "response_parameters",
+    "result_fields",
+    "result_values",
+    "signature_to_metadata",
+    "tensor_data",
+    "validate_inputs",
+]
+
+# Names the caller's tenant until mutual TLS does (see ``edge_agent.http_api.identify``).
+TENANT_HEADER = "X-Tiermesh-Tenant"
+
+
+# ---------------------------------------------------------------------------- requests
+
+
+@dataclass(slots=True)
+class DecodedRequest:
+    request_id: str | None
+    inputs: dict[str, np.ndarray]
+    parameters: dict[str, Any]
+    # output name -> send as binary; None means "all outputs" with ``binary_default``
+    outputs: dict[str, bool] | None = None
+    binary_default: bool = False
+    # the inputs' layout when the fast path decoded them: one object per header, so a server
+    # may remember that it checked it
+    specs: tuple[tuple[str, np.dtype[Any], tuple[int, ...], int], ...] | None = None
+
+
+# A client sends the same header query after query (same tensors, same SLO, no id): its parsed
+# form is kept, keyed by the header's bytes, so a repeat skips JSON and the checks. Only headers
+# that passed every check are kept, copied out of the body; parameters go out as a fresh dict.
+_PLAN_HEADER_MAX = 4096
+_PLANS_MAX = 256
+_PLANS: dict[bytes, tuple[dict[str, Any], tuple[Spec, ...], bool, int]] = {}
+
+
+def decode_infer_request(body: bytes, header_length: int | None = None, *,
+                         max_bytes: int = 16 << 20, copy: bool = True) -> DecodedRequest:
+    """Parse a V2 infer request body (JSON, or JSON header + binary tensors). With ``copy=False``
+    binary tensors in native byte order are read-only views of ``body`` (no copy; they keep it
+    alive): what a server wants, since it only reads its inputs."""
+    # the length of a header that may be kept, else 0
+    keep = (header_length if type(body) is bytes and header_length is not None
+            and 0 < header_length <= _PLAN_HEADER_MAX else 0)
+    if keep:
+        plan = _PLANS.get(body[:keep])
+        if plan is not None and len(body) == plan[3] and len(body) <= max_bytes:
+            return DecodedRequest(None, arrays_at(plan[1], body, keep, copy), dict(plan[0]), None, plan[2], plan[1])
+    head, tail = split_body(body, header_length, max_bytes)
+    rid, params = head.get("id"), head.get("parameters")
+    if (rid is None or type(rid) is str) and type(params) is dict and head.get("outputs") is None:
+        specs = binary_specs(head.get("inputs"), len(tail), max_bytes)
+        if specs is not None:
+            binary_default = params.get("binary_data_output") is True
+            if keep and rid is None:
+                if len(_PLANS) >= _PLANS_MAX:
+                    _PLANS.clear()
+                _PLANS[body[:keep]] = (dict(params), specs, binary_default, len(body))
+            return DecodedRequest(rid, arrays_at(specs, tail, 0, copy), params, None, binary_default, specs)
+    if rid is not None and not isinstance(rid, str):
+        raise RequestError(f"'id' must be a string, got {type(rid).__name__}")
+    params = params or {}
+    if not isinstance(params, dict):
+        raise RequestError("'parameters' must be an object")
+    if "inputs" not in head:
+        raise RequestError("request has no 'inputs'")
+    inputs = read_tensors(head["inputs"], tail, "input", max_bytes, copy)
+    outputs: dict[str, bool] | None = None
+    binary_default = params.get("binary_data_output") is True
+    if head.get("outputs") is not None:
+        if not isinstance(head["outputs"], list):
+            raise RequestError("'outputs' must be a list")
+        outputs = {}
+        for o in head["outputs"]:
+            if not isinstance(o, dict) or not isinstance(o.get("name"), str):
+                raise RequestError("each requested output needs a string 'name'")
+            oparams = o.get("parameters") or {}
+            flag = oparams.get("binary_data") if isinstance(oparams, dict) else None
+            outputs[o["name"]] = binary_default if flag is None else flag is True
+    return DecodedRequest(rid, inputs, params, outputs, binary_default)
+
+
+def encode_infer_request(inputs: Mapping[str, np.ndarray], parameters: Mapping[str, Any], *,
+                         request_id: str | None = None, binary: bool = True) -> tuple[bytes, int | None]:
+    """Body and header length of a V2 infer request asking for every output (binary if ``binary``)."""
+    params = dict(parameters)
+    if binary:
+        params["binary_data_output"] = True
+    tensors, blobs = tensors_json(inputs, binary)
+    head: dict[str, Any] = ({"id": request_id, "parameters": params, "inputs": tensors} if request_id
+                            else {"parameters": params, "inputs": tensors})
+    return assemble(head, blobs)
+
+
+# ---------------------------------------------------------------------------- responses
+
+
+def encode_infer_response(model_name: str, request_id: str, outputs: Mapping[str, np.ndarray],
+                          parameters: Mapping[str, Any],
+                          binary: bool | Mapping[str, bool]) -> tuple[bytes, int | None]:
+    """Body and header length of a V2 infer response; ``binary`` picks the encoding for every
+    output, or per output name (absent names go as JSON)."""
+    tensors, blobs = tensors_json(outputs, binary)
+    head = {"model_name": model_name, "model_version": "", "id": request_id,
+            "parameters": parameters if type(parameters) is dict else dict(parameters), "outputs": tensors}
+    return assemble(head, blobs)
+
+
+@dataclass(slots=True)
+class DecodedResponse:
+    request_id: str
+    outputs: dict[str, np.ndarray]
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+def decode_infer_response(body: bytes, header_length: int | None = None, *,
+                          max_bytes: int = 1 << 31, copy: bool = True) -> DecodedResponse:
+    """Parse a V2 infer response; ``copy`` as for ``decode_infer_request`` (the SDK keeps the
+    default, so callers own writable outputs)."""
+    head, tail = split_body(body, header_length, max_bytes)
+    outputs = fast_binary_tensors(head.get("outputs"), tail, max_bytes, copy)
+    if outputs is None:
+        outputs = read_tensors(head.get("outputs", []), tail, "output", max_bytes, copy)
+    params = head.get("parameters") or {}
+    rid = head.get("id", "")
+    return DecodedResponse(rid if type(rid) is str else str(rid), outputs,
+                           params if isinstance(params, dict) else {})

@@ -1,0 +1,262 @@
+"""The mapping between Open Inference Protocol (KServe V2) vocabulary and tiermesh's: datatypes,
+the SLO in request ``parameters``, the mesh metadata in response ``parameters``, model metadata
+for a task's signature, and checking inputs against that signature.
+
+Pure functions, no I/O; the request and response bodies themselves are (de)serialised by
+:mod:`mesh.v2.codec`, which re-exports every name here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, cast
+
+import numpy as np
+
+from mesh.errors import BadTensor, RequestError
+from mesh.types import SLO, InferResponse, Prefer, TaskSignature, TensorSpec, Timing
+
+__all__ = [
+    "DEFAULT_LATENCY_MS",
+    "DTYPE_TO_V2",
+    "NATIVE",
+    "V2_TO_NP",
+    "datatype_of",
+    "dtype_of",
+    "metadata_to_signature",
+    "parse_slo",
+    "response_parameters",
+    "result_fields",
+    "result_values",
+    "signature_to_metadata",
+    "validate_inputs",
+]
+
+DEFAULT_LATENCY_MS = 1000.0
+_PREFERS: tuple[str, ...] = ("latency", "accuracy", "refuse")
+
+# V2 datatype -> numpy dtype (explicitly little-endian: the binary extension is LE on the wire).
+# BYTES and BF16 are not served by any tiermesh task, so they are rejected rather than half-supported.
+V2_TO_NP: dict[str, np.dtype[Any]] = {
+    "BOOL": np.dtype("?"),
+    "UINT8": np.dtype("<u1"),
+    "UINT16": np.dtype("<u2"),
+    "UINT32": np.dtype("<u4"),
+    "UINT64": np.dtype("<u8"),
+    "INT8": np.dtype("<i1"),
+    "INT16": np.dtype("<i2"),
+    "INT32": np.dtype("<i4"),
+    "INT64": np.dtype("<i8"),
+    "FP16": np.dtype("<f2"),
+    "FP32": np.dtype("<f4"),
+    "FP64": np.dtype("<f8"),
+}
+_NAME_TO_V2: dict[str, str] = {dt.name: v2 for v2, dt in V2_TO_NP.items()}
+# keyed by dtype: a dict lookup instead of the ``dtype.name`` property; big-endian dtypes miss
+DTYPE_TO_V2: dict[np.dtype[Any], str] = {dt: v2 for v2, dt in V2_TO_NP.items()}
+# the same types in this machine's byte order: what decoded tensors are converted to
+NATIVE: dict[str, np.dtype[Any]] = {v2: dt.newbyteorder("=") for v2, dt in V2_TO_NP.items()}
+
+
+def dtype_of(datatype: object) -> np.dtype[Any]:
+    """numpy dtype of a V2 datatype string; ``BadTensor`` for anything else."""
+    if not isinstance(datatype, str) or datatype not in V2_TO_NP:
+        raise BadTensor(f"unsupported datatype {datatype!r}; expected one of {sorted(V2_TO_NP)}")
+    return V2_TO_NP[datatype]
+
+
+def datatype_of(dtype: np.dtype[Any] | str) -> str:
+    """V2 datatype string of a numpy dtype (or dtype name such as ``"float32"``)."""
+    if isinstance(dtype, np.dtype) and (v2 := DTYPE_TO_V2.get(dtype)) is not None:
+        return v2
+    name = np.dtype(dtype).name
+    if name not in _NAME_TO_V2:
+        raise BadTensor(f"dtype {name} has no V2 datatype tiermesh serves")
+    return _NAME_TO_V2[name]
+
+
+# ---------------------------------------------------------------------------- requests
+
+
+_SLOS: dict[tuple[Any, ...], SLO] = {}
+
+
+def parse_slo(params: Mapping[str, Any]) -> SLO:
+    """The SLO carried in request ``parameters``; ``RequestError`` for values out of range."""
+    latency, acc, cost, prefer = key = (params.get("latency_ms", DEFAULT_LATENCY_MS),
+                                        params.get("min_accuracy", 0.0), params.get("max_cost"),
+                                        params.get("prefer", "latency"))
+    # the common request: plain floats (never 1 or True, which compare equal to 1.0) and a string
+    if type(latency) is float and type(acc) is float and (cost is None or type(cost) is float) \
+            and type(prefer) is str:
+        # callers repeat their SLO query after query: one seen before comes from the cache
+        slo = _SLOS.get(key)
+        if slo is not None:
+            return slo
+        if (0.0 < latency < math.inf and 0.0 <= acc <= 1.0 and (cost is None or 0.0 <= cost < math.inf)
+                and prefer in _PREFERS):
+            if len(_SLOS) >= 1024:
+                _SLOS.clear()
+            slo = _SLOS[key] = SLO(latency, acc, cost, cast(Prefer, prefer))
+            return slo
+    return _parse_slo(params)
+
+
+def _parse_slo(params: Mapping[str, Any]) -> SLO:
+    def num(key: str, default: float | None) -> float | None:
+        v = params.get(key, default)
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+            raise RequestError(f"parameter {key} must be a finite number, got {v!r}")
+        return float(v)
+
+    latency = num("latency_ms", DEFAULT_LATENCY_MS)
+    assert latency is not None
+    if latency <= 0:
+        raise RequestError(f"parameter latency_ms must be positive, got {latency}")
+    acc = num("min_accuracy", 0.0)
+    assert acc is not None
+    if not 0.0 <= acc <= 1.0:
+        raise RequestError(f"parameter min_accuracy must be in [0, 1], got {acc}")
+    cost = num("max_cost", None)
+    if cost is not None and cost < 0:
+        raise RequestError(f"parameter max_cost must be non-negative, got {cost}")
+    prefer = params.get("prefer", "latency")
+    if prefer not in _PREFERS:
+        raise RequestError(f"parameter prefer must be one of {list(_PREFERS)}, got {prefer!r}")
+    return SLO(latency_ms=latency, min_accuracy=acc, max_cost=cost, prefer=cast(Prefer, prefer))
+
+
+_Compiled = tuple[TaskSignature, dict[str, tuple[np.dtype[Any], tuple[int, ...]]]]
+_SIGNATURES: dict[int, _Compiled] = {}
+
+
+def _compiled(sig: TaskSignature) -> dict[str, tuple[np.dtype[Any], tuple[int, ...]]]:
+    # keyed by identity (hashing a signature walks all its specs); the entry keeps sig alive, so
+    # its id cannot be reused while the entry stands
+    entry = _SIGNATURES.get(id(sig))
+    if entry is not None and entry[0] is sig:
+        return entry[1]
+    if len(_SIGNATURES) >= 256:
+        _SIGNATURES.clear()
+    specs = {s.name: (np.dtype(s.dtype), s.shape) for s in sig.inputs}
+    _SIGNATURES[id(sig)] = (sig, specs)
+    return specs
+
+
+def validate_inputs(inputs: Mapping[str, np.ndarray], sig: TaskSignature) -> None:
+    """Check names, dtypes and ranks (with fixed dims) against the task's signature."""
+    specs = _compiled(sig)
+    if len(inputs) == len(specs):
+        for name, arr in inputs.items():
+            spec = specs.get(name)
+            if spec is None or arr.dtype != spec[0] or len(arr.shape) != len(spec[1]):
+                break
+            for w, g in zip(spec[1], arr.shape, strict=True):
+                if w != -1 and w != g:
+                    break
+            else:
+                continue
+            break
+        else:
+            return
+    _validate_inputs(inputs, sig)
+
+
+def _validate_inputs(inputs: Mapping[str, np.ndarray], sig: TaskSignature) -> None:
+    want = {s.name: s for s in sig.inputs}
+    missing = sorted(set(want) - set(inputs))
+    if missing:
+        raise BadTensor(f"task {sig.task} needs input(s) {missing}; got {sorted(inputs)}")
+    extra = sorted(set(inputs) - set(want))
+    if extra:
+        raise BadTensor(f"task {sig.task} has no input(s) {extra}")
+    for name, arr in inputs.items():
+        spec = want[name]
+        if arr.dtype != np.dtype(spec.dtype):
+            raise BadTensor(f"input {name!r} is {datatype_of(arr.dtype)} but task {sig.task} takes "
+                            f"{datatype_of(spec.dtype)}")
+        if len(arr.shape) != len(spec.shape) or any(
+            w != -1 and w != g for w, g in zip(spec.shape, arr.shape, strict=True)
+        ):
+            raise BadTensor(f"input {name!r} has shape {list(arr.shape)} but task {sig.task} takes "
+                            f"{list(spec.shape)}")
+
+
+# ---------------------------------------------------------------------------- responses
+
+
+def response_parameters(resp: InferResponse) -> dict[str, Any]:
+    """Mesh metadata for a response's ``parameters`` (V2 allows only scalar values: hops is joined)."""
+    t = resp.timing
+    return {
+        "site": resp.site, "variant": resp.variant, "accuracy": resp.accuracy, "reason": resp.reason,
+        "best_effort": resp.best_effort, "tenant": resp.tenant,
+        "timing_ms_network": t.network_ms, "timing_ms_queue": t.queue_ms,
+        "timing_ms_compute": t.compute_ms, "timing_ms_total": t.total_ms,
+        "hops": ",".join(resp.hops),
+    }
+
+
+def _num(v: object) -> float:
+    # a tuple, not int | float: isinstance with a union type is several times slower
+    if type(v) is float:
+        return v
+    return float(v) if isinstance(v, (int, float)) else 0.0
+
+
+def _text(v: object) -> str:
+    return v if type(v) is str else str(v)
+
+
+_RESULT_FIELDS = ("site", "variant", "accuracy", "reason", "best_effort", "tenant", "timing", "hops")
+ResultValues = tuple[str, str, float, str, bool, str, Timing, list[str]]
+
+
+def result_values(params: Mapping[str, Any]) -> ResultValues:
+    """``result_fields`` as a tuple in that order (site, variant, accuracy, reason, best_effort,
+    tenant, timing, hops): what the SDK builds its result from, with no dict in between."""
+    get = params.get
+    hops = get("hops")
+    return (_text(get("site", "")), _text(get("variant", "")), _num(get("accuracy", 0.0)),
+            _text(get("reason", "")), get("best_effort") is True, _text(get("tenant", "")),
+            Timing(_num(get("timing_ms_network", 0.0)), _num(get("timing_ms_queue", 0.0)),
+                   _num(get("timing_ms_compute", 0.0)), _num(get("timing_ms_total", 0.0))),
+            [h for h in _text(hops).split(",") if h] if hops else [])
+
+
+def result_fields(params: Mapping[str, Any]) -> dict[str, Any]:
+    """Inverse of ``response_parameters``: keyword arguments describing where and how it was served."""
+    return dict(zip(_RESULT_FIELDS, result_values(params), strict=True))
+
+
+# ---------------------------------------------------------------------------- metadata
+
+
+def _spec_json(s: TensorSpec) -> dict[str, Any]:
+    return {"name": s.name, "datatype": datatype_of(s.dtype), "shape": list(s.shape)}
+
+
+def signature_to_metadata(sig: TaskSignature) -> dict[str, Any]:
+    """V2 model metadata for a task: the task stands in for the model; variants stay hidden."""
+    return {"name": sig.task, "versions": [], "platform": "tiermesh",
+            "inputs": [_spec_json(s) for s in sig.inputs],
+            "outputs": [_spec_json(s) for s in sig.outputs],
+            "parameters": {"metric": sig.metric}}
+
+
+def metadata_to_signature(meta: Mapping[str, Any]) -> TaskSignature:
+    def specs(key: str) -> tuple[TensorSpec, ...]:
+        out = []
+        for t in meta.get(key) or []:
+            out.append(TensorSpec(str(t["name"]), dtype_of(t["datatype"]).newbyteorder("=").name,
+                                  tuple(int(d) for d in t["shape"])))
+        return tuple(out)
+
+    try:
+        metric = (meta.get("parameters") or {}).get("metric", "top1")
+        return TaskSignature(str(meta["name"]), specs("inputs"), specs("outputs"), str(metric))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RequestError(f"malformed model metadata: {exc}") from exc

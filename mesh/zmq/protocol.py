@@ -1,0 +1,334 @@
+"""The site-to-site wire codec: multipart ZeroMQ messages, frame 0 a msgpack header, then one raw
+frame per tensor.
+
+Request header (``kind == "req"``)::
+
+    {v: 1, kind, id, tenant, task, slo: {latency_ms, min_accuracy, max_cost, prefer},
+     deadline (absolute unix seconds), hops: [site, ...], target_site, target_variant,
+     tensors: [{name, dtype, shape}, ...]}
+
+Reply header: ``{v, kind: "rep", id, site, variant, accuracy, reason, best_effort, tenant,
+timing: {network_ms, queue_ms, compute_ms, total_ms}, hops, tensors}`` or
+``{v, kind: "err", id, code, error}`` where ``code`` is a ``mesh.errors`` code.
+
+Tensor bytes are little-endian, C-order, never copied on encode (frames are views of the arrays)
+and never copied on decode (``np.frombuffer`` over the received frame). A tensor that is a whole
+received frame (a hop forwarding or echoing what it got) is sent as that frame again, which libzmq
+shares by reference count instead of copying or lending. Decoded arrays are
+therefore **read-only** views that keep the frame alive; ``np.array(x)`` them before writing.
+Only an unaligned frame (possible for tiny messages stored inline by libzmq) is copied.
+
+Both directions have a fast path for the messages this codec itself writes (exact msgpack types,
+native little-endian contiguous arrays): anything it does not recognise falls through to the
+field-by-field validator in :mod:`mesh.zmq.protocol_check` (which also holds the version, the limits
+and the allowed dtypes, re-exported here), so hostile input still gets the precise error below.
+
+Hostile input raises ``ProtocolError`` with a message saying what was wrong, or
+``PayloadTooLarge`` when declared or actual sizes exceed ``max_bytes``; both are in
+``DECODE_ERRORS``. Nothing else escapes a decoder.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, Final, TypeGuard, cast
+
+import msgpack
+import numpy as np
+import zmq
+
+from mesh.errors import BadTensor, MeshError, ProtocolError
+from mesh.types import SLO, InferRequest, InferResponse, Prefer, Timing
+from mesh.zmq.protocol_check import (
+    ALLOWED_DTYPES,
+    DECODE_ERRORS,
+    DEFAULT_MAX_BYTES,
+    MAX_HEADER_BYTES,
+    MAX_ID_LEN,
+    MAX_NDIM,
+    MAX_TENSORS,
+    PREFER,
+    VERSION,
+    WIRE_DTYPES,
+    check_reply,
+    check_request,
+    read_id,
+    unpack_header,
+)
+
+__all__ = [
+    "ALLOWED_DTYPES",
+    "DECODE_ERRORS",
+    "DEFAULT_MAX_BYTES",
+    "MAX_HEADER_BYTES",
+    "MAX_ID_LEN",
+    "VERSION",
+    "FrameLike",
+    "decode_reply",
+    "decode_request",
+    "decode_response",
+    "encode_error",
+    "encode_request",
+    "encode_response",
+    "new_request_id",
+    "peek_request_id",
+]
+
+# ``dtype.name`` is a Python-level property (microseconds); a dict keyed by dtype is not. Only
+# dtypes that are already little-endian are keys, so a big-endian one takes the slow path.
+_FAST_DTYPE_NAMES: Final = {dt: n for n, dt in WIRE_DTYPES.items()}
+
+# SLO is frozen, so equal ones can be shared: building a frozen dataclass costs more than a lookup
+_SLOS: dict[tuple[float, float, float | None, str], SLO] = {}
+
+FrameLike = bytes | bytearray | memoryview | zmq.Frame
+Frames = list[bytes | memoryview | zmq.Frame]
+
+
+# ---------------------------------------------------------------- encode
+
+# uuid4 costs microseconds per call; a random per-process prefix plus a counter is as unique for
+# matching replies and tracing, and costs a fraction of that
+_ID_PREFIX: Final = os.urandom(8).hex()
+_ID_COUNTER = itertools.count(1)
+
+
+def new_request_id() -> str:
+    """A fresh request id, unique across processes (random 64-bit prefix + counter)."""
+    return f"{_ID_PREFIX}{next(_ID_COUNTER):x}"
+
+
+
+def _pack(header: dict[str, Any]) -> bytes:
+    try:
+        return cast(bytes, msgpack.packb(header, use_bin_type=True))
+    except (TypeError, ValueError, OverflowError) as exc:  # surrogates, huge ints, odd types
+        raise ProtocolError(f"cannot encode header: {exc}") from exc
+
+
+def _tensor_frames(tensors: Mapping[str, np.ndarray]) -> tuple[list[dict[str, Any]], list[memoryview | zmq.Frame]]:
+    descs: list[dict[str, Any]] = []
+    frames: list[memoryview | zmq.Frame] = []
+    for name, arr in tensors.items():
+        if type(arr) is np.ndarray and type(name) is str and name and arr.size:
+            dtype_name = _FAST_DTYPE_NAMES.get(arr.dtype)
+            if dtype_name is not None:
+                view = memoryview(arr)  # type: ignore[arg-type]  # ndarray exports buffers
+                if view.c_contiguous:
+                    descs.append({"name": name, "dtype": dtype_name, "shape": list(arr.shape)})
+                    # a contiguous view as long as the frame under it is all of that frame
+                    base = arr.base.base if type(arr.base) is np.ndarray else arr.base
+                    frames.append(base if type(base) is zmq.Frame and len(base) == view.nbytes else view.cast("B"))
+                    continue
+        desc, frame = _slow_tensor_frame(name, arr)
+        descs.append(desc)
+        frames.append(frame)
+    return descs, frames
+
+
+def _slow_tensor_frame(name: object, arr: object) -> tuple[dict[str, Any], memoryview]:
+    if not isinstance(name, str) or not name:
+        raise BadTensor(f"tensor name {name!r} must be a non-empty string")
+    a = np.asarray(arr)
+    if a.dtype.name not in ALLOWED_DTYPES:
+        raise BadTensor(f"tensor {name!r}: dtype {a.dtype} is not allowed on the wire")
+    if a.dtype.byteorder == ">":
+        a = a.astype(a.dtype.newbyteorder("<"))
+    if not a.flags.c_contiguous:  # ascontiguousarray would turn 0-d into 1-d
+        a = a.copy(order="C")
+    # reshape(-1) of a contiguous array is a view; uint8 view gives a plain byte buffer
+    return {"name": name, "dtype": a.dtype.name, "shape": list(a.shape)}, a.reshape(-1).view(np.uint8).data
+
+
+def encode_request(req: InferRequest) -> Frames:
+    """Frames for ``req``: the header, then one zero-copy view per input tensor."""
+    if not req.request_id or len(req.request_id) > MAX_ID_LEN:
+        raise ProtocolError(f"request id must be 1 to {MAX_ID_LEN} characters")
+    descs, frames = _tensor_frames(req.inputs)
+    header = {
+        "v": VERSION,
+        "kind": "req",
+        "id": req.request_id,
+        "tenant": req.tenant,
+        "task": req.task,
+        "slo": {
+            "latency_ms": float(req.slo.latency_ms),
+            "min_accuracy": float(req.slo.min_accuracy),
+            "max_cost": None if req.slo.max_cost is None else float(req.slo.max_cost),
+            "prefer": req.slo.prefer,
+        },
+        "deadline": float(req.deadline),
+        "hops": list(req.hops),
+        "target_site": req.target_site,
+        "target_variant": req.target_variant,
+        "tensors": descs,
+    }
+    return [_pack(header), *frames]
+
+
+def encode_response(resp: InferResponse) -> Frames:
+    """Frames for a successful reply: the header, then one zero-copy view per output tensor."""
+    descs, frames = _tensor_frames(resp.outputs)
+    t = resp.timing
+    header = {
+        "v": VERSION,
+        "kind": "rep",
+        "id": resp.request_id,
+        "site": resp.site,
+        "variant": resp.variant,
+        "accuracy": float(resp.accuracy),
+        "reason": resp.reason,
+        "best_effort": bool(resp.best_effort),
+        "tenant": resp.tenant,
+        "timing": {
+            "network_ms": float(t.network_ms),
+            "queue_ms": float(t.queue_ms),
+            "compute_ms": float(t.compute_ms),
+            "total_ms": float(t.total_ms),
+        },
+        "hops": list(resp.hops),
+        "tensors": descs,
+    }
+    return [_pack(header), *frames]
+
+
+def encode_error(request_id: str, err: MeshError) -> list[bytes]:
+    """One-frame error reply; the receiver rebuilds ``err``'s class from its code."""
+    return [_pack({"v": VERSION, "kind": "err", "id": request_id, "code": err.code, "error": err.message})]
+
+
+# ---------------------------------------------------------------- decode fast path
+
+
+def _finite(x: object) -> TypeGuard[float]:
+    # exact float only (msgpack gives float for what encode wrote); inf - inf and nan - nan are nan
+    return type(x) is float and x - x == 0.0
+
+
+def _str_items(xs: object) -> TypeGuard[list[str]]:
+    return type(xs) is list and all(type(x) is str for x in xs)
+
+
+def _fast_tensors(descs: object, frames: Sequence[object], max_bytes: int) -> dict[str, np.ndarray] | None:
+    """The tensors of a well-formed message, or None to let ``mesh.zmq.protocol_check`` say what is wrong."""
+    if type(descs) is not list or len(descs) != len(frames) or len(descs) > MAX_TENSORS:
+        return None
+    out: dict[str, np.ndarray] = {}
+    total = 0
+    for d, frame in zip(descs, frames, strict=True):
+        if type(d) is not dict:
+            return None
+        name, dtype_name, shape = d.get("name"), d.get("dtype"), d.get("shape")
+        if (type(name) is not str or not name or name in out or type(dtype_name) is not str
+                or type(shape) is not list or len(shape) > MAX_NDIM):
+            return None
+        dtype = WIRE_DTYPES.get(dtype_name)
+        if dtype is None:
+            return None
+        count = 1
+        for dim in shape:
+            if type(dim) is not int or dim < 0:
+                return None
+            count *= dim
+        nbytes = count * dtype.itemsize
+        total += nbytes
+        if total > max_bytes or (type(frame) is not zmq.Frame and type(frame) is not bytes):
+            return None
+        if len(frame) != nbytes:  # type: ignore[arg-type]
+            return None
+        arr = np.frombuffer(frame, dtype=dtype).reshape(shape)  # type: ignore[arg-type]
+        flags = arr.flags
+        if not flags.aligned:
+            arr = arr.copy()
+            flags = arr.flags
+        flags.writeable = False  # a view of the receive buffer: writing would alias it
+        out[name] = arr
+    return out
+
+
+def _fast_request(h: dict[str, Any], frames: Sequence[object], max_bytes: int) -> InferRequest | None:
+    slo, task, tenant, deadline = h.get("slo"), h.get("task"), h.get("tenant"), h.get("deadline")
+    hops, site, variant = h.get("hops"), h.get("target_site"), h.get("target_variant")
+    if (h.get("kind") != "req" or type(slo) is not dict or type(task) is not str or not task
+            or type(tenant) is not str or not tenant or not _finite(deadline) or not _str_items(hops)
+            or (site is not None and type(site) is not str) or (variant is not None and type(variant) is not str)):
+        return None
+    latency, accuracy, cost, prefer = slo.get("latency_ms"), slo.get("min_accuracy"), slo.get("max_cost"), \
+        slo.get("prefer")
+    if (not _finite(latency) or not _finite(accuracy) or (cost is not None and not _finite(cost))
+            or type(prefer) is not str or prefer not in PREFER):
+        return None
+    tensors = _fast_tensors(h.get("tensors"), frames[1:], max_bytes)
+    if tensors is None:
+        return None
+    key = (latency, accuracy, cost, prefer)
+    slo_obj = _SLOS.get(key)
+    if slo_obj is None:
+        if len(_SLOS) >= 1024:  # callers reuse a handful of SLOs; a flood of distinct ones just resets
+            _SLOS.clear()
+        slo_obj = _SLOS[key] = SLO(latency, accuracy, cost, cast(Prefer, prefer))
+    return InferRequest(task, tensors, slo_obj, tenant, h["id"], deadline, hops, site, variant)
+
+
+def _fast_response(h: dict[str, Any], rid: str, frames: Sequence[object], max_bytes: int) -> InferResponse | None:
+    site, variant, reason, tenant = h.get("site"), h.get("variant"), h.get("reason"), h.get("tenant")
+    accuracy, best_effort, timing, hops = h.get("accuracy"), h.get("best_effort"), h.get("timing"), h.get("hops")
+    if (h.get("kind") != "rep" or type(site) is not str or type(variant) is not str or type(reason) is not str
+            or type(tenant) is not str or not tenant or not _finite(accuracy) or type(best_effort) is not bool
+            or type(timing) is not dict or not _str_items(hops)):
+        return None
+    network, queue, compute, total = timing.get("network_ms"), timing.get("queue_ms"), timing.get("compute_ms"), \
+        timing.get("total_ms")
+    if not (_finite(network) and _finite(queue) and _finite(compute) and _finite(total)):
+        return None
+    tensors = _fast_tensors(h.get("tensors"), frames[1:], max_bytes)
+    if tensors is None:
+        return None
+    return InferResponse(rid, tensors, site, variant, accuracy, reason, best_effort, tenant,
+                         Timing(network, queue, compute, total), hops)
+
+
+# ---------------------------------------------------------------- decode
+
+
+def decode_request(frames: Sequence[FrameLike], *, max_bytes: int = DEFAULT_MAX_BYTES) -> InferRequest:
+    """Rebuild a request from its frames (identity already stripped). See the module docstring."""
+    if not frames:
+        raise ProtocolError("empty message")
+    h = unpack_header(frames[0])
+    fast = _fast_request(h, frames, max_bytes)
+    if fast is not None:
+        return fast
+    return check_request(h, frames, max_bytes)
+
+
+def decode_reply(frames: Sequence[FrameLike], *,
+                 max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[str, InferResponse | MeshError]:
+    """(request id, response or the error the peer sent). Raises only when no id can be read;
+    a reply with a readable id but a broken body comes back as ``(id, ProtocolError)``."""
+    if not frames:
+        raise ProtocolError("empty message")
+    h = unpack_header(frames[0])
+    rid: str = h["id"]  # checked by unpack_header
+    fast = _fast_response(h, rid, frames, max_bytes)
+    if fast is not None:
+        return rid, fast
+    return rid, check_reply(h, rid, frames, max_bytes)
+
+
+def decode_response(frames: Sequence[FrameLike], *, max_bytes: int = DEFAULT_MAX_BYTES) -> InferResponse:
+    """The reply as an ``InferResponse``; an ``err`` reply raises the matching ``MeshError``."""
+    _, out = decode_reply(frames, max_bytes=max_bytes)
+    if isinstance(out, MeshError):
+        raise out
+    return out
+
+
+def peek_request_id(frames: Sequence[FrameLike]) -> str | None:
+    """The id of a message if its header can be read at all (for error replies to bad input)."""
+    try:
+        return read_id(unpack_header(frames[0])) if frames else None
+    except ProtocolError:
+        return None

@@ -1,0 +1,237 @@
+"""The site-to-site wire schema (version, limits, allowed dtypes) and its validating decoder.
+
+:mod:`mesh.zmq.protocol` decodes the messages it writes itself on a fast path; anything that path
+does not recognise comes here, where every header field is checked on its own so hostile input
+gets a ``ProtocolError`` (or ``PayloadTooLarge``) saying precisely what was wrong. The header
+itself is always unpacked here (:func:`unpack_header`): size, msgpack, version and id are
+checked for every message. The message layout is described in :mod:`mesh.zmq.protocol`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, Final, cast
+
+import msgpack
+import numpy as np
+import zmq
+
+from mesh.errors import MeshError, PayloadTooLarge, ProtocolError, error_from_code
+from mesh.types import SLO, InferRequest, InferResponse, Prefer, Timing
+
+__all__ = [
+    "ALLOWED_DTYPES",
+    "DECODE_ERRORS",
+    "DEFAULT_MAX_BYTES",
+    "MAX_HEADER_BYTES",
+    "MAX_ID_LEN",
+    "MAX_NDIM",
+    "MAX_TENSORS",
+    "PREFER",
+    "VERSION",
+    "WIRE_DTYPES",
+    "check_reply",
+    "check_request",
+    "read_id",
+    "unpack_header",
+]
+
+VERSION: Final = 1
+DEFAULT_MAX_BYTES: Final = 64 * 1024 * 1024
+MAX_HEADER_BYTES: Final = 256 * 1024
+MAX_TENSORS: Final = 256
+MAX_NDIM: Final = 32
+MAX_ID_LEN: Final = 256
+ALLOWED_DTYPES: Final = frozenset(
+    {"float32", "float16", "float64", "int8", "uint8", "int32", "int64", "bool"}
+)
+WIRE_DTYPES: Final = {n: np.dtype(n).newbyteorder("<") for n in ALLOWED_DTYPES}
+PREFER: Final = frozenset({"latency", "accuracy", "refuse"})
+DECODE_ERRORS: Final = (ProtocolError, PayloadTooLarge)
+
+
+def _buffer(frame: object) -> memoryview:
+    if isinstance(frame, zmq.Frame):
+        return frame.buffer
+    if isinstance(frame, bytes | bytearray | memoryview):
+        view = memoryview(frame)
+        if view.format == "B" and view.ndim == 1:
+            return view
+        if not view.c_contiguous:
+            raise ProtocolError("frame buffer is not contiguous")
+        if view.nbytes == 0:
+            return memoryview(b"")
+        try:
+            return view.cast("B")
+        except TypeError as exc:
+            raise ProtocolError(f"frame buffer cannot be read as bytes: {exc}") from exc
+    raise ProtocolError(f"frame of type {type(frame).__name__} is not a byte buffer")
+
+
+def unpack_header(frame: object) -> dict[str, Any]:
+    """The header map of any message, its version and id checked; ``ProtocolError`` otherwise."""
+    # the two frame types a socket hands us are read by msgpack as they are: no memoryview first
+    buf: object = frame if type(frame) is zmq.Frame or type(frame) is bytes else _buffer(frame)
+    size = len(buf) if type(buf) is not memoryview else buf.nbytes  # type: ignore[arg-type]
+    if size > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {size} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        header = msgpack.unpackb(buf, raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:  # msgpack raises a zoo of types on garbage: all mean "not a header"
+        raise ProtocolError(f"header is not valid msgpack: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(header, dict):
+        raise ProtocolError(f"header is a {type(header).__name__}, not a map")
+    v = header.get("v")
+    if type(v) is not int:
+        raise ProtocolError("header field 'v' missing or not an integer")
+    if v != VERSION:
+        raise ProtocolError(f"unsupported protocol version {v} (this end speaks {VERSION})")
+    read_id(header)
+    return header
+
+
+def _field(h: Mapping[str, Any], key: str, kind: type | tuple[type, ...], *, optional: bool = False) -> Any:
+    val = h.get(key)
+    if val is None:
+        if optional:
+            return None
+        raise ProtocolError(f"header field {key!r} missing")
+    # bool is an int subclass: a flag must never pass as a number, nor a number as a flag
+    if not isinstance(val, kind) or (val.__class__ is bool and kind is not bool):
+        raise ProtocolError(f"header field {key!r} has type {type(val).__name__}")
+    return val
+
+
+def _num(h: Mapping[str, Any], key: str) -> float:
+    out = float(_field(h, key, (int, float)))
+    if not math.isfinite(out):
+        raise ProtocolError(f"header field {key!r} is not finite")
+    return out
+
+
+def _opt_num(h: Mapping[str, Any], key: str) -> float | None:
+    return None if h.get(key) is None else _num(h, key)
+
+
+def _str(h: Mapping[str, Any], key: str, *, nonempty: bool = False) -> str:
+    val: str = _field(h, key, str)
+    if nonempty and not val:
+        raise ProtocolError(f"header field {key!r} is empty")
+    return val
+
+
+def read_id(h: Mapping[str, Any]) -> str:
+    """The message id of a header: a non-empty string of at most ``MAX_ID_LEN`` characters."""
+    rid = _str(h, "id", nonempty=True)
+    if len(rid) > MAX_ID_LEN:
+        raise ProtocolError(f"request id longer than {MAX_ID_LEN}")
+    return rid
+
+
+def _str_list(h: Mapping[str, Any], key: str) -> list[str]:
+    val: list[str] = _field(h, key, list)
+    if not all(isinstance(x, str) for x in val):
+        raise ProtocolError(f"header field {key!r} must be a list of strings")
+    return val
+
+
+def _tensors(h: Mapping[str, Any], frames: Sequence[object], max_bytes: int) -> dict[str, np.ndarray]:
+    descs: list[Any] = _field(h, "tensors", list)
+    if len(descs) > MAX_TENSORS:
+        raise ProtocolError(f"{len(descs)} tensors declared, at most {MAX_TENSORS}")
+    if len(descs) != len(frames):
+        raise ProtocolError(f"{len(descs)} tensors declared but {len(frames)} tensor frames sent")
+    total = 0
+    parsed: list[tuple[str, np.dtype[Any], tuple[int, ...]]] = []
+    for i, d in enumerate(descs):
+        if not isinstance(d, dict):
+            raise ProtocolError(f"tensor descriptor {i} is not a map")
+        name = _str(d, "name", nonempty=True)
+        dtype_name = _str(d, "dtype")
+        dtype = WIRE_DTYPES.get(dtype_name)
+        if dtype is None:
+            raise ProtocolError(f"tensor {name!r}: dtype {dtype_name!r} not allowed")
+        shape: list[Any] = _field(d, "shape", list)
+        if len(shape) > MAX_NDIM:
+            raise ProtocolError(f"tensor {name!r}: {len(shape)} dimensions, at most {MAX_NDIM}")
+        if not all(type(s) is int and s >= 0 for s in shape):
+            raise ProtocolError(f"tensor {name!r}: shape must be non-negative integers, got {shape!r}")
+        total += math.prod(shape) * dtype.itemsize  # Python ints: a hostile shape cannot overflow
+        if total > max_bytes:
+            raise PayloadTooLarge(f"tensors declare {total} bytes, limit is {max_bytes}")
+        parsed.append((name, dtype, tuple(shape)))
+    if len({p[0] for p in parsed}) != len(parsed):
+        raise ProtocolError("duplicate tensor names")
+    out: dict[str, np.ndarray] = {}
+    for (name, dtype, dims), frame in zip(parsed, frames, strict=True):
+        buf = _buffer(frame)
+        expected = math.prod(dims) * dtype.itemsize
+        if buf.nbytes != expected:
+            raise ProtocolError(f"tensor {name!r}: {buf.nbytes} bytes for shape {list(dims)} "
+                                f"{dtype.name} (expected {expected})")
+        arr = np.frombuffer(buf, dtype=dtype).reshape(dims)
+        if not arr.flags.aligned:
+            arr = arr.copy()
+        arr.flags.writeable = False  # a view of the receive buffer: writing would alias it
+        out[name] = arr
+    return out
+
+
+def _kind(h: Mapping[str, Any], *expected: str) -> str:
+    kind = _str(h, "kind")
+    if kind not in expected:
+        raise ProtocolError(f"message kind {kind!r}, expected {' or '.join(expected)}")
+    return kind
+
+
+def check_request(h: Mapping[str, Any], frames: Sequence[object], max_bytes: int) -> InferRequest:
+    """The request in header ``h`` (from :func:`unpack_header`) and its frames, every field checked."""
+    _kind(h, "req")
+    slo: dict[str, Any] = _field(h, "slo", dict)
+    prefer = _str(slo, "prefer")
+    if prefer not in PREFER:
+        raise ProtocolError(f"slo.prefer {prefer!r} not one of {sorted(PREFER)}")
+    return InferRequest(
+        task=_str(h, "task", nonempty=True),
+        inputs=_tensors(h, frames[1:], max_bytes),
+        slo=SLO(
+            latency_ms=_num(slo, "latency_ms"),
+            min_accuracy=_num(slo, "min_accuracy"),
+            max_cost=_opt_num(slo, "max_cost"),
+            prefer=cast(Prefer, prefer),
+        ),
+        tenant=_str(h, "tenant", nonempty=True),
+        request_id=h["id"],  # checked by unpack_header
+        deadline=_num(h, "deadline"),
+        hops=_str_list(h, "hops"),
+        target_site=_field(h, "target_site", str, optional=True),
+        target_variant=_field(h, "target_variant", str, optional=True),
+    )
+
+
+def check_reply(h: Mapping[str, Any], rid: str, frames: Sequence[object],
+                max_bytes: int) -> InferResponse | MeshError:
+    """The reply or peer error in header ``h`` and its frames; what is wrong with a broken one
+    comes back as the error rather than raised (its id is known, so a caller can be told)."""
+    try:
+        if _kind(h, "rep", "err") == "err":
+            if len(frames) != 1:
+                raise ProtocolError("error reply carries tensor frames")
+            return error_from_code(_str(h, "code"), _str(h, "error"))
+        timing: dict[str, Any] = _field(h, "timing", dict)
+        return InferResponse(
+            request_id=rid,
+            outputs=_tensors(h, frames[1:], max_bytes),
+            site=_str(h, "site"),
+            variant=_str(h, "variant"),
+            accuracy=_num(h, "accuracy"),
+            reason=_str(h, "reason"),
+            best_effort=_field(h, "best_effort", bool),
+            tenant=_str(h, "tenant", nonempty=True),
+            timing=Timing(**{k: _num(timing, k)
+                             for k in ("network_ms", "queue_ms", "compute_ms", "total_ms")}),
+            hops=_str_list(h, "hops"),
+        )
+    except DECODE_ERRORS as exc:
+        return exc

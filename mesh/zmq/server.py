@@ -1,0 +1,188 @@
+"""The server end of :mod:`mesh.zmq`: a ZeroMQ ROUTER bound in front of a handler.
+
+Requests already past their deadline are answered without calling the handler; a request still in
+flight when its deadline passes is cancelled and answered with ``DeadlineExceeded`` (unless
+``enforce_deadline=False``); every handler failure becomes an error reply; past ``max_inflight``
+requests the server answers ``Overloaded``. A caller always gets a ``MeshError`` subclass, never
+silence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, Self, cast
+
+import zmq
+import zmq.asyncio
+
+from mesh.errors import DeadlineExceeded, MeshError, Overloaded
+from mesh.log import get_logger, kv
+from mesh.types import InferRequest, InferResponse
+from mesh.zmq import protocol as wire
+from mesh.zmq.base import LifecycleState, SocketSecurity, close_context, open_context
+from mesh.zmq.pump import Pump, io_socket
+
+__all__ = ["Handler", "ZmqServer"]
+
+log = get_logger("mesh.zmq")
+
+Handler = Callable[[InferRequest], Awaitable[InferResponse]]
+
+
+class ZmqServer:
+    """ROUTER bound on ``bind`` (port 0 picks a free one; ``endpoint`` says which)."""
+
+    def __init__(self, handler: Handler, *, bind: str = "tcp://127.0.0.1:0",
+                 ctx: zmq.asyncio.Context | None = None, security: SocketSecurity | None = None,
+                 max_inflight: int = 1024, max_bytes: int = wire.DEFAULT_MAX_BYTES,
+                 enforce_deadline: bool = True) -> None:
+        self._handler = handler
+        self._bind = bind
+        # None until start(): then the shared context, or one of its own when ``security`` is set
+        self._given_ctx = ctx
+        self._ctx: zmq.asyncio.Context | None = ctx
+        self._security = security
+        self._max_inflight = max_inflight
+        self._max_bytes = max_bytes
+        # False lets a handler answer after the deadline (tests of the client's late-reply path)
+        self._enforce_deadline = enforce_deadline
+        self._sock: zmq.Socket[Any] | None = None
+        self._pump: Pump | None = None
+        self._inflight: set[asyncio.Task[None]] = set()
+        self._state = LifecycleState.UNOPENED
+        self._endpoint = ""
+
+    @property
+    def endpoint(self) -> str:
+        if self._state is not LifecycleState.OPEN:
+            raise RuntimeError(f"server is {self._state.value}")
+        return self._endpoint
+
+    @property
+    def inflight(self) -> int:
+        return len(self._inflight)
+
+    async def start(self) -> None:
+        if self._state is not LifecycleState.UNOPENED:
+            raise RuntimeError(f"server is {self._state.value}")
+        if self._ctx is None:
+            self._ctx = open_context(self._security)
+        sock: zmq.Socket[Any] | None = None
+        try:
+            sock = self._ctx.socket(zmq.ROUTER)
+            sock.setsockopt(zmq.LINGER, 0)
+            # libzmq drops a peer that sends a frame over this, before we ever buffer it
+            sock.setsockopt(zmq.MAXMSGSIZE, self._max_bytes + wire.MAX_HEADER_BYTES)
+            if self._security is not None:
+                self._security.apply_server(sock)
+            sock.bind(self._bind)
+        except Exception:
+            if sock is not None:
+                sock.close(linger=0)
+            self._release_context()
+            raise
+        self._sock = sock
+        self._endpoint = cast(bytes, sock.getsockopt(zmq.LAST_ENDPOINT)).decode()
+        self._pump = Pump(io_socket(sock), self._dispatch, f"zmq server {self._endpoint}")
+        self._state = LifecycleState.OPEN
+        log.info("zmq server listening on %s", self._endpoint)
+
+    async def stop(self) -> None:
+        if self._state is LifecycleState.CLOSED:
+            return
+        self._state = LifecycleState.CLOSED
+        if self._pump is not None:
+            self._pump.close()
+        tasks = list(self._inflight)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._sock is not None:
+            self._sock.close(linger=0)
+        self._release_context()
+
+    def _release_context(self) -> None:
+        ctx, self._ctx = self._ctx, self._given_ctx
+        if ctx is not None and ctx is not self._given_ctx:
+            close_context(ctx, self._security)
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def _dispatch(self, msg: list[zmq.Frame]) -> None:
+        ident, frames = msg[0], msg[1:]
+        try:
+            req = wire.decode_request(frames, max_bytes=self._max_bytes)
+        except wire.DECODE_ERRORS as exc:
+            rid = wire.peek_request_id(frames)
+            log.warning("bad request frames: %s", exc.message, extra=kv(request_id=rid, reason=exc.code))
+            if rid is not None:
+                self._reply(ident, wire.encode_error(rid, exc))
+            return
+        if req.deadline <= time.time():
+            self._reply(ident, wire.encode_error(req.request_id, DeadlineExceeded(
+                f"request {req.request_id} arrived {-req.remaining_ms():.1f} ms after its deadline")))
+            return
+        if len(self._inflight) >= self._max_inflight:
+            self._reply(ident, wire.encode_error(req.request_id, Overloaded(
+                f"{len(self._inflight)} requests in flight at {self._endpoint}")))
+            return
+        task = asyncio.get_running_loop().create_task(self._handle(ident, req))
+        self._inflight.add(task)
+        task.add_done_callback(self._inflight.discard)
+
+    async def _handle(self, ident: zmq.Frame, req: InferRequest) -> None:
+        rid = req.request_id
+        frames: list[Any]
+        expired: list[bool] = []
+        timer: asyncio.TimerHandle | None = None
+        if self._enforce_deadline:
+            # a hop that cannot meet the deadline answers with an error rather than late; one timer
+            # that cancels this task is what asyncio.timeout does, at half its cost
+            loop, task = asyncio.get_running_loop(), asyncio.current_task()
+            assert task is not None
+            timer = loop.call_at(loop.time() + max(0.0, req.deadline - time.time()), _expire_task, task, expired)
+        try:
+            resp = await self._handler(req)
+            resp.request_id = rid  # replies are matched by id: never trust the handler to copy it
+            frames = wire.encode_response(resp)
+        except asyncio.CancelledError:
+            if not expired:
+                raise
+            cast(asyncio.Task[None], asyncio.current_task()).uncancel()
+            frames = wire.encode_error(rid, DeadlineExceeded(f"request {rid} not served before its deadline"))
+        except TimeoutError as exc:
+            err = MeshError(f"internal error: handler timed out: {exc}") if self._enforce_deadline else \
+                DeadlineExceeded(f"request {rid} not served before its deadline")
+            frames = wire.encode_error(rid, err)
+        except MeshError as exc:
+            frames = wire.encode_error(rid, exc)
+        except Exception as exc:
+            log.exception("handler failed", extra=kv(request_id=rid, task=req.task, tenant=req.tenant))
+            frames = wire.encode_error(rid, MeshError(f"internal error: {type(exc).__name__}: {exc}"))
+        finally:
+            if timer is not None:
+                timer.cancel()
+        self._reply(ident, frames)
+
+    def _reply(self, ident: zmq.Frame, frames: list[Any]) -> None:
+        pump = self._pump
+        if pump is None or not pump.open:
+            return
+        try:
+            # a ROUTER never blocks on send (it drops for an unknown or full peer)
+            pump.send([ident, *frames])
+        except zmq.ZMQError as exc:  # a vanished peer: expected, not a crash
+            log.debug("reply to a peer failed: %s", exc)
+
+
+def _expire_task(task: asyncio.Task[None], expired: list[bool]) -> None:
+    if not task.done():
+        expired.append(True)
+        task.cancel()

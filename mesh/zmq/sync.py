@@ -1,0 +1,58 @@
+"""A blocking site-to-site client, one request at a time: for benchmarks and tests of the wire
+without asyncio's cost. Serving code uses :class:`mesh.zmq.client.ZmqClient`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Self
+
+import zmq
+
+from mesh.errors import DeadlineExceeded, MeshError
+from mesh.types import InferRequest, InferResponse
+from mesh.zmq import protocol as wire
+
+if TYPE_CHECKING:
+    from mesh.zmq.base import SocketSecurity
+
+__all__ = ["SyncZmqClient"]
+
+
+class SyncZmqClient:
+    """Blocking client, one request at a time: for benchmarks of the wire without asyncio's cost."""
+
+    def __init__(self, endpoint: str, *, ctx: zmq.Context[Any] | None = None,
+                 security: SocketSecurity | None = None, server_key: bytes | None = None) -> None:
+        self._own_ctx = ctx is None
+        self._ctx: zmq.Context[Any] = zmq.Context() if ctx is None else ctx
+        self._sock: zmq.Socket[Any] = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        if security is not None:
+            security.apply_client(self._sock, server_key)
+        self._sock.connect(endpoint)
+        self.endpoint = endpoint
+
+    def request(self, req: InferRequest) -> InferResponse:
+        if not req.request_id:
+            req.request_id = wire.new_request_id()
+        self._sock.send_multipart(wire.encode_request(req), copy=False)
+        while (left_ms := req.remaining_ms()) > 0:
+            if not self._sock.poll(max(1, int(left_ms)), zmq.POLLIN):
+                continue
+            rid, out = wire.decode_reply(self._sock.recv_multipart(copy=False))
+            if rid != req.request_id:
+                continue  # a late reply to an earlier request
+            if isinstance(out, MeshError):
+                raise out
+            return out
+        raise DeadlineExceeded(f"no reply from {self.endpoint} before the deadline")
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+        if self._own_ctx:
+            self._ctx.term()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

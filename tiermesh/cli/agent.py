@@ -1,0 +1,68 @@
+"""``tiermesh agent --site NAME``: run one site agent in the foreground until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+from pathlib import Path
+
+from edge_agent.agent import Agent, AgentConfig, load_peer_map
+from mesh.errors import ConfigError
+from mesh.settings import MeshSettings
+
+__all__ = ["register", "run_agent"]
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from tiermesh.cli.main import add_common
+
+    p = sub.add_parser("agent", help="run a site agent (any tier)",
+                       description="Run the site agent for SITE: hosts variants, routes queries, serves the "
+                                   "edge HTTP API (Open Inference Protocol) and the site-to-site ZeroMQ port, "
+                                   "and heartbeats into etcd. Tier and hardware come from the topology in etcd.")
+    add_common(p)
+    p.add_argument("--site", required=True, help="site name from the topology")
+    p.add_argument("--http-port", type=int, default=0, help="edge HTTP port (0: pick a free one)")
+    p.add_argument("--zmq-port", type=int, default=0, help="site-to-site ZeroMQ port (0: pick a free one)")
+    p.add_argument("--peer-map", type=Path, default=None,
+                   help="JSON {site: tcp://host:port} overriding peers' endpoints (WAN emulation proxies)")
+    p.add_argument("--lease-ttl", type=float, default=3.0, help="liveness lease TTL in seconds")
+    p.add_argument("--routing-mode", default="tiermesh",
+                   help="tiermesh (default) or a baseline policy for benchmarks: edge-only, core-only, static, infaas")
+    p.add_argument("--ready-file", type=Path, default=None,
+                   help="write {http, zmq} here once serving (for harnesses)")
+    p.set_defaults(func=run_agent)
+
+
+async def run_agent(args: argparse.Namespace) -> int:
+    settings = MeshSettings()
+    etcd = args.etcd or settings.etcd
+    if not etcd:
+        from mesh.etcd.server import find_running
+
+        home = Path(args.home) if args.home else settings.home
+        etcd = find_running(home)
+        if etcd is None:
+            raise ConfigError("no etcd: pass --etcd URL or start one with `tiermesh etcd` / `tiermesh up`")
+    cfg = AgentConfig(site=args.site, etcd=etcd, prefix=args.prefix or settings.prefix,
+                      home=Path(args.home) if args.home else settings.home, http_port=args.http_port,
+                      zmq_bind=f"tcp://127.0.0.1:{args.zmq_port}", peer_map=load_peer_map(args.peer_map),
+                      lease_ttl_s=args.lease_ttl, routing_mode=args.routing_mode,
+                      idle_unload_s=settings.agent_idle_unload_s,
+                      demand_window_s=settings.agent_demand_window_s)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with Agent(cfg) as agent:
+        if args.ready_file is not None:
+            import json
+
+            assert agent.http is not None and agent.zmq_server is not None
+            tmp = args.ready_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"http": agent.http.url, "zmq": agent.zmq_server.endpoint}))
+            tmp.rename(args.ready_file)
+        print(f"agent {args.site} serving: http {agent.http.url if agent.http else '?'}", flush=True)
+        await stop.wait()
+    return 0

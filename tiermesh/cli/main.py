@@ -1,0 +1,99 @@
+"""``tiermesh`` command line. Each package contributes its subcommands through a
+``register(subparsers)`` function; this module only assembles them and maps errors to exit codes.
+
+Exit codes: 0 ok, 1 failed at run time, 2 bad input (usage, invalid file, bad request),
+3 etcd / a peer unreachable, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import inspect
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from mesh.errors import ConfigError, MeshError, RequestError, StoreUnavailable, TopologyError
+from mesh.log import configure
+
+__all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_OK", "EXIT_UNREACHABLE", "main"]
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_UNREACHABLE = 0, 1, 2, 3
+
+# (module, help) of each command group; imported lazily so `tiermesh --help` stays fast.
+_GROUPS: tuple[str, ...] = (
+    "tiermesh.cli.etcd",
+    "tiermesh.cli.topology",
+    "tiermesh.cli.variants",
+    "tiermesh.cli.agent",
+    "tiermesh.cli.scheduler",
+    "tiermesh.cli.up",
+)
+
+DESCRIPTION = """\
+tiermesh: a model-less inference serving mesh across edge, middle and core sites.
+
+Callers name a task and an SLO; the mesh picks a model variant and a site.
+Without --etcd, commands use the local state directory ($TIERMESH_HOME, default ./.tiermesh)
+and start an embedded etcd there when none is running.
+"""
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    """Options every command that talks to etcd accepts."""
+    p.add_argument("--etcd", metavar="URL", default=None,
+                   help="use an existing etcd cluster (e.g. http://127.0.0.1:2379) instead of the embedded one")
+    p.add_argument("--home", metavar="DIR", default=None,
+                   help="local state directory (default: $TIERMESH_HOME or ./.tiermesh)")
+    p.add_argument("--prefix", metavar="PREFIX", default=None, help="etcd key prefix (default /tiermesh/)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tiermesh", description=DESCRIPTION,
+                                     epilog="exit codes: 0 ok, 1 failed at run time, 2 bad input (usage, invalid "
+                                            "file or request), 3 etcd or a peer unreachable, 130 interrupted",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default INFO)")
+    parser.add_argument("--log-json", action="store_true", help="structured JSON logs on stderr")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for modname in _GROUPS:
+        importlib.import_module(modname).register(sub)
+    return parser
+
+
+def _run(func: Any, args: argparse.Namespace) -> int:
+    result = func(args)
+    if inspect.iscoroutine(result):
+        result = asyncio.run(result)
+    return int(result or 0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from mesh.settings import MeshSettings
+
+    settings = MeshSettings()
+    configure(args.log_level or settings.log_level, "json" if args.log_json else settings.log_format)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return EXIT_BAD_INPUT
+    try:
+        return _run(args.func, args)
+    except KeyboardInterrupt:
+        return 130
+    except (TopologyError, RequestError, ConfigError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except StoreUnavailable as exc:
+        print(f"error: etcd unreachable: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except MeshError as exc:
+        print(f"error [{exc.code}]: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""``tiermesh up``: a whole mesh on this machine, optionally driven by a labelled workload.
+
+Starts the embedded etcd, applies the topology, builds or loads the digits family into the variant
+store, starts a scheduler and one agent process per site with every site-to-site path delayed by
+userspace TCP proxies, prints the edge API addresses, and with ``--duration`` runs a mixed SLO
+workload through the SDK, then prints (and with ``--report`` writes) a table per SLO class.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from mesh.errors import ConfigError
+from mesh.etcd.server import clear_record, find_running, write_record
+from mesh.settings import MeshSettings
+from tiermesh.harness import LocalMesh, MeshOptions
+from tiermesh.workload import render_table, run_workload, summarise
+
+__all__ = ["register", "run_up"]
+
+DEFAULT_TOPOLOGY = Path("examples/topology.yaml")
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("up", help="start a whole local mesh (etcd, variant store, scheduler, agents)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--topology", type=Path, default=DEFAULT_TOPOLOGY, help="topology YAML (default %(default)s)")
+    p.add_argument("--home", type=Path, default=None, help="state directory (default $TIERMESH_HOME or .tiermesh)")
+    p.add_argument("--duration", type=float, default=None,
+                   help="run a workload for S seconds, print the report and stop (default: serve until Ctrl-C)")
+    p.add_argument("--qps", type=float, default=40.0, help="offered load of the workload (queries/s)")
+    p.add_argument("--report", type=Path, default=None, help="write the workload report as JSON here")
+    p.add_argument("--kill", metavar="SITE@SECONDS", default=None,
+                   help="SIGKILL a site's agent this many seconds into the workload (failure drill)")
+    p.add_argument("--no-wan", action="store_true", help="no delay proxies between sites")
+    p.set_defaults(func=run_up)
+
+
+def _parse_kill(spec: str | None) -> tuple[str, float] | None:
+    if not spec:
+        return None
+    site, _, at = spec.partition("@")
+    try:
+        return site, float(at)
+    except ValueError as exc:
+        raise ConfigError(f"--kill wants SITE@SECONDS, got {spec!r}") from exc
+
+
+async def run_up(args: argparse.Namespace) -> int:
+    console = Console(stderr=False)
+    settings = MeshSettings()
+    home = (args.home or settings.home).resolve()
+    if not args.topology.exists():
+        raise ConfigError(f"topology file {args.topology} not found (run from the repository root or pass --topology)")
+    if find_running(home):
+        raise ConfigError(f"an etcd already runs for {home}; stop it or pass --home DIR")
+    kill = _parse_kill(args.kill)
+    opts = MeshOptions(topology=args.topology, home=home, wan=not args.no_wan)
+    mesh = LocalMesh(opts)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    t_start = time.perf_counter()
+    with console.status("starting mesh: etcd, topology, variant store, scheduler, agents..."):
+        await mesh.start()
+    try:
+        write_record(home, os.getpid(), mesh.etcd_url)
+        with console.status("waiting for placement to warm the sites..."):
+            await mesh.wait_placed(timeout=60)
+        console.print(f"[bold green]mesh up[/] in {time.perf_counter() - t_start:.1f} s — etcd {mesh.etcd_url}")
+        for name, sp in sorted(mesh.sites.items()):
+            tier = mesh.topology.sites[name].tier
+            console.print(f"  {tier:6s} {name:14s} http {sp.http}")
+        if args.duration is None:
+            console.print("serving; Ctrl-C to stop")
+            await stop.wait()
+            return 0
+        return await _drive(mesh, args, console, kill, stop)
+    finally:
+        clear_record(home)
+        with console.status("stopping mesh..."):
+            await mesh.stop()
+
+
+async def _drive(mesh: LocalMesh, args: argparse.Namespace, console: Console,
+                 kill: tuple[str, float] | None, stop: asyncio.Event) -> int:
+    from variant_store.families.datasets import load_validation_npz
+
+    val = load_validation_npz()
+    x, y = val.x[val.calib_count:], val.y[val.calib_count:]
+    edges = mesh.edge_urls()
+    killer: asyncio.Task[None] | None = None
+    if kill is not None:
+        async def _kill_later() -> None:
+            await asyncio.sleep(kill[1])
+            console.print(f"[bold red]killing {kill[0]}[/] (SIGKILL) at t={kill[1]:.0f}s")
+            await mesh.kill_site(kill[0])
+        killer = asyncio.create_task(_kill_later())
+    console.print(f"workload: {args.qps:.0f} q/s for {args.duration:.0f} s across edges {sorted(edges)}")
+    work = asyncio.create_task(run_workload(edges, x, y, duration_s=args.duration, qps=args.qps))
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait({work, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    if killer is not None:
+        killer.cancel()
+    if not work.done():
+        work.cancel()
+        return 130
+    result = work.result()
+    tiers = {n: s.tier for n, s in mesh.topology.sites.items()}
+    summary = summarise(result.records, tiers)
+    console.print(render_table(summary))
+    report: dict[str, Any] = {"schema": 1, "duration_s": result.duration_s, "qps": args.qps,
+                              "queries": len(result.records), "kill": args.kill, "classes": summary}
+    if args.report is not None:
+        args.report.parent.mkdir(parents=True, exist_ok=True)
+        args.report.write_text(json.dumps(report, indent=2))
+        console.print(f"report written to {args.report}")
+    return 0

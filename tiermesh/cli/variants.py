@@ -1,0 +1,226 @@
+"""``tiermesh variants ...``: what a model owner uses to register a model and see its variants.
+
+    register     store an ONNX model plus a labelled validation set for a task
+    build        generate, measure and catalog the variants of registered models
+    build-digits register and build the committed digits family
+    profile      measure one variant on this machine's hardware class
+    list         the catalog as a table (or JSON)
+    show         one variant's full metadata
+    serve        the blob + catalog HTTP service
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from tiermesh.cli.main import EXIT_OK, add_common
+from variant_store.blobs import BlobStore
+from variant_store.catalog import Catalog
+from variant_store.meta import VariantMeta
+
+__all__ = ["blob_root", "register", "variant_row"]
+
+
+def blob_root(args: argparse.Namespace) -> Path:
+    """``<home>/blobs``: --home, else $TIERMESH_HOME, else ./.tiermesh."""
+    from mesh.settings import MeshSettings
+
+    home = Path(args.home) if getattr(args, "home", None) else MeshSettings().home
+    return home / "blobs"
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("variants", help="register models; build, profile and list their variants",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    vs = p.add_subparsers(dest="variants_command", metavar="SUBCOMMAND", required=True)
+
+    r = vs.add_parser("register", help="register an ONNX model and its validation set for a task")
+    r.add_argument("--task", required=True)
+    r.add_argument("--family", required=True, help="architecture family name, e.g. cnn-small")
+    r.add_argument("--model", required=True, type=Path, metavar="FILE.onnx")
+    r.add_argument("--validation", required=True, type=Path, metavar="FILE.npz",
+                   help="arrays x, y (labels; optional for cosine) and calib_count (calibration rows)")
+    r.add_argument("--owner", default="public", metavar="TENANT")
+    r.add_argument("--metric", default="top1", choices=["top1", "cosine"])
+    r.set_defaults(func=_register)
+
+    b = vs.add_parser("build", help="generate and profile variants of registered models")
+    b.add_argument("--task", default=None, help="only this task (default: every task with registered models)")
+    b.add_argument("--family", action="append", default=None, help="only this family (repeatable)")
+    b.add_argument("--kinds", nargs="+", default=None, metavar="KIND",
+                   help="variant kinds to generate, e.g. onnx.fp32 onnx.int8-dynamic (default: all)")
+    b.add_argument("--repeats", type=int, default=50, help="timed runs per batch size when profiling")
+    b.add_argument("--json", action="store_true", help="print the build report as JSON")
+    b.set_defaults(func=_build)
+
+    d = vs.add_parser("build-digits", help="register and build the committed digits family")
+    d.add_argument("--repeats", type=int, default=50)
+    d.set_defaults(func=_build_digits)
+
+    pr = vs.add_parser("profile", help="measure one variant on this machine's hardware class")
+    pr.add_argument("--task", required=True)
+    pr.add_argument("--variant", required=True)
+    pr.add_argument("--repeats", type=int, default=50)
+    pr.set_defaults(func=_profile)
+
+    ls = vs.add_parser("list", help="list catalogued variants")
+    ls.add_argument("--task", default=None)
+    ls.add_argument("--json", action="store_true", help="one JSON object per variant, as a JSON array")
+    ls.set_defaults(func=_list)
+
+    sh = vs.add_parser("show", help="one variant's metadata as JSON")
+    sh.add_argument("--task", required=True)
+    sh.add_argument("--variant", required=True)
+    sh.set_defaults(func=_show)
+
+    sv = vs.add_parser("serve", help="serve blobs and the catalog over HTTP and announce the URL in etcd")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=0, help="0: any free port (printed)")
+    sv.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
+    sv.add_argument("--site", default=None,
+                    help="topology site this store runs at: routing charges a cold start elsewhere the "
+                         "fetch over that site's path (default: none, fetches count as free)")
+    sv.set_defaults(func=_serve)
+
+    for sp in (r, b, d, pr, ls, sh, sv):
+        add_common(sp)
+
+
+async def _register(args: argparse.Namespace) -> int:
+    from tiermesh.cli.context import open_store
+    from variant_store.build import register_model
+
+    async with open_store(args.etcd, args.home, args.prefix) as store:
+        m = await register_model(Catalog(store), BlobStore(blob_root(args)), args.model, args.validation,
+                                 args.task, args.family, owner=args.owner, metric=args.metric)
+    print(f"registered {m.task}/{m.family}: model {m.parent_digest[:12]}, "
+          f"validation {m.validation_digest[:12]}")
+    return EXIT_OK
+
+
+async def _build(args: argparse.Namespace) -> int:
+    from tiermesh.cli.context import open_store
+    from variant_store.build import build_task
+
+    reports = []
+    async with open_store(args.etcd, args.home, args.prefix) as store:
+        catalog = Catalog(store)
+        tasks = [args.task] if args.task else sorted({m.task for m in await catalog.list_models()})
+        for task in tasks:
+            reports.append(await build_task(catalog, BlobStore(blob_root(args)), task, families=args.family,
+                                            kinds=args.kinds, progress=not args.json, repeats=args.repeats))
+    if args.json:
+        print(json.dumps([r.to_json() for r in reports], indent=2))
+    else:
+        for rep in reports:
+            _print_variants(rep.built, rep.hardware_class)
+            for s in rep.skipped:
+                print(f"skipped {s.family}.{s.kind}: {s.reason}")
+    return EXIT_OK
+
+
+async def _build_digits(args: argparse.Namespace) -> int:
+    from tiermesh.cli.context import open_store
+    from variant_store.build import ensure_digits_family
+
+    async with open_store(args.etcd, args.home, args.prefix) as store:
+        catalog = Catalog(store)
+        reports = await ensure_digits_family(catalog, BlobStore(blob_root(args)), repeats=args.repeats,
+                                             force=True)
+        metas = await catalog.list_variants()
+    _print_variants(metas, reports[0].hardware_class if reports else None)
+    for rep in reports:
+        for s in rep.skipped:
+            print(f"skipped {s.family}.{s.kind}: {s.reason}")
+    return EXIT_OK
+
+
+async def _profile(args: argparse.Namespace) -> int:
+    from tiermesh.cli.context import open_store
+    from variant_store.build import reprofile
+
+    async with open_store(args.etcd, args.home, args.prefix) as store:
+        meta = await reprofile(Catalog(store), BlobStore(blob_root(args)), args.task, args.variant,
+                               repeats=args.repeats)
+    _print_variants([meta], None)
+    return EXIT_OK
+
+
+async def _list(args: argparse.Namespace) -> int:
+    from tiermesh.cli.context import open_store
+
+    async with open_store(args.etcd, args.home, args.prefix) as store:
+        metas = await Catalog(store).list_variants(args.task)
+    if args.json:
+        print(json.dumps([variant_row(m) for m in metas], indent=2))
+    else:
+        _print_variants(metas, None)
+    return EXIT_OK
+
+
+async def _show(args: argparse.Namespace) -> int:
+    from tiermesh.cli.context import open_store
+
+    async with open_store(args.etcd, args.home, args.prefix) as store:
+        meta = await Catalog(store).get_variant(args.task, args.variant)
+    print(json.dumps(meta.to_json(), indent=2))
+    return EXIT_OK
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from tiermesh.cli.context import open_store
+    from variant_store.server import VariantStoreServer
+
+    async with open_store(args.etcd, args.home, args.prefix) as store, \
+            VariantStoreServer(BlobStore(blob_root(args)), Catalog(store), args.host, args.port,
+                               site=args.site) as server:
+        print(f"variant store serving at {server.url}", flush=True)
+        if args.duration is None:
+            await asyncio.Event().wait()  # until interrupted
+        else:
+            await asyncio.sleep(args.duration)
+    return EXIT_OK
+
+
+def variant_row(m: VariantMeta) -> dict[str, Any]:
+    """The ``list --json`` shape: the catalog entry flattened for people and scripts."""
+    full = m.to_json()
+    return {"id": m.variant_id, "task": m.task, "family": m.family, "format": m.format,
+            "precision": m.precision, "runtime": m.runtime, "accuracy": m.accuracy, "metric": m.metric,
+            "size_bytes": m.size_bytes, "digest": m.blob_digest, "owner": m.owner, "parent": m.parent,
+            "shared_base_digest": m.shared_base_digest, "profiles": full["profiles"]}
+
+
+def _print_variants(metas: list[VariantMeta], hardware_class: str | None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from variant_store.hardware import local_hardware_class
+
+    hw = hardware_class or local_hardware_class()
+    table = Table(title=f"variants ({len(metas)}), p50 on {hw}")
+    for col, just in (("id", "left"), ("task", "left"), ("format", "left"), ("precision", "left"),
+                      ("accuracy", "right"), ("size", "right"), ("p50@1 ms", "right"), ("owner", "left")):
+        table.add_column(col, justify=just)  # type: ignore[arg-type]
+    for m in metas:
+        prof = m.profiles.get(hw)
+        p50 = f"{prof.compute_ms(1):.3f}" if prof else "-"
+        table.add_row(m.variant_id, m.task, m.format, m.precision, f"{m.accuracy * 100:.2f}%",
+                      _human(m.size_bytes), p50, m.owner)
+    # piped output is for grep and logs: never wrap a variant id across lines there
+    Console(file=sys.stdout, width=None if sys.stdout.isatty() else 200).print(table)
+
+
+def _human(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB"):
+        if size < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
