@@ -18,6 +18,7 @@ venv: $(STAMP)
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports --no-cache --no-logo  # the layers of DESIGN.md (contracts in pyproject.toml)
 
 test: venv lint
 	$(PY) -m pytest -q -m "not gpu and not convert" -p no:cacheprovider

@@ -129,28 +129,24 @@ class Scheduler:
     # -- one round -------------------------------------------------------------------------
     def _observe(self, snap: MeshSnapshot, now: float) -> None:
         for site, rec in self.view.live.items():
-            for vid, info in (rec.get("loaded") or {}).items():
+            for vid, info in rec.loaded.items():
                 key = (site, vid)
                 self._loaded_since.setdefault(key, now)
-                served = int(info.get("served", 0))
+                served = info.served
                 if served != self._served.get(key):
                     self._served[key] = served
                     self._last_used[key] = now
         for key in list(self._loaded_since):
-            if key[1] not in (self.view.live.get(key[0], {}).get("loaded") or {}):
+            beat = self.view.live.get(key[0])
+            if beat is None or key[1] not in beat.loaded:
                 self._loaded_since.pop(key, None)
 
     def demands(self) -> list[Demand]:
         """Current demand per (site, task, SLO class) from the agents' heartbeats."""
         out: list[Demand] = []
         for site, rec in sorted(self.view.live.items()):
-            for d in rec.get("demand") or []:
-                try:
-                    out.append(Demand(site=site, task=str(d["task"]), slo_class=str(d["slo_class"]),
-                                      qps=float(d["qps"]), min_accuracy=float(d["min_accuracy"]),
-                                      budget_ms=float(d["budget_ms"]), tenant=str(d.get("tenant", "public"))))
-                except (KeyError, TypeError, ValueError):
-                    log.warning("ignoring malformed demand from %s: %r", site, d, extra=kv(site=site))
+            out.extend(Demand(site=site, task=d.task, slo_class=d.slo_class, qps=d.qps, min_accuracy=d.min_accuracy,
+                              budget_ms=d.budget_ms, tenant=d.tenant) for d in rec.demand)
         return out
 
     def plan(self, snap: MeshSnapshot, now: float) -> tuple[dict[str, tuple[str, ...]], list[dict[str, Any]]]:

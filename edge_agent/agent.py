@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from core_scheduler.policy.modes import Router, make_router
+from core_scheduler.state.heartbeat import Heartbeat, LoadedVariant
 from core_scheduler.state.snapshot import build_snapshot
 from core_scheduler.state.view import MeshView
 from edge_agent.demand import DemandMeter
@@ -167,7 +168,7 @@ class Agent:
     def _peer_endpoint(self, site: str) -> str | None:
         if self.view is None or site not in self.view.live:
             return None
-        return self.cfg.peer_map.get(site) or self.view.live[site].get("endpoint")
+        return self.cfg.peer_map.get(site) or self.view.live[site].endpoint
 
     def _on_view_change(self) -> None:
         assert self.view is not None and self.host is not None and self.zmq_client is not None
@@ -190,38 +191,36 @@ class Agent:
         self.table_version = snap.version
         self._reconcile.set()
 
-    def _local_load(self) -> dict[str, Any]:
-        return self._live_record() if self.host is not None else {}
+    def _local_load(self) -> Heartbeat | None:
+        return self._live_record() if self.host is not None else None
 
-    def _live_record(self) -> dict[str, Any]:
+    def _live_record(self) -> Heartbeat:
         assert self.host is not None and self.zmq_server is not None and self.http is not None
         assert self.dataplane is not None
         topo = self.view.topology if self.view else None
         me = topo.sites.get(self.site) if topo else None
         mem_total = int(me.hardware.memory_mb * 1024 * 1024) if me else 0
-        loaded = {vid: {"task": lv.meta.task, "queue_ms": round(lv.batcher.expected_wait_ms(), 3),
-                        "queued_rows": lv.batcher.queued_rows,
-                        "ewma_compute_ms": round(lv.batcher.ewma_compute_ms, 3),
-                        "served": lv.batcher.served, "load_ms": round(lv.load_ms, 1)}
+        loaded = {vid: LoadedVariant(task=lv.meta.task, queue_ms=round(lv.batcher.expected_wait_ms(), 3),
+                                     queued_rows=lv.batcher.queued_rows,
+                                     ewma_compute_ms=round(lv.batcher.ewma_compute_ms, 3),
+                                     served=lv.batcher.served, load_ms=round(lv.load_ms, 1))
                   for vid, lv in self.host.loaded.items()}
-        return {
-            "schema": 1, "site": self.site, "ts": time.time(),
-            "tier": me.tier if me else None,
-            "hardware_class": self.hardware_class,
-            "declared_hardware_class": me.hardware.hardware_class if me else None,
-            "gpu": self.gpu_ok, "gpu_note": self.gpu_note,
-            "endpoint": self.zmq_server.endpoint, "http": self.http.url,
-            "loaded": loaded, "inflight": self.dataplane.inflight,
-            "capacity": (me.hardware.cpu_cores if me else 1) * INFLIGHT_PER_CORE,
-            "memory_total_bytes": mem_total,
-            "model_memory_budget_bytes": self.host.memory_budget_bytes,
-            "memory_used_bytes": self.host.memory_used_bytes,
-            "served": self.dataplane.served, "forwarded": self.dataplane.forwarded,
-            "cold_starts": self.host.cold_starts,
-            "demand": self.demand.snapshot(time.monotonic()),
-            "degraded": bool(self.liveness and self.liveness.degraded),
-            "view_revision": self.view.revision if self.view else 0,
-        }
+        return Heartbeat(
+            site=self.site, ts=time.time(), tier=me.tier if me else None,
+            hardware_class=self.hardware_class,
+            declared_hardware_class=me.hardware.hardware_class if me else None,
+            gpu=self.gpu_ok, gpu_note=self.gpu_note,
+            endpoint=self.zmq_server.endpoint, http=self.http.url,
+            loaded=loaded, inflight=self.dataplane.inflight,
+            capacity=(me.hardware.cpu_cores if me else 1) * INFLIGHT_PER_CORE,
+            memory_total_bytes=mem_total,
+            model_memory_budget_bytes=self.host.memory_budget_bytes,
+            memory_used_bytes=self.host.memory_used_bytes,
+            served=self.dataplane.served, forwarded=self.dataplane.forwarded,
+            cold_starts=self.host.cold_starts,
+            demand=tuple(self.demand.snapshot(time.monotonic())),
+            degraded=bool(self.liveness and self.liveness.degraded),
+            view_revision=self.view.revision if self.view else 0)
 
     async def _reconcile_loop(self) -> None:
         """Follow ``placement/<site>``: load what is desired, unload what is neither desired nor used."""

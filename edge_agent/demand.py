@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from core_scheduler.state.heartbeat import DemandSample
 from mesh.types import SLO
 
 __all__ = ["DemandMeter", "slo_class"]
@@ -46,13 +47,13 @@ class DemandMeter:
         s.min_budget_ms = min(s.min_budget_ms, slo.latency_ms)
         s.max_accuracy = max(s.max_accuracy, slo.min_accuracy)
 
-    def snapshot(self, now: float) -> list[dict[str, float | str]]:
-        out: list[dict[str, float | str]] = []
+    def snapshot(self, now: float) -> list[DemandSample]:
+        out: list[DemandSample] = []
         for (task, cls, tenant), s in sorted(self._series.items()):
             while s.stamps and s.stamps[0] < now - self.window_s:
                 s.stamps.popleft()
             if not s.stamps:
                 continue
-            out.append({"task": task, "slo_class": cls, "tenant": tenant, "qps": len(s.stamps) / self.window_s,
-                        "budget_ms": s.min_budget_ms, "min_accuracy": s.max_accuracy})
+            out.append(DemandSample(task=task, slo_class=cls, tenant=tenant, qps=len(s.stamps) / self.window_s,
+                                    budget_ms=s.min_budget_ms, min_accuracy=s.max_accuracy))
         return out

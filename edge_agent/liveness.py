@@ -11,8 +11,8 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
-from typing import Any
 
+from core_scheduler.state.heartbeat import Heartbeat
 from mesh.errors import StoreError
 from mesh.etcd.keys import live_key
 from mesh.etcd.store import Lease, Store
@@ -25,7 +25,7 @@ log = get_logger(__name__)
 
 
 class Liveness:
-    def __init__(self, store: Store, site: str, record: Callable[[], dict[str, Any]], *,
+    def __init__(self, store: Store, site: str, record: Callable[[], Heartbeat], *,
                  ttl_s: float = 3.0, interval_s: float = 0.5) -> None:
         self.store = store
         self.site = site
@@ -84,13 +84,12 @@ class Liveness:
         try:
             old = self.lease if self.lease is not None and not self.lease.alive else None
             lease = await self._renew_lease()
-            record = self._record()
             # A record written right after an outage already tells the whole story of it.
-            record["degraded"] = self.degraded
-            record["degraded_total_s"] = round(self.degraded_seconds(), 3)
-            record["degraded_episodes"] = self.degraded_episodes
-            record["lease_renewals"] = self.lease_renewals
-            await asyncio.wait_for(self.store.put(live_key(self.site), record, lease=lease), self.ttl_s)
+            record = self._record().with_liveness(degraded=self.degraded,
+                                                  degraded_total_s=self.degraded_seconds(),
+                                                  degraded_episodes=self.degraded_episodes,
+                                                  lease_renewals=self.lease_renewals)
+            await asyncio.wait_for(self.store.put(live_key(self.site), record.to_json(), lease=lease), self.ttl_s)
             if old is not None:
                 self.lease_renewals += 1
                 with contextlib.suppress(StoreError, TimeoutError):

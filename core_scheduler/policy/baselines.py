@@ -19,18 +19,17 @@ reason codes and reply flags apply to every system.
                  also network-blind, on top of the same warm floor tiermesh starts from (so the
                  comparison isolates path awareness and forecasting, not the floor).
 
-Importing this module registers the modes in ``core_scheduler.policy.modes``.
+``ROUTERS`` and ``PLACERS`` here are the baselines' half of ``core_scheduler.policy.modes``' registry.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
-from core_scheduler.policy.modes import PLACERS, ROUTERS
 from core_scheduler.policy.placement import Demand, plan_placement
 from core_scheduler.policy.routing import RoutingTable
 from core_scheduler.policy.snapshot import MeshSnapshot, VariantInfo
@@ -205,7 +204,7 @@ def infaas_placer(snap: MeshSnapshot, floor: PerSite, planned: PerSite, demand: 
     return {s: tuple(sorted(vs)) for s, vs in sorted(out.items())}
 
 
-ROUTERS.update({"edge-only": edge_only_router, "core-only": core_only_router, "static": static_router,
-                "infaas": infaas_router})
-PLACERS.update({"edge-only": edge_only_placer, "core-only": core_only_placer, "static": static_placer,
-                "infaas": infaas_placer})
+ROUTERS: dict[str, Callable[[MeshSnapshot, str], RoutingTable]] = {
+    "edge-only": edge_only_router, "core-only": core_only_router, "static": static_router, "infaas": infaas_router}
+PLACERS: dict[str, Callable[[MeshSnapshot, PerSite, PerSite, Any], PerSite]] = {
+    "edge-only": edge_only_placer, "core-only": core_only_placer, "static": static_placer, "infaas": infaas_placer}

@@ -10,9 +10,9 @@ benchmarks can run every system on the same trace, harness and code path:
 - ``infaas``      cheapest variant meeting the SLO, chosen without network-path awareness,
                   reactive scaling only.
 
-Implementations of the baselines live in ``core_scheduler.policy.baselines`` (registered in
-``ROUTERS`` / ``PLACERS`` on import); this module only holds the registry so the agent and the
-scheduler need not know which modes exist.
+Implementations of the baselines live in ``core_scheduler.policy.baselines``; this module joins
+them with tiermesh's own into one registry, so the agent and the scheduler need not know which
+modes exist.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from core_scheduler.policy import baselines
 from core_scheduler.policy.routing import Decision, Query, RoutingTable
 from core_scheduler.policy.snapshot import MeshSnapshot
 from mesh.errors import ConfigError
@@ -36,24 +37,15 @@ RouterFactory = Callable[[MeshSnapshot, str], Router]
 Placer = Callable[[MeshSnapshot, dict[str, tuple[str, ...]], dict[str, tuple[str, ...]], Any],
                   dict[str, tuple[str, ...]]]
 
-ROUTERS: dict[str, RouterFactory] = {"tiermesh": RoutingTable.build}
-PLACERS: dict[str, Placer] = {}
-
-
-def _load_baselines() -> None:
-    try:
-        import core_scheduler.policy.baselines  # noqa: F401  (registers its modes)
-    except ImportError:
-        pass
+ROUTERS: dict[str, RouterFactory] = {"tiermesh": RoutingTable.build, **baselines.ROUTERS}
+PLACERS: dict[str, Placer] = {**baselines.PLACERS}
 
 
 def mode_names() -> list[str]:
-    _load_baselines()
     return sorted(ROUTERS)
 
 
 def make_router(mode: str, snap: MeshSnapshot, here: str) -> Router:
-    _load_baselines()
     try:
         factory = ROUTERS[mode]
     except KeyError as exc:
@@ -62,7 +54,6 @@ def make_router(mode: str, snap: MeshSnapshot, here: str) -> Router:
 
 
 def placer_for(mode: str) -> Placer | None:
-    _load_baselines()
     if mode not in ROUTERS:
         raise ConfigError(f"unknown mode {mode!r}; known: {sorted(ROUTERS)}")
     return PLACERS.get(mode)

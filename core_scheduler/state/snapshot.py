@@ -18,23 +18,21 @@ from core_scheduler.policy.snapshot import (
     path_tables,
     tail_margin_ms,
 )
+from core_scheduler.state.heartbeat import Heartbeat
 from core_scheduler.state.view import MeshView
 
 __all__ = ["build_snapshot", "site_load_from_record"]
 
 
-def site_load_from_record(site: str, rec: dict[str, Any]) -> SiteLoad:
-    loaded = rec.get("loaded") or {}
-    budget = int(rec.get("model_memory_budget_bytes") or 0)
-    used = int(rec.get("memory_used_bytes") or 0)
-    return SiteLoad(site=site, loaded=frozenset(loaded),
-                    queue_ms={v: float(d.get("queue_ms", 0.0)) for v, d in loaded.items()},
-                    inflight=int(rec.get("inflight", 0)), capacity=max(1, int(rec.get("capacity", 1))),
-                    memory_free_bytes=max(0, budget - used), degraded=False)
+def site_load_from_record(site: str, rec: Heartbeat) -> SiteLoad:
+    return SiteLoad(site=site, loaded=frozenset(rec.loaded),
+                    queue_ms={v: lv.queue_ms for v, lv in rec.loaded.items()},
+                    inflight=rec.inflight, capacity=rec.capacity,
+                    memory_free_bytes=rec.memory_free_bytes, degraded=False)
 
 
 def build_snapshot(view: MeshView, *, here: str | None = None,
-                   local_loads: dict[str, Any] | None = None,
+                   local_loads: Heartbeat | None = None,
                    rtt_correction: dict[str, float] | None = None) -> MeshSnapshot | None:
     """``None`` until a topology and at least one task are known.
 
@@ -47,11 +45,11 @@ def build_snapshot(view: MeshView, *, here: str | None = None,
         return None
     sites = []
     for name, s in topo.sites.items():
-        rec = view.live.get(name) or {}
-        hw = rec.get("hardware_class") or s.hardware.hardware_class
+        rec = view.live.get(name)
+        hw = (rec.hardware_class if rec else None) or s.hardware.hardware_class
         sites.append(SiteInfo(name=name, tier=s.tier, region=s.region, hardware_class=hw,
                               cpu_cores=s.hardware.cpu_cores, memory_mb=s.hardware.memory_mb,
-                              gpus=len(s.hardware.gpus) if rec.get("gpu", False) else 0,
+                              gpus=len(s.hardware.gpus) if rec is not None and rec.gpu else 0,
                               price_per_hour=s.hardware.price_per_hour, alive=True))
     variants = [VariantInfo.from_meta(m) for vs in view.variants.values() for m in vs.values()]
     loads = []
@@ -59,7 +57,7 @@ def build_snapshot(view: MeshView, *, here: str | None = None,
         if name not in topo.sites:
             continue
         # our own load is fresher in memory than in our last heartbeat
-        if here == name and local_loads:
+        if here == name and local_loads is not None:
             rec = local_loads
         loads.append(site_load_from_record(name, rec))
     links = [(lk.a, lk.b, lk.latency_ms, lk.bandwidth_mbps) for lk in topo.links]

@@ -13,6 +13,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
+from core_scheduler.state.heartbeat import Heartbeat
 from mesh.errors import StoreError
 from mesh.etcd.store import Store
 from mesh.log import get_logger, kv
@@ -38,7 +39,7 @@ class MeshView:
         self.tenants: dict[str, dict[str, Any]] = {}
         self.variants: dict[str, dict[str, VariantMeta]] = {}
         self.signatures: dict[str, TaskSignature] = {}
-        self.live: dict[str, dict[str, Any]] = {}
+        self.live: dict[str, Heartbeat] = {}
         self.placement: dict[str, dict[str, Any]] = {}
         self.services: dict[str, Any] = {}
         self._topology: Topology | None = None
@@ -177,7 +178,7 @@ class MeshView:
                     else:
                         bucket[name] = VariantMeta.from_json(value)
             elif parts[0] == "live" and len(parts) == 2:
-                _set(self.live, parts[1], value)
+                _set(self.live, parts[1], None if value is None else Heartbeat.from_json(value))
             elif parts[0] == "placement" and len(parts) == 2:
                 _set(self.placement, parts[1], value)
             elif parts[0] == "services" and len(parts) >= 2:

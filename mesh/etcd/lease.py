@@ -9,25 +9,33 @@ from __future__ import annotations
 import asyncio
 import time
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from mesh.errors import StoreError
 from mesh.log import get_logger, kv
 from mesh.tasks import cancel_and_wait
 
-if TYPE_CHECKING:
-    from mesh.etcd.store import Store
-
-__all__ = ["Lease"]
+__all__ = ["Lease", "LeaseOwner"]
 
 log = get_logger("mesh.etcd")
+
+
+class LeaseOwner(Protocol):
+    """What a lease needs of the store that granted it (:class:`mesh.etcd.store.Store`); a
+    protocol, so this module does not import the store that imports it."""
+
+    _leases: set[Lease]
+
+    async def _keepalive_once(self, lease_id: int, timeout: float) -> int: ...  # noqa: ASYNC109
+
+    async def revoke_lease(self, lease_id: int) -> bool: ...
 
 
 class Lease:
     """A granted lease whose keep-alive task this object owns. ``lost`` is set (and ``alive`` is
     False) once etcd says it expired, it was revoked, or keep-alives failed for longer than the TTL."""
 
-    def __init__(self, store: Store, lease_id: int, ttl: float) -> None:
+    def __init__(self, store: LeaseOwner, lease_id: int, ttl: float) -> None:
         self._store = store
         self.id = lease_id
         self.ttl = ttl

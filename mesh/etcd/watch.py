@@ -10,18 +10,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 from mesh.errors import StoreError
 from mesh.log import get_logger, kv
 from mesh.tasks import cancel_and_wait
 
-if TYPE_CHECKING:
-    from mesh.etcd.store import Store
-
-__all__ = ["Compacted", "Watch", "WatchEvent"]
+__all__ = ["Compacted", "Watch", "WatchEvent", "WatchSource"]
 
 log = get_logger("mesh.etcd")
 
@@ -39,6 +37,18 @@ class Compacted(Exception):
     is the compact revision. Raised by the store's stream, turned into ``StoreError`` by :class:`Watch`."""
 
 
+class WatchSource(Protocol):
+    """What a watch needs of its store (:class:`mesh.etcd.store.Store`); a protocol, so this
+    module does not import the store that imports it."""
+
+    _watches: set[Watch]
+
+    async def revision(self) -> int: ...
+
+    def _watch_stream(self, prefix: str, start_revision: int,
+                      ) -> AsyncGenerator[tuple[list[WatchEvent], bool, int], None]: ...
+
+
 class Watch:
     """Async iterator of :class:`WatchEvent` under a prefix, in revision order.
 
@@ -47,7 +57,7 @@ class Watch:
     missed or repeated. If etcd compacted past that revision, iteration raises ``StoreError``.
     """
 
-    def __init__(self, store: Store, prefix: str, start_revision: int | None) -> None:
+    def __init__(self, store: WatchSource, prefix: str, start_revision: int | None) -> None:
         self._store = store
         self.prefix = prefix
         self._start_revision = start_revision

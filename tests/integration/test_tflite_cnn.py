@@ -15,7 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from mesh.errors import VariantBuildError
 from variant_store.families.datasets import DIGITS_DIR, ValidationSet, load_validation_npz
-from variant_store.generate import GeneratedVariant, generate_variants
+from variant_store.generate import GeneratedVariant, generate_variants, tflite_lower
 from variant_store.generate import tflite_writer as tw
 from variant_store.runtimes import open_runtime
 
@@ -179,7 +179,7 @@ def test_explicit_pad_stride_and_padded_pool_lower_correctly(tmp_path: Path, val
 def test_a_misread_layout_is_caught_by_the_onnx_check(tmp_path: Path, val: ValidationSet,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     # Forget to reorder the flatten's NCHW columns: the float chain no longer matches ONNX Runtime.
-    monkeypatch.setattr(tw, "_nchw_to_nhwc_columns", lambda w, *_: w)
+    monkeypatch.setattr(tflite_lower, "_nchw_to_nhwc_columns", lambda w, *_: w)
     with pytest.raises(VariantBuildError, match="disagrees with ONNX Runtime"):
         tw.write_tflite_int8(DIGITS_DIR / "cnn-small.onnx", val.x[:64], tmp_path / "bad.tflite")
     assert not (tmp_path / "bad.tflite").exists()

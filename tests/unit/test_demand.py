@@ -17,5 +17,5 @@ def test_rate_over_window() -> None:
     for i in range(50):
         m.record("t", SLO(latency_ms=20), now=100 + i * 0.1)  # 50 in 5 s
     snap = m.snapshot(now=105)
-    assert snap[0]["qps"] == pytest.approx(5.0)
+    assert snap[0].qps == pytest.approx(5.0)
     assert m.snapshot(now=200) == []  # all aged out

@@ -13,13 +13,13 @@ from onnx import TensorProto, helper, numpy_helper
 
 from mesh.errors import VariantBuildError
 from variant_store.generate.ops import TFLITE_WRITER_OPS, has_conv, unsupported_nodes
-from variant_store.generate.tflite_writer import (
+from variant_store.generate.tflite_lower import (
     ConvLayer,
     DenseLayer,
     PoolLayer,
     ReshapeLayer,
     UnsupportedOp,
-    _act_qparams,
+    act_qparams,
     extract_dense_chain,
     extract_layers,
     float_forward,
@@ -94,7 +94,7 @@ def test_scaled_gemm_is_refused() -> None:
 @settings(max_examples=200, deadline=None)
 @given(lo=st.floats(-50, 50), span=st.floats(1e-3, 100))
 def test_activation_qparams_cover_range_and_zero(lo: float, span: float) -> None:
-    scale, zero = _act_qparams(np.array([lo, lo + span], dtype=np.float64))
+    scale, zero = act_qparams(np.array([lo, lo + span], dtype=np.float64))
     assert scale > 0 and -128 <= zero <= 127
     # The range is widened to hold 0.0, which TFLite needs exactly representable (ReLU, padding).
     a = np.array([lo, lo + span, 0.0], dtype=np.float64)

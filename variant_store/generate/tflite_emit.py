@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from mesh.errors import VariantBuildError
-from variant_store.generate.tflite_writer import ConvLayer, DenseLayer, Layer, PoolLayer, padding_mode
+from variant_store.generate.tflite_lower import ConvLayer, DenseLayer, Layer, PoolLayer, padding_mode
 
 __all__ = ["OP_VERSIONS", "emit_int8_model"]
 

@@ -1,0 +1,62 @@
+"""The ``live/<site>`` record: one typed definition, written by agents and parsed once by readers."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from core_scheduler.state.heartbeat import DemandSample, Heartbeat, LoadedVariant
+from core_scheduler.state.snapshot import site_load_from_record
+
+pytestmark = pytest.mark.unit
+
+
+def _beat() -> Heartbeat:
+    return Heartbeat(site="edge-1", ts=1.5, tier="edge", hardware_class="cpu-x86", gpu=False,
+                     endpoint="tcp://127.0.0.1:5555", http="http://127.0.0.1:8080",
+                     loaded={"mlp-tiny": LoadedVariant(task="digits", queue_ms=1.25, queued_rows=3, served=7)},
+                     inflight=2, capacity=16, model_memory_budget_bytes=1000, memory_used_bytes=400,
+                     demand=(DemandSample(task="digits", slo_class="tight-lo", tenant="acme", qps=4.0,
+                                          budget_ms=20.0, min_accuracy=0.9),))
+
+
+def test_round_trip_through_json_is_exact() -> None:
+    hb = _beat()
+    wire = json.loads(json.dumps(hb.to_json()))
+    assert wire["schema"] == 1 and wire["loaded"]["mlp-tiny"]["served"] == 7
+    assert Heartbeat.from_json(wire) == hb
+
+
+def test_liveness_fields_are_added_without_touching_the_rest() -> None:
+    hb = _beat().with_liveness(degraded=True, degraded_total_s=1.23456, degraded_episodes=2, lease_renewals=1)
+    assert (hb.degraded, hb.degraded_total_s, hb.degraded_episodes, hb.lease_renewals) == (True, 1.235, 2, 1)
+    assert hb.loaded == _beat().loaded
+
+
+def test_unknown_fields_are_dropped_and_missing_ones_default() -> None:
+    hb = Heartbeat.from_json({"site": "s", "future_field": {"x": 1}, "capacity": 0})
+    assert hb.site == "s" and hb.loaded == {} and hb.demand == ()
+    assert hb.capacity == 1  # never zero: routing divides by it
+
+
+@pytest.mark.parametrize("bad", [
+    [],                                                    # not an object
+    {"ts": 1.0},                                           # no site
+    {"site": "s", "schema": 99},                           # a newer schema than this reader
+    {"site": "s", "loaded": []},                           # wrong container
+    {"site": "s", "loaded": {"v": {"queue_ms": 1.0}}},     # loaded variant without its task
+    {"site": "s", "demand": [{"task": "t", "slo_class": "c", "qps": "many", "budget_ms": 1, "min_accuracy": 0}]},
+    {"site": "s", "demand": [{"task": "t", "slo_class": "c", "qps": math.nan, "budget_ms": 1, "min_accuracy": 0}]},
+    {"site": "s", "inflight": "lots"},
+])
+def test_malformed_records_are_refused(bad: object) -> None:
+    with pytest.raises((ValueError, TypeError, KeyError)):
+        Heartbeat.from_json(bad)  # type: ignore[arg-type]
+
+
+def test_site_load_reads_the_typed_record() -> None:
+    load = site_load_from_record("edge-1", _beat())
+    assert load.loaded == frozenset({"mlp-tiny"}) and load.queue_ms == {"mlp-tiny": 1.25}
+    assert (load.inflight, load.capacity, load.memory_free_bytes) == (2, 16, 600)
