@@ -27,8 +27,8 @@ from mesh.errors import StoreError
 from mesh.etcd.election import Election
 from mesh.etcd.keys import placement_key
 from mesh.etcd.store import CreateRevision, Put, Store
+from mesh.lifecycle import cancel_and_wait
 from mesh.log import get_logger, kv
-from mesh.tasks import cancel_and_wait
 
 __all__ = ["Scheduler", "SchedulerConfig"]
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import json
 import time
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from edge_agent.liveness import Liveness
 from edge_agent.site_dataplane import SiteDataPlane
 from mesh.errors import ConfigError, MeshError
 from mesh.etcd.store import Store
+from mesh.lifecycle import Service, cancel_and_wait
 from mesh.log import get_logger, kv
 from mesh.zmq.client import ZmqClient
 from mesh.zmq.server import ZmqServer
@@ -41,12 +41,6 @@ BLOB_PEER = "@variant-store"
 # Batching keeps a core busy with several queries in flight; past this many per core the
 # queue wait dominates and routing should look elsewhere.
 INFLIGHT_PER_CORE = 8
-
-
-class AgentState(enum.Enum):
-    UNOPENED = "unopened"
-    OPEN = "open"
-    CLOSED = "closed"
 
 
 @dataclass(slots=True)
@@ -67,11 +61,10 @@ class AgentConfig:
     routing_mode: str = "tiermesh"      # or a baseline (core_scheduler.policy.modes), for benchmarks
 
 
-class Agent:
+class Agent(Service):
     def __init__(self, cfg: AgentConfig) -> None:
         self.cfg = cfg
         self.site = cfg.site
-        self.state = AgentState.UNOPENED
         self.store: Store | None = None
         self.view: MeshView | None = None
         self.host: VariantHost | None = None
@@ -89,16 +82,6 @@ class Agent:
         self.gpu_ok, self.gpu_note = gpu_available()
 
     # -- lifecycle -------------------------------------------------------------------------
-    async def start(self) -> None:
-        if self.state is not AgentState.UNOPENED:
-            raise ConfigError(f"agent {self.site} is {self.state.value}")
-        self.state = AgentState.OPEN
-        try:
-            await self._start()
-        except BaseException:
-            await self.stop()
-            raise
-
     async def _start(self) -> None:
         cfg = self.cfg
         self.store = await Store.connect(cfg.etcd, cfg.prefix)
@@ -132,16 +115,9 @@ class Agent:
                  self.hardware_class, "" if self.gpu_ok else f"; {self.gpu_note}",
                  extra=kv(site=self.site, event="agent_up"))
 
-    async def stop(self) -> None:
-        if self.state is AgentState.CLOSED:
-            return
-        self.state = AgentState.CLOSED
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
-        self._tasks.clear()
+    async def _stop(self) -> None:
+        tasks, self._tasks = self._tasks, []
+        await cancel_and_wait(*tasks)
         steps: list[Any] = [self.liveness.stop if self.liveness else None,
                             self.http.stop if self.http else None,
                             self.zmq_server.stop if self.zmq_server else None,
@@ -156,13 +132,6 @@ class Agent:
                 await asyncio.wait_for(step(), 10.0)
             except Exception:
                 log.exception("shutdown step failed", extra=kv(site=self.site))
-
-    async def __aenter__(self) -> Agent:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
 
     # -- state -----------------------------------------------------------------------------
     def _peer_endpoint(self, site: str) -> str | None:

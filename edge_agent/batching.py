@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mesh.errors import DeadlineExceeded, MeshError, Overloaded
+from mesh.lifecycle import cancel_and_wait
 from mesh.log import get_logger, kv
-from mesh.tasks import cancel_and_wait
 
 __all__ = ["BatchResult", "Batcher", "batch_window_s"]
 

@@ -13,17 +13,16 @@ this: with none, aiohttp builds no middleware chain per request.
 
 from __future__ import annotations
 
-import enum
 import time
 from collections.abc import Awaitable, Callable
 from importlib import metadata
-from types import TracebackType
 
 from aiohttp import hdrs, web
 from multidict import CIMultiDict
 
 from edge_agent.dataplane import DataPlane
 from mesh.errors import BadTensor, MeshError, PayloadTooLarge, RequestError, UnknownTask
+from mesh.lifecycle import Service
 from mesh.log import get_logger, kv
 from mesh.types import DEFAULT_TENANT, InferRequest, TaskSignature
 from mesh.v2 import codec as codec
@@ -225,13 +224,7 @@ def make_app(dp: DataPlane, *, max_body_bytes: int = DEFAULT_MAX_BODY,
     return app
 
 
-class _State(enum.Enum):
-    UNOPENED = "unopened"
-    OPEN = "open"
-    CLOSED = "closed"
-
-
-class EdgeHttpServer:
+class EdgeHttpServer(Service):
     """Serves ``make_app(dp)`` on ``host:port`` (port 0 picks a free one; ``url`` says which)."""
 
     def __init__(self, dp: DataPlane, host: str = "127.0.0.1", port: int = 0, *,
@@ -241,41 +234,20 @@ class EdgeHttpServer:
         # Built here, not in start(), so a caller may add middlewares before the app freezes.
         self.app = make_app(dp, max_body_bytes=max_body_bytes, identify=identify)
         self._runner = web.AppRunner(self.app, shutdown_timeout=shutdown_timeout)
-        self._state = _State.UNOPENED
 
     @property
     def url(self) -> str:
-        if self._state is not _State.OPEN:
-            raise RuntimeError(f"server is {self._state.value}, it has no URL")
+        self._require_running("its URL")
         return f"http://{self.host}:{self.port}"
 
-    async def start(self) -> None:
-        if self._state is not _State.UNOPENED:
-            raise RuntimeError(f"cannot start a server that is {self._state.value}")
+    async def _start(self) -> None:
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        try:
-            await site.start()
-        except OSError:
-            await self._runner.cleanup()
-            self._state = _State.CLOSED
-            raise
+        await web.TCPSite(self._runner, self.host, self.port).start()
         self.port = int(self._runner.addresses[0][1])
-        self._state = _State.OPEN
-        log.info("http api listening on %s", self.url, extra=kv(event="http_start"))
+        log.info("http api listening on http://%s:%d", self.host, self.port, extra=kv(event="http_start"))
 
-    async def stop(self) -> None:
-        if self._state is _State.OPEN:
-            await self._runner.cleanup()
-        self._state = _State.CLOSED
-
-    async def __aenter__(self) -> EdgeHttpServer:
-        await self.start()
-        return self
-
-    async def __aexit__(self, et: type[BaseException] | None, ev: BaseException | None,
-                        tb: TracebackType | None) -> None:
-        await self.stop()
+    async def _stop(self) -> None:
+        await self._runner.cleanup()
 
     def __repr__(self) -> str:
-        return f"<EdgeHttpServer {self.host}:{self.port} {self._state.value}>"
+        return f"<EdgeHttpServer {self.host}:{self.port} {self.state.value}>"

@@ -16,8 +16,8 @@ from core_scheduler.state.heartbeat import Heartbeat
 from mesh.errors import StoreError
 from mesh.etcd.keys import live_key
 from mesh.etcd.store import Lease, Store
+from mesh.lifecycle import cancel_and_wait
 from mesh.log import get_logger, kv
-from mesh.tasks import cancel_and_wait
 
 __all__ = ["Liveness"]
 

@@ -26,6 +26,7 @@ from mesh.errors import ConfigError, MeshError, StoreError
 from mesh.etcd.keys import live_key
 from mesh.etcd.server import EmbeddedEtcd
 from mesh.etcd.store import Store
+from mesh.lifecycle import Service
 from mesh.log import get_logger, kv
 from tiermesh.delayproxy import LinkShape, ProxyPool
 from topology.loader import load_topology_file
@@ -96,7 +97,7 @@ class SiteProcess:
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
-class LocalMesh:
+class LocalMesh(Service):
     def __init__(self, opts: MeshOptions) -> None:
         self.opts = opts
         self.topology: Topology = load_topology_file(opts.topology)
@@ -116,13 +117,6 @@ class LocalMesh:
         return f"http://127.0.0.1:{self.etcd_port}"
 
     # -- lifecycle -------------------------------------------------------------------------
-    async def start(self) -> None:
-        try:
-            await self._start()
-        except BaseException:
-            await self.stop()
-            raise
-
     async def _start(self) -> None:
         home = self.opts.home
         home.mkdir(parents=True, exist_ok=True)
@@ -150,7 +144,7 @@ class LocalMesh:
             await self._start_proxies()
         await asyncio.gather(*(self.start_site(n) for n in names))
 
-    async def stop(self) -> None:
+    async def _stop(self) -> None:
         for name in list(self.sites):
             with contextlib.suppress(Exception):
                 await self.kill_site(name, graceful=True)
@@ -163,13 +157,6 @@ class LocalMesh:
         self.scheduler = None
         self.variant_server = None
         await self.stop_etcd()
-
-    async def __aenter__(self) -> LocalMesh:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
 
     # -- etcd ------------------------------------------------------------------------------
     async def start_etcd(self) -> None:

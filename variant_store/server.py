@@ -19,7 +19,6 @@ import os
 import random
 import re
 from collections.abc import Awaitable, Callable
-from types import TracebackType
 from typing import Any
 
 from aiohttp import web
@@ -27,8 +26,8 @@ from aiohttp import web
 from mesh.errors import BlobError, MeshError, RequestError
 from mesh.etcd.keys import blobs_key
 from mesh.etcd.store import Lease
+from mesh.lifecycle import Service, cancel_and_wait
 from mesh.log import get_logger, kv
-from mesh.tasks import cancel_and_wait
 from variant_store.blobs import CHUNK, BlobStore, is_digest
 from variant_store.catalog import Catalog
 
@@ -49,7 +48,7 @@ async def header_identity(request: web.Request) -> str:
     return request.headers.get(TENANT_HEADER, "").strip() or "public"
 
 
-class VariantStoreServer:
+class VariantStoreServer(Service):
     """Serves ``blob_store`` and ``catalog`` on ``host:port`` (0: any free port; see ``url``) and,
     when ``announce`` is set, publishes its URL at ``blobs_key()`` under an etcd lease, with the
     topology ``site`` it runs at when given (routing then charges cold starts elsewhere the fetch)."""
@@ -83,28 +82,19 @@ class VariantStoreServer:
         app.router.add_get("/healthz", self._healthz)
         return app
 
-    async def start(self) -> None:
-        if self._runner is not None:
-            return
-        runner = web.AppRunner(self.app(), access_log=None)
+    async def _start(self) -> None:
+        self._runner = runner = web.AppRunner(self.app(), access_log=None)
         await runner.setup()
-        try:
-            site = web.TCPSite(runner, self.host, self.port)
-            await site.start()
-            host, port = runner.addresses[0][:2]
-            self._url = f"http://{host}:{port}"
-            self._runner = runner
-            if self.announce:
-                await self._announce()
-                self._announcer = asyncio.get_running_loop().create_task(
-                    self._keep_announced(), name="variant-store-announce")
-        except BaseException:
-            await runner.cleanup()
-            self._runner = None
-            raise
+        await web.TCPSite(runner, self.host, self.port).start()
+        host, port = runner.addresses[0][:2]
+        self._url = f"http://{host}:{port}"
+        if self.announce:
+            await self._announce()
+            self._announcer = asyncio.get_running_loop().create_task(
+                self._keep_announced(), name="variant-store-announce")
         log.info("variant store serving at %s", self._url, extra=kv(event="blob_server_up"))
 
-    async def stop(self) -> None:
+    async def _stop(self) -> None:
         runner, self._runner = self._runner, None
         task, self._announcer = self._announcer, None
         await cancel_and_wait(task)
@@ -114,14 +104,6 @@ class VariantStoreServer:
                 await lease.revoke()  # drop the announcement now rather than at lease expiry
         if runner is not None:
             await runner.cleanup()
-
-    async def __aenter__(self) -> VariantStoreServer:
-        await self.start()
-        return self
-
-    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
-                        tb: TracebackType | None) -> None:
-        await self.stop()
 
     async def _announce(self) -> None:
         store = self.catalog.store

@@ -16,8 +16,8 @@ from typing import Any
 from core_scheduler.state.heartbeat import Heartbeat
 from mesh.errors import StoreError
 from mesh.etcd.store import Store
+from mesh.lifecycle import cancel_and_wait
 from mesh.log import get_logger, kv
-from mesh.tasks import cancel_and_wait
 from mesh.types import TaskSignature
 from topology.schema import Link, Site, Tenant, Topology
 from variant_store.catalog import signature_from_json

@@ -17,8 +17,8 @@ from types import TracebackType
 
 from mesh.errors import StoreError
 from mesh.etcd.store import CreateRevision, Lease, Put, Store
+from mesh.lifecycle import cancel_and_wait
 from mesh.log import get_logger, kv
-from mesh.tasks import cancel_and_wait
 
 __all__ = ["Election"]
 

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from types import TracebackType
 from typing import Protocol
 
 from mesh.errors import StoreError
+from mesh.lifecycle import Service, cancel_and_wait
 from mesh.log import get_logger, kv
-from mesh.tasks import cancel_and_wait
 
 __all__ = ["Lease", "LeaseOwner"]
 
@@ -31,7 +30,7 @@ class LeaseOwner(Protocol):
     async def revoke_lease(self, lease_id: int) -> bool: ...
 
 
-class Lease:
+class Lease(Service):
     """A granted lease whose keep-alive task this object owns. ``lost`` is set (and ``alive`` is
     False) once etcd says it expired, it was revoked, or keep-alives failed for longer than the TTL."""
 
@@ -46,7 +45,7 @@ class Lease:
     def alive(self) -> bool:
         return not self.lost.is_set()
 
-    def _start(self) -> None:
+    async def _start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._keepalive(), name=f"lease-{self.id:x}")
 
     async def _keepalive(self) -> None:
@@ -72,22 +71,16 @@ class Lease:
                 return
             last_ok, delay = sent, interval
 
-    async def _stop_keepalive(self) -> None:
+    async def revoke(self) -> None:
+        """Revoke it in etcd now (its keys vanish); the same as ``stop()`` and leaving ``async with``."""
+        await self.stop()
+
+    async def _stop(self) -> None:
         task, self._task = self._task, None
         await cancel_and_wait(task)
-
-    async def revoke(self) -> None:
-        await self._stop_keepalive()
         self.lost.set()
         self._store._leases.discard(self)
         await self._store.revoke_lease(self.id)
-
-    async def __aenter__(self) -> Lease:
-        return self
-
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
-        await self.revoke()
 
     def __repr__(self) -> str:
         return f"Lease({self.id:x}, ttl={self.ttl:g}, alive={self.alive})"

@@ -20,10 +20,10 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from types import TracebackType
 from typing import IO
 
 from mesh.errors import EtcdServerError
+from mesh.lifecycle import Service
 from mesh.log import get_logger, kv
 
 __all__ = ["EmbeddedEtcd", "clear_record", "etcd_binary", "find_running", "healthy", "write_record"]
@@ -110,17 +110,22 @@ def find_running(home: Path | str) -> str | None:
     return url
 
 
-class EmbeddedEtcd:
+class EmbeddedEtcd(Service):
     """One single-member etcd cluster in a child process.
 
     Ports are picked once (free ports, never 2379/2380) and kept for the life of the object, so
-    ``stop()`` then ``start()`` (or ``restart()``) brings it back on the same URL and data.
+    ``stop(keep_data=True)`` then ``start()`` (or ``restart()``) brings it back on the same URL and data.
     """
+
+    _restartable = True
 
     def __init__(self, data_dir: Path | None = None, *, host: str = "127.0.0.1",
                  client_port: int | None = None, peer_port: int | None = None, name: str = "tiermesh",
-                 unsafe_no_fsync: bool = False) -> None:
+                 unsafe_no_fsync: bool = False, start_timeout: float = 20.0, stop_timeout: float = 10.0) -> None:
         self.host = host
+        self.start_timeout = start_timeout
+        self.stop_timeout = stop_timeout
+        self._keep_data = False
         self.name = name
         self.unsafe_no_fsync = unsafe_no_fsync
         self._given_dir = Path(data_dir) if data_dir is not None else None
@@ -197,10 +202,9 @@ class EmbeddedEtcd:
             return ""
         return "\n".join(lines[-n:])
 
-    async def start(self, timeout: float = 20.0) -> None:  # noqa: ASYNC109
+    async def _start(self) -> None:
         """Start etcd and wait until /health says it is healthy."""
-        if self.running():
-            return
+        timeout = self.start_timeout
         self._prepare_dir()
         self._pick_ports()
         cmd = self._command()
@@ -258,37 +262,33 @@ class EmbeddedEtcd:
         if fh is not None:
             fh.close()
 
-    async def stop(self, timeout: float = 10.0, *, keep_data: bool = False) -> None:  # noqa: ASYNC109
-        """SIGTERM, then SIGKILL after ``timeout``. Removes a temp data dir it created unless
+    async def stop(self, *, keep_data: bool = False) -> None:
+        """SIGTERM, then SIGKILL after ``stop_timeout``. Removes a temp data dir it created unless
         ``keep_data`` (a data dir that was given is never removed)."""
+        self._keep_data = keep_data
+        await super().stop()
+
+    async def _stop(self) -> None:
         try:
-            await self._terminate(timeout)
+            await self._terminate(self.stop_timeout)
         except subprocess.TimeoutExpired as exc:
             raise EtcdServerError("etcd did not exit after SIGKILL") from exc
-        if self._temp_dir is not None and not keep_data:
+        if self._temp_dir is not None and not self._keep_data:
             shutil.rmtree(self._temp_dir, ignore_errors=True)
             self._temp_dir = None
         log.info("etcd stopped", extra=kv(event="etcd_stop"))
 
-    async def restart(self, timeout: float = 20.0) -> None:  # noqa: ASYNC109
+    async def restart(self) -> None:
         """Stop and start again on the same ports and data."""
         await self.stop(keep_data=True)
-        await self.start(timeout)
-
-    def start_sync(self, timeout: float = 20.0) -> None:
-        """``start()`` for callers without an event loop (pytest session fixtures, scripts)."""
-        asyncio.run(self.start(timeout))
-
-    def stop_sync(self, timeout: float = 10.0) -> None:
-        asyncio.run(self.stop(timeout))
-
-    async def __aenter__(self) -> EmbeddedEtcd:
         await self.start()
-        return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
-        await self.stop()
+    def start_sync(self) -> None:
+        """``start()`` for callers without an event loop (pytest session fixtures, scripts)."""
+        asyncio.run(self.start())
+
+    def stop_sync(self) -> None:
+        asyncio.run(self.stop())
 
     def __repr__(self) -> str:
         state = "running" if self.running() else "stopped"

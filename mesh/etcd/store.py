@@ -21,7 +21,6 @@ import json
 import math
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
@@ -32,6 +31,7 @@ from aetcd import utils as aetcd_utils
 from mesh.errors import ConflictError, StoreError, StoreUnavailable
 from mesh.etcd.lease import Lease
 from mesh.etcd.watch import Compacted, Watch, WatchEvent
+from mesh.lifecycle import Service, State
 from mesh.log import get_logger
 
 __all__ = [
@@ -159,7 +159,7 @@ def _errors(what: str) -> Iterator[None]:
         raise _translate(exc, what) from exc
 
 
-class Store:
+class Store(Service):
     """A connection to etcd under one key prefix. Create with ``await Store.connect(url)``."""
 
     def __init__(self, client: aetcd.Client, url: str, prefix: str, timeout: float) -> None:
@@ -170,7 +170,6 @@ class Store:
         self.timeout = timeout
         self._leases: set[Lease] = set()
         self._watches: set[Watch] = set()
-        self._closed = False
 
     @classmethod
     async def connect(cls, url: str, prefix: str = "/tiermesh/", *, timeout: float = 5.0) -> Store:  # noqa: ASYNC109
@@ -181,12 +180,14 @@ class Store:
                               options=dict(_CHANNEL_OPTIONS))
         store = cls(client, url, prefix, timeout)
         try:
-            await client.connect()
-            await asyncio.wait_for(store.revision(), timeout)
+            await store.start()
         except (StoreError, TimeoutError, aetcd.ClientError) as exc:
-            await client.close()
             raise StoreUnavailable(f"etcd at {url} unreachable: {exc}") from exc
         return store
+
+    async def _start(self) -> None:
+        await self._client.connect()
+        await asyncio.wait_for(self.revision(), self.timeout)
 
     # -- plumbing -------------------------------------------------------------------------------
     def _k(self, key: str) -> bytes:
@@ -203,7 +204,7 @@ class Store:
         return self._client.metadata
 
     def _stub(self, name: str) -> Any:
-        if self._closed or self._client.kvstub is None:
+        if self.state is State.STOPPED or self._client.kvstub is None:
             raise StoreError("store is closed")
         if name == "watchstub":
             return rpc.WatchStub(self._client.channel)
@@ -308,7 +309,7 @@ class Store:
             raise StoreError(f"lease grant refused: {resp.error}")
         lease = Lease(self, int(resp.ID), float(resp.TTL))
         self._leases.add(lease)
-        lease._start()
+        await lease.start()
         return lease
 
     async def revoke_lease(self, lease_id: int) -> bool:
@@ -374,23 +375,16 @@ class Store:
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def close(self) -> None:
-        if self._closed:
-            return
+        await self.stop()
+
+    async def _stop(self) -> None:
         for w in list(self._watches):
             await w.close()
         for lease in list(self._leases):
             # Revoking makes this process's leased keys vanish now rather than a TTL later.
             with contextlib.suppress(StoreError, TimeoutError):
                 await asyncio.wait_for(lease.revoke(), min(self.timeout, 2.0))
-        self._closed = True
         await self._client.close()
 
-    async def __aenter__(self) -> Store:
-        return self
-
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
-        await self.close()
-
     def __repr__(self) -> str:
-        return f"Store({self.url}, prefix={self.prefix!r}{', closed' if self._closed else ''})"
+        return f"Store({self.url}, prefix={self.prefix!r}, {self.state.value})"

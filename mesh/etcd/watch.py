@@ -12,12 +12,11 @@ import contextlib
 import random
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any, Literal, Protocol
 
 from mesh.errors import StoreError
+from mesh.lifecycle import Service, State, cancel_and_wait
 from mesh.log import get_logger, kv
-from mesh.tasks import cancel_and_wait
 
 __all__ = ["Compacted", "Watch", "WatchEvent", "WatchSource"]
 
@@ -49,7 +48,7 @@ class WatchSource(Protocol):
                       ) -> AsyncGenerator[tuple[list[WatchEvent], bool, int], None]: ...
 
 
-class Watch:
+class Watch(Service):
     """Async iterator of :class:`WatchEvent` under a prefix, in revision order.
 
     A pump task owns one gRPC watch stream; when the stream drops (etcd restarted, network cut)
@@ -66,12 +65,9 @@ class Watch:
         self._cursor = self.last_revision  # revision of the last event queued by the pump
         self._queue: asyncio.Queue[WatchEvent | BaseException | None] = asyncio.Queue(maxsize=4096)
         self._task: asyncio.Task[None] | None = None
-        self._closed = False
         self.reconnects = 0
 
-    async def start(self) -> None:
-        if self._task is not None or self._closed:
-            return
+    async def _start(self) -> None:
         if self._start_revision is None:
             self._cursor = self.last_revision = await self._store.revision()
         self._store._watches.add(self)
@@ -113,9 +109,10 @@ class Watch:
         return self
 
     async def __anext__(self) -> WatchEvent:
-        if self._closed and self._queue.empty():
+        if self.state is State.NEW:
+            await self.start()
+        elif self.state is not State.RUNNING and self._queue.empty():
             raise StopAsyncIteration
-        await self.start()
         item = await self._queue.get()
         if item is None:
             raise StopAsyncIteration
@@ -126,18 +123,13 @@ class Watch:
         return item
 
     async def close(self) -> None:
-        self._closed = True
+        await self.stop()
+
+    async def _stop(self) -> None:
         self._store._watches.discard(self)
         task, self._task = self._task, None
         await cancel_and_wait(task)
         with contextlib.suppress(asyncio.QueueFull):
             self._queue.put_nowait(None)  # wake a consumer blocked in __anext__
 
-    async def __aenter__(self) -> Watch:
-        await self.start()
-        return self
-
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
-        await self.close()
 

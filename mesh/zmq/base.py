@@ -1,4 +1,4 @@
-"""What both ends of :mod:`mesh.zmq` share: the socket-security hook, the lifecycle state, and
+"""What both ends of :mod:`mesh.zmq` share: the socket-security hook and
 the process-wide ZeroMQ context that ends created without one (and without security) run on.
 
 Why one context: every ``zmq.Context`` starts its own I/O thread. A site agent holds a server and a
@@ -11,7 +11,6 @@ per context.
 
 from __future__ import annotations
 
-import enum
 import os
 import threading
 from typing import Any, Protocol
@@ -19,7 +18,7 @@ from typing import Any, Protocol
 import zmq
 import zmq.asyncio
 
-__all__ = ["LifecycleState", "SharedContext", "SocketSecurity", "close_context", "open_context"]
+__all__ = ["SharedContext", "SocketSecurity", "close_context", "open_context"]
 
 
 class SocketSecurity(Protocol):
@@ -28,12 +27,6 @@ class SocketSecurity(Protocol):
     def apply_server(self, sock: zmq.Socket[Any]) -> None: ...
 
     def apply_client(self, sock: zmq.Socket[Any], server_key: bytes | None) -> None: ...
-
-
-class LifecycleState(enum.Enum):
-    UNOPENED = "unopened"
-    OPEN = "open"
-    CLOSED = "closed"
 
 
 class SharedContext:

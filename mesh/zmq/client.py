@@ -16,17 +16,18 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Self, cast
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from mesh.errors import DeadlineExceeded, MeshError, PayloadTooLarge, PeerUnavailable, RequestError
+from mesh.lifecycle import Service, State
 from mesh.log import get_logger, kv
 from mesh.types import InferRequest, InferResponse
 from mesh.zmq import protocol as wire
-from mesh.zmq.base import LifecycleState, SocketSecurity, close_context, open_context
+from mesh.zmq.base import SocketSecurity, close_context, open_context
 from mesh.zmq.pump import Pump, io_socket
 
 __all__ = ["ZmqClient"]
@@ -53,7 +54,7 @@ class _Peer:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
 
-class ZmqClient:
+class ZmqClient(Service):
     """One DEALER per peer endpoint, shared by every caller; replies dispatched by the peer's pump."""
 
     def __init__(self, *, ctx: zmq.asyncio.Context | None = None, security: SocketSecurity | None = None,
@@ -67,24 +68,18 @@ class ZmqClient:
         self._max_bytes = max_bytes
         self._peers: dict[str, _Peer] = {}
         self._dying: set[asyncio.Task[None]] = set()
-        self._state = LifecycleState.OPEN
+        self._state = State.RUNNING  # usable from construction: peers open on first use
         self.late_replies = 0  # replies that came after their request timed out or was failed
 
     def connect(self, endpoint: str) -> None:
         """Open the connection to ``endpoint`` now rather than on the first request: over a WAN the
         TCP + ZMTP handshake costs several round trips, which the first queries would otherwise pay."""
-        if self._state is not LifecycleState.CLOSED and endpoint not in self._peers:
+        if self._state is State.RUNNING and endpoint not in self._peers:
             self._open_peer(endpoint)
 
     def pending(self, endpoint: str) -> int:
         peer = self._peers.get(endpoint)
         return 0 if peer is None else len(peer.pending)
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
 
     async def request(self, endpoint: str, req: InferRequest) -> InferResponse:
         """Send ``req`` to ``endpoint`` and await its reply. Sets ``req.request_id`` if empty.
@@ -92,7 +87,7 @@ class ZmqClient:
         The wire id is the request id, unless that id is already in flight to the same peer (two
         callers chose the same id) or too long for the wire: then a fresh one stands in for it and
         the reply still carries ``req.request_id``."""
-        if self._state is not LifecycleState.OPEN:
+        if self._state is not State.RUNNING:
             raise PeerUnavailable("zmq client is closed")
         if req.deadline <= 0:
             raise RequestError("request has no deadline")
@@ -153,9 +148,9 @@ class ZmqClient:
         return 0 if peer is None else self._drop_peer(peer, reason)
 
     async def close(self) -> None:
-        if self._state is LifecycleState.CLOSED:
-            return
-        self._state = LifecycleState.CLOSED
+        await self.stop()
+
+    async def _stop(self) -> None:
         for peer in list(self._peers.values()):
             self._drop_peer(peer, "client closed")
         await asyncio.gather(*self._dying, return_exceptions=True)

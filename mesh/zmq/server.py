@@ -18,10 +18,11 @@ import zmq
 import zmq.asyncio
 
 from mesh.errors import DeadlineExceeded, MeshError, Overloaded
+from mesh.lifecycle import Service
 from mesh.log import get_logger, kv
 from mesh.types import InferRequest, InferResponse
 from mesh.zmq import protocol as wire
-from mesh.zmq.base import LifecycleState, SocketSecurity, close_context, open_context
+from mesh.zmq.base import SocketSecurity, close_context, open_context
 from mesh.zmq.pump import Pump, io_socket
 
 __all__ = ["Handler", "ZmqServer"]
@@ -31,7 +32,7 @@ log = get_logger("mesh.zmq")
 Handler = Callable[[InferRequest], Awaitable[InferResponse]]
 
 
-class ZmqServer:
+class ZmqServer(Service):
     """ROUTER bound on ``bind`` (port 0 picks a free one; ``endpoint`` says which)."""
 
     def __init__(self, handler: Handler, *, bind: str = "tcp://127.0.0.1:0",
@@ -51,22 +52,18 @@ class ZmqServer:
         self._sock: zmq.Socket[Any] | None = None
         self._pump: Pump | None = None
         self._inflight: set[asyncio.Task[None]] = set()
-        self._state = LifecycleState.UNOPENED
         self._endpoint = ""
 
     @property
     def endpoint(self) -> str:
-        if self._state is not LifecycleState.OPEN:
-            raise RuntimeError(f"server is {self._state.value}")
+        self._require_running("its endpoint")
         return self._endpoint
 
     @property
     def inflight(self) -> int:
         return len(self._inflight)
 
-    async def start(self) -> None:
-        if self._state is not LifecycleState.UNOPENED:
-            raise RuntimeError(f"server is {self._state.value}")
+    async def _start(self) -> None:
         if self._ctx is None:
             self._ctx = open_context(self._security)
         sock: zmq.Socket[Any] | None = None
@@ -86,13 +83,9 @@ class ZmqServer:
         self._sock = sock
         self._endpoint = cast(bytes, sock.getsockopt(zmq.LAST_ENDPOINT)).decode()
         self._pump = Pump(io_socket(sock), self._dispatch, f"zmq server {self._endpoint}")
-        self._state = LifecycleState.OPEN
         log.info("zmq server listening on %s", self._endpoint)
 
-    async def stop(self) -> None:
-        if self._state is LifecycleState.CLOSED:
-            return
-        self._state = LifecycleState.CLOSED
+    async def _stop(self) -> None:
         if self._pump is not None:
             self._pump.close()
         tasks = list(self._inflight)

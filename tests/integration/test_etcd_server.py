@@ -81,9 +81,9 @@ async def test_port_in_use_is_an_etcd_server_error(tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
-        srv = EmbeddedEtcd(tmp_path / "busy", client_port=s.getsockname()[1])
+        srv = EmbeddedEtcd(tmp_path / "busy", client_port=s.getsockname()[1], start_timeout=10)
         with pytest.raises(EtcdServerError):
-            await srv.start(timeout=10)
+            await srv.start()
         assert not srv.running()
 
 

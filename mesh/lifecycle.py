@@ -1,0 +1,112 @@
+"""One lifecycle for the long-lived parts: :class:`Service` (start once, stop always, ``async with``)
+and :func:`cancel_and_wait` for the background tasks a part owns (every task has an owner that
+stops it).
+
+A subclass writes ``_start`` and ``_stop``; the base keeps the state and the rules around them:
+
+- ``start()`` runs once; a second start, or a start after stop, is a ``RuntimeError`` (a part
+  that can come back, like a supervised etcd process, sets ``_restartable`` and may start again
+  once stopped);
+- a ``_start`` that fails is followed by ``_stop`` (so ``_stop`` must cope with a half-started
+  part), and the error propagates; the part is then stopped;
+- ``stop()`` is idempotent and safe on a part that never started;
+- ``async with part:`` starts it (unless a factory already did) and stops it, whatever
+  happened in between.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from types import TracebackType
+from typing import ClassVar, Self
+
+from mesh.log import get_logger
+
+__all__ = ["Service", "State", "cancel_and_wait"]
+
+log = get_logger("mesh.lifecycle")
+
+
+async def cancel_and_wait(*tasks: asyncio.Task[object] | None) -> None:
+    """Cancel ``tasks`` (``None`` entries are skipped) and wait until each has finished, so nothing
+    it holds outlives its owner's ``stop()``. A task that had already died of an error is logged,
+    not re-raised: its owner's stop must still finish."""
+    live = [t for t in tasks if t is not None]
+    for t in live:
+        t.cancel()
+    for t in live:
+        try:
+            await t
+        except asyncio.CancelledError:
+            if not t.cancelled():  # the caller itself is being cancelled
+                raise
+        except Exception:
+            log.exception("task %s had failed before it was stopped", t.get_name())
+
+
+class State(enum.Enum):
+    NEW = "new"
+    STARTING = "starting"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+class Service:
+    """Base of the long-lived components (agent, servers, etcd, store, watches, leases, harness)."""
+
+    _state: State = State.NEW
+    _restartable: ClassVar[bool] = False
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+    def _require_running(self, what: str) -> None:
+        if self._state is not State.RUNNING:
+            raise RuntimeError(f"{self!r} is {self._state.value}: {what} needs it running")
+
+    async def _start(self) -> None:
+        """Acquire what the part holds; may leave it half-started when it raises."""
+
+    async def _stop(self) -> None:
+        """Release what the part holds, including after a half-finished ``_start``."""
+
+    async def start(self) -> None:
+        if not (self._state is State.NEW or (self._restartable and self._state is State.STOPPED)):
+            raise RuntimeError(f"cannot start {self!r}: it is {self._state.value}")
+        self._state = State.STARTING
+        try:
+            await self._start()
+        except BaseException:
+            self._state = State.STOPPING
+            try:
+                await self._stop()
+            except Exception:
+                log.exception("cleanup after a failed start of %r failed", self)
+            finally:
+                self._state = State.STOPPED
+            raise
+        self._state = State.RUNNING
+
+    async def stop(self) -> None:
+        if self._state in (State.STOPPING, State.STOPPED):
+            return
+        if self._state is State.NEW:
+            self._state = State.STOPPED
+            return
+        self._state = State.STOPPING
+        try:
+            await self._stop()
+        finally:
+            self._state = State.STOPPED
+
+    async def __aenter__(self) -> Self:
+        if self._state is not State.RUNNING:
+            await self.start()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.stop()
