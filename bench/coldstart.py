@@ -46,6 +46,7 @@ from bench.traces import DailyPeak, Replayed, Trace, TraceSpec, make_trace, peak
 from tiermesh.harness import LocalMesh, MeshOptions
 from tiermesh.workload import SloClass
 from topology.loader import load_topology_file
+from topology.paths import topology_paths
 from topology.schema import Topology
 from variant_store.catalog import Catalog
 
@@ -119,7 +120,7 @@ def qualifying_loaded(run: ModeRun, site: str, min_accuracy: float, t: float) ->
 
 def local_only_budget(topo: Topology, edge: str, sites: list[str]) -> float:
     """Budgets below this can only be met at ``edge`` itself (the RTT to its nearest other site)."""
-    return min((2.0 * topo.graph.path_latency_ms(edge, s) for s in sites if s != edge), default=math.inf)
+    return min((topology_paths(topo).rtt(edge, s) for s in sites if s != edge), default=math.inf)
 
 
 def is_cold_violation(r: Replayed, run: ModeRun, classes: dict[str, SloClass], local_below: dict[str, float]

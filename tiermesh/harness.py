@@ -30,6 +30,7 @@ from mesh.lifecycle import Service
 from mesh.log import get_logger, kv
 from tiermesh.delayproxy import LinkShape, ProxyPool
 from topology.loader import load_topology_file
+from topology.paths import topology_paths
 from topology.schema import Topology
 from topology.store_io import apply as apply_topology
 from variant_store.blobs import BlobStore
@@ -37,7 +38,7 @@ from variant_store.build import ensure_digits_family
 from variant_store.catalog import Catalog
 from variant_store.server import VariantStoreServer
 
-__all__ = ["LocalMesh", "MeshOptions", "SiteProcess"]
+__all__ = ["LocalMesh", "MeshOptions", "SiteProcess", "path_shape"]
 
 log = get_logger(__name__)
 
@@ -46,6 +47,20 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def path_shape(topology: Topology, src: str, dst: str, *, jitter: bool = True) -> LinkShape:
+    """The delay proxy's shape from ``src`` to ``dst``: the one-way latency and bottleneck bandwidth
+    of the path routing plans on (:mod:`topology.paths`, so an equal-cost tie resolves the same
+    way here and in the RTT table). ``jitter``: the largest declared jitter of a link at either
+    end, at most a quarter of the latency (the blob proxy runs without)."""
+    paths = topology_paths(topology)
+    one_way = paths.path_latency_ms(src, dst)
+    bandwidth = paths.bottleneck_bandwidth_mbps(src, dst)
+    if not jitter:
+        return LinkShape(latency_ms=one_way, bandwidth_mbps=bandwidth)
+    spread = max((lk.jitter_ms for lk in topology.links if src in lk.ends or dst in lk.ends), default=0.0)
+    return LinkShape(latency_ms=one_way, jitter_ms=min(spread, one_way / 4), bandwidth_mbps=bandwidth)
 
 
 @dataclass(slots=True)
@@ -192,17 +207,12 @@ class LocalMesh(Service):
 
     # -- WAN emulation ---------------------------------------------------------------------
     async def _start_proxies(self) -> None:
-        graph = self.topology.graph
         for src in self.sites:
             peer_map: dict[str, str] = {}
             for dst, sp in self.sites.items():
                 if dst == src:
                     continue
-                one_way = graph.path_latency_ms(src, dst)
-                jitter = max((lk.jitter_ms for lk in self.topology.links
-                              if src in lk.ends or dst in lk.ends), default=0.0)
-                shape = LinkShape(latency_ms=one_way, jitter_ms=min(jitter, one_way / 4),
-                                  bandwidth_mbps=graph.bottleneck_bandwidth_mbps(src, dst))
+                shape = path_shape(self.topology, src, dst)
                 proxy = await self.proxies.add(src, dst, ("127.0.0.1", sp.zmq_port), shape)
                 peer_map[dst] = proxy.endpoint
             blob_proxy = await self._blob_proxy(src)
@@ -229,9 +239,7 @@ class LocalMesh(Service):
         url = urlsplit(self.variant_server.url)
         if url.hostname is None or url.port is None:
             return None
-        graph = self.topology.graph
-        shape = LinkShape(latency_ms=graph.path_latency_ms(src, home_site),
-                          bandwidth_mbps=graph.bottleneck_bandwidth_mbps(src, home_site))
+        shape = path_shape(self.topology, src, home_site, jitter=False)
         proxy = await self.proxies.add(src, BLOB_PEER, (url.hostname, url.port), shape)
         return f"http://{proxy.listen_host}:{proxy.port}"
 

@@ -1,12 +1,12 @@
 """Topology: the operator's description of sites, links and tenants.
 
 ``loader`` turns YAML into typed ``schema`` objects (or one precise ``TopologyError``),
-``graph`` answers latency / bandwidth questions over it, ``store_io`` diffs and applies it to
-etcd, ``cli`` is ``tiermesh topology ...``.
+``paths`` is the mesh's one shortest-path computation over it (latency, bottleneck, jitter),
+``store_io`` diffs and applies it to etcd. ``tiermesh topology ...`` lives in ``tiermesh/cli``.
 """
 
-from topology.graph import TopologyGraph
 from topology.loader import load_topology_file, parse_topology
+from topology.paths import LinkSpec, PathTables, shortest_paths, topology_paths
 from topology.schema import (
     SCHEMA_VERSION,
     Gpu,
@@ -27,15 +27,18 @@ __all__ = [
     "Hardware",
     "Isolation",
     "Link",
+    "LinkSpec",
+    "PathTables",
     "Site",
     "Tenant",
     "Tier",
     "Topology",
-    "TopologyGraph",
     "apply",
     "desired_state",
     "diff",
     "load_topology",
     "load_topology_file",
     "parse_topology",
+    "shortest_paths",
+    "topology_paths",
 ]

@@ -29,7 +29,6 @@ import re
 from pathlib import Path
 from typing import Any, NoReturn
 
-import networkx as nx
 from ruamel.yaml import YAML
 from ruamel.yaml.error import MarkedYAMLError, YAMLError
 
@@ -308,20 +307,42 @@ class _Loader:
 
     def graph_rules(self, sites: dict[str, Site], links: list[Link],
                     site_lines: dict[str, tuple[int, int]]) -> None:
-        g: nx.Graph = nx.Graph()
-        g.add_nodes_from(sites)
-        g.add_edges_from(lk.ends for lk in links)
+        neighbours: dict[str, set[str]] = {n: set() for n in sites}
+        for lk in links:
+            neighbours[lk.a].add(lk.b)
+            neighbours[lk.b].add(lk.a)
         for name, site in sites.items():
             if site.tier != "edge":
                 continue
-            if not any(sites[n].tier in ("middle", "core") for n in g.neighbors(name)):
+            if not any(sites[n].tier in ("middle", "core") for n in neighbours[name]):
                 i, line = site_lines[name]
                 self.fail(f"edge site {name!r} has no link to a middle or core site", line, f"sites[{i}]")
-        if len(sites) < 2 or nx.is_connected(g):
+        comps = _components(neighbours)
+        if len(comps) <= 1:
             return
         # The main component is the one holding a core site (else the biggest); report others.
-        comps = sorted(nx.connected_components(g), key=len, reverse=True)
+        comps.sort(key=len, reverse=True)
         main = next((c for c in comps if any(sites[n].tier == "core" for n in c)), comps[0])
         stray = min((n for n in sites if n not in main), key=lambda n: site_lines[n][0])
         i, line = site_lines[stray]
         self.fail(f"site {stray!r} is not reachable from the other sites (add a link)", line, f"sites[{i}]")
+
+
+def _components(neighbours: dict[str, set[str]]) -> list[set[str]]:
+    """Connected components, in the order their first site appears (a plain walk: the loader
+    needs reachability, not paths, and a topology has a few dozen sites)."""
+    seen: set[str] = set()
+    comps: list[set[str]] = []
+    for start in neighbours:
+        if start in seen:
+            continue
+        comp = {start}
+        todo = [start]
+        while todo:
+            for n in neighbours[todo.pop()]:
+                if n not in comp:
+                    comp.add(n)
+                    todo.append(n)
+        seen |= comp
+        comps.append(comp)
+    return comps

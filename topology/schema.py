@@ -15,11 +15,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass, field
-from functools import cached_property
-from typing import TYPE_CHECKING, Any, Literal, cast
-
-if TYPE_CHECKING:
-    from topology.graph import TopologyGraph
+from typing import Any, Literal, cast
 
 __all__ = [
     "ISOLATIONS",
@@ -188,7 +184,8 @@ class Tenant:
 
 @dataclass(frozen=True)
 class Topology:
-    """Sites by name, links sorted by endpoints, tenants by name. ``graph`` is built once, on first use."""
+    """Sites by name, links sorted by endpoints, tenants by name. Paths over it come from
+    ``topology.paths.topology_paths``."""
 
     sites: dict[str, Site]
     links: tuple[Link, ...] = ()
@@ -197,12 +194,6 @@ class Topology:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "links", tuple(sorted(self.links, key=lambda lk: lk.ends)))
-
-    @cached_property
-    def graph(self) -> TopologyGraph:
-        from topology.graph import TopologyGraph
-
-        return TopologyGraph(self)
 
     def sites_in_tier(self, tier: str) -> list[Site]:
         return [s for s in self.sites.values() if s.tier == tier]

@@ -8,7 +8,8 @@ Units and conventions (one place, so no two modules disagree):
 
 * ``MeshSnapshot.rtt_ms[i, j]`` is the **round-trip** path latency in ms between sites ``i`` and
   ``j`` (twice the one-way shortest-path latency over topology links); ``inf`` when unreachable,
-  ``0`` on the diagonal.
+  ``0`` on the diagonal. The paths are those of :mod:`topology.paths` (one computation for routing,
+  placement and the harness's WAN delays); its tables are cached and shared, so read-only.
 * ``MeshSnapshot.margin_ms[i, j]`` is the **tail allowance** routing adds to a forward from ``i``
   to ``j`` on top of the round trip (see :func:`tail_margin_ms`); ``0`` on the diagonal and
   wherever the snapshot was built without link jitter.
@@ -26,17 +27,15 @@ from __future__ import annotations
 
 import itertools
 import math
-import operator
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 from numpy.typing import NDArray
-from scipy.sparse import csr_matrix
-from scipy.sparse.csgraph import shortest_path
 
 from mesh.errors import CatalogError, TopologyError
+from topology.paths import PathTables, shortest_paths
 
 if TYPE_CHECKING:
     from variant_store.meta import VariantMeta
@@ -248,52 +247,25 @@ class MeshSnapshot:
                    store_site=store_site if store_site in index else None)
 
 
-def _paths(index: Mapping[str, int], links: Iterable[tuple[str, str, float, float, float]]
-           ) -> tuple[NDArray[np.float64], NDArray[np.int32], NDArray[np.float64], NDArray[np.float64]]:
-    """Lowest-latency paths over ``(a, b, latency_ms, mbps, jitter_ms)`` links: one-way distances,
-    predecessors, and each direct link's bandwidth and jitter (parallel links: the faster one, then
-    the wider)."""
-    n = len(index)
-    lat = np.full((n, n), np.inf)
-    bw = np.zeros((n, n))
-    jit = np.zeros((n, n))
-    for a, b, latency, mbps, jitter in links:
-        if a not in index or b not in index:
-            raise TopologyError(f"link {a}-{b} names an unknown site", file="<snapshot>", field="links")
-        i, j = index[a], index[b]
-        # csgraph drops explicit zeros, so a zero-latency link keeps a tiny weight to stay an edge
-        w = max(float(latency), 1e-9)
-        if w < lat[i, j] or (w == lat[i, j] and mbps > bw[i, j]):
-            lat[i, j] = lat[j, i] = w
-            bw[i, j] = bw[j, i] = float(mbps)
-            jit[i, j] = jit[j, i] = float(jitter)
-    weights = np.where(np.isfinite(lat), lat, 0.0)
-    dist, pred = shortest_path(csr_matrix(weights), method="D", directed=False, return_predecessors=True)
-    return dist, pred, bw, jit
-
-
-def _along_paths(dist: NDArray[np.float64], pred: NDArray[np.int32], per_link: NDArray[np.float64],
-                 fold: Callable[[float, float], float], own: float) -> NDArray[np.float64]:
-    """``per_link`` folded along every shortest path (``own`` from a site to itself; 0 when
-    unreachable). Nodes go in distance order, so each predecessor is settled before its successor."""
-    n = len(dist)
-    out = np.zeros((n, n))
-    for src in range(n):
-        out[src, src] = own
-        for dst in np.argsort(dist[src], kind="stable"):
-            p = pred[src, dst]
-            if dst != src and p >= 0:
-                out[src, dst] = fold(out[src, p], per_link[p, dst])
-    return out
+def _in_index_order(index: Mapping[str, int], links: Iterable[tuple[str, str, float, float, float]],
+                    pick: Callable[[PathTables], NDArray[np.float64]]) -> NDArray[np.float64]:
+    """One table of :func:`topology.paths.shortest_paths` with rows and columns in ``index``'s
+    order (the shared, read-only table itself when that order is the tables' sorted one)."""
+    tables = shortest_paths(index, links)
+    table = pick(tables)
+    order = [tables.index[name] for name in sorted(index, key=index.__getitem__)]
+    if order == list(range(len(order))):
+        return table
+    return table[np.ix_(order, order)]
 
 
 def path_tables(index: Mapping[str, int], links: Iterable[Link]
                 ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
-    """Round-trip latency and bottleneck bandwidth along the lowest-latency path between all pairs."""
-    dist, pred, bw, _ = _paths(index, [(a, b, lat, mbps, 0.0) for a, b, lat, mbps in links])
-    rtt = 2.0 * dist
-    np.fill_diagonal(rtt, 0.0)
-    return rtt, _along_paths(dist, pred, bw, min, np.inf)
+    """Round-trip latency and bottleneck bandwidth along the lowest-latency path between all pairs
+    (the paths of :mod:`topology.paths`, the same ones the harness shapes its WAN delays on)."""
+    five = [(a, b, lat, mbps, 0.0) for a, b, lat, mbps in links]
+    return (_in_index_order(index, five, lambda t: t.rtt_ms),
+            _in_index_order(index, five, lambda t: t.bandwidth_mbps))
 
 
 # Tail allowance of a forward (see tail_margin_ms): a proportional share of the round trip, at
@@ -307,8 +279,7 @@ def path_jitter_ms(index: Mapping[str, int], links: Iterable[tuple[str, str, flo
     """Round-trip jitter bound between all pairs: twice the sum of the declared jitter of the links
     on the lowest-latency path (the path :func:`path_tables` takes; ``links``: ``(a, b, latency_ms,
     mbps, jitter_ms)``); 0 when unreachable."""
-    dist, pred, _, jit = _paths(index, links)
-    return 2.0 * _along_paths(dist, pred, jit, operator.add, 0.0)
+    return _in_index_order(index, list(links), lambda t: t.jitter_rtt_ms)
 
 
 def tail_margin_ms(rtt_ms: NDArray[np.float64], jitter_rtt_ms: NDArray[np.float64]) -> NDArray[np.float64]:

@@ -14,12 +14,11 @@ from core_scheduler.policy.snapshot import (
     SiteInfo,
     SiteLoad,
     VariantInfo,
-    path_jitter_ms,
-    path_tables,
     tail_margin_ms,
 )
 from core_scheduler.state.heartbeat import Heartbeat
 from core_scheduler.state.view import MeshView
+from topology.paths import topology_paths
 
 __all__ = ["build_snapshot", "site_load_from_record"]
 
@@ -66,11 +65,13 @@ def build_snapshot(view: MeshView, *, here: str | None = None,
     # sites with no heartbeat are dead: from_parts would invent an idle heartbeat for them
     alive = {ld.site for ld in loads}
     sites = [SiteInfo(**{**_fields(s), "alive": s.name in alive}) for s in sites]
-    index = {name: i for i, name in enumerate(sorted(topo.sites))}
-    rtt, bw = path_tables(index, links)
-    margin = tail_margin_ms(rtt, path_jitter_ms(index, [(lk.a, lk.b, lk.latency_ms, lk.bandwidth_mbps, lk.jitter_ms)
-                                                        for lk in topo.links]))
+    # cached by the topology's content: a heartbeat (most view changes) reuses the tables
+    paths = topology_paths(topo)
+    index = paths.index
+    rtt, bw = paths.rtt_ms, paths.bandwidth_mbps
+    margin = tail_margin_ms(rtt, paths.jitter_rtt_ms)
     if here is not None and rtt_correction and here in index:
+        rtt = rtt.copy()  # the cached table is shared
         h = index[here]
         for site, extra in rtt_correction.items():
             if site in index and site != here:

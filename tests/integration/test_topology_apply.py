@@ -11,6 +11,7 @@ import pytest
 from mesh.etcd.keys import link_key, site_key, tenant_key
 from mesh.etcd.store import Store
 from topology.loader import parse_topology
+from topology.paths import topology_paths
 from topology.schema import Topology
 from topology.store_io import META_KEY, apply, desired_state, load_topology
 
@@ -77,7 +78,7 @@ async def test_edit_one_link_rewrites_only_that_key(store: Store) -> None:
     link = loaded.link("mid-us", "core-eu")
     assert link is not None and link.latency_ms == 80.0
     # at 80 ms the detour through mid-eu (65 + 12) is now the shorter path
-    assert loaded.graph.path("mid-us", "core-eu") == ["mid-us", "mid-eu", "core-eu"]
+    assert topology_paths(loaded).path("mid-us", "core-eu") == ["mid-us", "mid-eu", "core-eu"]
 
 
 async def test_removed_site_deletes_its_keys(store: Store) -> None:

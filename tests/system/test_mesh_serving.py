@@ -30,6 +30,7 @@ from mesh.v2 import codec as codec
 from tests.system.conftest import REPO_ROOT, SMALL_TOPOLOGY, TASK, Holdout, catalog_variants
 from tiermesh.harness import LocalMesh
 from tiermesh.workload import DEFAULT_CLASSES, QueryRecord, SloClass, run_workload, summarise
+from topology.paths import topology_paths
 from variant_store.meta import VariantMeta
 
 pytestmark = [pytest.mark.system, pytest.mark.asyncio(loop_scope="module")]
@@ -297,7 +298,7 @@ async def test_blob_fetches_travel_each_sites_path_to_the_variant_store(small_me
 
     store = small_mesh.store
     assert store is not None
-    graph = small_mesh.topology.graph
+    paths = topology_paths(small_mesh.topology)
     proxies = small_mesh.proxies.proxies
     assert ("core-eu", BLOB_PEER) not in proxies  # the store's own site fetches locally
     for site in ("edge-fra-1", "edge-par-1", "mid-eu"):
@@ -307,7 +308,7 @@ async def test_blob_fetches_travel_each_sites_path_to_the_variant_store(small_me
         kv = await store.get(live_key(site))
         assert kv is not None and kv.value["loaded"], site
         assert proxy.bytes_forwarded > 0, f"{site} loaded variants without fetching through its path"
-        rtt = 2 * graph.path_latency_ms(site, "core-eu")
+        rtt = paths.rtt(site, "core-eu")
         # every load fetched at least one blob over the path (a shared backbone is fetched once,
         # so a head may load without a fetch of its own): the slowest load paid a round trip
         slowest = max(float(v["load_ms"]) for v in kv.value["loaded"].values())

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from mesh.errors import TopologyError
 from tiermesh.cli.topology import format_diff
 from topology.loader import load_topology_file, parse_topology
+from topology.paths import topology_paths
 from topology.schema import Gpu, Hardware, Link, Site, Tenant, Topology
 from topology.store_io import desired_state, diff
 
@@ -87,9 +88,9 @@ def test_json_round_trip_per_object() -> None:
     assert Topology.from_json(topo.to_json()) == topo
 
 
-def test_graph_is_cached() -> None:
-    topo = parse_topology(SMALL)
-    assert topo.graph is topo.graph
+def test_paths_are_cached_by_content() -> None:
+    # two parses are two objects but one topology: one set of path tables
+    assert topology_paths(parse_topology(SMALL)) is topology_paths(parse_topology(SMALL))
 
 
 def test_example_file_loads() -> None:
