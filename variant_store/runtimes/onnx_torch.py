@@ -136,6 +136,12 @@ class TorchGraph:
     def same_device(self, a: Any, b: Any) -> tuple[Any, Any]:
         """Move a CPU operand next to a device operand (0-d CPU tensors mix with CUDA ones natively)."""
         if a.device != b.device:
+            # a one-element CPU tensor becomes a 0-d one: torch reads it as a scalar, no host-to-device
+            # copy (a copy from pageable memory cannot be captured in a CUDA graph)
+            if a.device.type == "cpu" and a.numel() == 1 and b.dim() >= a.dim():
+                a = a.reshape(())
+            elif b.device.type == "cpu" and b.numel() == 1 and a.dim() >= b.dim():
+                b = b.reshape(())
             if a.device.type == "cpu" and a.dim() > 0:
                 a = a.to(b.device)
             elif b.device.type == "cpu" and b.dim() > 0:
@@ -238,6 +244,11 @@ def _reduce_l2(g: TorchGraph, a: list[Any], at: dict[str, Any]) -> Any:
 def _gather(g: TorchGraph, a: list[Any], at: dict[str, Any]) -> Any:
     data, idx = a[0], a[1]
     axis = int(at.get("axis", 0)) % data.dim()
+    if idx.device != data.device and idx.numel() == 1:  # a shape-derived position: index without a copy
+        i = int(idx.reshape(-1)[0])
+        i = i + data.shape[axis] if i < 0 else i
+        return data.select(axis, i) if idx.dim() == 0 else data.narrow(axis, i, 1).reshape(
+            (*data.shape[:axis], *idx.shape, *data.shape[axis + 1:]))
     if idx.device != data.device:
         idx = idx.to(data.device)
     idx = idx.long()

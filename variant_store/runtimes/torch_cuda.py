@@ -66,6 +66,11 @@ class TorchCudaRuntime(Runtime):
             raise RuntimeLoadError(f"torch runtime could not read {self.model_path.name}: {exc}",
                                    path=str(self.model_path)) from exc
         on_cuda = self.device.startswith("cuda")
+        if on_cuda and self.precision == "fp32":
+            # FP32 means IEEE FP32: cuDNN convolutions default to TF32 (10-bit mantissa) on Ampere and
+            # later, which moves logits by ~1e-3 and would make FP32 variants disagree with ONNX Runtime.
+            torch.backends.cudnn.allow_tf32 = False
+            torch.backends.cuda.matmul.allow_tf32 = False
         before = torch.cuda.memory_allocated() if on_cuda else 0
         self._torch = torch
         self._graph = TorchGraph(model, self.device, half=self.precision == "fp16")
