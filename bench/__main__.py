@@ -44,14 +44,16 @@ async def run_decision(ctx: RunContext) -> Path:
 
 
 def _scenarios() -> dict[str, Callable[[RunContext], Awaitable[Path]]]:
-    from bench import batching, coldstart, floors, geo
+    from bench import batching, coldstart, floors, geo, gpu_profile
 
     return {"mesh_hop": floors.run_mesh_hop, "http_api": floors.run_http_api, "sdk_local": floors.run_sdk_local,
             "decision": run_decision, "batching": batching.run_batching, "geo": geo.run_geo,
-            "coldstart": coldstart.run_coldstart}
+            "coldstart": coldstart.run_coldstart, "gpu_profile": gpu_profile.run_gpu_profile}
 
 
 SCENARIOS = ("mesh_hop", "http_api", "sdk_local", "decision", "batching", "geo", "coldstart")
+# Run only when named (--only gpu_profile): they need a CUDA GPU, which most hosts lack.
+GPU_SCENARIOS = ("gpu_profile",)
 
 
 async def _run(names: list[str], ctx: RunContext) -> int:
@@ -77,8 +79,8 @@ async def _run(names: list[str], ctx: RunContext) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds (the whole run in about 2 minutes)")
-    ap.add_argument("--only", nargs="+", choices=SCENARIOS, metavar="NAME",
-                    help=f"run only these scenarios: {', '.join(SCENARIOS)}")
+    ap.add_argument("--only", nargs="+", choices=SCENARIOS + GPU_SCENARIOS, metavar="NAME",
+                    help=f"run only these scenarios: {', '.join(SCENARIOS + GPU_SCENARIOS)}")
     ap.add_argument("--results", type=Path, default=RESULTS_DIR, help="where JSON and PNG files go")
     ap.add_argument("--no-report", action="store_true", help="do not regenerate BENCHMARKS.md")
     args = ap.parse_args(argv)

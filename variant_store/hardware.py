@@ -3,25 +3,34 @@
 ``onnxruntime-gpu`` lists the CUDA and TensorRT providers even on a host without a GPU and then
 silently runs on the CPU, so a provider list alone proves nothing: a GPU counts only when a CUDA
 device node exists *and* the provider is offered. The hardware class names the profile a variant's
-timings belong to (``cpu-x86_64``, ``gpu-h100``).
+timings belong to (``cpu-x86_64``, ``gpu-h100``). :func:`runtime_support` says, runtime by runtime,
+what this site can run and why not; a GPU reached through PyTorch (``torch-cuda``) is a GPU class
+of its own even where ONNX Runtime has only its CPU provider.
 """
 
 from __future__ import annotations
 
 import functools
 import glob
+import importlib.util
 import platform
 import re
 import shutil
 import subprocess
+from dataclasses import dataclass
 
 __all__ = [
+    "RuntimeSupport",
     "gpu_available",
     "gpu_model",
     "hardware_class_for",
     "local_hardware_class",
     "onnx_providers",
+    "runnable_runtimes",
+    "runtime_support",
+    "short_gpu_model",
     "tensorrt_available",
+    "torch_cuda_available",
 ]
 
 _GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
@@ -50,10 +59,33 @@ def gpu_model() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     first = out.strip().splitlines()[0] if out.strip() else ""
-    if not first:
-        return None
-    words = [w for w in re.split(r"[\s\-_]+", first.lower()) if w not in {"nvidia", "tesla", "geforce"}]
-    return words[0] if words else "cuda"
+    return short_gpu_model(first) if first else None
+
+
+def short_gpu_model(name: str) -> str:
+    """``"NVIDIA H100 80GB HBM3"`` -> ``"h100"``, ``"NVIDIA GeForce RTX 4090"`` -> ``"rtx-4090"``:
+    vendor words dropped, then words up to and including the first that holds a digit."""
+    words = [w for w in re.split(r"[\s\-_]+", name.lower()) if w and w not in {"nvidia", "tesla", "geforce"}]
+    out: list[str] = []
+    for w in words:
+        out.append(w)
+        if any(c.isdigit() for c in w):
+            break
+    return "-".join(out) or "cuda"
+
+
+@functools.lru_cache(maxsize=1)
+def torch_cuda_available() -> tuple[bool, str]:
+    """(True, short model) when PyTorch here can run kernels on a CUDA device; else (False, why not).
+
+    Imports torch only when it is installed (seconds, once: the answer is cached)."""
+    if importlib.util.find_spec("torch") is None:
+        return False, "torch is not installed (pip install 'tiermesh[gpu]')"
+    import torch
+
+    if not torch.cuda.is_available():
+        return False, f"torch {torch.__version__} sees no CUDA device"
+    return True, gpu_model() or short_gpu_model(torch.cuda.get_device_name(0))
 
 
 def gpu_available() -> tuple[bool, str]:
@@ -70,16 +102,22 @@ def gpu_available() -> tuple[bool, str]:
 
 
 def tensorrt_available() -> tuple[bool, str]:
-    ok, why = gpu_available()
-    if not ok:
-        return False, f"TensorRT needs a GPU: {why}"
-    try:
-        import tensorrt  # noqa: F401
-    except ImportError:
-        if "TensorrtExecutionProvider" in _ort_providers():
-            return True, "onnxruntime TensorRT execution provider"
+    """(True, how) when TensorRT can run here: the ``tensorrt`` package with a CUDA GPU that torch
+    reaches (engines need torch for device buffers), or ONNX Runtime's TensorRT provider on a GPU."""
+    has_pkg = importlib.util.find_spec("tensorrt") is not None
+    has_ep = "TensorrtExecutionProvider" in _ort_providers()
+    if not has_pkg and not has_ep:
         return False, "neither the tensorrt package nor the onnxruntime TensorRT provider is installed"
-    return True, "tensorrt"
+    why = ""
+    if has_pkg:
+        ok, why = torch_cuda_available()
+        if ok:
+            return True, "tensorrt"
+    if has_ep:
+        ok, why = gpu_available()
+        if ok:
+            return True, "onnxruntime TensorRT execution provider"
+    return False, f"TensorRT needs a GPU: {why}"
 
 
 def onnx_providers(prefer_gpu: bool = True) -> list[str]:
@@ -96,7 +134,51 @@ def hardware_class_for(providers_in_use: list[str]) -> str:
     """The class a measurement belongs to, from the providers a session actually used."""
     if any(p in _GPU_PROVIDERS for p in providers_in_use):
         return f"gpu-{gpu_model() or 'cuda'}"
+    if any(p.startswith("torch-cuda") for p in providers_in_use):
+        ok, model = torch_cuda_available()
+        return f"gpu-{model if ok else 'cuda'}"
     return f"cpu-{platform.machine().lower() or 'unknown'}"
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeSupport:
+    """Whether one runtime can run on this site: ``detail`` is the GPU / provider, or why not."""
+
+    runtime: str
+    ok: bool
+    detail: str
+
+
+def _tflite() -> tuple[bool, str]:
+    if importlib.util.find_spec("ai_edge_litert") is None:
+        return False, "ai-edge-litert is not installed"
+    return True, "ai-edge-litert"
+
+
+def runtime_support() -> list[RuntimeSupport]:
+    """Every runtime tiermesh knows, each with whether it can run here (detected, never assumed)."""
+    providers = _ort_providers()
+    gpu_ok, gpu_why = gpu_available()
+    torch_ok, torch_why = torch_cuda_available()
+    rows = [
+        RuntimeSupport("onnxruntime-cpu", "CPUExecutionProvider" in providers,
+                       "CPU provider" if providers else "onnxruntime is not installed"),
+        RuntimeSupport("onnxruntime-cuda", gpu_ok, gpu_why),
+        RuntimeSupport("onnxruntime-tensorrt", gpu_ok and "TensorrtExecutionProvider" in providers,
+                       gpu_why if not gpu_ok else "TensorRT provider" if "TensorrtExecutionProvider" in providers
+                       else "the onnxruntime TensorRT provider is not installed"),
+        RuntimeSupport("tensorrt", torch_ok and importlib.util.find_spec("tensorrt") is not None,
+                       torch_why if not torch_ok else "tensorrt" if importlib.util.find_spec("tensorrt")
+                       else "the tensorrt package is not installed"),
+        RuntimeSupport("torch-cuda", torch_ok, torch_why),
+        RuntimeSupport("tflite", *_tflite()),
+    ]
+    return rows
+
+
+def runnable_runtimes() -> list[str]:
+    """Names of the runtimes from :func:`runtime_support` that can run here."""
+    return [r.runtime for r in runtime_support() if r.ok]
 
 
 def local_hardware_class() -> str:

@@ -9,8 +9,10 @@ size gets at most ``repeats`` runs and at most ``time_budget_s`` seconds, after 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -32,6 +34,7 @@ class ProfileResult:
     providers: list[str]
     hardware_class: str
     runs: dict[int, int] = field(default_factory=dict)   # batch size -> timed runs actually done
+    device_memory_bytes: int = 0                         # accelerator memory the loaded variant held
 
     def to_profile(self, measured_at: float | None = None) -> Profile:
         return Profile(hardware_class=self.hardware_class, load_ms=self.load_ms, latency=dict(self.latency),
@@ -59,14 +62,18 @@ def measure_accuracy(outputs: np.ndarray, y: np.ndarray | None, metric: str,
 def profile_variant(runtime_format: str, path: Path, x_holdout: np.ndarray, y_holdout: np.ndarray | None, *,
                     metric: str = "top1", batch_sizes: tuple[int, ...] = (1, 8, 32), repeats: int = 50,
                     reference_outputs: np.ndarray | None = None, input_name: str | None = None,
-                    time_budget_s: float = 1.0, intra_op_threads: int = 1) -> ProfileResult:
-    """Load the variant at ``path`` with the runtime for ``runtime_format``, measure it, unload it."""
+                    time_budget_s: float = 1.0, intra_op_threads: int = 1,
+                    runtime_options: Mapping[str, Any] | None = None) -> ProfileResult:
+    """Load the variant at ``path`` with the runtime for ``runtime_format``, measure it, unload it.
+
+    ``runtime_options`` go to the runtime's constructor (``{"precision": "fp16"}`` for ``torch-cuda``).
+    The hardware class comes from the providers that actually ran it: a GPU run is ``gpu-<model>``."""
     if len(x_holdout) == 0:
         raise ConfigError("profiling needs held-out inputs")
     if metric == "cosine" and reference_outputs is None:
         raise ConfigError("metric cosine needs reference_outputs")
     rss0 = rss_bytes()
-    rt = open_runtime(runtime_format, Path(path), intra_op_threads=intra_op_threads)
+    rt = open_runtime(runtime_format, Path(path), intra_op_threads=intra_op_threads, **dict(runtime_options or {}))
     rt.load_sync()
     try:
         name = input_name or rt.input_specs[0].name
@@ -98,6 +105,7 @@ def profile_variant(runtime_format: str, path: Path, x_holdout: np.ndarray, y_ho
             # What loading and running it cost this process, never less than what the runtime holds.
             peak_memory_bytes=max(rt.memory_bytes, peak - rss0),
             providers=list(rt.providers_in_use),
-            hardware_class=hardware_class_for(rt.providers_in_use), runs=runs)
+            hardware_class=hardware_class_for(rt.providers_in_use), runs=runs,
+            device_memory_bytes=rt.device_memory_bytes())
     finally:
         rt.unload_sync()

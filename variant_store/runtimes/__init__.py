@@ -10,12 +10,14 @@ from variant_store.runtimes.base import Runtime, check_inputs, rss_bytes
 from variant_store.runtimes.onnx_rt import OnnxRuntime
 from variant_store.runtimes.tensorrt_rt import TensorRTRuntime
 from variant_store.runtimes.tflite_rt import TFLiteRuntime
+from variant_store.runtimes.torch_cuda import TorchCudaRuntime
 
 __all__ = [
     "OnnxRuntime",
     "Runtime",
     "TFLiteRuntime",
     "TensorRTRuntime",
+    "TorchCudaRuntime",
     "check_inputs",
     "open_runtime",
     "rss_bytes",
@@ -27,11 +29,13 @@ _BY_KEY: dict[str, type[Runtime]] = {
     "onnxruntime": OnnxRuntime,
     "tflite": TFLiteRuntime,
     "tensorrt": TensorRTRuntime,
+    "torch-cuda": TorchCudaRuntime,
 }
 
 
 def runtime_class(meta_format: str) -> type[Runtime]:
-    """The implementation for a variant format (``onnx`` / ``tflite`` / ``tensorrt``) or runtime name."""
+    """The implementation for a variant format (``onnx`` / ``tflite`` / ``tensorrt``) or runtime name
+    (``onnxruntime`` / ``torch-cuda``: an ONNX file run by PyTorch on a GPU)."""
     try:
         return _BY_KEY[meta_format]
     except KeyError:

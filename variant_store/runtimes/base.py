@@ -133,7 +133,11 @@ class Runtime(ABC):
 
     @abstractmethod
     def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run checked inputs; return float32 outputs by name."""
+        """Run checked inputs; return outputs by name, in the dtypes ``output_specs`` declares."""
+
+    def device_memory_bytes(self) -> int:
+        """Accelerator memory this variant holds (0 for host-only runtimes); ``memory_bytes`` is host memory."""
+        return 0
 
     @abstractmethod
     def _close(self) -> None:

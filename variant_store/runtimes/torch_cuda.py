@@ -1,0 +1,130 @@
+"""ONNX variants run through PyTorch on a CUDA GPU: the GPU runtime that needs no onnxruntime-gpu.
+
+The graph is interpreted by :class:`~variant_store.runtimes.onnx_torch.TorchGraph` (FP32, or FP16
+weights and activations with outputs cast back to the declared dtype). Small models are bound by
+launch overhead, not arithmetic: an interpreted MLP issues a handful of kernels, each costing a
+few microseconds of Python and driver time, so by default every input shape seen is captured once
+as a CUDA graph and later calls replay it (one launch). Shapes beyond ``max_graphs`` run eagerly;
+a graph whose capture fails (an op that syncs with the host) falls back to eager for that shape,
+and ``graph_failures`` says so.
+
+Thread safety: one lock per runtime around each call. A replayed graph reads and writes fixed
+device buffers, so two threads must not interleave on one graph; the GPU runs one stream's
+kernels in order anyway, so the lock costs little beyond the host copies it also serialises.
+``device="cpu"`` runs the same graph on the CPU (for tests on machines without a GPU).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from mesh.errors import RuntimeLoadError
+from variant_store.hardware import torch_cuda_available
+from variant_store.runtimes.base import Runtime
+
+__all__ = ["TorchCudaRuntime"]
+
+
+class TorchCudaRuntime(Runtime):
+    name = "torch-cuda"
+
+    def __init__(self, model_path: Any, *, intra_op_threads: int = 1, providers: list[str] | None = None,
+                 precision: str = "fp32", cuda_graphs: bool = True, device: str = "cuda",
+                 max_graphs: int = 16) -> None:
+        super().__init__(model_path, intra_op_threads=intra_op_threads, providers=providers)
+        if precision not in ("fp32", "fp16"):
+            raise RuntimeLoadError(f"torch-cuda: precision must be fp32 or fp16, got {precision!r}")
+        self.precision = precision
+        self.device = device
+        self.cuda_graphs = cuda_graphs and device.startswith("cuda")
+        self.max_graphs = max_graphs
+        self.graph_failures: dict[tuple[Any, ...], str] = {}
+        self._lock = threading.Lock()
+        self._graphs: dict[tuple[Any, ...], tuple[Any, dict[str, Any], dict[str, Any]]] = {}
+        self._graph: Any = None
+        self._torch: Any = None
+        self._device_bytes = 0
+
+    def _load(self) -> None:
+        if self.device.startswith("cuda"):
+            ok, why = torch_cuda_available()
+            if not ok:
+                raise RuntimeLoadError(f"torch-cuda unavailable: {why}", path=str(self.model_path))
+        try:
+            import onnx
+            import torch
+        except ImportError as exc:
+            raise RuntimeLoadError(f"torch runtime needs torch and onnx: {exc}") from exc
+        from variant_store.runtimes.onnx_torch import TorchGraph
+
+        try:
+            model = onnx.load(str(self.model_path))
+        except Exception as exc:  # onnx raises DecodeError / ValidationError, untyped here
+            raise RuntimeLoadError(f"torch runtime could not read {self.model_path.name}: {exc}",
+                                   path=str(self.model_path)) from exc
+        on_cuda = self.device.startswith("cuda")
+        if on_cuda and self.precision == "fp32":
+            # FP32 means IEEE FP32: cuDNN convolutions default to TF32 (10-bit mantissa) on Ampere and
+            # later, which moves logits by ~1e-3 and would make FP32 variants disagree with ONNX Runtime.
+            torch.backends.cudnn.allow_tf32 = False
+            torch.backends.cuda.matmul.allow_tf32 = False
+        before = torch.cuda.memory_allocated() if on_cuda else 0
+        self._torch = torch
+        self._graph = TorchGraph(model, self.device, half=self.precision == "fp16")
+        if on_cuda:
+            torch.cuda.synchronize()
+            self._device_bytes = torch.cuda.memory_allocated() - before
+        self.input_specs, self.output_specs = self._graph.input_specs, self._graph.output_specs
+        mode = "graphs" if self.cuda_graphs else "eager"
+        self.providers_in_use = [f"torch-{'cuda' if on_cuda else 'cpu'}-{self.precision}-{mode}"]
+
+    def device_memory_bytes(self) -> int:
+        return self._device_bytes
+
+    def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        torch = self._torch
+        with self._lock, torch.inference_mode():
+            key = tuple((n, a.shape, a.dtype.str) for n, a in inputs.items())
+            if self.cuda_graphs and key not in self.graph_failures and (
+                    key in self._graphs or len(self._graphs) < self.max_graphs):
+                entry = self._graphs.get(key) or self._capture(key, inputs)
+                if entry is not None:
+                    graph, static_in, static_out = entry
+                    for name, arr in inputs.items():
+                        static_in[name].copy_(torch.from_numpy(arr), non_blocking=False)
+                    graph.replay()
+                    return {n: t.cpu().numpy() for n, t in static_out.items()}
+            dev = {n: torch.from_numpy(a).to(self.device) for n, a in inputs.items()}
+            return {n: t.cpu().numpy() for n, t in self._graph(dev).items()}
+
+    def _capture(self, key: tuple[Any, ...], inputs: dict[str, np.ndarray]) -> Any:
+        """Capture one forward pass for this input shape; None (and eager from now on) if it cannot."""
+        torch = self._torch
+        static_in = {n: torch.from_numpy(a).to(self.device) for n, a in inputs.items()}
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up off the default stream, as capture requires
+                for _ in range(2):
+                    self._graph(static_in)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static_out = self._graph(static_in)
+        except Exception as exc:  # capture errors are plain RuntimeErrors from the CUDA runtime
+            self.graph_failures[key] = f"{type(exc).__name__}: {exc}"[:300]
+            torch.cuda.synchronize()
+            return None
+        entry = (graph, static_in, static_out)
+        self._graphs[key] = entry
+        return entry
+
+    def _close(self) -> None:
+        self._graphs.clear()
+        self._graph = None
+        if self._torch is not None and self.device.startswith("cuda"):
+            self._torch.cuda.empty_cache()
+        self._device_bytes = 0
