@@ -2,39 +2,114 @@
 
 These are the contracts between transports and the one place where a query is served
 (``edge_agent.dataplane``). They carry the tenant from the first byte.
+
+Each value is checked once, here, by the type that holds it, and later stages trust the type:
+an ``SLO`` cannot be built out of range (``SLO.parse`` is what every decoder calls: the HTTP
+parameters and both ZeroMQ decoders).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Final, Literal, get_args
 
 import numpy as np
 
+from mesh.errors import RequestError
+
 __all__ = [
+    "DEFAULT_PREFER",
     "DEFAULT_TENANT",
+    "PREFERS",
     "SLO",
+    "TIERS",
     "InferRequest",
     "InferResponse",
     "Prefer",
     "TaskSignature",
     "TensorSpec",
+    "Tier",
     "Timing",
 ]
 
 DEFAULT_TENANT = "public"
 Prefer = Literal["latency", "accuracy", "refuse"]
+PREFERS: Final[tuple[Prefer, ...]] = get_args(Prefer)
+DEFAULT_PREFER: Final[Prefer] = "latency"
+Tier = Literal["edge", "middle", "core"]
+TIERS: Final[tuple[Tier, ...]] = get_args(Tier)  # from the edge inwards
+
+
+def _finite(name: str, v: object) -> float:
+    if type(v) is not float:
+        # bool is an int: a flag must never pass as a number
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise RequestError(f"SLO {name} must be a finite number, got {v!r}")
+        try:
+            v = float(v)
+        except OverflowError as exc:  # an int beyond float's range
+            raise RequestError(f"SLO {name} must be a finite number, got {v!r}") from exc
+    if v - v != 0.0:  # inf - inf and nan - nan are nan
+        raise RequestError(f"SLO {name} must be a finite number, got {v!r}")
+    return v
 
 
 @dataclass(frozen=True, slots=True)
 class SLO:
-    """What the caller asks for. ``latency_ms`` is end-to-end from the edge's receipt."""
+    """What the caller asks for. ``latency_ms`` is end-to-end from the edge's receipt.
+
+    Always valid: a positive finite budget, ``min_accuracy`` in [0, 1], a non-negative finite
+    ``max_cost`` or none, one of ``PREFERS``; numbers are stored as floats. Anything else raises
+    ``RequestError`` on construction (a wire decoder translates it to ``ProtocolError``)."""
 
     latency_ms: float
     min_accuracy: float = 0.0
     max_cost: float | None = None
-    prefer: Prefer = "latency"
+    prefer: Prefer = DEFAULT_PREFER
+
+    def __post_init__(self) -> None:
+        # the one SLO validator: HTTP parameters, both ZeroMQ decoders and code all land here
+        latency, acc, cost = self.latency_ms, self.min_accuracy, self.max_cost
+        if type(latency) is not float or type(acc) is not float or (cost is not None and type(cost) is not float):
+            latency, acc = _finite("latency_ms", latency), _finite("min_accuracy", acc)
+            cost = None if cost is None else _finite("max_cost", cost)
+            object.__setattr__(self, "latency_ms", latency)
+            object.__setattr__(self, "min_accuracy", acc)
+            object.__setattr__(self, "max_cost", cost)
+        if not 0.0 < latency < math.inf:
+            raise RequestError(f"SLO latency_ms must be positive, got {latency!r}" if latency <= 0.0
+                               else f"SLO latency_ms must be a finite number, got {latency!r}")
+        if not 0.0 <= acc <= 1.0:
+            raise RequestError(f"SLO min_accuracy must be in [0, 1], got {acc!r}")
+        if cost is not None and not 0.0 <= cost < math.inf:
+            raise RequestError(f"SLO max_cost must be non-negative and finite, got {cost!r}")
+        if self.prefer not in PREFERS:
+            raise RequestError(f"SLO prefer must be one of {list(PREFERS)}, got {self.prefer!r}")
+
+    @classmethod
+    def parse(cls, latency_ms: object, min_accuracy: object, max_cost: object, prefer: object) -> SLO:
+        """The SLO these decoded values describe (``max_cost`` None: no ceiling); ``RequestError``
+        saying which value is wrong otherwise. Callers repeat their SLO query after query, so
+        one seen before comes from a small cache instead of being built and checked again."""
+        # exact types only: 1 and True hash and compare equal to 1.0, but are not the same input
+        if type(latency_ms) is float and type(min_accuracy) is float and type(prefer) is str \
+                and (max_cost is None or type(max_cost) is float):
+            key = (latency_ms, min_accuracy, max_cost, prefer)
+            slo = _SLOS.get(key)
+            if slo is None:
+                slo = cls(latency_ms, min_accuracy, max_cost, prefer)  # type: ignore[arg-type]
+                if len(_SLOS) >= _SLOS_MAX:
+                    _SLOS.clear()  # a flood of distinct SLOs just resets; callers reuse a handful
+                _SLOS[key] = slo
+            return slo
+        return cls(latency_ms, min_accuracy, max_cost, prefer)  # type: ignore[arg-type]
+
+
+# SLO is frozen, so equal ones can be shared: building and checking one costs more than a lookup
+_SLOS: dict[tuple[float, float, float | None, str], SLO] = {}
+_SLOS_MAX: Final = 1024
 
 
 @dataclass(frozen=True, slots=True)
