@@ -30,9 +30,8 @@ from mesh.errors import (
     UnknownTenant,
 )
 from mesh.log import get_logger, kv
-from mesh.types import DEFAULT_TENANT, InferRequest, InferResponse, TaskSignature, Timing
+from mesh.types import DEFAULT_TENANT, InferRequest, InferResponse, TaskSignature, Timing, check_inputs
 from mesh.zmq.client import ZmqClient
-from variant_store.runtimes.base import check_inputs
 
 __all__ = ["SiteDataPlane"]
 
@@ -85,7 +84,7 @@ class SiteDataPlane:
             raise DeadlineExceeded(f"request {req.request_id} arrived after its deadline")
         self._check_tenant(req.tenant)
         sig = self.task_signature(req.task)
-        req.inputs = check_inputs(list(sig.inputs), req.inputs)
+        req.inputs = check_inputs(sig.inputs, req.inputs)  # the one input check on this hop
         if self.site in req.hops:
             raise ProtocolError(f"routing loop: {self.site} already in hops {req.hops}")
         req.hops = [*req.hops, self.site]

@@ -5,19 +5,21 @@ These are the contracts between transports and the one place where a query is se
 
 Each value is checked once, here, by the type that holds it, and later stages trust the type:
 an ``SLO`` cannot be built out of range (``SLO.parse`` is what every decoder calls: the HTTP
-parameters and both ZeroMQ decoders).
+parameters and both ZeroMQ decoders); inputs are checked against a task's signature by
+``check_inputs`` at the data plane's door.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Final, Literal, get_args
+from typing import Any, Final, Literal, get_args
 
 import numpy as np
 
-from mesh.errors import RequestError
+from mesh.errors import BadTensor, RequestError
 
 __all__ = [
     "DEFAULT_PREFER",
@@ -32,6 +34,7 @@ __all__ = [
     "TensorSpec",
     "Tier",
     "Timing",
+    "check_inputs",
 ]
 
 DEFAULT_TENANT = "public"
@@ -125,6 +128,72 @@ class TaskSignature:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     metric: str = "top1"  # "top1" or "cosine"
+
+
+def _fmt(shape: Sequence[int]) -> str:
+    return "(" + ", ".join("N" if d == -1 else str(d) for d in shape) + ")"
+
+
+def check_inputs(specs: Sequence[TensorSpec], inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """``inputs`` checked against ``specs`` (names, dtypes, ranks and fixed sizes, -1 = any size,
+    at least one row): C-contiguous arrays in spec order, or ``BadTensor`` naming the tensor.
+
+    The one input check, made at the data plane's door (and by a runtime called directly);
+    what has passed it is not checked again on the same hop."""
+    out: dict[str, np.ndarray] = {}
+    if len(inputs) == len(specs):
+        # the common case in a few comparisons: exact arrays, the spec's dtype and shape
+        for spec in specs:
+            arr = inputs.get(spec.name)
+            if (type(arr) is not np.ndarray or arr.dtype != _dtype(spec.dtype) or not arr.flags.c_contiguous
+                    or len(arr.shape) != len(spec.shape) or (arr.shape and not arr.shape[0])):
+                break
+            for want, got in zip(spec.shape, arr.shape, strict=True):
+                if want != -1 and want != got:
+                    break
+            else:
+                out[spec.name] = arr
+                continue
+            break
+        else:
+            return out
+    return _check_inputs(specs, inputs)
+
+
+def _check_inputs(specs: Sequence[TensorSpec], inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    names = [s.name for s in specs]
+    missing = [n for n in names if n not in inputs]
+    if missing:
+        raise BadTensor(f"missing input tensor(s) {missing}; expected {names}", expected=names, got=sorted(inputs))
+    extra = sorted(set(inputs) - set(names))
+    if extra:
+        raise BadTensor(f"unknown input tensor(s) {extra}; expected {names}", expected=names, got=sorted(inputs))
+    out: dict[str, np.ndarray] = {}
+    for spec in specs:
+        arr = inputs[spec.name]
+        if not isinstance(arr, np.ndarray):
+            raise BadTensor(f"input '{spec.name}': expected a numpy array, got {type(arr).__name__}")
+        if arr.dtype != _dtype(spec.dtype):
+            raise BadTensor(f"input '{spec.name}': expected dtype {spec.dtype}, got {arr.dtype}",
+                            tensor=spec.name, expected=spec.dtype, got=str(arr.dtype))
+        ok = arr.ndim == len(spec.shape) and all(
+            want in (-1, got) for want, got in zip(spec.shape, arr.shape, strict=True))
+        if not ok or (arr.ndim and arr.shape[0] == 0):
+            raise BadTensor(f"input '{spec.name}': expected shape {_fmt(spec.shape)}, got {tuple(arr.shape)}",
+                            tensor=spec.name, expected=list(spec.shape), got=list(arr.shape))
+        out[spec.name] = np.ascontiguousarray(arr)
+    return out
+
+
+# np.dtype("float32") parses its argument on every call; a spec names one of a handful of dtypes
+_DTYPES: dict[str, np.dtype[Any]] = {}
+
+
+def _dtype(name: str) -> np.dtype[Any]:
+    dt = _DTYPES.get(name)
+    if dt is None:
+        dt = _DTYPES[name] = np.dtype(name)  # bounded: only specs' dtype names are looked up
+    return dt
 
 
 @dataclass(slots=True)

@@ -1,6 +1,7 @@
 """The mapping between Open Inference Protocol (KServe V2) vocabulary and tiermesh's: datatypes,
-the SLO in request ``parameters``, the mesh metadata in response ``parameters``, model metadata
-for a task's signature, and checking inputs against that signature.
+the SLO in request ``parameters``, the mesh metadata in response ``parameters``, and model
+metadata for a task's signature. Values are checked by the types they become (``SLO``), and
+inputs by the data plane's door (``mesh.types.check_inputs``), not here.
 
 Pure functions, no I/O; the request and response bodies themselves are (de)serialised by
 :mod:`mesh.v2.codec`, which re-exports every name here.
@@ -29,7 +30,6 @@ __all__ = [
     "result_fields",
     "result_values",
     "signature_to_metadata",
-    "validate_inputs",
 ]
 
 DEFAULT_LATENCY_MS = 1000.0
@@ -83,62 +83,6 @@ def parse_slo(params: Mapping[str, Any]) -> SLO:
     get = params.get
     return SLO.parse(get("latency_ms", DEFAULT_LATENCY_MS), get("min_accuracy", 0.0), get("max_cost"),
                      get("prefer", DEFAULT_PREFER))
-
-
-_Compiled = tuple[TaskSignature, dict[str, tuple[np.dtype[Any], tuple[int, ...]]]]
-_SIGNATURES: dict[int, _Compiled] = {}
-
-
-def _compiled(sig: TaskSignature) -> dict[str, tuple[np.dtype[Any], tuple[int, ...]]]:
-    # keyed by identity (hashing a signature walks all its specs); the entry keeps sig alive, so
-    # its id cannot be reused while the entry stands
-    entry = _SIGNATURES.get(id(sig))
-    if entry is not None and entry[0] is sig:
-        return entry[1]
-    if len(_SIGNATURES) >= 256:
-        _SIGNATURES.clear()
-    specs = {s.name: (np.dtype(s.dtype), s.shape) for s in sig.inputs}
-    _SIGNATURES[id(sig)] = (sig, specs)
-    return specs
-
-
-def validate_inputs(inputs: Mapping[str, np.ndarray], sig: TaskSignature) -> None:
-    """Check names, dtypes and ranks (with fixed dims) against the task's signature."""
-    specs = _compiled(sig)
-    if len(inputs) == len(specs):
-        for name, arr in inputs.items():
-            spec = specs.get(name)
-            if spec is None or arr.dtype != spec[0] or len(arr.shape) != len(spec[1]):
-                break
-            for w, g in zip(spec[1], arr.shape, strict=True):
-                if w != -1 and w != g:
-                    break
-            else:
-                continue
-            break
-        else:
-            return
-    _validate_inputs(inputs, sig)
-
-
-def _validate_inputs(inputs: Mapping[str, np.ndarray], sig: TaskSignature) -> None:
-    want = {s.name: s for s in sig.inputs}
-    missing = sorted(set(want) - set(inputs))
-    if missing:
-        raise BadTensor(f"task {sig.task} needs input(s) {missing}; got {sorted(inputs)}")
-    extra = sorted(set(inputs) - set(want))
-    if extra:
-        raise BadTensor(f"task {sig.task} has no input(s) {extra}")
-    for name, arr in inputs.items():
-        spec = want[name]
-        if arr.dtype != np.dtype(spec.dtype):
-            raise BadTensor(f"input {name!r} is {datatype_of(arr.dtype)} but task {sig.task} takes "
-                            f"{datatype_of(spec.dtype)}")
-        if len(arr.shape) != len(spec.shape) or any(
-            w != -1 and w != g for w, g in zip(spec.shape, arr.shape, strict=True)
-        ):
-            raise BadTensor(f"input {name!r} has shape {list(arr.shape)} but task {sig.task} takes "
-                            f"{list(spec.shape)}")
 
 
 # ---------------------------------------------------------------------------- responses
