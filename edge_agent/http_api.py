@@ -27,7 +27,6 @@ from mesh.errors import BadTensor, MeshError, PayloadTooLarge, RequestError, Unk
 from mesh.log import get_logger, kv
 from mesh.types import DEFAULT_TENANT, InferRequest
 from mesh.v2 import codec as codec
-from mesh.zmq.protocol import new_request_id
 
 __all__ = [
     "DEFAULT_MAX_BODY",
@@ -167,10 +166,11 @@ class _Handlers:
             wanted = dec.outputs
             if wanted is not None and (unknown := sorted(set(wanted) - {s.name for s in sig.outputs})):
                 raise BadTensor(f"task {task} has no output(s) {unknown}")
-            # inputs are checked once, at the data plane's door
-            rid = dec.request_id or new_request_id()
-            resp = await self.dp.infer(InferRequest(task=task, inputs=dec.inputs, slo=slo, tenant=tenant,
-                                                    request_id=rid, deadline=time.time() + slo.latency_ms / 1000.0))
+            # the query enters the mesh here: its id and deadline are set once; its inputs are
+            # checked at the data plane's door
+            req = InferRequest.entering(task, dec.inputs, slo, tenant, dec.request_id)
+            rid = req.request_id
+            resp = await self.dp.infer(req)
             outputs = resp.outputs
             binary: bool | dict[str, bool] = dec.binary_default
             if wanted is not None:

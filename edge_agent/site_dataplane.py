@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import time
-import uuid
 from collections.abc import Callable
 
 from core_scheduler.policy.modes import Router
@@ -75,16 +74,13 @@ class SiteDataPlane:
         return sig
 
     async def infer(self, req: InferRequest) -> InferResponse:
+        """The data plane's door. ``req`` comes with its id and deadline, set where it entered the
+        mesh (``InferRequest.entering``) and checked on arrival by its transport; its SLO checked
+        itself. Its inputs are checked here, once per hop: later stages trust them."""
         received = time.time()
-        if not req.request_id:
-            req.request_id = uuid.uuid4().hex
-        if req.deadline <= 0:
-            req.deadline = received + req.slo.latency_ms / 1000.0
-        if received >= req.deadline:
-            raise DeadlineExceeded(f"request {req.request_id} arrived after its deadline")
         self._check_tenant(req.tenant)
         sig = self.task_signature(req.task)
-        req.inputs = check_inputs(sig.inputs, req.inputs)  # the one input check on this hop
+        req.inputs = check_inputs(sig.inputs, req.inputs)
         if self.site in req.hops:
             raise ProtocolError(f"routing loop: {self.site} already in hops {req.hops}")
         req.hops = [*req.hops, self.site]

@@ -6,12 +6,15 @@ These are the contracts between transports and the one place where a query is se
 Each value is checked once, here, by the type that holds it, and later stages trust the type:
 an ``SLO`` cannot be built out of range (``SLO.parse`` is what every decoder calls: the HTTP
 parameters and both ZeroMQ decoders); inputs are checked against a task's signature by
-``check_inputs`` at the data plane's door.
+``check_inputs`` at the data plane's door; a query's id and deadline are set once, by
+``InferRequest.entering``, where it enters the mesh.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +38,7 @@ __all__ = [
     "Tier",
     "Timing",
     "check_inputs",
+    "new_request_id",
 ]
 
 DEFAULT_TENANT = "public"
@@ -196,9 +200,21 @@ def _dtype(name: str) -> np.dtype[Any]:
     return dt
 
 
+# uuid4 costs microseconds per call; a random per-process prefix plus a counter is as unique for
+# matching replies and tracing, and costs a fraction of that
+_ID_PREFIX: Final = os.urandom(8).hex()
+_ID_COUNTER = itertools.count(1)
+
+
+def new_request_id() -> str:
+    """A fresh request id, unique across processes (random 64-bit prefix + counter)."""
+    return f"{_ID_PREFIX}{next(_ID_COUNTER):x}"
+
+
 @dataclass(slots=True)
 class InferRequest:
-    """One query as the data plane sees it. ``deadline`` is absolute, on ``time.time()``'s clock."""
+    """One query as the data plane sees it. ``deadline`` is absolute, on ``time.time()``'s clock;
+    a query entering the mesh is built by :meth:`entering`, which sets it."""
 
     task: str
     inputs: dict[str, np.ndarray]
@@ -210,6 +226,14 @@ class InferRequest:
     # where the policy already decided to send it (set by the first hop when forwarding)
     target_site: str | None = None
     target_variant: str | None = None
+
+    @classmethod
+    def entering(cls, task: str, inputs: dict[str, np.ndarray], slo: SLO, tenant: str = DEFAULT_TENANT,
+                 request_id: str | None = None, *, now: float | None = None) -> InferRequest:
+        """A query as it enters the mesh: the one place its id (the caller's, else a fresh one) and
+        its deadline (the SLO's whole budget from now) are set. Later hops carry both."""
+        start = time.time() if now is None else now
+        return cls(task, inputs, slo, tenant, request_id or new_request_id(), start + slo.latency_ms / 1000.0)
 
     def remaining_ms(self, now: float | None = None) -> float:
         return (self.deadline - (time.time() if now is None else now)) * 1000.0

@@ -32,8 +32,6 @@ Hostile input raises ``ProtocolError`` with a message saying what was wrong, or
 
 from __future__ import annotations
 
-import itertools
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Final, TypeGuard, cast
 
@@ -42,7 +40,7 @@ import numpy as np
 import zmq
 
 from mesh.errors import BadTensor, MeshError, ProtocolError
-from mesh.types import InferRequest, InferResponse, Timing
+from mesh.types import InferRequest, InferResponse, Timing, new_request_id
 from mesh.zmq.protocol_check import (
     ALLOWED_DTYPES,
     DECODE_ERRORS,
@@ -74,7 +72,7 @@ __all__ = [
     "encode_error",
     "encode_request",
     "encode_response",
-    "new_request_id",
+    "new_request_id",  # mesh.types's; until mesh/zmq/client.py and sync.py import it from there
     "peek_request_id",
 ]
 
@@ -87,17 +85,6 @@ Frames = list[bytes | memoryview | zmq.Frame]
 
 
 # ---------------------------------------------------------------- encode
-
-# uuid4 costs microseconds per call; a random per-process prefix plus a counter is as unique for
-# matching replies and tracing, and costs a fraction of that
-_ID_PREFIX: Final = os.urandom(8).hex()
-_ID_COUNTER = itertools.count(1)
-
-
-def new_request_id() -> str:
-    """A fresh request id, unique across processes (random 64-bit prefix + counter)."""
-    return f"{_ID_PREFIX}{next(_ID_COUNTER):x}"
-
 
 def _pack(header: dict[str, Any]) -> bytes:
     try:
