@@ -24,7 +24,6 @@ from mesh.errors import (
     Overloaded,
     PeerUnavailable,
     ProtocolError,
-    RequestError,
     UnknownTask,
     UnknownTenant,
 )
@@ -113,10 +112,8 @@ class SiteDataPlane:
             remaining = req.remaining_ms()
             if remaining <= 0:
                 break
-            q = Query(task=req.task, tenant=req.tenant, budget_ms=remaining, min_accuracy=req.slo.min_accuracy,
-                      max_cost=req.slo.max_cost, prefer=req.slo.prefer, nbytes=nbytes,
-                      exclude_sites=frozenset(excluded))
-            decision = table.decide(q)
+            decision = table.decide(Query.from_slo(req.task, req.tenant, req.slo, remaining, nbytes,
+                                                   frozenset(excluded)))
             try:
                 if decision.site == self.site:
                     return await self._serve_local(req, decision.variant_id, decision.reason,
@@ -173,10 +170,7 @@ class SiteDataPlane:
                            request_id=req.request_id, deadline=req.deadline, hops=req.hops,
                            target_site=d.site, target_variant=d.variant_id)
         self.forwarded += 1
-        try:
-            resp = await self.zmq.request(endpoint, fwd)
-        except RequestError:
-            raise
+        resp = await self.zmq.request(endpoint, fwd)
         total = (time.time() - received) * 1000.0
         remote = resp.timing
         network = max(0.0, total - remote.total_ms)

@@ -72,6 +72,8 @@ class Query:
     @classmethod
     def from_slo(cls, task: str, tenant: str, slo: SLO, remaining_ms: float, nbytes: int = 0,
                  exclude_sites: frozenset[str] = frozenset()) -> Query:
+        """The query a hop routes for a request with ``slo`` and ``remaining_ms`` of its budget
+        left: the one way the data plane builds a ``Query``."""
         return cls(task=task, tenant=tenant, budget_ms=remaining_ms, min_accuracy=slo.min_accuracy,
                    max_cost=slo.max_cost, prefer=slo.prefer, nbytes=nbytes, exclude_sites=exclude_sites)
 
