@@ -96,7 +96,7 @@ class VariantHost:
             raise RuntimeLoadError(f"{self.site}: variant store not announced, cannot fetch {meta.variant_id}")
         try:
             runtime = await self._open(meta.blob_digest, meta.format)
-            infer: InferFn = runtime.infer_sync
+            infer: InferFn = runtime.run_checked_sync
             if meta.shared_base_digest:
                 infer = await self._compose(meta.shared_base_digest, runtime)
         except MeshError:
@@ -138,8 +138,8 @@ class VariantHost:
         head_in = head.input_specs[0].name
 
         def infer(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-            feats = base.infer_sync(inputs)[feature_out]
-            return head.infer_sync({head_in: feats})
+            feats = base.run_checked_sync(inputs)[feature_out]
+            return head.run_checked_sync({head_in: feats})
 
         return infer
 

@@ -24,9 +24,8 @@ from edge_agent.dataplane import DataPlane
 from mesh.errors import BadTensor, MeshError, PayloadTooLarge, RequestError, UnknownTask
 from mesh.lifecycle import Service
 from mesh.log import get_logger, kv
-from mesh.types import DEFAULT_TENANT, InferRequest, TaskSignature
+from mesh.types import DEFAULT_TENANT, InferRequest
 from mesh.v2 import codec as codec
-from mesh.zmq.protocol import new_request_id
 
 __all__ = [
     "DEFAULT_MAX_BODY",
@@ -116,9 +115,6 @@ def _header_length(raw: str | None) -> int | None:
 class _Handlers:
     def __init__(self, dp: DataPlane, max_body: int, who: Identify) -> None:
         self.dp, self.max_body, self.who = dp, max_body, who
-        # input layouts (a decoded header's specs) that passed validate_inputs for a signature:
-        # a client repeating its query's header is not checked again
-        self._checked: dict[int, tuple[object, TaskSignature]] = {}
 
     async def live(self, request: web.Request) -> web.Response:
         return web.json_response({"live": True})
@@ -166,21 +162,14 @@ class _Handlers:
                 # The body must not choose the tenant: identity comes from the connection.
                 raise RequestError(f"parameter tenant {claimed!r} does not match the caller's "
                                    f"identity {tenant!r}")
-            specs = dec.specs
-            seen = self._checked.get(id(specs)) if specs is not None else None
-            if seen is None or seen[0] is not specs or seen[1] is not sig:
-                codec.validate_inputs(dec.inputs, sig)
-                if specs is not None:
-                    if len(self._checked) >= 256:
-                        self._checked.clear()
-                    # the entry holds both objects, so neither id can be reused while it stands
-                    self._checked[id(specs)] = (specs, sig)
             wanted = dec.outputs
             if wanted is not None and (unknown := sorted(set(wanted) - {s.name for s in sig.outputs})):
                 raise BadTensor(f"task {task} has no output(s) {unknown}")
-            rid = dec.request_id or new_request_id()
-            resp = await self.dp.infer(InferRequest(task=task, inputs=dec.inputs, slo=slo, tenant=tenant,
-                                                    request_id=rid, deadline=time.time() + slo.latency_ms / 1000.0))
+            # the query enters the mesh here: its id and deadline are set once; its inputs are
+            # checked at the data plane's door
+            req = InferRequest.entering(task, dec.inputs, slo, tenant, dec.request_id)
+            rid = req.request_id
+            resp = await self.dp.infer(req)
             outputs = resp.outputs
             binary: bool | dict[str, bool] = dec.binary_default
             if wanted is not None:

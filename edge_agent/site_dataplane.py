@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import time
-import uuid
 from collections.abc import Callable
 
 from core_scheduler.policy.modes import Router
@@ -25,14 +24,12 @@ from mesh.errors import (
     Overloaded,
     PeerUnavailable,
     ProtocolError,
-    RequestError,
     UnknownTask,
     UnknownTenant,
 )
 from mesh.log import get_logger, kv
-from mesh.types import DEFAULT_TENANT, InferRequest, InferResponse, TaskSignature, Timing
+from mesh.types import DEFAULT_TENANT, InferRequest, InferResponse, TaskSignature, Timing, check_inputs
 from mesh.zmq.client import ZmqClient
-from variant_store.runtimes.base import check_inputs
 
 __all__ = ["SiteDataPlane"]
 
@@ -76,16 +73,13 @@ class SiteDataPlane:
         return sig
 
     async def infer(self, req: InferRequest) -> InferResponse:
+        """The data plane's door. ``req`` comes with its id and deadline, set where it entered the
+        mesh (``InferRequest.entering``) and checked on arrival by its transport; its SLO checked
+        itself. Its inputs are checked here, once per hop: later stages trust them."""
         received = time.time()
-        if not req.request_id:
-            req.request_id = uuid.uuid4().hex
-        if req.deadline <= 0:
-            req.deadline = received + req.slo.latency_ms / 1000.0
-        if received >= req.deadline:
-            raise DeadlineExceeded(f"request {req.request_id} arrived after its deadline")
         self._check_tenant(req.tenant)
         sig = self.task_signature(req.task)
-        req.inputs = check_inputs(list(sig.inputs), req.inputs)
+        req.inputs = check_inputs(sig.inputs, req.inputs)
         if self.site in req.hops:
             raise ProtocolError(f"routing loop: {self.site} already in hops {req.hops}")
         req.hops = [*req.hops, self.site]
@@ -118,10 +112,8 @@ class SiteDataPlane:
             remaining = req.remaining_ms()
             if remaining <= 0:
                 break
-            q = Query(task=req.task, tenant=req.tenant, budget_ms=remaining, min_accuracy=req.slo.min_accuracy,
-                      max_cost=req.slo.max_cost, prefer=req.slo.prefer, nbytes=nbytes,
-                      exclude_sites=frozenset(excluded))
-            decision = table.decide(q)
+            decision = table.decide(Query.from_slo(req.task, req.tenant, req.slo, remaining, nbytes,
+                                                   frozenset(excluded)))
             try:
                 if decision.site == self.site:
                     return await self._serve_local(req, decision.variant_id, decision.reason,
@@ -178,10 +170,7 @@ class SiteDataPlane:
                            request_id=req.request_id, deadline=req.deadline, hops=req.hops,
                            target_site=d.site, target_variant=d.variant_id)
         self.forwarded += 1
-        try:
-            resp = await self.zmq.request(endpoint, fwd)
-        except RequestError:
-            raise
+        resp = await self.zmq.request(endpoint, fwd)
         total = (time.time() - received) * 1000.0
         remote = resp.timing
         network = max(0.0, total - remote.total_ms)

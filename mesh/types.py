@@ -2,39 +2,121 @@
 
 These are the contracts between transports and the one place where a query is served
 (``edge_agent.dataplane``). They carry the tenant from the first byte.
+
+Each value is checked once, here, by the type that holds it, and later stages trust the type:
+an ``SLO`` cannot be built out of range (``SLO.parse`` is what every decoder calls: the HTTP
+parameters and both ZeroMQ decoders); inputs are checked against a task's signature by
+``check_inputs`` at the data plane's door; a query's id and deadline are set once, by
+``InferRequest.entering``, where it enters the mesh.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
+import os
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Final, Literal, get_args
 
 import numpy as np
 
+from mesh.errors import BadTensor, RequestError
+
 __all__ = [
+    "DEFAULT_PREFER",
     "DEFAULT_TENANT",
+    "PREFERS",
     "SLO",
+    "TIERS",
     "InferRequest",
     "InferResponse",
     "Prefer",
     "TaskSignature",
     "TensorSpec",
+    "Tier",
     "Timing",
+    "check_inputs",
+    "new_request_id",
 ]
 
 DEFAULT_TENANT = "public"
 Prefer = Literal["latency", "accuracy", "refuse"]
+PREFERS: Final[tuple[Prefer, ...]] = get_args(Prefer)
+DEFAULT_PREFER: Final[Prefer] = "latency"
+Tier = Literal["edge", "middle", "core"]
+TIERS: Final[tuple[Tier, ...]] = get_args(Tier)  # from the edge inwards
+
+
+def _finite(name: str, v: object) -> float:
+    if type(v) is not float:
+        # bool is an int: a flag must never pass as a number
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise RequestError(f"SLO {name} must be a finite number, got {v!r}")
+        try:
+            v = float(v)
+        except OverflowError as exc:  # an int beyond float's range
+            raise RequestError(f"SLO {name} must be a finite number, got {v!r}") from exc
+    if v - v != 0.0:  # inf - inf and nan - nan are nan
+        raise RequestError(f"SLO {name} must be a finite number, got {v!r}")
+    return v
 
 
 @dataclass(frozen=True, slots=True)
 class SLO:
-    """What the caller asks for. ``latency_ms`` is end-to-end from the edge's receipt."""
+    """What the caller asks for. ``latency_ms`` is end-to-end from the edge's receipt.
+
+    Always valid: a positive finite budget, ``min_accuracy`` in [0, 1], a non-negative finite
+    ``max_cost`` or none, one of ``PREFERS``; numbers are stored as floats. Anything else raises
+    ``RequestError`` on construction (a wire decoder translates it to ``ProtocolError``)."""
 
     latency_ms: float
     min_accuracy: float = 0.0
     max_cost: float | None = None
-    prefer: Prefer = "latency"
+    prefer: Prefer = DEFAULT_PREFER
+
+    def __post_init__(self) -> None:
+        # the one SLO validator: HTTP parameters, both ZeroMQ decoders and code all land here
+        latency, acc, cost = self.latency_ms, self.min_accuracy, self.max_cost
+        if type(latency) is not float or type(acc) is not float or (cost is not None and type(cost) is not float):
+            latency, acc = _finite("latency_ms", latency), _finite("min_accuracy", acc)
+            cost = None if cost is None else _finite("max_cost", cost)
+            object.__setattr__(self, "latency_ms", latency)
+            object.__setattr__(self, "min_accuracy", acc)
+            object.__setattr__(self, "max_cost", cost)
+        if not 0.0 < latency < math.inf:
+            raise RequestError(f"SLO latency_ms must be positive, got {latency!r}" if latency <= 0.0
+                               else f"SLO latency_ms must be a finite number, got {latency!r}")
+        if not 0.0 <= acc <= 1.0:
+            raise RequestError(f"SLO min_accuracy must be in [0, 1], got {acc!r}")
+        if cost is not None and not 0.0 <= cost < math.inf:
+            raise RequestError(f"SLO max_cost must be non-negative and finite, got {cost!r}")
+        if self.prefer not in PREFERS:
+            raise RequestError(f"SLO prefer must be one of {list(PREFERS)}, got {self.prefer!r}")
+
+    @classmethod
+    def parse(cls, latency_ms: object, min_accuracy: object, max_cost: object, prefer: object) -> SLO:
+        """The SLO these decoded values describe (``max_cost`` None: no ceiling); ``RequestError``
+        saying which value is wrong otherwise. Callers repeat their SLO query after query, so
+        one seen before comes from a small cache instead of being built and checked again."""
+        # exact types only: 1 and True hash and compare equal to 1.0, but are not the same input
+        if type(latency_ms) is float and type(min_accuracy) is float and type(prefer) is str \
+                and (max_cost is None or type(max_cost) is float):
+            key = (latency_ms, min_accuracy, max_cost, prefer)
+            slo = _SLOS.get(key)
+            if slo is None:
+                slo = cls(latency_ms, min_accuracy, max_cost, prefer)  # type: ignore[arg-type]
+                if len(_SLOS) >= _SLOS_MAX:
+                    _SLOS.clear()  # a flood of distinct SLOs just resets; callers reuse a handful
+                _SLOS[key] = slo
+            return slo
+        return cls(latency_ms, min_accuracy, max_cost, prefer)  # type: ignore[arg-type]
+
+
+# SLO is frozen, so equal ones can be shared: building and checking one costs more than a lookup
+_SLOS: dict[tuple[float, float, float | None, str], SLO] = {}
+_SLOS_MAX: Final = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,9 +134,87 @@ class TaskSignature:
     metric: str = "top1"  # "top1" or "cosine"
 
 
+def _fmt(shape: Sequence[int]) -> str:
+    return "(" + ", ".join("N" if d == -1 else str(d) for d in shape) + ")"
+
+
+def check_inputs(specs: Sequence[TensorSpec], inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """``inputs`` checked against ``specs`` (names, dtypes, ranks and fixed sizes, -1 = any size,
+    at least one row): C-contiguous arrays in spec order, or ``BadTensor`` naming the tensor.
+
+    The one input check, made at the data plane's door (and by a runtime called directly);
+    what has passed it is not checked again on the same hop."""
+    out: dict[str, np.ndarray] = {}
+    if len(inputs) == len(specs):
+        # the common case in a few comparisons: exact arrays, the spec's dtype and shape
+        for spec in specs:
+            arr = inputs.get(spec.name)
+            if (type(arr) is not np.ndarray or arr.dtype != _dtype(spec.dtype) or not arr.flags.c_contiguous
+                    or len(arr.shape) != len(spec.shape) or (arr.shape and not arr.shape[0])):
+                break
+            for want, got in zip(spec.shape, arr.shape, strict=True):
+                if want != -1 and want != got:
+                    break
+            else:
+                out[spec.name] = arr
+                continue
+            break
+        else:
+            return out
+    return _check_inputs(specs, inputs)
+
+
+def _check_inputs(specs: Sequence[TensorSpec], inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    names = [s.name for s in specs]
+    missing = [n for n in names if n not in inputs]
+    if missing:
+        raise BadTensor(f"missing input tensor(s) {missing}; expected {names}", expected=names, got=sorted(inputs))
+    extra = sorted(set(inputs) - set(names))
+    if extra:
+        raise BadTensor(f"unknown input tensor(s) {extra}; expected {names}", expected=names, got=sorted(inputs))
+    out: dict[str, np.ndarray] = {}
+    for spec in specs:
+        arr = inputs[spec.name]
+        if not isinstance(arr, np.ndarray):
+            raise BadTensor(f"input '{spec.name}': expected a numpy array, got {type(arr).__name__}")
+        if arr.dtype != _dtype(spec.dtype):
+            raise BadTensor(f"input '{spec.name}': expected dtype {spec.dtype}, got {arr.dtype}",
+                            tensor=spec.name, expected=spec.dtype, got=str(arr.dtype))
+        ok = arr.ndim == len(spec.shape) and all(
+            want in (-1, got) for want, got in zip(spec.shape, arr.shape, strict=True))
+        if not ok or (arr.ndim and arr.shape[0] == 0):
+            raise BadTensor(f"input '{spec.name}': expected shape {_fmt(spec.shape)}, got {tuple(arr.shape)}",
+                            tensor=spec.name, expected=list(spec.shape), got=list(arr.shape))
+        out[spec.name] = np.ascontiguousarray(arr)
+    return out
+
+
+# np.dtype("float32") parses its argument on every call; a spec names one of a handful of dtypes
+_DTYPES: dict[str, np.dtype[Any]] = {}
+
+
+def _dtype(name: str) -> np.dtype[Any]:
+    dt = _DTYPES.get(name)
+    if dt is None:
+        dt = _DTYPES[name] = np.dtype(name)  # bounded: only specs' dtype names are looked up
+    return dt
+
+
+# uuid4 costs microseconds per call; a random per-process prefix plus a counter is as unique for
+# matching replies and tracing, and costs a fraction of that
+_ID_PREFIX: Final = os.urandom(8).hex()
+_ID_COUNTER = itertools.count(1)
+
+
+def new_request_id() -> str:
+    """A fresh request id, unique across processes (random 64-bit prefix + counter)."""
+    return f"{_ID_PREFIX}{next(_ID_COUNTER):x}"
+
+
 @dataclass(slots=True)
 class InferRequest:
-    """One query as the data plane sees it. ``deadline`` is absolute, on ``time.time()``'s clock."""
+    """One query as the data plane sees it. ``deadline`` is absolute, on ``time.time()``'s clock;
+    a query entering the mesh is built by :meth:`entering`, which sets it."""
 
     task: str
     inputs: dict[str, np.ndarray]
@@ -66,6 +226,14 @@ class InferRequest:
     # where the policy already decided to send it (set by the first hop when forwarding)
     target_site: str | None = None
     target_variant: str | None = None
+
+    @classmethod
+    def entering(cls, task: str, inputs: dict[str, np.ndarray], slo: SLO, tenant: str = DEFAULT_TENANT,
+                 request_id: str | None = None, *, now: float | None = None) -> InferRequest:
+        """A query as it enters the mesh: the one place its id (the caller's, else a fresh one) and
+        its deadline (the SLO's whole budget from now) are set. Later hops carry both."""
+        start = time.time() if now is None else now
+        return cls(task, inputs, slo, tenant, request_id or new_request_id(), start + slo.latency_ms / 1000.0)
 
     def remaining_ms(self, now: float | None = None) -> float:
         return (self.deadline - (time.time() if now is None else now)) * 1000.0

@@ -24,8 +24,8 @@ import onnxruntime as ort
 
 from edge_agent.dataplane import DataPlane
 from edge_agent.http_api import EdgeHttpServer
-from mesh.errors import BadTensor, DeadlineExceeded, ImpossibleSLO, UnknownTask, UnknownTenant
-from mesh.types import InferRequest, InferResponse, TaskSignature, TensorSpec, Timing
+from mesh.errors import DeadlineExceeded, ImpossibleSLO, UnknownTask, UnknownTenant
+from mesh.types import InferRequest, InferResponse, TaskSignature, TensorSpec, Timing, check_inputs
 from tests.helpers_models import trained_mlp_onnx
 
 __all__ = ["COMMITTED_MODEL", "OnnxDataPlane", "digits_model", "serve_in_thread"]
@@ -88,24 +88,12 @@ class OnnxDataPlane:
         names = [o.name for o in self.signature.outputs]
         return dict(zip(names, self.session.run(names, inputs), strict=True))
 
-    def _validate(self, inputs: dict[str, np.ndarray]) -> None:
-        want = {s.name: s for s in self.signature.inputs}
-        if set(inputs) != set(want):
-            raise BadTensor(f"inputs {sorted(inputs)} do not match {sorted(want)}")
-        for name, arr in inputs.items():
-            spec = want[name]
-            if arr.dtype != np.dtype(spec.dtype):
-                raise BadTensor(f"input {name} is {arr.dtype}, expected {spec.dtype}")
-            if arr.ndim != len(spec.shape) or any(w not in (-1, g) for w, g in zip(spec.shape, arr.shape,
-                                                                                  strict=True)):
-                raise BadTensor(f"input {name} has shape {arr.shape}, expected {spec.shape}")
-
     async def infer(self, req: InferRequest) -> InferResponse:
         t0 = time.perf_counter()
         self.task_signature(req.task)
         if self.tenants is not None and req.tenant not in self.tenants:
             raise UnknownTenant(f"tenant {req.tenant!r} is not known")
-        self._validate(req.inputs)
+        req.inputs = check_inputs(self.signature.inputs, req.inputs)  # the door's one check
         short = req.slo.min_accuracy > self.accuracy
         if short and req.slo.prefer == "refuse":
             raise ImpossibleSLO(f"no variant of {req.task} reaches accuracy {req.slo.min_accuracy}")

@@ -49,7 +49,7 @@ from core_scheduler.policy.routing_candidates import (
 )
 from core_scheduler.policy.snapshot import MeshSnapshot
 from mesh.errors import ConfigError, ImpossibleSLO, NoRoute, UnknownTask
-from mesh.types import DEFAULT_TENANT, SLO, Prefer
+from mesh.types import DEFAULT_PREFER, DEFAULT_TENANT, SLO, Prefer
 
 __all__ = ["COMPUTE_RESOLUTION_MS", "REASONS", "CandidateArrays", "Decision", "Query", "RoutingTable",
            "resolve_compute"]
@@ -65,13 +65,15 @@ class Query:
     budget_ms: float = float("inf")  # remaining, from this hop
     min_accuracy: float = 0.0
     max_cost: float | None = None
-    prefer: Prefer = "latency"
+    prefer: Prefer = DEFAULT_PREFER
     nbytes: int = 0
     exclude_sites: frozenset[str] = frozenset()
 
     @classmethod
     def from_slo(cls, task: str, tenant: str, slo: SLO, remaining_ms: float, nbytes: int = 0,
                  exclude_sites: frozenset[str] = frozenset()) -> Query:
+        """The query a hop routes for a request with ``slo`` and ``remaining_ms`` of its budget
+        left: the one way the data plane builds a ``Query``."""
         return cls(task=task, tenant=tenant, budget_ms=remaining_ms, min_accuracy=slo.min_accuracy,
                    max_cost=slo.max_cost, prefer=slo.prefer, nbytes=nbytes, exclude_sites=exclude_sites)
 

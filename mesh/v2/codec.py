@@ -8,8 +8,8 @@ is set, in the order the tensors appear; ``Inference-Header-Content-Length`` giv
 header's length whenever binary data follows it.
 
 tiermesh fields ride in ``parameters``: the SLO on the request, the serving site, variant,
-accuracy, decision reason and timing on the response. That mapping, the datatype table, model
-metadata and input validation live in :mod:`mesh.v2.params`, the tensor encoding and body layout in
+accuracy, decision reason and timing on the response. That mapping, the datatype table and model
+metadata live in :mod:`mesh.v2.params`, the tensor encoding and body layout in
 :mod:`mesh.v2.tensors`; the names callers need are re-exported here, so they import only this module.
 
 Hot paths avoid what costs microseconds each on every request: ``dtype.name`` (a Python
@@ -37,7 +37,6 @@ from mesh.v2.params import (
     result_fields,
     result_values,
     signature_to_metadata,
-    validate_inputs,
 )
 from mesh.v2.tensors import (
     HEADER_LENGTH,
@@ -71,7 +70,6 @@ __all__ = [
     "result_values",
     "signature_to_metadata",
     "tensor_data",
-    "validate_inputs",
 ]
 
 # Names the caller's tenant until mutual TLS does (see ``edge_agent.http_api.identify``).
@@ -89,9 +87,6 @@ class DecodedRequest:
     # output name -> send as binary; None means "all outputs" with ``binary_default``
     outputs: dict[str, bool] | None = None
     binary_default: bool = False
-    # the inputs' layout when the fast path decoded them: one object per header, so a server
-    # may remember that it checked it
-    specs: tuple[tuple[str, np.dtype[Any], tuple[int, ...], int], ...] | None = None
 
 
 # A client sends the same header query after query (same tensors, same SLO, no id): its parsed
@@ -113,7 +108,7 @@ def decode_infer_request(body: bytes, header_length: int | None = None, *,
     if keep:
         plan = _PLANS.get(body[:keep])
         if plan is not None and len(body) == plan[3] and len(body) <= max_bytes:
-            return DecodedRequest(None, arrays_at(plan[1], body, keep, copy), dict(plan[0]), None, plan[2], plan[1])
+            return DecodedRequest(None, arrays_at(plan[1], body, keep, copy), dict(plan[0]), None, plan[2])
     head, tail = split_body(body, header_length, max_bytes)
     rid, params = head.get("id"), head.get("parameters")
     if (rid is None or type(rid) is str) and type(params) is dict and head.get("outputs") is None:
@@ -124,7 +119,7 @@ def decode_infer_request(body: bytes, header_length: int | None = None, *,
                 if len(_PLANS) >= _PLANS_MAX:
                     _PLANS.clear()
                 _PLANS[body[:keep]] = (dict(params), specs, binary_default, len(body))
-            return DecodedRequest(rid, arrays_at(specs, tail, 0, copy), params, None, binary_default, specs)
+            return DecodedRequest(rid, arrays_at(specs, tail, 0, copy), params, None, binary_default)
     if rid is not None and not isinstance(rid, str):
         raise RequestError(f"'id' must be a string, got {type(rid).__name__}")
     params = params or {}

@@ -1,6 +1,7 @@
 """The mapping between Open Inference Protocol (KServe V2) vocabulary and tiermesh's: datatypes,
-the SLO in request ``parameters``, the mesh metadata in response ``parameters``, model metadata
-for a task's signature, and checking inputs against that signature.
+the SLO in request ``parameters``, the mesh metadata in response ``parameters``, and model
+metadata for a task's signature. Values are checked by the types they become (``SLO``), and
+inputs by the data plane's door (``mesh.types.check_inputs``), not here.
 
 Pure functions, no I/O; the request and response bodies themselves are (de)serialised by
 :mod:`mesh.v2.codec`, which re-exports every name here.
@@ -8,14 +9,13 @@ Pure functions, no I/O; the request and response bodies themselves are (de)seria
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
 from mesh.errors import BadTensor, RequestError
-from mesh.types import SLO, InferResponse, Prefer, TaskSignature, TensorSpec, Timing
+from mesh.types import DEFAULT_PREFER, SLO, InferResponse, TaskSignature, TensorSpec, Timing
 
 __all__ = [
     "DEFAULT_LATENCY_MS",
@@ -30,11 +30,9 @@ __all__ = [
     "result_fields",
     "result_values",
     "signature_to_metadata",
-    "validate_inputs",
 ]
 
 DEFAULT_LATENCY_MS = 1000.0
-_PREFERS: tuple[str, ...] = ("latency", "accuracy", "refuse")
 
 # V2 datatype -> numpy dtype (explicitly little-endian: the binary extension is LE on the wire).
 # BYTES and BF16 are not served by any tiermesh task, so they are rejected rather than half-supported.
@@ -79,110 +77,12 @@ def datatype_of(dtype: np.dtype[Any] | str) -> str:
 # ---------------------------------------------------------------------------- requests
 
 
-_SLOS: dict[tuple[Any, ...], SLO] = {}
-
-
 def parse_slo(params: Mapping[str, Any]) -> SLO:
-    """The SLO carried in request ``parameters``; ``RequestError`` for values out of range."""
-    latency, acc, cost, prefer = key = (params.get("latency_ms", DEFAULT_LATENCY_MS),
-                                        params.get("min_accuracy", 0.0), params.get("max_cost"),
-                                        params.get("prefer", "latency"))
-    # the common request: plain floats (never 1 or True, which compare equal to 1.0) and a string
-    if type(latency) is float and type(acc) is float and (cost is None or type(cost) is float) \
-            and type(prefer) is str:
-        # callers repeat their SLO query after query: one seen before comes from the cache
-        slo = _SLOS.get(key)
-        if slo is not None:
-            return slo
-        if (0.0 < latency < math.inf and 0.0 <= acc <= 1.0 and (cost is None or 0.0 <= cost < math.inf)
-                and prefer in _PREFERS):
-            if len(_SLOS) >= 1024:
-                _SLOS.clear()
-            slo = _SLOS[key] = SLO(latency, acc, cost, cast(Prefer, prefer))
-            return slo
-    return _parse_slo(params)
-
-
-def _parse_slo(params: Mapping[str, Any]) -> SLO:
-    def num(key: str, default: float | None) -> float | None:
-        v = params.get(key, default)
-        if v is None:
-            return None
-        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-            raise RequestError(f"parameter {key} must be a finite number, got {v!r}")
-        return float(v)
-
-    latency = num("latency_ms", DEFAULT_LATENCY_MS)
-    assert latency is not None
-    if latency <= 0:
-        raise RequestError(f"parameter latency_ms must be positive, got {latency}")
-    acc = num("min_accuracy", 0.0)
-    assert acc is not None
-    if not 0.0 <= acc <= 1.0:
-        raise RequestError(f"parameter min_accuracy must be in [0, 1], got {acc}")
-    cost = num("max_cost", None)
-    if cost is not None and cost < 0:
-        raise RequestError(f"parameter max_cost must be non-negative, got {cost}")
-    prefer = params.get("prefer", "latency")
-    if prefer not in _PREFERS:
-        raise RequestError(f"parameter prefer must be one of {list(_PREFERS)}, got {prefer!r}")
-    return SLO(latency_ms=latency, min_accuracy=acc, max_cost=cost, prefer=cast(Prefer, prefer))
-
-
-_Compiled = tuple[TaskSignature, dict[str, tuple[np.dtype[Any], tuple[int, ...]]]]
-_SIGNATURES: dict[int, _Compiled] = {}
-
-
-def _compiled(sig: TaskSignature) -> dict[str, tuple[np.dtype[Any], tuple[int, ...]]]:
-    # keyed by identity (hashing a signature walks all its specs); the entry keeps sig alive, so
-    # its id cannot be reused while the entry stands
-    entry = _SIGNATURES.get(id(sig))
-    if entry is not None and entry[0] is sig:
-        return entry[1]
-    if len(_SIGNATURES) >= 256:
-        _SIGNATURES.clear()
-    specs = {s.name: (np.dtype(s.dtype), s.shape) for s in sig.inputs}
-    _SIGNATURES[id(sig)] = (sig, specs)
-    return specs
-
-
-def validate_inputs(inputs: Mapping[str, np.ndarray], sig: TaskSignature) -> None:
-    """Check names, dtypes and ranks (with fixed dims) against the task's signature."""
-    specs = _compiled(sig)
-    if len(inputs) == len(specs):
-        for name, arr in inputs.items():
-            spec = specs.get(name)
-            if spec is None or arr.dtype != spec[0] or len(arr.shape) != len(spec[1]):
-                break
-            for w, g in zip(spec[1], arr.shape, strict=True):
-                if w != -1 and w != g:
-                    break
-            else:
-                continue
-            break
-        else:
-            return
-    _validate_inputs(inputs, sig)
-
-
-def _validate_inputs(inputs: Mapping[str, np.ndarray], sig: TaskSignature) -> None:
-    want = {s.name: s for s in sig.inputs}
-    missing = sorted(set(want) - set(inputs))
-    if missing:
-        raise BadTensor(f"task {sig.task} needs input(s) {missing}; got {sorted(inputs)}")
-    extra = sorted(set(inputs) - set(want))
-    if extra:
-        raise BadTensor(f"task {sig.task} has no input(s) {extra}")
-    for name, arr in inputs.items():
-        spec = want[name]
-        if arr.dtype != np.dtype(spec.dtype):
-            raise BadTensor(f"input {name!r} is {datatype_of(arr.dtype)} but task {sig.task} takes "
-                            f"{datatype_of(spec.dtype)}")
-        if len(arr.shape) != len(spec.shape) or any(
-            w != -1 and w != g for w, g in zip(spec.shape, arr.shape, strict=True)
-        ):
-            raise BadTensor(f"input {name!r} has shape {list(arr.shape)} but task {sig.task} takes "
-                            f"{list(spec.shape)}")
+    """The SLO carried in request ``parameters`` (absent ones take their defaults), checked by
+    ``SLO.parse``; ``RequestError`` for values out of range."""
+    get = params.get
+    return SLO.parse(get("latency_ms", DEFAULT_LATENCY_MS), get("min_accuracy", 0.0), get("max_cost"),
+                     get("prefer", DEFAULT_PREFER))
 
 
 # ---------------------------------------------------------------------------- responses

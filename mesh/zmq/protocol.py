@@ -22,6 +22,8 @@ Both directions have a fast path for the messages this codec itself writes (exac
 native little-endian contiguous arrays): anything it does not recognise falls through to the
 field-by-field validator in :mod:`mesh.zmq.protocol_check` (which also holds the version, the limits
 and the allowed dtypes, re-exported here), so hostile input still gets the precise error below.
+The SLO is read by one function on both paths (``protocol_check.read_slo``, which is ``SLO.parse``,
+the HTTP front's parser too), so both accept and refuse the same SLOs.
 
 Hostile input raises ``ProtocolError`` with a message saying what was wrong, or
 ``PayloadTooLarge`` when declared or actual sizes exceed ``max_bytes``; both are in
@@ -30,8 +32,6 @@ Hostile input raises ``ProtocolError`` with a message saying what was wrong, or
 
 from __future__ import annotations
 
-import itertools
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Final, TypeGuard, cast
 
@@ -40,7 +40,7 @@ import numpy as np
 import zmq
 
 from mesh.errors import BadTensor, MeshError, ProtocolError
-from mesh.types import SLO, InferRequest, InferResponse, Prefer, Timing
+from mesh.types import InferRequest, InferResponse, Timing, new_request_id
 from mesh.zmq.protocol_check import (
     ALLOWED_DTYPES,
     DECODE_ERRORS,
@@ -49,12 +49,12 @@ from mesh.zmq.protocol_check import (
     MAX_ID_LEN,
     MAX_NDIM,
     MAX_TENSORS,
-    PREFER,
     VERSION,
     WIRE_DTYPES,
     check_reply,
     check_request,
     read_id,
+    read_slo,
     unpack_header,
 )
 
@@ -72,7 +72,7 @@ __all__ = [
     "encode_error",
     "encode_request",
     "encode_response",
-    "new_request_id",
+    "new_request_id",  # mesh.types's; until mesh/zmq/client.py and sync.py import it from there
     "peek_request_id",
 ]
 
@@ -80,26 +80,11 @@ __all__ = [
 # dtypes that are already little-endian are keys, so a big-endian one takes the slow path.
 _FAST_DTYPE_NAMES: Final = {dt: n for n, dt in WIRE_DTYPES.items()}
 
-# SLO is frozen, so equal ones can be shared: building a frozen dataclass costs more than a lookup
-_SLOS: dict[tuple[float, float, float | None, str], SLO] = {}
-
 FrameLike = bytes | bytearray | memoryview | zmq.Frame
 Frames = list[bytes | memoryview | zmq.Frame]
 
 
 # ---------------------------------------------------------------- encode
-
-# uuid4 costs microseconds per call; a random per-process prefix plus a counter is as unique for
-# matching replies and tracing, and costs a fraction of that
-_ID_PREFIX: Final = os.urandom(8).hex()
-_ID_COUNTER = itertools.count(1)
-
-
-def new_request_id() -> str:
-    """A fresh request id, unique across processes (random 64-bit prefix + counter)."""
-    return f"{_ID_PREFIX}{next(_ID_COUNTER):x}"
-
-
 
 def _pack(header: dict[str, Any]) -> bytes:
     try:
@@ -153,10 +138,11 @@ def encode_request(req: InferRequest) -> Frames:
         "id": req.request_id,
         "tenant": req.tenant,
         "task": req.task,
+        # an SLO holds floats (it checks itself): no conversions here
         "slo": {
-            "latency_ms": float(req.slo.latency_ms),
-            "min_accuracy": float(req.slo.min_accuracy),
-            "max_cost": None if req.slo.max_cost is None else float(req.slo.max_cost),
+            "latency_ms": req.slo.latency_ms,
+            "min_accuracy": req.slo.min_accuracy,
+            "max_cost": req.slo.max_cost,
             "prefer": req.slo.prefer,
         },
         "deadline": float(req.deadline),
@@ -255,21 +241,11 @@ def _fast_request(h: dict[str, Any], frames: Sequence[object], max_bytes: int) -
             or type(tenant) is not str or not tenant or not _finite(deadline) or not _str_items(hops)
             or (site is not None and type(site) is not str) or (variant is not None and type(variant) is not str)):
         return None
-    latency, accuracy, cost, prefer = slo.get("latency_ms"), slo.get("min_accuracy"), slo.get("max_cost"), \
-        slo.get("prefer")
-    if (not _finite(latency) or not _finite(accuracy) or (cost is not None and not _finite(cost))
-            or type(prefer) is not str or prefer not in PREFER):
-        return None
     tensors = _fast_tensors(h.get("tensors"), frames[1:], max_bytes)
     if tensors is None:
         return None
-    key = (latency, accuracy, cost, prefer)
-    slo_obj = _SLOS.get(key)
-    if slo_obj is None:
-        if len(_SLOS) >= 1024:  # callers reuse a handful of SLOs; a flood of distinct ones just resets
-            _SLOS.clear()
-        slo_obj = _SLOS[key] = SLO(latency, accuracy, cost, cast(Prefer, prefer))
-    return InferRequest(task, tensors, slo_obj, tenant, h["id"], deadline, hops, site, variant)
+    # the one SLO parser, as on the checked path: a bad SLO is a ProtocolError on either
+    return InferRequest(task, tensors, read_slo(slo), tenant, h["id"], deadline, hops, site, variant)
 
 
 def _fast_response(h: dict[str, Any], rid: str, frames: Sequence[object], max_bytes: int) -> InferResponse | None:

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, Final, cast
+from typing import Any, Final
 
 import msgpack
 import numpy as np
 import zmq
 
-from mesh.errors import MeshError, PayloadTooLarge, ProtocolError, error_from_code
-from mesh.types import SLO, InferRequest, InferResponse, Prefer, Timing
+from mesh.errors import MeshError, PayloadTooLarge, ProtocolError, RequestError, error_from_code
+from mesh.types import SLO, InferRequest, InferResponse, Timing
 
 __all__ = [
     "ALLOWED_DTYPES",
@@ -28,12 +28,12 @@ __all__ = [
     "MAX_ID_LEN",
     "MAX_NDIM",
     "MAX_TENSORS",
-    "PREFER",
     "VERSION",
     "WIRE_DTYPES",
     "check_reply",
     "check_request",
     "read_id",
+    "read_slo",
     "unpack_header",
 ]
 
@@ -47,7 +47,6 @@ ALLOWED_DTYPES: Final = frozenset(
     {"float32", "float16", "float64", "int8", "uint8", "int32", "int64", "bool"}
 )
 WIRE_DTYPES: Final = {n: np.dtype(n).newbyteorder("<") for n in ALLOWED_DTYPES}
-PREFER: Final = frozenset({"latency", "accuracy", "refuse"})
 DECODE_ERRORS: Final = (ProtocolError, PayloadTooLarge)
 
 
@@ -110,10 +109,6 @@ def _num(h: Mapping[str, Any], key: str) -> float:
     return out
 
 
-def _opt_num(h: Mapping[str, Any], key: str) -> float | None:
-    return None if h.get(key) is None else _num(h, key)
-
-
 def _str(h: Mapping[str, Any], key: str, *, nonempty: bool = False) -> str:
     val: str = _field(h, key, str)
     if nonempty and not val:
@@ -127,6 +122,15 @@ def read_id(h: Mapping[str, Any]) -> str:
     if len(rid) > MAX_ID_LEN:
         raise ProtocolError(f"request id longer than {MAX_ID_LEN}")
     return rid
+
+
+def read_slo(slo: Mapping[str, Any]) -> SLO:
+    """The SLO of a request header's ``slo`` map, checked by the one SLO validator (``SLO.parse``,
+    as the HTTP front's is): both decoders call this, so they accept and refuse the same SLOs."""
+    try:
+        return SLO.parse(slo.get("latency_ms"), slo.get("min_accuracy"), slo.get("max_cost"), slo.get("prefer"))
+    except RequestError as exc:
+        raise ProtocolError(f"header field 'slo': {exc.message}") from exc
 
 
 def _str_list(h: Mapping[str, Any], key: str) -> list[str]:
@@ -188,19 +192,11 @@ def _kind(h: Mapping[str, Any], *expected: str) -> str:
 def check_request(h: Mapping[str, Any], frames: Sequence[object], max_bytes: int) -> InferRequest:
     """The request in header ``h`` (from :func:`unpack_header`) and its frames, every field checked."""
     _kind(h, "req")
-    slo: dict[str, Any] = _field(h, "slo", dict)
-    prefer = _str(slo, "prefer")
-    if prefer not in PREFER:
-        raise ProtocolError(f"slo.prefer {prefer!r} not one of {sorted(PREFER)}")
+    slo = read_slo(_field(h, "slo", dict))
     return InferRequest(
         task=_str(h, "task", nonempty=True),
         inputs=_tensors(h, frames[1:], max_bytes),
-        slo=SLO(
-            latency_ms=_num(slo, "latency_ms"),
-            min_accuracy=_num(slo, "min_accuracy"),
-            max_cost=_opt_num(slo, "max_cost"),
-            prefer=cast(Prefer, prefer),
-        ),
+        slo=slo,
         tenant=_str(h, "tenant", nonempty=True),
         request_id=h["id"],  # checked by unpack_header
         deadline=_num(h, "deadline"),

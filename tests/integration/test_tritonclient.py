@@ -84,7 +84,7 @@ def test_errors_surface_as_triton_exceptions(client: tritonhttp.InferenceServerC
     x = np.zeros((2, 64), np.float64)
     inp = tritonhttp.InferInput("x", [2, 64], "FP64")
     inp.set_data_from_numpy(x)
-    with pytest.raises(InferenceServerException, match="FP64"):
+    with pytest.raises(InferenceServerException, match="float64"):
         client.infer(TASK, [inp], parameters={"latency_ms": 100})
     good = tritonhttp.InferInput("x", [2, 64], "FP32")
     good.set_data_from_numpy(x.astype(np.float32))

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from mesh.errors import BadTensor, MeshError, PayloadTooLarge, ProtocolError, UnknownTask
-from mesh.types import SLO, InferRequest, InferResponse, Timing
+from mesh.types import PREFERS, SLO, InferRequest, InferResponse, Timing
 from mesh.zmq import protocol as p
 
 pytestmark = pytest.mark.unit
@@ -27,8 +27,9 @@ arrays = st.sampled_from(sorted(p.ALLOWED_DTYPES)).flatmap(
     lambda dt: hnp.arrays(np.dtype(dt), hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=5))
 )
 tensors = st.dictionaries(names, arrays, max_size=4)
-slos = st.builds(SLO, latency_ms=finite, min_accuracy=finite, max_cost=st.none() | finite,
-                 prefer=st.sampled_from(["latency", "accuracy", "refuse"]))
+slos = st.builds(SLO, latency_ms=st.floats(min_value=1e-6, max_value=1e9),
+                 min_accuracy=st.floats(min_value=0.0, max_value=1.0),
+                 max_cost=st.none() | st.floats(min_value=0.0, max_value=1e12), prefer=st.sampled_from(PREFERS))
 requests = st.builds(
     InferRequest, task=names, inputs=tensors, slo=slos, tenant=names,
     request_id=st.text(min_size=1, max_size=40), deadline=finite, hops=st.lists(names, max_size=5),
@@ -172,6 +173,8 @@ _DROP = object()
     ({"slo": [1, 2]}, "'slo'"),
     ({"slo": {"latency_ms": "fast", "min_accuracy": 0, "prefer": "latency"}}, "latency_ms"),
     ({"slo": {"latency_ms": 5, "min_accuracy": 0, "prefer": "cheap"}}, "prefer"),
+    ({"slo": {"latency_ms": -5.0, "min_accuracy": 0.0, "prefer": "latency"}}, "latency_ms must be positive"),
+    ({"slo": {"latency_ms": 5.0, "min_accuracy": 1.5, "prefer": "latency"}}, "min_accuracy"),
     ({"deadline": math.inf}, "not finite"),
     ({"hops": ["a", 3]}, "hops"),
     ({"target_site": 5}, "target_site"),

@@ -112,12 +112,3 @@ def test_kept_tensor_descriptions_match_fresh_ones() -> None:
     # a JSON output of the same name and shape is not taken for the binary one
     body, hlen = codec.encode_infer_response("t", "r", {"y": np.ones((1, 10), np.float32)}, params, False)
     assert hlen is None and "data" in json.loads(body)["outputs"][0]
-
-
-def test_decoded_request_specs_are_shared_by_repeated_headers() -> None:
-    body, hlen = codec.encode_infer_request({"x": np.ones((1, 4), np.float32)}, {"latency_ms": 5.0})
-    a = codec.decode_infer_request(body, hlen)
-    b = codec.decode_infer_request(body, hlen)
-    assert a.specs is not None and a.specs is b.specs
-    json_body, none = codec.encode_infer_request({"x": np.ones((1, 4), np.float32)}, {}, binary=False)
-    assert codec.decode_infer_request(json_body, none).specs is None

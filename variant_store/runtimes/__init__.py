@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from mesh.errors import RuntimeLoadError
-from variant_store.runtimes.base import Runtime, check_inputs, rss_bytes
+from variant_store.runtimes.base import Runtime, rss_bytes
 from variant_store.runtimes.onnx_rt import OnnxRuntime
 from variant_store.runtimes.tensorrt_rt import TensorRTRuntime
 from variant_store.runtimes.tflite_rt import TFLiteRuntime
@@ -18,7 +18,6 @@ __all__ = [
     "TFLiteRuntime",
     "TensorRTRuntime",
     "TorchCudaRuntime",
-    "check_inputs",
     "open_runtime",
     "rss_bytes",
     "runtime_class",

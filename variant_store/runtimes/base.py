@@ -3,8 +3,9 @@
 ``load()`` / ``infer()`` run the blocking work in an executor so an agent's event loop keeps
 serving while a model loads or computes; ``load_sync()`` / ``infer_sync()`` are the same work for
 callers that already own a thread (profiler, batcher). Inputs are checked against the model's
-signature before they reach the native runtime, so a wrong shape or dtype is a ``BadTensor``
-that names the tensor rather than a crash deep inside a C++ kernel.
+signature (by the one input check, ``mesh.types.check_inputs``) before they reach the native
+runtime, so a wrong shape or dtype is a ``BadTensor`` that names the tensor rather than a crash
+deep inside a C++ kernel.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ from typing import ClassVar
 
 import numpy as np
 
-from mesh.errors import BadTensor, RuntimeLoadError
-from mesh.types import TensorSpec
+from mesh.errors import RuntimeLoadError
+from mesh.types import TensorSpec, check_inputs
 
-__all__ = ["Runtime", "check_inputs", "rss_bytes"]
+__all__ = ["Runtime", "rss_bytes"]
 
 
 def rss_bytes() -> int:
@@ -31,37 +32,6 @@ def rss_bytes() -> int:
             return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
-
-
-def check_inputs(specs: list[TensorSpec], inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Validate ``inputs`` against ``specs`` (-1 = any size); returns C-contiguous arrays by spec order."""
-    missing = [s.name for s in specs if s.name not in inputs]
-    if missing:
-        raise BadTensor(f"missing input tensor(s) {missing}; expected {[s.name for s in specs]}",
-                        expected=[s.name for s in specs], got=sorted(inputs))
-    extra = sorted(set(inputs) - {s.name for s in specs})
-    if extra:
-        raise BadTensor(f"unknown input tensor(s) {extra}; expected {[s.name for s in specs]}",
-                        expected=[s.name for s in specs], got=sorted(inputs))
-    out: dict[str, np.ndarray] = {}
-    for spec in specs:
-        arr = inputs[spec.name]
-        if not isinstance(arr, np.ndarray):
-            raise BadTensor(f"input '{spec.name}': expected a numpy array, got {type(arr).__name__}")
-        if arr.dtype.name != spec.dtype:
-            raise BadTensor(f"input '{spec.name}': expected dtype {spec.dtype}, got {arr.dtype.name}",
-                            tensor=spec.name, expected=spec.dtype, got=arr.dtype.name)
-        ok = arr.ndim == len(spec.shape) and all(
-            want in (-1, got) for want, got in zip(spec.shape, arr.shape, strict=True))
-        if not ok or (arr.ndim and arr.shape[0] == 0):
-            raise BadTensor(f"input '{spec.name}': expected shape {_fmt(spec.shape)}, got {tuple(arr.shape)}",
-                            tensor=spec.name, expected=list(spec.shape), got=list(arr.shape))
-        out[spec.name] = np.ascontiguousarray(arr)
-    return out
-
-
-def _fmt(shape: tuple[int, ...]) -> str:
-    return "(" + ", ".join("N" if d == -1 else str(d) for d in shape) + ")"
 
 
 class Runtime(ABC):
@@ -104,10 +74,15 @@ class Runtime(ABC):
             return True
 
     def infer_sync(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Check ``inputs`` against the signature, then run them (for callers with unchecked inputs)."""
+        return self.run_checked_sync(check_inputs(self.input_specs, inputs))
+
+    def run_checked_sync(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run inputs that already passed ``mesh.types.check_inputs`` (the serving path: the data
+        plane's door checked them once; a batch of checked rows is still checked)."""
         if not self.ready:
             raise RuntimeLoadError(f"{self.name}: {self.model_path.name} is not loaded")
-        checked = check_inputs(self.input_specs, inputs)
-        return self._run(checked)
+        return self._run(inputs)
 
     def unload_sync(self) -> None:
         with self._state_lock:

@@ -74,7 +74,7 @@ class TensorRTRuntime(Runtime):
 
     def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self._ort is not None:
-            return self._ort.infer_sync(inputs)  # InferenceSession.run is thread-safe
+            return self._ort.run_checked_sync(inputs)  # InferenceSession.run is thread-safe
         assert self._runner is not None
         return self._runner.run(inputs)
 
