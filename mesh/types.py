@@ -30,6 +30,7 @@ __all__ = [
     "PREFERS",
     "SLO",
     "TIERS",
+    "TIER_RANK",
     "InferRequest",
     "InferResponse",
     "Prefer",
@@ -47,6 +48,7 @@ PREFERS: Final[tuple[Prefer, ...]] = get_args(Prefer)
 DEFAULT_PREFER: Final[Prefer] = "latency"
 Tier = Literal["edge", "middle", "core"]
 TIERS: Final[tuple[Tier, ...]] = get_args(Tier)  # from the edge inwards
+TIER_RANK: Final[Mapping[Tier, int]] = {t: i for i, t in enumerate(TIERS)}  # 0 at the edge, as TIERS
 
 
 def _finite(name: str, v: object) -> float:

@@ -15,7 +15,6 @@ from topology.schema import (
     Link,
     Site,
     Tenant,
-    Tier,
     Topology,
 )
 from topology.store_io import Diff, apply, desired_state, diff, load_topology
@@ -31,7 +30,6 @@ __all__ = [
     "PathTables",
     "Site",
     "Tenant",
-    "Tier",
     "Topology",
     "apply",
     "desired_state",

@@ -27,24 +27,23 @@ import difflib
 import math
 import re
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 from ruamel.yaml import YAML
 from ruamel.yaml.error import MarkedYAMLError, YAMLError
 
 from mesh.errors import TopologyError
+from mesh.types import TIERS, Tier
 from topology.schema import (
     ISOLATIONS,
     QUOTA_KEYS,
     SCHEMA_VERSION,
-    TIERS,
     Gpu,
     Hardware,
     Isolation,
     Link,
     Site,
     Tenant,
-    Tier,
     Topology,
 )
 
@@ -254,8 +253,8 @@ class _Loader:
                 gmem = self.number(gm, "memory_mb", gpath, lo=0, lo_open=True, integer=True)
                 gpus.append(Gpu(model=model, memory_mb=int(gmem)))
         hardware = Hardware(cpu_cores=int(cpu), memory_mb=int(mem), gpus=tuple(gpus), price_per_hour=price)
-        tier_v: Tier = "edge" if tier == "edge" else "middle" if tier == "middle" else "core"
-        return Site(name=name, tier=tier_v, region=region, lat=lat, lon=lon, hardware=hardware)
+        # choice() has checked the tier is one of TIERS
+        return Site(name=name, tier=cast(Tier, tier), region=region, lat=lat, lon=lon, hardware=hardware)
 
     def links(self, node: list[Any], sites: dict[str, Site]) -> list[Link]:
         out: list[Link] = []

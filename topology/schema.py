@@ -17,25 +17,23 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
+from mesh.types import Tier
+
 __all__ = [
     "ISOLATIONS",
     "QUOTA_KEYS",
     "SCHEMA_VERSION",
-    "TIERS",
     "Gpu",
     "Hardware",
     "Isolation",
     "Link",
     "Site",
     "Tenant",
-    "Tier",
     "Topology",
 ]
 
 SCHEMA_VERSION = 1
-Tier = Literal["edge", "middle", "core"]
 Isolation = Literal["shared", "strict"]
-TIERS: tuple[str, ...] = ("edge", "middle", "core")
 ISOLATIONS: tuple[str, ...] = ("shared", "strict")
 # Quotas the edge enforces; an unknown key is a typo the loader reports rather than ignores.
 QUOTA_KEYS: tuple[str, ...] = ("qps", "max_inflight")

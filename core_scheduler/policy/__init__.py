@@ -16,7 +16,6 @@ from core_scheduler.policy.placement import (
 from core_scheduler.policy.routing import REASONS, CandidateArrays, Decision, Query, RoutingTable
 from core_scheduler.policy.snapshot import (
     MIB,
-    TIERS,
     Link,
     MeshSnapshot,
     SiteInfo,
@@ -28,7 +27,6 @@ from core_scheduler.policy.snapshot import (
 __all__ = [
     "MIB",
     "REASONS",
-    "TIERS",
     "CandidateArrays",
     "Decision",
     "Demand",

@@ -46,7 +46,6 @@ __all__ = ["Action", "Demand", "PlacementConfig", "PlacementEvent", "PlacementPl
 
 Action = Literal["load", "evict", "keep", "prewarm"]
 _PRECISION_RANK = {"int8": 0, "fp16": 1, "fp32": 2}
-_TIER_RANK = {"core": 0, "middle": 1, "edge": 2}
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,11 +40,10 @@ from topology.paths import PathTables, shortest_paths
 if TYPE_CHECKING:
     from variant_store.meta import VariantMeta
 
-__all__ = ["MIB", "TIERS", "Link", "MeshSnapshot", "SiteInfo", "SiteLoad", "VariantInfo", "path_jitter_ms",
+__all__ = ["MIB", "Link", "MeshSnapshot", "SiteInfo", "SiteLoad", "VariantInfo", "path_jitter_ms",
            "path_tables", "tail_margin_ms"]
 
 MIB = 1 << 20
-TIERS = ("edge", "middle", "core")
 # (site a, site b, one-way latency ms, bandwidth Mbit/s); links are undirected
 Link = tuple[str, str, float, float]
 

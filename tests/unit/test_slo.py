@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from mesh.errors import ProtocolError, RequestError
-from mesh.types import PREFERS, SLO, TIERS, InferRequest
+from mesh.types import PREFERS, SLO, TIER_RANK, TIERS, InferRequest
 from mesh.v2 import params as v2_params
 from mesh.zmq import protocol as fast
 from mesh.zmq import protocol_check as checked
@@ -29,6 +29,7 @@ MAX = checked.DEFAULT_MAX_BYTES
 def test_vocabularies_have_one_spelling() -> None:
     assert PREFERS == ("latency", "accuracy", "refuse")
     assert TIERS == ("edge", "middle", "core")
+    assert TIER_RANK == {"edge": 0, "middle": 1, "core": 2}
 
 
 @pytest.mark.parametrize("args", [(20,), (0.5, 1), (20.0, 0.97, 2, "accuracy"), (1e9, 0.0, 0.0, "refuse")])

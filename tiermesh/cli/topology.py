@@ -15,6 +15,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from mesh.types import TIER_RANK
 from tiermesh.cli.main import EXIT_FAILED, EXIT_OK, add_common
 from topology.loader import load_topology_file
 from topology.schema import Topology
@@ -56,8 +57,7 @@ def render_topology(topo: Topology, console: Console) -> None:
     sites = Table(title="sites")
     for col in ("name", "tier", "region", "lat,lon", "cpus", "memory MiB", "hardware", "USD/h"):
         sites.add_column(col)
-    order = {"core": 0, "middle": 1, "edge": 2}
-    for s in sorted(topo.sites.values(), key=lambda s: (order[s.tier], s.name)):
+    for s in sorted(topo.sites.values(), key=lambda s: (-TIER_RANK[s.tier], s.name)):  # core first
         hw = s.hardware
         sites.add_row(s.name, s.tier, s.region, f"{s.lat:g},{s.lon:g}", str(hw.cpu_cores), str(hw.memory_mb),
                       hw.hardware_class, f"{hw.price_per_hour:.2f}")
