@@ -25,7 +25,7 @@ from core_scheduler.state.snapshot import build_snapshot
 from core_scheduler.state.view import MeshView
 from mesh.errors import StoreError
 from mesh.etcd.election import Election
-from mesh.etcd.keys import placement_key
+from mesh.etcd.keys import EVENTS_PLACEMENT, placement_key
 from mesh.etcd.store import CreateRevision, Put, Store
 from mesh.lifecycle import cancel_and_wait
 from mesh.log import get_logger, kv
@@ -33,7 +33,6 @@ from mesh.log import get_logger, kv
 __all__ = ["Scheduler", "SchedulerConfig"]
 
 log = get_logger(__name__)
-EVENTS_KEY = "events/placement"
 MAX_EVENTS = 200
 MIN_BACKOFF_S = 0.2  # between campaigns after a failure; doubled up to MAX_BACKOFF_S, jittered
 MAX_BACKOFF_S = 2.0
@@ -208,7 +207,7 @@ class Scheduler:
         assert self.election.key is not None
         stamped = [{**e, "ts": time.time(), "leader": self.cfg.candidate_id} for e in events]
         self.events = (self.events + stamped)[-MAX_EVENTS:]
-        ops.append(Put(EVENTS_KEY, {"schema": 1, "events": self.events}))
+        ops.append(Put(EVENTS_PLACEMENT, {"schema": 1, "events": self.events}))
         # fenced: only while our election key still exists with the revision we won it at
         res = await self.store.txn([CreateRevision(self.election.key, "==", self.election.leader_revision)], ops)
         if not res.succeeded:

@@ -21,7 +21,7 @@ from core_scheduler.state.snapshot import build_snapshot
 from core_scheduler.state.view import MeshView
 from edge_agent.demand import DemandMeter
 from edge_agent.host import VariantHost
-from edge_agent.http_api import EdgeHttpServer
+from edge_agent.http_api import DEFAULT_MAX_BODY, EdgeHttpServer
 from edge_agent.liveness import Liveness
 from edge_agent.site_dataplane import SiteDataPlane
 from mesh.errors import ConfigError, MeshError
@@ -59,6 +59,7 @@ class AgentConfig:
     demand_window_s: float = 10.0     # demand reported per task and SLO class, averaged over this
     model_memory_fraction: float = 0.25  # share of the site's memory its models may take
     routing_mode: str = "tiermesh"      # or a baseline (core_scheduler.policy.modes), for benchmarks
+    max_body_bytes: int = DEFAULT_MAX_BODY  # largest request body (HTTP) and tensor payload (ZeroMQ)
 
 
 class Agent(Service):
@@ -101,9 +102,9 @@ class Agent(Service):
         self.dataplane = SiteDataPlane(self.site, self.view, self.host, self.zmq_client,
                                        table=lambda: self.table, peer_endpoint=self._peer_endpoint,
                                        demand=self.demand)
-        self.zmq_server = ZmqServer(self.dataplane.infer, bind=cfg.zmq_bind)
+        self.zmq_server = ZmqServer(self.dataplane.infer, bind=cfg.zmq_bind, max_bytes=cfg.max_body_bytes)
         await self.zmq_server.start()
-        self.http = EdgeHttpServer(self.dataplane, port=cfg.http_port)
+        self.http = EdgeHttpServer(self.dataplane, port=cfg.http_port, max_body_bytes=cfg.max_body_bytes)
         await self.http.start()
         self.view.on_change(self._on_view_change)
         self._on_view_change()

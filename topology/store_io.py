@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mesh.errors import ConflictError, StoreError
-from mesh.etcd.keys import LINKS, SITES, TENANTS, link_key, site_key, tenant_key
+from mesh.etcd.keys import LINKS, SITES, TENANTS, TOPOLOGY_META, link_key, site_key, tenant_key
 from mesh.etcd.store import KV, Compare, CreateRevision, Delete, ModRevision, Op, Put, Store
 from mesh.log import get_logger, kv
 from topology.schema import SCHEMA_VERSION, Link, Site, Tenant, Topology
@@ -38,7 +38,7 @@ __all__ = [
 
 log = get_logger(__name__)
 
-META_KEY = "topology/meta"
+META_KEY = TOPOLOGY_META
 # etcd's default --max-txn-ops; a bigger change would be refused by the server, so say so first.
 MAX_TXN_OPS = 128
 _TOPOLOGY_PREFIX = "topology/"

@@ -11,25 +11,23 @@ Model bytes never go to etcd: entries carry blob digests and the blob store hold
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from mesh.errors import CatalogError, StoreError
-from mesh.etcd.keys import CATALOG, catalog_key
+from mesh.etcd.keys import CATALOG, MODELS, TASK_NAME, catalog_key, last_segment, model_key
 from mesh.etcd.store import Store
 from mesh.types import TaskSignature, TensorSpec
 from variant_store.meta import SCHEMA_VERSION, VariantMeta
 
 __all__ = [
-    "TASK_KEY",
     "Catalog",
     "RegisteredModel",
     "signature_from_json",
     "signature_to_json",
 ]
 
-TASK_KEY = "_task"  # reserved name: never a variant id
-_MODELS = "models/"
 
 
 @dataclass(slots=True)
@@ -76,16 +74,16 @@ def _check_name(kind: str, name: str) -> None:
         raise CatalogError(f"invalid {kind} name: {name!r}", name=name)
 
 
-def _key(task: str, variant_id: str) -> str:
+def _checked(build: Callable[[str, str], str], task: str, name: str) -> str:
+    """A catalog key from ``mesh.etcd.keys``, its ValueError as this module's CatalogError."""
     try:
-        return catalog_key(task, variant_id)
+        return build(task, name)
     except ValueError as exc:
-        raise CatalogError(str(exc), task=task, variant=variant_id) from exc
+        raise CatalogError(str(exc), task=task, name=name) from exc
 
 
-def _last(key: str | bytes) -> str:
-    text = key.decode() if isinstance(key, bytes) else key
-    return text.rstrip("/").rsplit("/", 1)[-1]
+def _key(task: str, variant_id: str) -> str:
+    return _checked(catalog_key, task, variant_id)
 
 
 class Catalog:
@@ -102,14 +100,14 @@ class Catalog:
 
     async def get_variant(self, task: str, variant_id: str) -> VariantMeta:
         kv = await self.store.get(_key(task, variant_id))
-        if kv is None or variant_id == TASK_KEY:
+        if kv is None or variant_id == TASK_NAME:
             raise CatalogError(f"no variant {variant_id!r} of task {task!r}", task=task, variant=variant_id)
         return self._decode(kv.value, kv.key)
 
     async def list_variants(self, task: str | None = None) -> list[VariantMeta]:
         prefix = f"{CATALOG}{task}/" if task else CATALOG
         out = [self._decode(kv.value, kv.key) for kv in await self.store.get_prefix(prefix)
-               if _last(kv.key) != TASK_KEY]
+               if last_segment(kv.key) != TASK_NAME]
         return sorted(out, key=lambda m: (m.task, m.variant_id))
 
     async def remove_variant(self, task: str, variant_id: str) -> None:
@@ -120,33 +118,33 @@ class Catalog:
     # tasks --------------------------------------------------------------------------------
     async def put_task(self, sig: TaskSignature) -> None:
         _check_name("task", sig.task)
-        await self.store.put(_key(sig.task, TASK_KEY), signature_to_json(sig))
+        await self.store.put(_key(sig.task, TASK_NAME), signature_to_json(sig))
 
     async def get_task(self, task: str) -> TaskSignature:
-        kv = await self.store.get(_key(task, TASK_KEY))
+        kv = await self.store.get(_key(task, TASK_NAME))
         if kv is None:
             raise CatalogError(f"unknown task {task!r}", task=task)
         return signature_from_json(kv.value)
 
     async def list_tasks(self) -> list[str]:
         kvs = await self.store.get_prefix(CATALOG)
-        tasks = {signature_from_json(kv.value).task for kv in kvs if _last(kv.key) == TASK_KEY}
+        tasks = {signature_from_json(kv.value).task for kv in kvs if last_segment(kv.key) == TASK_NAME}
         return sorted(tasks)
 
     # registered models --------------------------------------------------------------------
     async def put_model(self, model: RegisteredModel) -> None:
         _check_name("task", model.task)
         _check_name("family", model.family)
-        await self.store.put(f"{_MODELS}{model.task}/{model.family}", model.to_json())
+        await self.store.put(_checked(model_key, model.task, model.family), model.to_json())
 
     async def get_model(self, task: str, family: str) -> RegisteredModel:
-        kv = await self.store.get(f"{_MODELS}{task}/{family}")
+        kv = await self.store.get(_checked(model_key, task, family))
         if kv is None:
             raise CatalogError(f"no registered model {family!r} for task {task!r}", task=task, family=family)
         return RegisteredModel.from_json(kv.value)
 
     async def list_models(self, task: str | None = None) -> list[RegisteredModel]:
-        prefix = f"{_MODELS}{task}/" if task else _MODELS
+        prefix = f"{MODELS}{task}/" if task else MODELS
         out = [RegisteredModel.from_json(kv.value) for kv in await self.store.get_prefix(prefix)]
         return sorted(out, key=lambda m: (m.task, m.family))
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from core_scheduler.state.heartbeat import Heartbeat
 from mesh.errors import StoreError
+from mesh.etcd.keys import parse_key
 from mesh.etcd.store import Store
 from mesh.lifecycle import cancel_and_wait
 from mesh.log import get_logger, kv
@@ -153,36 +154,31 @@ class MeshView:
                     log.exception("view listener failed", extra=kv(site=self.site))
 
     def _apply(self, key: str, value: Any | None) -> None:
-        parts = key.split("/")
+        parsed = parse_key(key)
+        if parsed is None:
+            return
+        kind, names = parsed
         try:
-            if parts[0] == "topology" and len(parts) >= 3:
+            if kind == "site":
                 self._topology = None
-                if parts[1] == "sites":
-                    _set(self.sites, parts[2], value)
-                elif parts[1] == "links" and len(parts) == 4:
-                    _set(self.links, (parts[2], parts[3]), value)
-            elif parts[0] == "tenants" and len(parts) == 2:
+                _set(self.sites, names[0], value)
+            elif kind == "link":
                 self._topology = None
-                _set(self.tenants, parts[1], value)
-            elif parts[0] == "catalog" and len(parts) == 3:
-                task, name = parts[1], parts[2]
-                if name == "_task":
-                    if value is None:
-                        self.signatures.pop(task, None)
-                    else:
-                        self.signatures[task] = signature_from_json(value)
-                else:
-                    bucket = self.variants.setdefault(task, {})
-                    if value is None:
-                        bucket.pop(name, None)
-                    else:
-                        bucket[name] = VariantMeta.from_json(value)
-            elif parts[0] == "live" and len(parts) == 2:
-                _set(self.live, parts[1], None if value is None else Heartbeat.from_json(value))
-            elif parts[0] == "placement" and len(parts) == 2:
-                _set(self.placement, parts[1], value)
-            elif parts[0] == "services" and len(parts) >= 2:
-                _set(self.services, "/".join(parts[1:]), value)
+                _set(self.links, (names[0], names[1]), value)
+            elif kind == "tenant":
+                self._topology = None
+                _set(self.tenants, names[0], value)
+            elif kind == "task":
+                _set(self.signatures, names[0], None if value is None else signature_from_json(value))
+            elif kind == "variant":
+                bucket = self.variants.setdefault(names[0], {})
+                _set(bucket, names[1], None if value is None else VariantMeta.from_json(value))
+            elif kind == "live":
+                _set(self.live, names[0], None if value is None else Heartbeat.from_json(value))
+            elif kind == "placement":
+                _set(self.placement, names[0], value)
+            elif kind == "service":
+                _set(self.services, names[0], value)
         except (KeyError, TypeError, ValueError) as exc:
             log.warning("ignoring malformed value at %s: %s", key, exc, extra=kv(site=self.site))
 

@@ -1,29 +1,41 @@
 """The etcd key space of DESIGN.md, relative to the Store prefix (default ``/tiermesh/``).
 
-Only pure string helpers: every module that reads or writes etcd names its keys through these,
-so the layout lives in one place.
+Only pure string helpers: every module that reads or writes etcd builds its keys through these,
+and every reader of a whole prefix sorts keys back into their kinds with :func:`parse_key`, so
+the layout lives in one place.
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 __all__ = [
     "CATALOG",
     "ELECTION_SCHEDULER",
+    "EVENTS_PLACEMENT",
     "LINKS",
     "LIVE",
+    "MODELS",
     "PKI",
     "PLACEMENT",
+    "SERVICES",
     "SITES",
+    "TASK_NAME",
     "TENANTS",
+    "TOPOLOGY_META",
+    "KeyKind",
     "blobs_key",
     "catalog_key",
     "last_segment",
     "link_key",
     "live_key",
+    "model_key",
     "parse_catalog_key",
+    "parse_key",
     "parse_link_key",
     "placement_key",
     "site_key",
+    "task_key",
     "tenant_key",
 ]
 
@@ -33,9 +45,14 @@ TENANTS = "tenants/"
 CATALOG = "catalog/"
 LIVE = "live/"
 PLACEMENT = "placement/"
+MODELS = "models/"
+SERVICES = "services/"
 PKI = "pki/"
+TOPOLOGY_META = "topology/meta"
 ELECTION_SCHEDULER = "election/scheduler"
-_BLOBS = "services/variant-store"
+EVENTS_PLACEMENT = "events/placement"
+TASK_NAME = "_task"  # catalog/<task>/_task holds the task's signature: never a variant id
+_BLOBS = SERVICES + "variant-store"
 
 
 def _segment(kind: str, name: str) -> str:
@@ -75,6 +92,16 @@ def catalog_key(task: str, variant: str) -> str:
     return f"{CATALOG}{_segment('task', task)}/{_segment('variant', variant)}"
 
 
+def task_key(task: str) -> str:
+    """Where the task's signature lives, beside its variants."""
+    return catalog_key(task, TASK_NAME)
+
+
+def model_key(task: str, family: str) -> str:
+    """A registered model (the parent the variants are generated from)."""
+    return f"{MODELS}{_segment('task', task)}/{_segment('family', family)}"
+
+
 def parse_catalog_key(key: str) -> tuple[str, str]:
     """``catalog/<task>/<variant>`` -> ``(task, variant)``."""
     if not key.startswith(CATALOG):
@@ -101,3 +128,32 @@ def blobs_key() -> str:
 def last_segment(key: str) -> str:
     """``live/edge-1`` -> ``edge-1``: the name part of a one-level key (sites, tenants, live, ...)."""
     return key.rstrip("/").rsplit("/", 1)[-1]
+
+
+KeyKind = Literal["site", "link", "tenant", "task", "variant", "live", "placement", "service"]
+_ONE_LEVEL: dict[str, KeyKind] = {TENANTS[:-1]: "tenant", LIVE[:-1]: "live", PLACEMENT[:-1]: "placement"}
+
+
+def parse_key(key: str) -> tuple[KeyKind, tuple[str, ...]] | None:
+    """The kind of a key and the names in it, e.g. ``live/edge-1`` -> ``("live", ("edge-1",))``,
+    ``catalog/t/_task`` -> ``("task", ("t",))``, ``services/variant-store`` ->
+    ``("service", ("variant-store",))``; ``None`` for keys no view follows (meta, models, events,
+    election, pki) and for malformed ones."""
+    head, _, rest = key.partition("/")
+    parts = tuple(rest.split("/")) if rest else ()
+    if not all(parts):
+        return None
+    if head == "topology" and len(parts) >= 2:
+        kind, names = parts[0], parts[1:]
+        if kind == "sites" and len(names) == 1:
+            return "site", names
+        if kind == "links" and len(names) == 2:
+            return "link", names
+        return None
+    if head == "catalog" and len(parts) == 2:
+        return ("task", parts[:1]) if parts[1] == TASK_NAME else ("variant", parts)
+    if len(parts) == 1 and head in _ONE_LEVEL:
+        return _ONE_LEVEL[head], parts
+    if head == "services" and parts:
+        return "service", ("/".join(parts),)
+    return None

@@ -54,3 +54,24 @@ def test_parse_link_key_rejects_other_keys(bad):
 def test_self_link_is_refused():
     with pytest.raises(ValueError):
         keys.link_key("a", "a")
+
+
+@pytest.mark.parametrize(("key", "expected"), [
+    (keys.site_key("edge-1"), ("site", ("edge-1",))),
+    (keys.link_key("b", "a"), ("link", ("a", "b"))),
+    (keys.tenant_key("acme"), ("tenant", ("acme",))),
+    (keys.task_key("digits"), ("task", ("digits",))),
+    (keys.catalog_key("digits", "mlp-tiny"), ("variant", ("digits", "mlp-tiny"))),
+    (keys.live_key("core"), ("live", ("core",))),
+    (keys.placement_key("mid"), ("placement", ("mid",))),
+    (keys.blobs_key(), ("service", ("variant-store",))),
+])
+def test_every_built_key_parses_back_to_its_kind(key, expected):
+    assert keys.parse_key(key) == expected
+
+
+@pytest.mark.parametrize("key", [keys.TOPOLOGY_META, keys.EVENTS_PLACEMENT, keys.ELECTION_SCHEDULER + "/1",
+                                 keys.model_key("digits", "mlp"), "live/", "live/a/b", "topology/sites/a/b",
+                                 "topology/links/a", "catalog/t", "catalog//v", "tenants", ""])
+def test_keys_no_view_follows_parse_to_none(key):
+    assert keys.parse_key(key) is None

@@ -11,7 +11,7 @@ from edge_agent.agent import Agent, AgentConfig, load_peer_map
 from mesh.errors import ConfigError
 from mesh.settings import MeshSettings
 
-__all__ = ["register", "run_agent"]
+__all__ = ["agent_config", "register", "run_agent"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -35,8 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.set_defaults(func=run_agent)
 
 
-async def run_agent(args: argparse.Namespace) -> int:
-    settings = MeshSettings()
+def agent_config(args: argparse.Namespace, settings: MeshSettings) -> AgentConfig:
+    """The agent's configuration from its command line, then settings (``TIERMESH_*``), then defaults."""
     etcd = args.etcd or settings.etcd
     if not etcd:
         from mesh.etcd.server import find_running
@@ -45,12 +45,16 @@ async def run_agent(args: argparse.Namespace) -> int:
         etcd = find_running(home)
         if etcd is None:
             raise ConfigError("no etcd: pass --etcd URL or start one with `tiermesh etcd` / `tiermesh up`")
-    cfg = AgentConfig(site=args.site, etcd=etcd, prefix=args.prefix or settings.prefix,
-                      home=Path(args.home) if args.home else settings.home, http_port=args.http_port,
-                      zmq_bind=f"tcp://127.0.0.1:{args.zmq_port}", peer_map=load_peer_map(args.peer_map),
-                      lease_ttl_s=args.lease_ttl, routing_mode=args.routing_mode,
-                      idle_unload_s=settings.agent_idle_unload_s,
-                      demand_window_s=settings.agent_demand_window_s)
+    return AgentConfig(site=args.site, etcd=etcd, prefix=args.prefix or settings.prefix,
+                       home=Path(args.home) if args.home else settings.home, http_port=args.http_port,
+                       zmq_bind=f"tcp://127.0.0.1:{args.zmq_port}", peer_map=load_peer_map(args.peer_map),
+                       lease_ttl_s=args.lease_ttl, routing_mode=args.routing_mode,
+                       idle_unload_s=settings.agent_idle_unload_s,
+                       demand_window_s=settings.agent_demand_window_s, max_body_bytes=settings.max_body_bytes)
+
+
+async def run_agent(args: argparse.Namespace) -> int:
+    cfg = agent_config(args, MeshSettings())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
