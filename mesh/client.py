@@ -27,7 +27,7 @@ import numpy as np
 
 from mesh.errors import BadTensor, DeadlineExceeded, MeshError, error_from_code
 from mesh.sdk_transport import AiohttpTransport, Transport
-from mesh.types import DEFAULT_TENANT, TaskSignature, Timing
+from mesh.types import DEFAULT_PREFER, DEFAULT_TENANT, TaskSignature, Timing
 from mesh.v2 import codec as codec
 
 __all__ = ["AsyncClient", "Client", "InferResult"]
@@ -175,7 +175,7 @@ class AsyncClient:
         return True
 
     async def infer(self, task: str, inputs: Inputs, *, latency_ms: float, min_accuracy: float = 0.0,
-                    max_cost: float | None = None, prefer: str = "latency",
+                    max_cost: float | None = None, prefer: str = DEFAULT_PREFER,
                     request_id: str | None = None) -> InferResult:
         """Run ``task`` on ``inputs`` within the SLO. A bare array feeds the task's single input."""
         self._open()
@@ -302,7 +302,7 @@ class Client:
             raise
 
     def infer(self, task: str, inputs: Inputs, *, latency_ms: float, min_accuracy: float = 0.0,
-              max_cost: float | None = None, prefer: str = "latency",
+              max_cost: float | None = None, prefer: str = DEFAULT_PREFER,
               request_id: str | None = None) -> InferResult:
         return self._call(self._async.infer(task, inputs, latency_ms=latency_ms, min_accuracy=min_accuracy,
                                             max_cost=max_cost, prefer=prefer, request_id=request_id))

@@ -25,7 +25,7 @@ from zmq.utils.monitor import parse_monitor_message
 from mesh.errors import DeadlineExceeded, MeshError, PayloadTooLarge, PeerUnavailable, RequestError
 from mesh.lifecycle import Service, State
 from mesh.log import get_logger, kv
-from mesh.types import InferRequest, InferResponse
+from mesh.types import InferRequest, InferResponse, new_request_id
 from mesh.zmq import protocol as wire
 from mesh.zmq.base import SocketSecurity, close_context, open_context
 from mesh.zmq.pump import Pump, io_socket
@@ -95,7 +95,7 @@ class ZmqClient(Service):
         if remaining <= 0:
             raise DeadlineExceeded(f"deadline passed {-remaining * 1000:.1f} ms before sending")
         if not req.request_id:
-            req.request_id = wire.new_request_id()
+            req.request_id = new_request_id()
         size = 0
         for a in req.inputs.values():
             size += a.nbytes
@@ -105,7 +105,7 @@ class ZmqClient(Service):
         pump = cast(Pump, peer.pump)
         rid = req.request_id
         if rid in peer.pending or len(rid) > wire.MAX_ID_LEN:
-            rid = wire.new_request_id()
+            rid = new_request_id()
             frames = wire.encode_request(dataclasses.replace(req, request_id=rid))
         else:
             frames = wire.encode_request(req)

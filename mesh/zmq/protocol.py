@@ -40,7 +40,7 @@ import numpy as np
 import zmq
 
 from mesh.errors import BadTensor, MeshError, ProtocolError
-from mesh.types import InferRequest, InferResponse, Timing, new_request_id
+from mesh.types import InferRequest, InferResponse, Timing
 from mesh.zmq.protocol_check import (
     ALLOWED_DTYPES,
     DECODE_ERRORS,
@@ -72,7 +72,6 @@ __all__ = [
     "encode_error",
     "encode_request",
     "encode_response",
-    "new_request_id",  # mesh.types's; until mesh/zmq/client.py and sync.py import it from there
     "peek_request_id",
 ]
 

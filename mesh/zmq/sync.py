@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Self
 import zmq
 
 from mesh.errors import DeadlineExceeded, MeshError
-from mesh.types import InferRequest, InferResponse
+from mesh.types import InferRequest, InferResponse, new_request_id
 from mesh.zmq import protocol as wire
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ class SyncZmqClient:
 
     def request(self, req: InferRequest) -> InferResponse:
         if not req.request_id:
-            req.request_id = wire.new_request_id()
+            req.request_id = new_request_id()
         self._sock.send_multipart(wire.encode_request(req), copy=False)
         while (left_ms := req.remaining_ms()) > 0:
             if not self._sock.poll(max(1, int(left_ms)), zmq.POLLIN):
