@@ -27,7 +27,7 @@ from mesh.errors import StoreError
 from mesh.etcd.election import Election
 from mesh.etcd.keys import EVENTS_PLACEMENT, placement_key
 from mesh.etcd.store import CreateRevision, Put, Store
-from mesh.lifecycle import cancel_and_wait
+from mesh.lifecycle import Service, cancel_and_wait
 from mesh.log import get_logger, kv
 
 __all__ = ["Scheduler", "SchedulerConfig"]
@@ -54,7 +54,7 @@ class SchedulerConfig:
     mode: str = "tiermesh"            # or a baseline's placement (core_scheduler.policy.modes)
 
 
-class Scheduler:
+class Scheduler(Service):
     def __init__(self, store: Store, cfg: SchedulerConfig) -> None:
         self.store = store
         self.cfg = cfg
@@ -76,11 +76,11 @@ class Scheduler:
     def is_leader(self) -> bool:
         return bool(self.election and self.election.is_leader)
 
-    async def start(self) -> None:
+    async def _start(self) -> None:
         await self.view.start()
         self._task = asyncio.create_task(self._run(), name=f"scheduler:{self.cfg.candidate_id}")
 
-    async def stop(self) -> None:
+    async def _stop(self) -> None:
         task, self._task = self._task, None
         await cancel_and_wait(task)
         if self.election is not None:

@@ -16,7 +16,7 @@ from core_scheduler.state.heartbeat import Heartbeat
 from mesh.errors import StoreError
 from mesh.etcd.keys import live_key
 from mesh.etcd.store import Lease, Store
-from mesh.lifecycle import cancel_and_wait
+from mesh.lifecycle import Service, cancel_and_wait
 from mesh.log import get_logger, kv
 
 __all__ = ["Liveness"]
@@ -24,7 +24,7 @@ __all__ = ["Liveness"]
 log = get_logger(__name__)
 
 
-class Liveness:
+class Liveness(Service):
     def __init__(self, store: Store, site: str, record: Callable[[], Heartbeat], *,
                  ttl_s: float = 3.0, interval_s: float = 0.5) -> None:
         self.store = store
@@ -43,11 +43,11 @@ class Liveness:
     def degraded(self) -> bool:
         return self.degraded_since is not None
 
-    async def start(self) -> None:
+    async def _start(self) -> None:
         await self._beat()  # first record before anyone routes to us
         self._task = asyncio.create_task(self._loop(), name=f"liveness:{self.site}")
 
-    async def stop(self) -> None:
+    async def _stop(self) -> None:
         await cancel_and_wait(self._task)
         if self.lease is not None:
             with contextlib.suppress(Exception):

@@ -17,7 +17,7 @@ from core_scheduler.state.heartbeat import Heartbeat
 from mesh.errors import StoreError
 from mesh.etcd.keys import parse_key
 from mesh.etcd.store import Store
-from mesh.lifecycle import cancel_and_wait
+from mesh.lifecycle import Service, cancel_and_wait
 from mesh.log import get_logger, kv
 from mesh.types import TaskSignature
 from topology.schema import Link, Site, Tenant, Topology
@@ -29,7 +29,7 @@ __all__ = ["MeshView"]
 log = get_logger(__name__)
 
 
-class MeshView:
+class MeshView(Service):
     def __init__(self, store: Store, site: str, *, debounce_s: float = 0.05) -> None:
         self.store = store
         self.site = site
@@ -52,12 +52,12 @@ class MeshView:
         self.loaded = asyncio.Event()
 
     # -- lifecycle -------------------------------------------------------------------------
-    async def start(self) -> None:
+    async def _start(self) -> None:
         await self._load_all()
         self._tasks = [asyncio.create_task(self._follow(), name=f"view-watch:{self.site}"),
                        asyncio.create_task(self._notify_loop(), name=f"view-notify:{self.site}")]
 
-    async def stop(self) -> None:
+    async def _stop(self) -> None:
         await cancel_and_wait(*self._tasks)
         self._tasks = []
 
