@@ -30,9 +30,7 @@ __all__ = [
     "link_key",
     "live_key",
     "model_key",
-    "parse_catalog_key",
     "parse_key",
-    "parse_link_key",
     "placement_key",
     "site_key",
     "task_key",
@@ -74,15 +72,6 @@ def link_key(a: str, b: str) -> str:
     return f"{LINKS}{x}/{y}"
 
 
-def parse_link_key(key: str) -> tuple[str, str]:
-    """``topology/links/<a>/<b>`` -> ``(a, b)``; ValueError for anything else."""
-    if not key.startswith(LINKS):
-        raise ValueError(f"not a link key: {key!r}")
-    parts = key[len(LINKS):].split("/")
-    if len(parts) != 2 or not all(parts):
-        raise ValueError(f"not a link key: {key!r}")
-    return parts[0], parts[1]
-
 
 def tenant_key(name: str) -> str:
     return TENANTS + _segment("tenant", name)
@@ -101,15 +90,6 @@ def model_key(task: str, family: str) -> str:
     """A registered model (the parent the variants are generated from)."""
     return f"{MODELS}{_segment('task', task)}/{_segment('family', family)}"
 
-
-def parse_catalog_key(key: str) -> tuple[str, str]:
-    """``catalog/<task>/<variant>`` -> ``(task, variant)``."""
-    if not key.startswith(CATALOG):
-        raise ValueError(f"not a catalog key: {key!r}")
-    parts = key[len(CATALOG):].split("/")
-    if len(parts) != 2 or not all(parts):
-        raise ValueError(f"not a catalog key: {key!r}")
-    return parts[0], parts[1]
 
 
 def live_key(site: str) -> str:

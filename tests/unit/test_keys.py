@@ -21,13 +21,13 @@ def test_one_level_keys(func, arg, expected):
 def test_link_key_is_undirected_and_parses_back():
     k = keys.link_key("middle", "edge-2")
     assert k == keys.link_key("edge-2", "middle") == "topology/links/edge-2/middle"
-    assert keys.parse_link_key(k) == ("edge-2", "middle")
+    assert keys.parse_key(k) == ("link", ("edge-2", "middle"))
 
 
 def test_catalog_key_round_trip():
     k = keys.catalog_key("digit-classification", "mlp-tiny-int8")
     assert k == "catalog/digit-classification/mlp-tiny-int8"
-    assert keys.parse_catalog_key(k) == ("digit-classification", "mlp-tiny-int8")
+    assert keys.parse_key(k) == ("variant", ("digit-classification", "mlp-tiny-int8"))
 
 
 def test_fixed_keys_follow_the_design():
@@ -46,9 +46,8 @@ def test_names_with_slashes_or_empty_are_refused(bad):
 
 @pytest.mark.parametrize("bad", ["topology/links/a", "topology/links/a/b/c", "topology/sites/a/b",
                                  "topology/links//b"])
-def test_parse_link_key_rejects_other_keys(bad):
-    with pytest.raises(ValueError):
-        keys.parse_link_key(bad)
+def test_malformed_link_keys_parse_to_none(bad):
+    assert keys.parse_key(bad) is None
 
 
 def test_self_link_is_refused():
