@@ -50,6 +50,7 @@ from mesh.client import AsyncClient
 from mesh.errors import UnknownTask
 from mesh.types import SLO, InferRequest, InferResponse, TaskSignature, TensorSpec, Timing
 from mesh.v2 import codec as codec
+from mesh.v2.tensors import HEADER_LENGTH
 from mesh.zmq.client import ZmqClient
 from mesh.zmq.server import ZmqServer
 from variant_store.runtimes import open_runtime
@@ -272,7 +273,7 @@ def _post(session: aiohttp.ClientSession, url: str, body: bytes, headers: dict[s
 def _v2_body(inputs: dict[str, np.ndarray]) -> tuple[bytes, dict[str, str]]:
     body, hlen = codec.encode_infer_request(inputs, {"latency_ms": 10_000.0})
     assert hlen is not None
-    return body, {"Content-Type": "application/octet-stream", codec.HEADER_LENGTH: str(hlen)}
+    return body, {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(hlen)}
 
 
 async def run_http_api(ctx: RunContext) -> Path:
@@ -296,7 +297,7 @@ async def run_http_api(ctx: RunContext) -> Path:
                         b, h = _v2_body({"x": arr})
                         async with session.post(url, data=b, headers=h) as resp:
                             data = await resp.read()
-                            hl = resp.headers.get(codec.HEADER_LENGTH)
+                            hl = resp.headers.get(HEADER_LENGTH)
                         return codec.decode_infer_response(data, int(hl) if hl else None).outputs["y"]
 
                     out = await system()

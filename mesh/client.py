@@ -29,6 +29,8 @@ from mesh.errors import BadTensor, DeadlineExceeded, MeshError, error_from_code
 from mesh.sdk_transport import AiohttpTransport, Transport
 from mesh.types import DEFAULT_PREFER, DEFAULT_TENANT, TaskSignature, Timing
 from mesh.v2 import codec as codec
+from mesh.v2.params import metadata_to_signature, result_values
+from mesh.v2.tensors import HEADER_LENGTH, tensor_data
 
 __all__ = ["AsyncClient", "Client", "InferResult"]
 
@@ -162,7 +164,7 @@ class AsyncClient:
                 meta = json.loads(body)
             except (UnicodeDecodeError, json.JSONDecodeError) as exc:
                 raise MeshError(f"task metadata for {task} is not JSON") from exc
-            self._signatures[task] = codec.metadata_to_signature(meta)
+            self._signatures[task] = metadata_to_signature(meta)
         return self._signatures[task]
 
     async def ready(self) -> bool:
@@ -198,7 +200,7 @@ class AsyncClient:
             except TypeError:  # an unhashable argument: encode it in full, let the edge judge it
                 key = ()
         if plan is not None:
-            body = b"".join([plan.header, *codec.tensor_data(tensors)])
+            body = b"".join([plan.header, *tensor_data(tensors)])
         else:
             plan, body = self._plan(key, task, tensors, latency_ms, min_accuracy, max_cost, prefer, request_id)
         # The edge answers by the query's deadline (or with an error); plan.bound only protects
@@ -213,9 +215,9 @@ class AsyncClient:
             raise DeadlineExceeded(f"{task}: no answer within {plan.bound:.3f} s (budget {latency_ms} ms)") from exc
         if status >= 400:
             raise _error_from(status, rb)
-        raw_len = _header(rh, codec.HEADER_LENGTH)
+        raw_len = _header(rh, HEADER_LENGTH)
         dec = codec.decode_infer_response(rb, int(raw_len) if raw_len is not None else None)
-        return InferResult(dec.outputs, *codec.result_values(dec.parameters), request_id=dec.request_id)
+        return InferResult(dec.outputs, *result_values(dec.parameters), request_id=dec.request_id)
 
     def _plan(self, key: tuple[Any, ...], task: str, tensors: dict[str, np.ndarray], latency_ms: float,
               min_accuracy: float, max_cost: float | None, prefer: str,
@@ -230,7 +232,7 @@ class AsyncClient:
             headers["Content-Type"] = "application/json"
         else:
             headers["Content-Type"] = "application/octet-stream"
-            headers[codec.HEADER_LENGTH] = str(hlen)
+            headers[HEADER_LENGTH] = str(hlen)
         plan = _Plan(body[:hlen] if hlen is not None else b"", headers, f"v2/models/{quote(task, safe='')}/infer",
                      min(self.timeout, latency_ms / 1000.0 + DEADLINE_GRACE_S))
         if request_id is None and hlen is not None and key:

@@ -13,7 +13,8 @@ from core_scheduler.policy.placement import (
     PlacementPlan,
     plan_placement,
 )
-from core_scheduler.policy.routing import REASONS, CandidateArrays, Decision, Query, RoutingTable
+from core_scheduler.policy.routing import REASONS, Decision, Query, RoutingTable
+from core_scheduler.policy.routing_candidates import CandidateArrays
 from core_scheduler.policy.snapshot import (
     MIB,
     Link,

@@ -13,7 +13,7 @@ Pure: a function of the snapshot only. Demand-driven placement adds to this floo
 
 from __future__ import annotations
 
-from core_scheduler.policy.routing import resolve_compute
+from core_scheduler.policy.routing_candidates import resolve_compute
 from core_scheduler.policy.snapshot import MeshSnapshot, SiteInfo, VariantInfo
 
 __all__ = ["floor_placement"]

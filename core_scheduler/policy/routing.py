@@ -39,20 +39,17 @@ import numpy as np
 from numpy.typing import NDArray
 
 from core_scheduler.policy.routing_candidates import (
-    COMPUTE_RESOLUTION_MS,
     MASK_CACHE_MAX,
     CandidateArrays,
     TaskTable,
     any_true,
     build_candidates,
-    resolve_compute,
 )
 from core_scheduler.policy.snapshot import MeshSnapshot
 from mesh.errors import ConfigError, ImpossibleSLO, NoRoute, UnknownTask
 from mesh.types import DEFAULT_PREFER, DEFAULT_TENANT, SLO, Prefer
 
-__all__ = ["COMPUTE_RESOLUTION_MS", "REASONS", "CandidateArrays", "Decision", "Query", "RoutingTable",
-           "resolve_compute"]
+__all__ = ["REASONS", "Decision", "Query", "RoutingTable"]
 
 REASONS = ("local", "forward", "cold_start", "best_effort_latency", "best_effort_accuracy")
 _INF = np.inf

@@ -10,7 +10,7 @@ header's length whenever binary data follows it.
 tiermesh fields ride in ``parameters``: the SLO on the request, the serving site, variant,
 accuracy, decision reason and timing on the response. That mapping, the datatype table and model
 metadata live in :mod:`mesh.v2.params`, the tensor encoding and body layout in
-:mod:`mesh.v2.tensors`; the names callers need are re-exported here, so they import only this module.
+:mod:`mesh.v2.tensors`; callers import each name from its home.
 
 Hot paths avoid what costs microseconds each on every request: ``dtype.name`` (a Python
 property), the stdlib's JSON (orjson reads and writes headers as bytes), ``bytes`` detours for
@@ -27,17 +27,7 @@ from typing import Any
 import numpy as np
 
 from mesh.errors import RequestError
-from mesh.v2.params import (
-    DEFAULT_LATENCY_MS,
-    datatype_of,
-    dtype_of,
-    metadata_to_signature,
-    parse_slo,
-    response_parameters,
-    result_fields,
-    result_values,
-    signature_to_metadata,
-)
+from mesh.v2.params import parse_slo, response_parameters, signature_to_metadata
 from mesh.v2.tensors import (
     HEADER_LENGTH,
     Spec,
@@ -47,29 +37,24 @@ from mesh.v2.tensors import (
     fast_binary_tensors,
     read_tensors,
     split_body,
-    tensor_data,
     tensors_json,
 )
 
+# HEADER_LENGTH (mesh.v2.tensors), parse_slo, response_parameters and signature_to_metadata
+# (mesh.v2.params) are not defined here: they stay listed only until edge_agent/http_api.py
+# imports them from their homes, then leave with their imports above.
 __all__ = [
-    "DEFAULT_LATENCY_MS",
     "HEADER_LENGTH",
     "TENANT_HEADER",
     "DecodedRequest",
     "DecodedResponse",
-    "datatype_of",
     "decode_infer_request",
     "decode_infer_response",
-    "dtype_of",
     "encode_infer_request",
     "encode_infer_response",
-    "metadata_to_signature",
     "parse_slo",
     "response_parameters",
-    "result_fields",
-    "result_values",
     "signature_to_metadata",
-    "tensor_data",
 ]
 
 # Names the caller's tenant until mutual TLS does (see ``edge_agent.http_api.identify``).

@@ -28,6 +28,7 @@ from mesh.log import get_logger, kv
 from mesh.types import InferRequest, InferResponse, new_request_id
 from mesh.zmq import protocol as wire
 from mesh.zmq.base import SocketSecurity, close_context, open_context
+from mesh.zmq.protocol_check import DECODE_ERRORS, DEFAULT_MAX_BYTES, MAX_HEADER_BYTES, MAX_ID_LEN
 from mesh.zmq.pump import Pump, io_socket
 
 __all__ = ["ZmqClient"]
@@ -59,7 +60,7 @@ class ZmqClient(Service):
 
     def __init__(self, *, ctx: zmq.asyncio.Context | None = None, security: SocketSecurity | None = None,
                  server_key_for: Callable[[str], bytes | None] | None = None,
-                 max_bytes: int = wire.DEFAULT_MAX_BYTES) -> None:
+                 max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         # None until the first peer opens: then the shared context, or its own when ``security`` is set
         self._given_ctx = ctx
         self._ctx: zmq.asyncio.Context | None = ctx
@@ -104,7 +105,7 @@ class ZmqClient(Service):
         peer = self._peers.get(endpoint) or self._open_peer(endpoint)
         pump = cast(Pump, peer.pump)
         rid = req.request_id
-        if rid in peer.pending or len(rid) > wire.MAX_ID_LEN:
+        if rid in peer.pending or len(rid) > MAX_ID_LEN:
             rid = new_request_id()
             frames = wire.encode_request(dataclasses.replace(req, request_id=rid))
         else:
@@ -165,7 +166,7 @@ class ZmqClient(Service):
             self._ctx = open_context(self._security)
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self._max_bytes + wire.MAX_HEADER_BYTES)
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max_bytes + MAX_HEADER_BYTES)
         monitor: zmq.asyncio.Socket | None = None
         try:
             if self._security is not None:
@@ -193,7 +194,7 @@ class ZmqClient(Service):
     def _on_reply(self, peer: _Peer, msg: list[zmq.Frame]) -> None:
         try:
             rid, out = wire.decode_reply(msg, max_bytes=self._max_bytes)
-        except wire.DECODE_ERRORS as exc:
+        except DECODE_ERRORS as exc:
             log.warning("undecodable reply from %s: %s", peer.endpoint, exc.message)
             return
         entry = peer.pending.pop(rid, None)

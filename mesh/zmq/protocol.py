@@ -20,8 +20,8 @@ Only an unaligned frame (possible for tiny messages stored inline by libzmq) is 
 
 Both directions have a fast path for the messages this codec itself writes (exact msgpack types,
 native little-endian contiguous arrays): anything it does not recognise falls through to the
-field-by-field validator in :mod:`mesh.zmq.protocol_check` (which also holds the version, the limits
-and the allowed dtypes, re-exported here), so hostile input still gets the precise error below.
+field-by-field validator in :mod:`mesh.zmq.protocol_check` (which also holds the version, the limits,
+the allowed dtypes and ``DECODE_ERRORS``), so hostile input still gets the precise error below.
 The SLO is read by one function on both paths (``protocol_check.read_slo``, which is ``SLO.parse``,
 the HTTP front's parser too), so both accept and refuse the same SLOs.
 
@@ -43,9 +43,7 @@ from mesh.errors import BadTensor, MeshError, ProtocolError
 from mesh.types import InferRequest, InferResponse, Timing
 from mesh.zmq.protocol_check import (
     ALLOWED_DTYPES,
-    DECODE_ERRORS,
     DEFAULT_MAX_BYTES,
-    MAX_HEADER_BYTES,
     MAX_ID_LEN,
     MAX_NDIM,
     MAX_TENSORS,
@@ -59,12 +57,6 @@ from mesh.zmq.protocol_check import (
 )
 
 __all__ = [
-    "ALLOWED_DTYPES",
-    "DECODE_ERRORS",
-    "DEFAULT_MAX_BYTES",
-    "MAX_HEADER_BYTES",
-    "MAX_ID_LEN",
-    "VERSION",
     "FrameLike",
     "decode_reply",
     "decode_request",

@@ -23,6 +23,7 @@ from mesh.log import get_logger, kv
 from mesh.types import InferRequest, InferResponse
 from mesh.zmq import protocol as wire
 from mesh.zmq.base import SocketSecurity, close_context, open_context
+from mesh.zmq.protocol_check import DECODE_ERRORS, DEFAULT_MAX_BYTES, MAX_HEADER_BYTES
 from mesh.zmq.pump import Pump, io_socket
 
 __all__ = ["Handler", "ZmqServer"]
@@ -37,7 +38,7 @@ class ZmqServer(Service):
 
     def __init__(self, handler: Handler, *, bind: str = "tcp://127.0.0.1:0",
                  ctx: zmq.asyncio.Context | None = None, security: SocketSecurity | None = None,
-                 max_inflight: int = 1024, max_bytes: int = wire.DEFAULT_MAX_BYTES,
+                 max_inflight: int = 1024, max_bytes: int = DEFAULT_MAX_BYTES,
                  enforce_deadline: bool = True) -> None:
         self._handler = handler
         self._bind = bind
@@ -71,7 +72,7 @@ class ZmqServer(Service):
             sock = self._ctx.socket(zmq.ROUTER)
             sock.setsockopt(zmq.LINGER, 0)
             # libzmq drops a peer that sends a frame over this, before we ever buffer it
-            sock.setsockopt(zmq.MAXMSGSIZE, self._max_bytes + wire.MAX_HEADER_BYTES)
+            sock.setsockopt(zmq.MAXMSGSIZE, self._max_bytes + MAX_HEADER_BYTES)
             if self._security is not None:
                 self._security.apply_server(sock)
             sock.bind(self._bind)
@@ -112,7 +113,7 @@ class ZmqServer(Service):
         ident, frames = msg[0], msg[1:]
         try:
             req = wire.decode_request(frames, max_bytes=self._max_bytes)
-        except wire.DECODE_ERRORS as exc:
+        except DECODE_ERRORS as exc:
             rid = wire.peek_request_id(frames)
             log.warning("bad request frames: %s", exc.message, extra=kv(request_id=rid, reason=exc.code))
             if rid is not None:

@@ -20,6 +20,7 @@ from mesh import errors
 from mesh.client import AsyncClient, Client
 from mesh.sdk_transport import AiohttpTransport
 from mesh.v2 import codec as codec
+from mesh.v2.tensors import HEADER_LENGTH
 from tests.helpers_dataplane import OnnxDataPlane, digits_model, serve_in_thread
 from tests.helpers_models import digits_split
 
@@ -116,9 +117,9 @@ async def test_json_and_binary_infer_match_onnxruntime(http: aiohttp.ClientSessi
 
     req, hlen = codec.encode_infer_request({"x": x}, {"latency_ms": 500}, binary=True)
     async with http.post(f"/v2/models/{TASK}/infer", data=req,
-                         headers={codec.HEADER_LENGTH: str(hlen)}) as resp:
+                         headers={HEADER_LENGTH: str(hlen)}) as resp:
         assert resp.status == 200
-        rlen = resp.headers[codec.HEADER_LENGTH]
+        rlen = resp.headers[HEADER_LENGTH]
         dec = codec.decode_infer_response(await resp.read(), int(rlen))
     np.testing.assert_array_equal(dec.outputs["logits"], want)  # binary is bit-exact
     assert len(dec.request_id) >= 16 and dec.parameters["tenant"] == "public"  # generated id
@@ -133,7 +134,7 @@ def _bin(x: np.ndarray, declared: int | None = None, cut: int = 0) -> tuple[byte
     raw = x.astype(np.float32).tobytes()
     head = json.dumps({"inputs": [{"name": "x", "shape": list(x.shape), "datatype": "FP32",
                                    "parameters": {"binary_data_size": declared or len(raw)}}]}).encode()
-    return head + raw[:len(raw) - cut], {codec.HEADER_LENGTH: str(len(head))}
+    return head + raw[:len(raw) - cut], {HEADER_LENGTH: str(len(head))}
 
 
 X1 = np.linspace(0, 1, 128, dtype=np.float32).reshape(2, 64)
@@ -161,7 +162,7 @@ BAD: list[tuple[str, str, Callable[[], tuple[bytes, dict[str, str]]], int, str, 
      413, "too_large", "limit"),
     ("declared binary too large", TASK, lambda: _bin(X1, declared=MAX_BODY * 4), 413, "too_large", "exceeds"),
     ("truncated binary", TASK, lambda: _bin(X1, cut=8), 400, "bad_tensor", "truncated"),
-    ("bad header length", TASK, lambda: (b"{}", {codec.HEADER_LENGTH: "ten"}), 400, "bad_request", "integer"),
+    ("bad header length", TASK, lambda: (b"{}", {HEADER_LENGTH: "ten"}), 400, "bad_request", "integer"),
     ("unknown output", TASK,
      lambda: (json.dumps({**_json_infer(X1), "outputs": [{"name": "probs"}]}).encode(), {}),
      400, "bad_tensor", "no output"),

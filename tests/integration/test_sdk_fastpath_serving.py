@@ -21,6 +21,7 @@ from mesh.client import AsyncClient
 from mesh.errors import MeshError
 from mesh.types import InferRequest, InferResponse, TaskSignature, TensorSpec, check_inputs
 from mesh.v2 import codec as codec
+from mesh.v2.tensors import HEADER_LENGTH
 
 pytestmark = pytest.mark.integration
 
@@ -188,7 +189,7 @@ class _ShiftingPlane:
 async def _post(session: aiohttp.ClientSession, url: str, x: np.ndarray) -> tuple[int, bytes]:
     body, hlen = codec.encode_infer_request({"x": x}, {"latency_ms": 1000.0})
     async with session.post(f"{url}/v2/models/t/infer", data=body,
-                            headers={codec.HEADER_LENGTH: str(hlen)}) as resp:
+                            headers={HEADER_LENGTH: str(hlen)}) as resp:
         return resp.status, await resp.read()
 
 

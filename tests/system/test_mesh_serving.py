@@ -27,6 +27,7 @@ import pytest
 from mesh.client import AsyncClient
 from mesh.errors import ImpossibleSLO, UnknownTenant
 from mesh.v2 import codec as codec
+from mesh.v2.tensors import HEADER_LENGTH
 from tests.system.conftest import REPO_ROOT, SMALL_TOPOLOGY, TASK, Holdout, catalog_variants
 from tiermesh.harness import LocalMesh
 from tiermesh.workload import DEFAULT_CLASSES, QueryRecord, SloClass, run_workload, summarise
@@ -216,7 +217,7 @@ def _bin(x: np.ndarray, *, declared: int | None = None, cut: int = 0) -> tuple[b
     head = json.dumps({"inputs": [{"name": "x", "shape": list(x.shape), "datatype": "FP32",
                                    "parameters": {"binary_data_size": declared or len(raw)}}],
                        "parameters": {"latency_ms": 1000}}).encode()
-    return head + raw[:len(raw) - cut], {codec.HEADER_LENGTH: str(len(head))}
+    return head + raw[:len(raw) - cut], {HEADER_LENGTH: str(len(head))}
 
 
 def _params(**params: Any) -> Callable[[], tuple[bytes, dict[str, str]]]:
@@ -243,7 +244,7 @@ MALFORMED: list[tuple[str, str, Callable[[], tuple[bytes, dict[str, str]]], int,
     ("declared binary too large", TASK, lambda: _bin(X2, declared=OVER_LIMIT), 413, "too_large"),
     ("truncated binary", TASK, lambda: _bin(X2, cut=8), 400, "bad_tensor"),
     ("bytes after tensors", TASK, lambda: (_bin(X2)[0] + b"\0" * 4, _bin(X2)[1]), 400, "bad_tensor"),
-    ("bad header length", TASK, lambda: (b"{}", {codec.HEADER_LENGTH: "ten"}), 400, "bad_request"),
+    ("bad header length", TASK, lambda: (b"{}", {HEADER_LENGTH: "ten"}), 400, "bad_request"),
     ("unknown tenant", TASK, lambda: (json.dumps(_json_infer(X2)).encode(), {codec.TENANT_HEADER: "mallory"}),
      403, "unknown_tenant"),
 ]

@@ -15,6 +15,8 @@ from mesh.client import AsyncClient, Client, InferResult
 from mesh.sdk_transport import MockTransport, Response
 from mesh.types import TaskSignature, TensorSpec, Timing
 from mesh.v2 import codec as codec
+from mesh.v2.params import signature_to_metadata
+from mesh.v2.tensors import HEADER_LENGTH
 
 pytestmark = pytest.mark.unit
 
@@ -33,9 +35,9 @@ class Server:
         if path == "v2/health/ready":
             return 200, {}, b"{}"
         if path == "v2/models/digit-classification":
-            return 200, {}, json.dumps(codec.signature_to_metadata(SIG)).encode()
+            return 200, {}, json.dumps(signature_to_metadata(SIG)).encode()
         if path == "v2/models/digit-classification/infer":
-            hlen = headers.get(codec.HEADER_LENGTH)
+            hlen = headers.get(HEADER_LENGTH)
             dec = codec.decode_infer_request(body, int(hlen) if hlen else None)
             x = dec.inputs["x"]
             logits = np.repeat(x.sum(axis=1, keepdims=True) * 2, 10, axis=1)
@@ -66,7 +68,7 @@ async def test_infer_with_bare_array_fetches_and_caches_metadata() -> None:
     assert r1.timing == Timing(0.5, 0.25, 1.0, 2.0)
     _, _, headers, body = server.seen[1]
     assert headers[codec.TENANT_HEADER] == "acme"
-    sent = json.loads(body[:int(headers[codec.HEADER_LENGTH])])
+    sent = json.loads(body[:int(headers[HEADER_LENGTH])])
     assert sent["id"] == "q1"
     assert sent["parameters"] == {"latency_ms": 20, "min_accuracy": 0.9, "prefer": "accuracy", "max_cost": 3,
                                   "binary_data_output": True}
@@ -78,7 +80,7 @@ async def test_json_mode_sends_no_binary() -> None:
     async with AsyncClient("http://edge", transport=MockTransport(server), binary=False) as c:
         r = await c.infer("digit-classification", {"x": x}, latency_ms=5)
     _, _, headers, body = server.seen[-1]
-    assert codec.HEADER_LENGTH not in headers and json.loads(body)["inputs"][0]["data"][:2] == [1.0, 1.0]
+    assert HEADER_LENGTH not in headers and json.loads(body)["inputs"][0]["data"][:2] == [1.0, 1.0]
     assert r.output("logits").shape == (1, 10)
 
 
@@ -131,7 +133,7 @@ async def test_multi_input_task_needs_a_dict() -> None:
     sig2 = TaskSignature("pair", (TensorSpec("a", "float32", (-1,)), TensorSpec("b", "float32", (-1,))), ())
 
     def handler(*_: Any) -> Response:
-        return 200, {}, json.dumps(codec.signature_to_metadata(sig2)).encode()
+        return 200, {}, json.dumps(signature_to_metadata(sig2)).encode()
 
     async with AsyncClient("http://edge", transport=MockTransport(handler)) as c:
         with pytest.raises(errors.BadTensor, match="pass a dict"):
@@ -197,7 +199,7 @@ async def test_infer_is_bounded_by_its_budget_not_only_the_client_timeout() -> N
     async def hang(method: str, path: str, headers: Any, body: bytes) -> Any:
         if path.endswith("/infer"):
             await asyncio.sleep(60)
-        return 200, {}, json.dumps(codec.signature_to_metadata(
+        return 200, {}, json.dumps(signature_to_metadata(
             TaskSignature("t", (TensorSpec("x", "float32", (-1, 4)),), (TensorSpec("y", "float32", (-1, 2)),))
         )).encode()
 

@@ -16,6 +16,7 @@ from hypothesis.extra import numpy as hnp
 from mesh.errors import BadTensor, MeshError, PayloadTooLarge, ProtocolError, UnknownTask
 from mesh.types import PREFERS, SLO, InferRequest, InferResponse, Timing
 from mesh.zmq import protocol as p
+from mesh.zmq.protocol_check import ALLOWED_DTYPES, DECODE_ERRORS, MAX_HEADER_BYTES, MAX_ID_LEN
 
 pytestmark = pytest.mark.unit
 
@@ -23,7 +24,7 @@ FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCh
 
 finite = st.floats(allow_nan=False, allow_infinity=False, width=64)
 names = st.text(min_size=1, max_size=12)
-arrays = st.sampled_from(sorted(p.ALLOWED_DTYPES)).flatmap(
+arrays = st.sampled_from(sorted(ALLOWED_DTYPES)).flatmap(
     lambda dt: hnp.arrays(np.dtype(dt), hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=5))
 )
 tensors = st.dictionaries(names, arrays, max_size=4)
@@ -66,7 +67,7 @@ def _decode_any(frames: list[Any]) -> None:
     for decode in (p.decode_request, p.decode_response):
         try:
             decode(frames, max_bytes=1 << 20)
-        except p.DECODE_ERRORS:
+        except DECODE_ERRORS:
             pass
         except MeshError as exc:  # an "err" reply legitimately raises the error it carries
             assert decode is p.decode_response, exc
@@ -114,7 +115,7 @@ def test_tensor_frames_are_views_and_decoded_arrays_read_only() -> None:
 
 
 def test_encode_refuses_missing_or_overlong_id() -> None:
-    for rid in ("", "x" * (p.MAX_ID_LEN + 1)):
+    for rid in ("", "x" * (MAX_ID_LEN + 1)):
         with pytest.raises(ProtocolError, match="request id"):
             p.encode_request(InferRequest("t", {}, SLO(10), request_id=rid, deadline=1.0))
 
@@ -208,7 +209,7 @@ def test_huge_declared_size_is_payload_too_large() -> None:
 
 @pytest.mark.parametrize("frames", [
     [], [b""], [b"\xc1"], [msgpack.packb([1, 2, 3])], [msgpack.packb({1: 2})],
-    [b"\x91" * 5000], [b"\x00" * (p.MAX_HEADER_BYTES + 1)], [12345], ["text"],
+    [b"\x91" * 5000], [b"\x00" * (MAX_HEADER_BYTES + 1)], [12345], ["text"],
 ])
 def test_garbage_is_protocol_error(frames: list[Any]) -> None:
     with pytest.raises(ProtocolError):

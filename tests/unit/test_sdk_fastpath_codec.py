@@ -15,6 +15,8 @@ from mesh.sdk_transport import MockTransport, Response
 from mesh.types import TaskSignature, TensorSpec
 from mesh.v2 import codec as codec
 from mesh.v2 import tensors as v2_tensors
+from mesh.v2.params import result_fields, result_values, signature_to_metadata
+from mesh.v2.tensors import HEADER_LENGTH
 
 pytestmark = pytest.mark.unit
 
@@ -32,15 +34,15 @@ class Echo:
 
     def __call__(self, method: str, path: str, headers: dict[str, str], body: bytes) -> Response:
         if method == "GET":
-            return 200, {}, json.dumps(codec.signature_to_metadata(SIG)).encode()
-        hlen = headers.get(codec.HEADER_LENGTH)
+            return 200, {}, json.dumps(signature_to_metadata(SIG)).encode()
+        hlen = headers.get(HEADER_LENGTH)
         head = json.loads(body[:int(hlen)] if hlen else body)
         dec = codec.decode_infer_request(body, int(hlen) if hlen else None)
         self.seen.append((headers, head, dec.inputs["x"]))
         out, rl = codec.encode_infer_response("t", dec.request_id or "gen", {"y": dec.inputs["x"]},
                                               {**PARAMS, "tenant": headers[codec.TENANT_HEADER]},
                                               dec.binary_default)
-        return 200, ({codec.HEADER_LENGTH: str(rl)} if rl else {}), out
+        return 200, ({HEADER_LENGTH: str(rl)} if rl else {}), out
 
 
 async def test_repeated_query_sends_the_bytes_a_fresh_encoding_would() -> None:
@@ -90,12 +92,12 @@ async def test_json_mode_is_never_planned() -> None:
 
 
 def test_result_values_line_up_with_result_fields_and_infer_result() -> None:
-    fields = codec.result_fields(PARAMS)
-    assert tuple(fields.values()) == codec.result_values(PARAMS)
+    fields = result_fields(PARAMS)
+    assert tuple(fields.values()) == result_values(PARAMS)
     names = [f.name for f in dataclasses.fields(InferResult)]
     assert names[1:1 + len(fields)] == list(fields)  # the SDK builds its result positionally
     assert fields["hops"] == ["edge-a", "core"] and fields["best_effort"] is True
-    assert codec.result_values({})[-1] == [] and codec.result_values({"hops": ""})[-1] == []
+    assert result_values({})[-1] == [] and result_values({"hops": ""})[-1] == []
 
 
 def test_kept_tensor_descriptions_match_fresh_ones() -> None:

@@ -14,6 +14,16 @@ from hypothesis.extra import numpy as hnp
 from mesh.errors import BadTensor, PayloadTooLarge, RequestError
 from mesh.types import SLO, InferResponse, TaskSignature, TensorSpec, Timing
 from mesh.v2 import codec as codec
+from mesh.v2.params import (
+    DEFAULT_LATENCY_MS,
+    datatype_of,
+    dtype_of,
+    metadata_to_signature,
+    parse_slo,
+    response_parameters,
+    result_fields,
+    signature_to_metadata,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -144,13 +154,13 @@ def test_requested_outputs_default_to_request_level_binary_flag() -> None:
 
 
 @pytest.mark.parametrize("params, expected", [
-    ({}, SLO(latency_ms=codec.DEFAULT_LATENCY_MS)),
+    ({}, SLO(latency_ms=DEFAULT_LATENCY_MS)),
     ({"latency_ms": 20, "min_accuracy": 0.97, "max_cost": 2, "prefer": "accuracy"},
      SLO(20.0, 0.97, 2.0, "accuracy")),
     ({"latency_ms": 0.5, "prefer": "refuse", "min_accuracy": 1}, SLO(0.5, 1.0, None, "refuse")),
 ])
 def test_parse_slo_accepts(params: dict[str, Any], expected: SLO) -> None:
-    assert codec.parse_slo(params) == expected
+    assert parse_slo(params) == expected
 
 
 @pytest.mark.parametrize("params, fragment", [
@@ -165,36 +175,36 @@ def test_parse_slo_accepts(params: dict[str, Any], expected: SLO) -> None:
 ])
 def test_parse_slo_rejects(params: dict[str, Any], fragment: str) -> None:
     with pytest.raises(RequestError, match=fragment):
-        codec.parse_slo(params)
+        parse_slo(params)
 
 
 def test_metadata_round_trip_hides_variants() -> None:
-    meta = codec.signature_to_metadata(SIG)
+    meta = signature_to_metadata(SIG)
     assert meta["name"] == "digit-classification" and meta["platform"] == "tiermesh"
     assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 64]}]
-    assert codec.metadata_to_signature(json.loads(json.dumps(meta))) == SIG
+    assert metadata_to_signature(json.loads(json.dumps(meta))) == SIG
     with pytest.raises(RequestError):
-        codec.metadata_to_signature({"inputs": []})
+        metadata_to_signature({"inputs": []})
 
 
 def test_response_parameters_round_trip() -> None:
     resp = InferResponse("r", {}, site="edge-a", variant="mlp.int8", accuracy=0.96, reason="forward_accuracy",
                          best_effort=True, tenant="acme", timing=Timing(1.5, 2.0, 3.25, 7.0),
                          hops=["edge-a", "core"])
-    params = json.loads(json.dumps(codec.response_parameters(resp)))
+    params = json.loads(json.dumps(response_parameters(resp)))
     assert all(isinstance(v, str | int | float | bool) for v in params.values())
-    f = codec.result_fields(params)
+    f = result_fields(params)
     assert (f["site"], f["variant"], f["accuracy"], f["reason"], f["best_effort"], f["tenant"]) == (
         "edge-a", "mlp.int8", 0.96, "forward_accuracy", True, "acme")
     assert f["timing"] == Timing(1.5, 2.0, 3.25, 7.0) and f["hops"] == ["edge-a", "core"]
 
 
 def test_datatype_mapping_rejects_unknown() -> None:
-    assert codec.datatype_of("float32") == "FP32" and codec.dtype_of("INT64") == np.dtype(np.int64)
+    assert datatype_of("float32") == "FP32" and dtype_of("INT64") == np.dtype(np.int64)
     with pytest.raises(BadTensor):
-        codec.datatype_of(np.dtype(np.complex64))
+        datatype_of(np.dtype(np.complex64))
     with pytest.raises(BadTensor):
-        codec.dtype_of(None)
+        dtype_of(None)
 
 
 def test_server_side_decode_without_copy_is_read_only_and_cache_safe() -> None:
