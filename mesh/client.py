@@ -25,6 +25,7 @@ from urllib.parse import quote
 
 import numpy as np
 
+from mesh.cache import BoundedCache
 from mesh.errors import BadTensor, DeadlineExceeded, MeshError, error_from_code
 from mesh.sdk_transport import AiohttpTransport, Transport
 from mesh.types import DEFAULT_PREFER, DEFAULT_TENANT, TaskSignature, Timing
@@ -99,8 +100,6 @@ class _Plan:
     bound: float
 
 
-_PLANS_MAX = 256
-
 
 class AsyncClient:
     """Asynchronous SDK client. Opens on first use or ``async with``; ``aclose()`` ends it."""
@@ -121,8 +120,9 @@ class AsyncClient:
         self._state = _State.UNOPENED
         self._signatures: dict[str, TaskSignature] = {}
         # A caller repeats the shape of its query (task, SLO, tensor names, dtypes and shapes):
-        # the JSON header, HTTP headers, path and time bound of one are kept for the next.
-        self._plans: dict[tuple[Any, ...], _Plan] = {}
+        # the JSON header, HTTP headers, path and time bound of one are kept for the next, which
+        # then skips building and serialising the JSON header.
+        self._plans: BoundedCache[tuple[Any, ...], _Plan] = BoundedCache(256)
 
     @property
     def state(self) -> str:
@@ -236,9 +236,7 @@ class AsyncClient:
         plan = _Plan(body[:hlen] if hlen is not None else b"", headers, f"v2/models/{quote(task, safe='')}/infer",
                      min(self.timeout, latency_ms / 1000.0 + DEADLINE_GRACE_S))
         if request_id is None and hlen is not None and key:
-            if len(self._plans) >= _PLANS_MAX:
-                self._plans.clear()
-            self._plans[key] = plan
+            self._plans.put(key, plan)
         return plan, body
 
     async def aclose(self) -> None:

@@ -16,6 +16,7 @@ from typing import Protocol, runtime_checkable
 import aiohttp
 from yarl import URL
 
+from mesh.cache import BoundedCache
 from mesh.errors import DeadlineExceeded, PeerUnavailable
 
 __all__ = ["AiohttpTransport", "Handler", "MockTransport", "Response", "Transport"]
@@ -49,25 +50,22 @@ class AiohttpTransport:
         self._limit = limit
         self._session: aiohttp.ClientSession | None = None
         self._closed = False
-        # parsing a URL and building a ClientTimeout cost micro-seconds; paths and budgets repeat
-        self._urls: dict[str, URL] = {}
-        self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
+        # parsing a URL and building a ClientTimeout cost micro-seconds per request; a client's
+        # paths and budgets repeat, so each is made once
+        self._urls: BoundedCache[str, URL] = BoundedCache(256)
+        self._timeouts: BoundedCache[float, aiohttp.ClientTimeout] = BoundedCache(256)
 
     def _url(self, path: str) -> URL:
         url = self._urls.get(path)
         if url is None:
-            if len(self._urls) >= 256:
-                self._urls.clear()
-            url = self._urls[path] = URL(f"{self.base_url}/{path.lstrip('/')}")
+            url = self._urls.put(path, URL(f"{self.base_url}/{path.lstrip('/')}"))
         return url
 
     def _timeout(self, seconds: float) -> aiohttp.ClientTimeout:
         found = self._timeouts.get(seconds)
         if found is None:
-            if len(self._timeouts) >= 256:
-                self._timeouts.clear()
             # ceil_threshold=inf: aiohttp would round a bound above 5 s up to a whole second
-            found = self._timeouts[seconds] = aiohttp.ClientTimeout(total=seconds, ceil_threshold=math.inf)
+            found = self._timeouts.put(seconds, aiohttp.ClientTimeout(total=seconds, ceil_threshold=math.inf))
         return found
 
     @property

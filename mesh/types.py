@@ -22,6 +22,7 @@ from typing import Any, Final, Literal, get_args
 
 import numpy as np
 
+from mesh.cache import BoundedCache
 from mesh.errors import BadTensor, RequestError
 
 __all__ = [
@@ -108,17 +109,14 @@ class SLO:
             key = (latency_ms, min_accuracy, max_cost, prefer)
             slo = _SLOS.get(key)
             if slo is None:
-                slo = cls(latency_ms, min_accuracy, max_cost, prefer)  # type: ignore[arg-type]
-                if len(_SLOS) >= _SLOS_MAX:
-                    _SLOS.clear()  # a flood of distinct SLOs just resets; callers reuse a handful
-                _SLOS[key] = slo
+                slo = _SLOS.put(key, cls(latency_ms, min_accuracy, max_cost, prefer))  # type: ignore[arg-type]
             return slo
         return cls(latency_ms, min_accuracy, max_cost, prefer)  # type: ignore[arg-type]
 
 
-# SLO is frozen, so equal ones can be shared: building and checking one costs more than a lookup
-_SLOS: dict[tuple[float, float, float | None, str], SLO] = {}
-_SLOS_MAX: Final = 1024
+# SLO is frozen, so equal ones can be shared: building and checking one costs more than a lookup,
+# and callers repeat a handful of SLOs query after query
+_SLOS: BoundedCache[tuple[float, float, float | None, str], SLO] = BoundedCache(1024)
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,12 +27,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import TYPE_CHECKING
 
 import numpy as np
 from numpy.typing import NDArray
 
+from mesh.cache import BoundedCache
 from mesh.errors import NoRoute, TopologyError
 
 if TYPE_CHECKING:
@@ -135,15 +135,14 @@ def shortest_paths(sites: Iterable[str], links: Iterable[LinkSpec]) -> PathTable
     is a :class:`TopologyError`. Cached by content."""
     # canonical key: the same sites and links in any order or direction hit one entry
     canon = sorted((min(a, b), max(a, b), float(lat), float(bw), float(jit)) for a, b, lat, bw, jit in links)
-    return _cached(tuple(sorted(set(sites))), tuple(canon))
+    key = (tuple(sorted(set(sites))), tuple(canon))
+    return _TABLES.get_or_make(key, lambda: _build(*key))
 
 
 # Built when the topology changes, read on every snapshot (every heartbeat): the key is the
 # topology's content, so hashing it (microseconds for a mesh's few dozen links) replaces a
 # Dijkstra walk per snapshot. A handful of entries covers a topology being swapped and back.
-@lru_cache(maxsize=8)
-def _cached(sites: tuple[str, ...], links: tuple[LinkSpec, ...]) -> PathTables:
-    return _build(sites, links)
+_TABLES: BoundedCache[tuple[tuple[str, ...], tuple[LinkSpec, ...]], PathTables] = BoundedCache(8)
 
 
 def _build(sites: tuple[str, ...], links: Sequence[LinkSpec]) -> PathTables:

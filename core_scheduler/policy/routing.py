@@ -39,7 +39,6 @@ import numpy as np
 from numpy.typing import NDArray
 
 from core_scheduler.policy.routing_candidates import (
-    MASK_CACHE_MAX,
     CandidateArrays,
     TaskTable,
     any_true,
@@ -127,11 +126,7 @@ class RoutingTable:
         # is fixed per table: the hit skips the visibility lookups
         base = t.masked.get((q.tenant, q.min_accuracy))
         if base is None:
-            visible = t.visible.get(q.tenant)
-            if visible is None:
-                t.tenant_mask(q.tenant)
-                visible = t.visible[q.tenant]
-            if not visible:
+            if not t.tenant_access(q.tenant)[1]:
                 raise UnknownTask(f"no variant of task {q.task!r} is visible to tenant {q.tenant!r}",
                                   task=q.task)
             base = t.masked_base(q.tenant, q.min_accuracy)
@@ -204,10 +199,7 @@ class RoutingTable:
         key = (q.tenant, q.min_accuracy, q.prefer)
         hit = t.best.get(key)
         if hit is None:
-            hit = self._best_effort_pool(t, q)
-            if len(t.best) >= MASK_CACHE_MAX:
-                t.best.clear()
-            t.best[key] = hit
+            hit = t.best.put(key, self._best_effort_pool(t, q))
         base, reason = hit
         a = t.arr
         if q.nbytes:

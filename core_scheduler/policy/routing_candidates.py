@@ -35,12 +35,13 @@ import numpy as np
 from numpy.typing import NDArray
 
 from core_scheduler.policy.snapshot import MeshSnapshot, VariantInfo
+from mesh.cache import BoundedCache
 
 __all__ = ["COMPUTE_RESOLUTION_MS", "MASK_CACHE_MAX", "CandidateArrays", "TaskTable", "any_true",
            "build_candidates", "resolve_compute"]
 
 _INF = np.inf
-MASK_CACHE_MAX = 256  # (tenant, min_accuracy) pairs kept per task; cleared when exceeded
+MASK_CACHE_MAX = 256  # tenants, or (tenant, min_accuracy) pairs, kept per task
 _TRANSFER_CACHE_MAX = 64  # payload sizes whose transfer term is kept per task
 
 
@@ -78,20 +79,27 @@ class TaskTable:
     """Candidate arrays of one task plus lazily cached per-tenant masks.
 
     ``decide()`` runs per query, so the per-candidate scalars it returns are kept as Python
-    lists too: indexing a list is several times cheaper than a numpy scalar plus ``float()``."""
+    lists too: indexing a list is several times cheaper than a numpy scalar plus ``float()``.
+    The caches live as long as the table (one snapshot) and are keyed by what queries repeat: a
+    tenant, its accuracy floor, a payload size. A hit replaces a few whole-array numpy operations
+    (microseconds at thousands of candidates) with one lookup."""
 
     __slots__ = ("access", "accuracy", "arr", "best", "cost", "masked", "n", "public", "reason",
-                 "tie_end", "tie_end_l", "transfer", "visible")
+                 "tie_end", "tie_end_l", "transfer")
 
     def __init__(self, arr: CandidateArrays, here: str = "") -> None:
         self.arr = arr
         self.n = len(arr)
         self.public = np.array([o == "public" for o in arr.owner], dtype=bool)
-        self.access: dict[str, NDArray[np.bool_]] = {}
-        self.visible: dict[str, bool] = {}
-        self.masked: dict[tuple[str, float], NDArray[np.float64]] = {}
-        self.best: dict[tuple[str, float, str], tuple[NDArray[np.float64], str]] = {}
-        self.transfer: dict[int, NDArray[np.float64]] = {}
+        # tenant -> (the candidates it may use, whether there is any)
+        self.access: BoundedCache[str, tuple[NDArray[np.bool_], bool]] = BoundedCache(MASK_CACHE_MAX)
+        # (tenant, min_accuracy) -> base_ms with every other filter applied (inf where one fails)
+        self.masked: BoundedCache[tuple[str, float], NDArray[np.float64]] = BoundedCache(MASK_CACHE_MAX)
+        # (tenant, min_accuracy, prefer) -> best-effort pool as a masked base, and its reason
+        self.best: BoundedCache[tuple[str, float, str], tuple[NDArray[np.float64], str]] = \
+            BoundedCache(MASK_CACHE_MAX)
+        # payload bytes -> per-candidate transfer term
+        self.transfer: BoundedCache[int, NDArray[np.float64]] = BoundedCache(_TRANSFER_CACHE_MAX)
         self.cost: list[float] = arr.cost.tolist()
         self.accuracy: list[float] = arr.accuracy.tolist()
         self.reason: tuple[str, ...] = tuple(
@@ -108,16 +116,16 @@ class TaskTable:
             self.tie_end = np.zeros(0, dtype=np.int64)
         self.tie_end_l: list[int] = self.tie_end.tolist()
 
-    def tenant_mask(self, tenant: str) -> NDArray[np.bool_]:
-        mask = self.access.get(tenant)
-        if mask is None:
+    def tenant_access(self, tenant: str) -> tuple[NDArray[np.bool_], bool]:
+        """The candidates ``tenant`` may use (public or its own), and whether there is any."""
+        found = self.access.get(tenant)
+        if found is None:
             mask = self.public | np.array([o == tenant for o in self.arr.owner], dtype=bool)
-            if len(self.access) >= MASK_CACHE_MAX:
-                self.access.clear()
-                self.visible.clear()
-            self.access[tenant] = mask
-            self.visible[tenant] = any_true(mask)
-        return mask
+            found = self.access.put(tenant, (mask, any_true(mask)))
+        return found
+
+    def tenant_mask(self, tenant: str) -> NDArray[np.bool_]:
+        return self.tenant_access(tenant)[0]
 
     def transfer_ms(self, nbytes: int) -> NDArray[np.float64]:
         """Per-candidate transfer term of an ``nbytes`` request (read-only, cached per size).
@@ -128,9 +136,7 @@ class TaskTable:
         if out is None:
             out = self.arr.per_byte_ms * float(nbytes)
             out.flags.writeable = False
-            if len(self.transfer) >= _TRANSFER_CACHE_MAX:
-                self.transfer.clear()
-            self.transfer[nbytes] = out
+            self.transfer.put(nbytes, out)
         return out
 
     def masked_base(self, tenant: str, min_accuracy: float) -> NDArray[np.float64]:
@@ -140,10 +146,7 @@ class TaskTable:
         if out is None:
             a = self.arr
             ok = a.hard_ok & a.capacity_ok & self.tenant_mask(tenant) & (a.accuracy >= min_accuracy)
-            out = np.where(ok, a.base_ms, _INF)
-            if len(self.masked) >= MASK_CACHE_MAX:
-                self.masked.clear()
-            self.masked[key] = out
+            out = self.masked.put(key, np.where(ok, a.base_ms, _INF))
         return out
 
 

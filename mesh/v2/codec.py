@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from mesh.cache import BoundedCache
 from mesh.errors import RequestError
 from mesh.v2.params import parse_slo, response_parameters, signature_to_metadata
 from mesh.v2.tensors import (
@@ -78,8 +79,7 @@ class DecodedRequest:
 # form is kept, keyed by the header's bytes, so a repeat skips JSON and the checks. Only headers
 # that passed every check are kept, copied out of the body; parameters go out as a fresh dict.
 _PLAN_HEADER_MAX = 4096
-_PLANS_MAX = 256
-_PLANS: dict[bytes, tuple[dict[str, Any], tuple[Spec, ...], bool, int]] = {}
+_PLANS: BoundedCache[bytes, tuple[dict[str, Any], tuple[Spec, ...], bool, int]] = BoundedCache(256)
 
 
 def decode_infer_request(body: bytes, header_length: int | None = None, *,
@@ -101,9 +101,7 @@ def decode_infer_request(body: bytes, header_length: int | None = None, *,
         if specs is not None:
             binary_default = params.get("binary_data_output") is True
             if keep and rid is None:
-                if len(_PLANS) >= _PLANS_MAX:
-                    _PLANS.clear()
-                _PLANS[body[:keep]] = (dict(params), specs, binary_default, len(body))
+                _PLANS.put(body[:keep], (dict(params), specs, binary_default, len(body)))
             return DecodedRequest(rid, arrays_at(specs, tail, 0, copy), params, None, binary_default)
     if rid is not None and not isinstance(rid, str):
         raise RequestError(f"'id' must be a string, got {type(rid).__name__}")

@@ -4,7 +4,7 @@ metadata for a task's signature. Values are checked by the types they become (``
 inputs by the data plane's door (``mesh.types.check_inputs``), not here.
 
 Pure functions, no I/O; the request and response bodies themselves are (de)serialised by
-:mod:`mesh.v2.codec`, which re-exports every name here.
+:mod:`mesh.v2.codec`; callers import the names here from this module.
 """
 
 from __future__ import annotations

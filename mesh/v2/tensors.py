@@ -1,6 +1,6 @@
 """Tensors of the Open Inference Protocol (KServe V2) codec: JSON ``data`` and the binary tensor
 extension, both ways, plus the body layout (JSON header, then raw tensor bytes). Pure functions;
-:mod:`mesh.v2.codec` builds requests and responses from them and is what callers import.
+:mod:`mesh.v2.codec` builds requests and responses from them.
 
 Hot paths avoid what costs microseconds each on every request: ``dtype.name`` (a Python
 property), the stdlib's JSON (orjson reads and writes headers as bytes), ``bytes`` detours for
@@ -16,6 +16,7 @@ from typing import Any, cast
 import numpy as np
 import orjson
 
+from mesh.cache import BoundedCache
 from mesh.errors import BadTensor, PayloadTooLarge, RequestError
 from mesh.v2.params import DTYPE_TO_V2, NATIVE, V2_TO_NP, datatype_of, dtype_of
 
@@ -224,8 +225,7 @@ def assemble(head: dict[str, Any], blobs: list[bytes | memoryview | None]) -> tu
 
 # A binary tensor's JSON depends on its name, dtype and shape alone, which repeat reply after
 # reply: it is built once and shared (orjson only reads it; nothing else sees it).
-DESCS: dict[tuple[str, np.dtype[Any], tuple[int, ...]], dict[str, Any]] = {}
-_DESCS_MAX = 256
+DESCS: BoundedCache[tuple[str, np.dtype[Any], tuple[int, ...]], dict[str, Any]] = BoundedCache(256)
 
 
 def tensors_json(arrays: Mapping[str, np.ndarray], binary: bool | Mapping[str, bool]
@@ -245,9 +245,7 @@ def tensors_json(arrays: Mapping[str, np.ndarray], binary: bool | Mapping[str, b
                 continue
         t, raw = _tensor_json(name, arr, flag)
         if flag:
-            if len(DESCS) >= _DESCS_MAX:
-                DESCS.clear()
-            DESCS[key] = t
+            DESCS.put(key, t)
         tensors.append(t)
         blobs.append(raw)
     return tensors, blobs

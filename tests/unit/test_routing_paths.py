@@ -88,7 +88,7 @@ def test_heartbeats_reuse_the_path_tables_and_a_link_change_rebuilds_them(monkey
         builds.append(1)
         return real_build(*args)
 
-    topology.paths._cached.cache_clear()
+    topology.paths._TABLES.clear()
     monkeypatch.setattr(topology.paths, "_build", counting)
     view = _view(_topology())
     first = build_snapshot(view)
