@@ -26,6 +26,8 @@ from mesh.lifecycle import Service
 from mesh.log import get_logger, kv
 from mesh.types import DEFAULT_TENANT, InferRequest
 from mesh.v2 import codec as codec
+from mesh.v2.params import parse_slo, response_parameters, signature_to_metadata
+from mesh.v2.tensors import HEADER_LENGTH
 
 __all__ = [
     "DEFAULT_MAX_BODY",
@@ -109,7 +111,7 @@ def _header_length(raw: str | None) -> int | None:
     try:
         return int(raw)
     except ValueError as exc:
-        raise RequestError(f"{codec.HEADER_LENGTH} must be an integer, got {raw!r}") from exc
+        raise RequestError(f"{HEADER_LENGTH} must be an integer, got {raw!r}") from exc
 
 
 class _Handlers:
@@ -128,7 +130,7 @@ class _Handlers:
 
     async def model_metadata(self, request: web.Request) -> web.Response:
         sig = self.dp.task_signature(request.match_info["task"])
-        return web.json_response(codec.signature_to_metadata(sig))
+        return web.json_response(signature_to_metadata(sig))
 
     async def model_ready(self, request: web.Request) -> web.Response:
         task = request.match_info["task"]
@@ -153,10 +155,10 @@ class _Handlers:
             except web.HTTPRequestEntityTooLarge as exc:
                 raise PayloadTooLarge(f"body exceeds the limit of {self.max_body} bytes") from exc
             # copy=False: the inputs are read-only views of the body, which they keep alive
-            dec = codec.decode_infer_request(body, _header_length(request.headers.get(codec.HEADER_LENGTH)),
+            dec = codec.decode_infer_request(body, _header_length(request.headers.get(HEADER_LENGTH)),
                                              max_bytes=self.max_body, copy=False)
             params = dec.parameters
-            slo = codec.parse_slo(params)
+            slo = parse_slo(params)
             claimed = params.get("tenant")
             if claimed is not None and claimed != tenant:
                 # The body must not choose the tenant: identity comes from the connection.
@@ -176,7 +178,7 @@ class _Handlers:
                 outputs, binary = {n: outputs[n] for n in wanted if n in outputs}, wanted
             if resp.timing.total_ms == 0.0:
                 resp.timing.total_ms = (time.perf_counter() - started) * 1000.0
-            out, hlen = codec.encode_infer_response(task, rid, outputs, codec.response_parameters(resp), binary)
+            out, hlen = codec.encode_infer_response(task, rid, outputs, response_parameters(resp), binary)
         except MeshError as exc:
             log.info("infer rejected: %s", exc.message,
                      extra=kv(event="http_error", reason=exc.code, tenant=tenant, task=task))
@@ -188,7 +190,7 @@ class _Handlers:
             return web.Response(body=out, content_type=_JSON)
         # a copy of a ready CIMultiDict: aiohttp would build one from a dict, key by key
         headers = _BINARY_HEADERS.copy()
-        headers[codec.HEADER_LENGTH] = str(hlen)
+        headers[HEADER_LENGTH] = str(hlen)
         return web.Response(body=out, headers=headers)
 
 

@@ -15,7 +15,8 @@ from collections.abc import Callable
 from core_scheduler.state.heartbeat import Heartbeat
 from mesh.errors import StoreError
 from mesh.etcd.keys import live_key
-from mesh.etcd.store import Lease, Store
+from mesh.etcd.lease import Lease
+from mesh.etcd.store import Store
 from mesh.lifecycle import Service, cancel_and_wait
 from mesh.log import get_logger, kv
 

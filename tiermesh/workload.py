@@ -21,6 +21,7 @@ import numpy as np
 
 from mesh.client import AsyncClient
 from mesh.errors import MeshError
+from mesh.types import DEFAULT_PREFER
 
 __all__ = ["DEFAULT_CLASSES", "QueryRecord", "SloClass", "render_table", "run_workload", "summarise"]
 
@@ -31,7 +32,7 @@ class SloClass:
     latency_ms: float
     min_accuracy: float
     share: float                  # fraction of the offered queries
-    prefer: str = "latency"
+    prefer: str = DEFAULT_PREFER
     tenant: str = "public"
 
 

@@ -25,7 +25,7 @@ from aiohttp import web
 
 from mesh.errors import BlobError, MeshError, RequestError
 from mesh.etcd.keys import blobs_key
-from mesh.etcd.store import Lease
+from mesh.etcd.lease import Lease
 from mesh.lifecycle import Service, cancel_and_wait
 from mesh.log import get_logger, kv
 from variant_store.blobs import CHUNK, BlobStore, is_digest

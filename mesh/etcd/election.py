@@ -16,7 +16,8 @@ import asyncio
 from types import TracebackType
 
 from mesh.errors import StoreError
-from mesh.etcd.store import CreateRevision, Lease, Put, Store
+from mesh.etcd.lease import Lease
+from mesh.etcd.store import CreateRevision, Put, Store
 from mesh.lifecycle import cancel_and_wait
 from mesh.log import get_logger, kv
 

@@ -39,15 +39,12 @@ __all__ = [
     "Compare",
     "CreateRevision",
     "Delete",
-    "Lease",
     "ModRevision",
     "Op",
     "Put",
     "Store",
     "TxnResult",
     "ValueEquals",
-    "Watch",
-    "WatchEvent",
 ]
 
 log = get_logger(__name__)

@@ -28,9 +28,7 @@ import numpy as np
 
 from mesh.cache import BoundedCache
 from mesh.errors import RequestError
-from mesh.v2.params import parse_slo, response_parameters, signature_to_metadata
 from mesh.v2.tensors import (
-    HEADER_LENGTH,
     Spec,
     arrays_at,
     assemble,
@@ -41,11 +39,7 @@ from mesh.v2.tensors import (
     tensors_json,
 )
 
-# HEADER_LENGTH (mesh.v2.tensors), parse_slo, response_parameters and signature_to_metadata
-# (mesh.v2.params) are not defined here: they stay listed only until edge_agent/http_api.py
-# imports them from their homes, then leave with their imports above.
 __all__ = [
-    "HEADER_LENGTH",
     "TENANT_HEADER",
     "DecodedRequest",
     "DecodedResponse",
@@ -53,9 +47,6 @@ __all__ = [
     "decode_infer_response",
     "encode_infer_request",
     "encode_infer_response",
-    "parse_slo",
-    "response_parameters",
-    "signature_to_metadata",
 ]
 
 # Names the caller's tenant until mutual TLS does (see ``edge_agent.http_api.identify``).

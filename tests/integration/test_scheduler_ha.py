@@ -19,8 +19,9 @@ import pytest
 from core_scheduler.scheduler import Scheduler, SchedulerConfig
 from mesh.etcd.election import Election
 from mesh.etcd.keys import live_key
+from mesh.etcd.lease import Lease
 from mesh.etcd.server import EmbeddedEtcd
-from mesh.etcd.store import Lease, Store
+from mesh.etcd.store import Store
 from tests.helpers.waiting import eventually
 from topology.loader import load_topology_file
 from topology.store_io import apply as apply_topology

@@ -17,7 +17,8 @@ import pytest
 
 from mesh.errors import ConflictError, StoreError, StoreUnavailable
 from mesh.etcd.server import EmbeddedEtcd
-from mesh.etcd.store import CreateRevision, Delete, ModRevision, Put, Store, ValueEquals, WatchEvent
+from mesh.etcd.store import CreateRevision, Delete, ModRevision, Put, Store, ValueEquals
+from mesh.etcd.watch import WatchEvent
 
 pytestmark = pytest.mark.integration
 

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from mesh.etcd.keys import live_key, placement_key
-from mesh.etcd.store import Store, Watch, WatchEvent
+from mesh.etcd.store import Store
+from mesh.etcd.watch import Watch, WatchEvent
 from tests.helpers.waiting import eventually
 from tiermesh.harness import LocalMesh, MeshOptions
 from tiermesh.workload import SloClass, run_workload, summarise

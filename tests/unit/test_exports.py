@@ -26,10 +26,6 @@ def test_request_facing_errors_exported() -> None:
 
 # Re-exports still waiting for an importer outside this change to move: module -> names.
 _PENDING_REEXPORTS = {
-    # edge_agent/http_api.py reads these through mesh.v2.codec
-    "mesh/v2/codec.py": {"HEADER_LENGTH", "parse_slo", "response_parameters", "signature_to_metadata"},
-    # the Store interface hands out its leases and watches
-    "mesh/etcd/store.py": {"Lease", "Watch", "WatchEvent"},
 }
 
 
