@@ -106,9 +106,15 @@ class Heartbeat:
         return {"schema": SCHEMA_VERSION, **out}
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> Heartbeat:
+    def from_json(cls, d: Mapping[str, Any], *, site: str | None = None) -> Heartbeat:
+        """Parse one record; ``site``: the name its key gives (``live/<site>``), which the record's
+        own ``site`` field, when present, must agree with."""
         if not isinstance(d, Mapping):
             raise TypeError(f"a heartbeat is a JSON object, not {type(d).__name__}")
+        if site is not None:
+            if d.get("site", site) != site:
+                raise ValueError(f"heartbeat of {d.get('site')!r} stored under site {site!r}")
+            d = {**d, "site": site}
         schema = int(d.get("schema", SCHEMA_VERSION))
         if schema > SCHEMA_VERSION:
             raise ValueError(f"heartbeat schema {schema} is newer than this reader's {SCHEMA_VERSION}")

@@ -42,9 +42,14 @@ def build_snapshot(view: MeshView, *, here: str | None = None,
     topo = view.topology
     if topo is None or not view.variants:
         return None
+    live = dict(view.live)
+    if here is not None and local_loads is not None and here in topo.sites:
+        # we are alive and know our load better than our last heartbeat does, and before the
+        # first one has come back through the watch (tables built then would count us dead)
+        live[here] = local_loads
     sites = []
     for name, s in topo.sites.items():
-        rec = view.live.get(name)
+        rec = live.get(name)
         hw = (rec.hardware_class if rec else None) or s.hardware.hardware_class
         sites.append(SiteInfo(name=name, tier=s.tier, region=s.region, hardware_class=hw,
                               cpu_cores=s.hardware.cpu_cores, memory_mb=s.hardware.memory_mb,
@@ -52,13 +57,9 @@ def build_snapshot(view: MeshView, *, here: str | None = None,
                               price_per_hour=s.hardware.price_per_hour, alive=True))
     variants = [VariantInfo.from_meta(m) for vs in view.variants.values() for m in vs.values()]
     loads = []
-    for name, rec in view.live.items():
-        if name not in topo.sites:
-            continue
-        # our own load is fresher in memory than in our last heartbeat
-        if here == name and local_loads is not None:
-            rec = local_loads
-        loads.append(site_load_from_record(name, rec))
+    for name, rec in live.items():
+        if name in topo.sites:
+            loads.append(site_load_from_record(name, rec))
     links = [(lk.a, lk.b, lk.latency_ms, lk.bandwidth_mbps) for lk in topo.links]
     placement = {site: [v["variant_id"] for v in (p.get("variants") or [])]
                  for site, p in view.placement.items()}

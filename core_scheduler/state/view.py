@@ -174,7 +174,7 @@ class MeshView(Service):
                 bucket = self.variants.setdefault(names[0], {})
                 _set(bucket, names[1], None if value is None else VariantMeta.from_json(value))
             elif kind == "live":
-                _set(self.live, names[0], None if value is None else Heartbeat.from_json(value))
+                _set(self.live, names[0], None if value is None else Heartbeat.from_json(value, site=names[0]))
             elif kind == "placement":
                 _set(self.placement, names[0], value)
             elif kind == "service":

@@ -60,3 +60,9 @@ def test_site_load_reads_the_typed_record() -> None:
     load = site_load_from_record("edge-1", _beat())
     assert load.loaded == frozenset({"mlp-tiny"}) and load.queue_ms == {"mlp-tiny": 1.25}
     assert (load.inflight, load.capacity, load.memory_free_bytes) == (2, 16, 600)
+
+
+def test_the_key_names_the_site_and_a_record_that_disagrees_is_refused() -> None:
+    assert Heartbeat.from_json({"capacity": 4}, site="edge-2").site == "edge-2"
+    with pytest.raises(ValueError, match="stored under"):
+        Heartbeat.from_json({"site": "edge-1"}, site="edge-2")

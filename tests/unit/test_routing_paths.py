@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 import topology.paths
+from core_scheduler.policy.routing import Query, RoutingTable
+from core_scheduler.state.heartbeat import Heartbeat
 from core_scheduler.state.snapshot import build_snapshot
 from core_scheduler.state.view import MeshView
 from tiermesh.harness import path_shape
@@ -112,3 +114,14 @@ def test_heartbeats_reuse_the_path_tables_and_a_link_change_rebuilds_them(monkey
     assert rebuilt.rtt("edge", "core") == 18.0
     i, j = rebuilt.site_index["edge"], rebuilt.site_index["core"]
     assert rebuilt.bandwidth_mbps[i, j] == 400.0
+
+
+def test_an_agent_counts_itself_alive_before_its_first_heartbeat_comes_back() -> None:
+    view = _view(_topology())
+    view._apply("live/edge", None)  # our own record has not come back through the watch yet
+    local = Heartbeat(site="edge", capacity=2, model_memory_budget_bytes=1 << 30)
+    snap = build_snapshot(view, here="edge", local_loads=local)
+    assert snap is not None and snap.sites["edge"].alive
+    assert not build_snapshot(view, here="edge").sites["edge"].alive  # type: ignore[union-attr]
+    table = RoutingTable.build(snap, "edge")
+    assert table.decide(Query(task="digits", budget_ms=50.0)).site == "edge"
