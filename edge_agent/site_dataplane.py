@@ -58,6 +58,9 @@ class SiteDataPlane:
         # mean + 2 x deviation, decaying while a path goes unused so that one bad spell (a
         # connection set-up, a burst) does not keep routing away from it for ever
         self.path_overhead: dict[str, tuple[float, float, float]] = {}
+        # measured network round trip per destination (ms, moving average): half of it is kept
+        # back from the budget a forward carries
+        self.net_rtt_ms: dict[str, float] = {}
 
     # -- DataPlane protocol ----------------------------------------------------------------
     def ready(self) -> bool:
@@ -76,7 +79,7 @@ class SiteDataPlane:
         """The data plane's door. ``req`` comes with its id and deadline, set where it entered the
         mesh (``InferRequest.entering``) and checked on arrival by its transport; its SLO checked
         itself. Its inputs are checked here, once per hop: later stages trust them."""
-        received = time.time()
+        received = time.monotonic()
         self._check_tenant(req.tenant)
         sig = self.task_signature(req.task)
         req.inputs = check_inputs(sig.inputs, req.inputs)
@@ -154,7 +157,7 @@ class SiteDataPlane:
         lv.last_used = time.monotonic()
         result = await lv.batcher.submit(req.inputs, req.deadline)
         self.served += 1
-        total = (time.time() - received) * 1000.0
+        total = (time.monotonic() - received) * 1000.0
         return InferResponse(
             request_id=req.request_id, outputs=result.outputs, site=self.site, variant=variant_id,
             accuracy=meta.accuracy, reason=reason, best_effort=best_effort, tenant=req.tenant,
@@ -170,10 +173,17 @@ class SiteDataPlane:
                            request_id=req.request_id, deadline=req.deadline, hops=req.hops,
                            target_site=d.site, target_variant=d.variant_id)
         self.forwarded += 1
-        resp = await self.zmq.request(endpoint, fwd)
-        total = (time.time() - received) * 1000.0
+        sent = time.monotonic()
+        # keep back half the round trip measured to that peer: the forward transit, which the peer
+        # cannot see (its deadline is its arrival plus the budget sent; see mesh.zmq.protocol)
+        resp = await self.zmq.request(endpoint, fwd, reserve_ms=self.net_rtt_ms.get(d.site, 0.0) / 2)
+        now = time.monotonic()
+        total = (now - received) * 1000.0
         remote = resp.timing
         network = max(0.0, total - remote.total_ms)
+        rtt = max(0.0, (now - sent) * 1000.0 - remote.total_ms)
+        prev = self.net_rtt_ms.get(d.site)
+        self.net_rtt_ms[d.site] = rtt if prev is None else 0.875 * prev + 0.125 * rtt
         self._observe_path(d.site, network - d.expected_latency_ms + remote.total_ms)
         resp.timing = Timing(network_ms=network, queue_ms=remote.queue_ms,
                              compute_ms=remote.compute_ms, total_ms=total)

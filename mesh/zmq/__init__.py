@@ -1,7 +1,8 @@
 """Site-to-site transport over ZeroMQ (asyncio): a ROUTER server in front of a handler, and a DEALER
 client that multiplexes many in-flight requests per peer, matching replies by request id.
 
-Every request has an absolute deadline. The client fails a pending request with
+Every request has a deadline, kept by each end on its own monotonic clock (the wire carries the
+budget left, never an instant). The client fails a pending request with
 ``DeadlineExceeded`` when it passes, and fails all of a peer's pending requests with
 ``PeerUnavailable`` as soon as the peer is known dead (``fail_peer``, or the socket monitor's
 disconnect / handshake-failure events): a CURVE-rejected or vanished peer otherwise just stays

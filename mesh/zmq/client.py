@@ -1,7 +1,8 @@
 """The client end of :mod:`mesh.zmq`: one ZeroMQ DEALER per peer, shared by every caller, with
 many requests in flight per peer and replies matched to them by request id.
 
-Every request has an absolute deadline: a pending request fails with ``DeadlineExceeded`` when it
+Every request has a deadline (an instant on this process's monotonic clock; the wire carries the
+budget left, see :mod:`mesh.zmq.protocol`): a pending request fails with ``DeadlineExceeded`` when it
 passes, and all of a peer's pending requests fail with ``PeerUnavailable`` as soon as the peer is
 known dead (``fail_peer``, or the socket monitor's disconnect / handshake-failure events): a
 CURVE-rejected or vanished peer otherwise just stays silent.
@@ -13,7 +14,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -22,6 +22,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from mesh import clock
 from mesh.errors import DeadlineExceeded, MeshError, PayloadTooLarge, PeerUnavailable, RequestError
 from mesh.lifecycle import Service, State
 from mesh.log import get_logger, kv
@@ -82,8 +83,10 @@ class ZmqClient(Service):
         peer = self._peers.get(endpoint)
         return 0 if peer is None else len(peer.pending)
 
-    async def request(self, endpoint: str, req: InferRequest) -> InferResponse:
-        """Send ``req`` to ``endpoint`` and await its reply. Sets ``req.request_id`` if empty.
+    async def request(self, endpoint: str, req: InferRequest, *, reserve_ms: float = 0.0) -> InferResponse:
+        """Send ``req`` to ``endpoint`` and await its reply, until ``req.deadline`` at the latest.
+        Sets ``req.request_id`` if empty. ``reserve_ms``: budget kept back from the peer (the
+        receiver's deadline is its arrival plus what is left at send, less this).
 
         The wire id is the request id, unless that id is already in flight to the same peer (two
         callers chose the same id) or too long for the wire: then a fresh one stands in for it and
@@ -92,7 +95,8 @@ class ZmqClient(Service):
             raise PeerUnavailable("zmq client is closed")
         if req.deadline <= 0:
             raise RequestError("request has no deadline")
-        remaining = req.deadline - time.time()
+        now = clock.monotonic()
+        remaining = req.deadline - now
         if remaining <= 0:
             raise DeadlineExceeded(f"deadline passed {-remaining * 1000:.1f} ms before sending")
         if not req.request_id:
@@ -107,9 +111,9 @@ class ZmqClient(Service):
         rid = req.request_id
         if rid in peer.pending or len(rid) > MAX_ID_LEN:
             rid = new_request_id()
-            frames = wire.encode_request(dataclasses.replace(req, request_id=rid))
+            frames = wire.encode_request(dataclasses.replace(req, request_id=rid), now=now, reserve_ms=reserve_ms)
         else:
-            frames = wire.encode_request(req)
+            frames = wire.encode_request(req, now=now, reserve_ms=reserve_ms)
         loop = pump.loop
         fut: asyncio.Future[InferResponse] = loop.create_future()
         peer.pending[rid] = (fut, loop.call_at(loop.time() + remaining, self._expire, peer, rid))
