@@ -77,6 +77,7 @@ class MeshOptions:
     mode: str = "tiermesh"          # routing + placement mode (baselines for benchmarks)
     proactive: bool = True           # scheduler forecasts demand and prewarms
     agent_env: dict[str, str] = field(default_factory=dict)  # extra environment of every agent
+    site_env: dict[str, dict[str, str]] = field(default_factory=dict)  # ... and of one site's agent
     # where the variant store lives in the topology (None: the first core site): with ``wan``,
     # every other site fetches blobs over that site's path, so a cold start pays a real WAN fetch
     store_site: str | None = None
@@ -154,7 +155,7 @@ class LocalMesh(Service):
                 raise ConfigError(f"site {name!r} is not in {self.opts.topology}")
             # port 0: each agent binds its own (reserving ports here and releasing them raced with
             # the proxies' own listening ports); the proxies learn the real port when it is ready
-            self.sites[name] = SiteProcess(name=name, zmq_port=0)
+            self.sites[name] = SiteProcess(name=name, zmq_port=0, extra_env=dict(self.opts.site_env.get(name, {})))
         if self.opts.wan:
             await self._start_proxies()
         await asyncio.gather(*(self.start_site(n) for n in names))
