@@ -6,7 +6,8 @@ without calling the handler; a request still in
 flight when its deadline passes is cancelled and answered with ``DeadlineExceeded`` (unless
 ``enforce_deadline=False``); every handler failure becomes an error reply; past ``max_inflight``
 requests the server answers ``Overloaded``. A caller always gets a ``MeshError`` subclass, never
-silence.
+silence. The ROUTER pings its clients too (:class:`mesh.zmq.base.Heartbeat`) and drops the
+connection of one that stops answering.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from mesh.lifecycle import Service
 from mesh.log import get_logger, kv
 from mesh.types import InferRequest, InferResponse
 from mesh.zmq import protocol as wire
-from mesh.zmq.base import SocketSecurity, close_context, open_context
+from mesh.zmq.base import DEFAULT_HEARTBEAT, Heartbeat, SocketSecurity, close_context, open_context
 from mesh.zmq.protocol_check import DECODE_ERRORS, DEFAULT_MAX_BYTES, MAX_HEADER_BYTES
 from mesh.zmq.pump import Pump, io_socket
 
@@ -41,7 +42,7 @@ class ZmqServer(Service):
     def __init__(self, handler: Handler, *, bind: str = "tcp://127.0.0.1:0",
                  ctx: zmq.asyncio.Context | None = None, security: SocketSecurity | None = None,
                  max_inflight: int = 1024, max_bytes: int = DEFAULT_MAX_BYTES,
-                 enforce_deadline: bool = True) -> None:
+                 enforce_deadline: bool = True, heartbeat: Heartbeat = DEFAULT_HEARTBEAT) -> None:
         self._handler = handler
         self._bind = bind
         # None until start(): then the shared context, or one of its own when ``security`` is set
@@ -52,6 +53,7 @@ class ZmqServer(Service):
         self._max_bytes = max_bytes
         # False lets a handler answer after the deadline (tests of the client's late-reply path)
         self._enforce_deadline = enforce_deadline
+        self._heartbeat = heartbeat
         self._sock: zmq.Socket[Any] | None = None
         self._pump: Pump | None = None
         self._inflight: set[asyncio.Task[None]] = set()
@@ -75,6 +77,7 @@ class ZmqServer(Service):
             sock.setsockopt(zmq.LINGER, 0)
             # libzmq drops a peer that sends a frame over this, before we ever buffer it
             sock.setsockopt(zmq.MAXMSGSIZE, self._max_bytes + MAX_HEADER_BYTES)
+            self._heartbeat.apply(sock, client=False)
             if self._security is not None:
                 self._security.apply_server(sock)
             sock.bind(self._bind)
