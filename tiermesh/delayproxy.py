@@ -180,6 +180,10 @@ class DelayProxy:
         self._conns.add(task)
         try:
             await self._serve(reader, writer)
+        except asyncio.CancelledError:
+            # cut(), restore() or stop() closed this connection on purpose (its sockets are closed
+            # by now); ending normally keeps asyncio's server from logging a cancelled callback
+            pass
         finally:
             self._conns.discard(task)
 

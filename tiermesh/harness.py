@@ -28,7 +28,7 @@ from mesh.etcd.server import EmbeddedEtcd
 from mesh.etcd.store import Store
 from mesh.lifecycle import Service
 from mesh.log import get_logger, kv
-from tiermesh.delayproxy import LinkShape, ProxyPool
+from tiermesh.delayproxy import DelayProxy, LinkShape, ProxyPool
 from topology.loader import load_topology_file
 from topology.paths import topology_paths
 from topology.schema import Topology
@@ -244,15 +244,26 @@ class LocalMesh(Service):
         proxy = await self.proxies.add(src, BLOB_PEER, (url.hostname, url.port), shape)
         return f"http://{proxy.listen_host}:{proxy.port}"
 
+    def _link_proxies(self, a: str, b: str) -> list[DelayProxy]:
+        """The delay proxies carrying traffic between sites ``a`` and ``b``, both directions."""
+        found = [self.proxies.proxies[k] for k in ((a, b), (b, a)) if k in self.proxies.proxies]
+        if not found:
+            raise ConfigError(f"no emulated link between {a!r} and {b!r} (sites unknown, or WAN emulation off)")
+        return found
+
     async def cut_link(self, a: str, b: str) -> None:
-        for key in ((a, b), (b, a)):
-            if key in self.proxies.proxies:
-                await self.proxies.proxies[key].cut()
+        """Partition ``a``-``b`` both ways: connections reset, new ones refused (``restore_link``)."""
+        for proxy in self._link_proxies(a, b):
+            await proxy.cut()
+
+    def blackhole_link(self, a: str, b: str) -> None:
+        """A gray failure of ``a``-``b``: traffic vanishes both ways, no reset (``restore_link``)."""
+        for proxy in self._link_proxies(a, b):
+            proxy.blackhole()
 
     def restore_link(self, a: str, b: str) -> None:
-        for key in ((a, b), (b, a)):
-            if key in self.proxies.proxies:
-                self.proxies.proxies[key].restore()
+        for proxy in self._link_proxies(a, b):
+            proxy.restore()
 
     # -- sites -----------------------------------------------------------------------------
     async def start_site(self, name: str) -> None:
