@@ -51,7 +51,7 @@ async def open_loop(batcher: Batcher, name: str, xs: np.ndarray, rate: float, n:
     counts = {"rejected": 0, "late": 0, "failed": 0}
     last_done = 0.0
     tasks: set[asyncio.Task[None]] = set()
-    t0, w0 = time.perf_counter(), time.time()
+    t0, w0 = time.perf_counter(), time.monotonic()
 
     async def one(i: int) -> None:
         nonlocal last_done
@@ -107,7 +107,7 @@ async def _capacity(b: Batcher, name: str, xs: np.ndarray, total: int) -> float:
     async def call() -> object:
         nonlocal k
         k += 1
-        return await b.submit({name: xs[k % len(xs)][None, :]}, time.time() + 10.0)
+        return await b.submit({name: xs[k % len(xs)][None, :]}, time.monotonic() + 10.0)
 
     return await closed_loop_rate(call, total=total, concurrency=64, time_cap_s=20.0)
 

@@ -130,7 +130,7 @@ async def run_mesh_hop(ctx: RunContext) -> Path:
 
             async def hop(arr: np.ndarray = arr) -> InferResponse:
                 req = InferRequest(task="echo", inputs={"x": arr}, slo=SLO(10_000.0),
-                                   deadline=time.time() + 10.0)
+                                   deadline=time.monotonic() + 10.0)
                 return await client.request(endpoint, req)
 
             async def bare(raw: memoryview = raw) -> list[zmq.Frame]:

@@ -24,6 +24,7 @@ from edge_agent.host import VariantHost
 from edge_agent.http_api import DEFAULT_MAX_BODY, EdgeHttpServer
 from edge_agent.liveness import Liveness
 from edge_agent.site_dataplane import SiteDataPlane
+from mesh import clock
 from mesh.errors import ConfigError, MeshError
 from mesh.etcd.store import Store
 from mesh.lifecycle import Service, cancel_and_wait
@@ -176,7 +177,7 @@ class Agent(Service):
                                      served=lv.batcher.served, load_ms=round(lv.load_ms, 1))
                   for vid, lv in self.host.loaded.items()}
         return Heartbeat(
-            site=self.site, ts=time.time(), tier=me.tier if me else None,
+            site=self.site, ts=clock.wall(), tier=me.tier if me else None,
             hardware_class=self.hardware_class,
             declared_hardware_class=me.hardware.hardware_class if me else None,
             gpu=self.gpu_ok, gpu_note=self.gpu_note,

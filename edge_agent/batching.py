@@ -173,10 +173,10 @@ class Batcher:
         return busy + full_batches * self._compute_ms(self.max_batch)
 
     async def submit(self, inputs: dict[str, np.ndarray], deadline: float) -> BatchResult:
-        """Queue rows for inference. ``deadline`` is absolute on ``time.time()``'s clock."""
+        """Queue rows for inference. ``deadline`` is an instant on ``mesh.clock.monotonic``'s clock."""
         rows = int(next(iter(inputs.values())).shape[0])
-        now_wall = time.time()
-        remaining_ms = (deadline - now_wall) * 1000.0
+        now = time.monotonic()
+        remaining_ms = (deadline - now) * 1000.0
         if remaining_ms <= 0:
             raise DeadlineExceeded(f"deadline passed before queueing on {self.variant_id}")
         if self._queued_rows + rows > self.max_queue_rows:
@@ -184,7 +184,6 @@ class Batcher:
         if self._task is None:
             # stopped (unloaded between routing and here) or never started: nothing would run it
             raise Overloaded(f"variant {self.variant_id} is not running (unloaded)")
-        now = time.monotonic()
         # expected_wait_ms() + _compute_ms(), with the faded overhead worked out once
         overhead = self._overhead_at(now)
         profile = self._profile_ms(min(rows, self.max_batch))
@@ -195,23 +194,21 @@ class Batcher:
             expected += self._queued_rows // self.max_batch * (self._profile_ms(self.max_batch) + overhead)
         if expected > remaining_ms:
             raise Overloaded(f"{self.variant_id}: expected {expected:.1f} ms > {remaining_ms:.1f} ms left")
-        # the deadline moves onto the monotonic clock for the loop's arithmetic
-        mono_deadline = now + remaining_ms / 1000.0
         if self._last_arrival:
             gap = now - self._last_arrival
             self.ewma_gap_s = gap if self.ewma_gap_s is None else 0.8 * self.ewma_gap_s + 0.2 * gap
         self._last_arrival = now
         if rows > self.max_batch:
             profile = self._profile_ms(rows)  # an oversized request runs as one batch
-        if self._inline_ok(rows, now, mono_deadline, profile, overhead):
+        if self._inline_ok(rows, now, deadline, profile, overhead):
             return self._run_inline(inputs, rows, now, profile, overhead)
         fut: asyncio.Future[BatchResult] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Item(inputs, rows, mono_deadline, now, fut))
+        self._queue.append(_Item(inputs, rows, deadline, now, fut))
         self._queued_rows += rows
         self._wake.set()
         return await fut
 
-    def _inline_ok(self, rows: int, now: float, mono_deadline: float, profile_ms: float,
+    def _inline_ok(self, rows: int, now: float, deadline: float, profile_ms: float,
                    overhead_ms: float) -> bool:
         """Whether the loop would run this request at once and alone, and its profile is tiny."""
         if (self._queue or self._busy_until or self._task is None or now < self._inline_off_until
@@ -220,7 +217,7 @@ class Batcher:
         if rows >= self.max_batch or self._skip_windows:
             return True
         # the window _one_batch would hold open for companions (its wait, as enqueued == now)
-        return batch_window_s([mono_deadline - now], (profile_ms + overhead_ms) / 1000.0, self.max_window_s,
+        return batch_window_s([deadline - now], (profile_ms + overhead_ms) / 1000.0, self.max_window_s,
                               expected_gap_s=self.ewma_gap_s) <= 0.0
 
     def _run_inline(self, inputs: dict[str, np.ndarray], rows: int, started: float, profile_ms: float,

@@ -2,14 +2,23 @@
 
 The decision is the scheduler's pure routing policy over the agent's cached view (no etcd on the
 query path). A forwarded query carries the decision (target site and variant) so the next hop
-serves it rather than re-routing; a hop that finds itself in the hop list refuses (loop). When a
-forwarded hop fails (peer gone, overloaded), the query is re-decided without that site while its
-deadline allows, else answered with the error in time.
+serves it rather than re-routing; a hop that finds itself in the hop list refuses (loop).
+
+Failures. Sites whose ZeroMQ endpoint the transport has marked unreachable (heartbeats gone
+silent, :mod:`mesh.zmq.client`) are left out of every decision until a probe brings them back:
+the routing policy gets them as ``Query.exclude_sites``. A forward attempt may run for
+``paths.attempt_ms`` (a multiple of what routing expected), not the whole budget, so that a path
+which went dark before the heartbeats noticed costs only part of it. When an attempt fails (peer
+gone, overloaded, abandoned at its limit) the query is re-decided without that site while its
+deadline allows, never past it and never twice to the same site, else answered with the error in
+time. A reply served after a failed attempt says so: its reason gets ``+retried`` appended
+(``forward+retried``). Failed and timed-out forwards feed the learnt path overhead as successes
+do (``paths.PathEstimates``).
 """
 
 from __future__ import annotations
 
-import math
+import logging
 import time
 from collections.abc import Callable
 
@@ -18,6 +27,7 @@ from core_scheduler.policy.routing import Decision, Query
 from core_scheduler.state.view import MeshView
 from edge_agent.demand import DemandMeter
 from edge_agent.host import VariantHost
+from edge_agent.paths import PathEstimates, attempt_ms
 from mesh.errors import (
     DeadlineExceeded,
     NoRoute,
@@ -34,9 +44,15 @@ from mesh.zmq.client import ZmqClient
 __all__ = ["SiteDataPlane"]
 
 log = get_logger(__name__)
-_RETRYABLE = (PeerUnavailable, Overloaded)
 MAX_RETRIES = 2
-PATH_ESTIMATE_DECAY_S = 20.0  # an unused path's learnt overhead halves in ~14 s
+RETRIED = "+retried"  # appended to the reason of a reply served after a failed attempt
+
+
+class AttemptTimedOut(DeadlineExceeded):
+    """A forward abandoned at its attempt limit while the query still has budget: retryable."""
+
+
+_RETRYABLE = (PeerUnavailable, Overloaded, AttemptTimedOut)
 
 
 class SiteDataPlane:
@@ -53,11 +69,17 @@ class SiteDataPlane:
         self.inflight = 0
         self.served = 0
         self.forwarded = 0
-        # observed path overhead beyond the topology's RTT, per destination: (mean, mean deviation,
-        # when last observed), as TCP estimates its retransmission timeout; routing adds
-        # mean + 2 x deviation, decaying while a path goes unused so that one bad spell (a
-        # connection set-up, a burst) does not keep routing away from it for ever
-        self.path_overhead: dict[str, tuple[float, float, float]] = {}
+        self.retried = 0  # queries served after a failed attempt
+        # observed path overhead beyond the topology's RTT, per destination (see edge_agent.paths):
+        # decaying while a path goes unused, so that one bad spell does not keep routing away for ever
+        self.paths = PathEstimates()
+        # endpoints the transport has marked unreachable, and the live sites behind them
+        self._down_endpoints: set[str] = set()
+        self.unreachable: frozenset[str] = frozenset()
+        zmq.add_reachability_listener(self._on_reachability)
+        # measured network round trip per destination (ms, moving average): half of it is kept
+        # back from the budget a forward carries
+        self.net_rtt_ms: dict[str, float] = {}
 
     # -- DataPlane protocol ----------------------------------------------------------------
     def ready(self) -> bool:
@@ -76,7 +98,7 @@ class SiteDataPlane:
         """The data plane's door. ``req`` comes with its id and deadline, set where it entered the
         mesh (``InferRequest.entering``) and checked on arrival by its transport; its SLO checked
         itself. Its inputs are checked here, once per hop: later stages trust them."""
-        received = time.time()
+        received = time.monotonic()
         self._check_tenant(req.tenant)
         sig = self.task_signature(req.task)
         req.inputs = check_inputs(sig.inputs, req.inputs)
@@ -101,6 +123,17 @@ class SiteDataPlane:
         if tenant not in topo.tenants:
             raise UnknownTenant(f"unknown tenant {tenant!r}")
 
+    def _on_reachability(self, endpoint: str, down: bool) -> None:
+        if down:
+            self._down_endpoints.add(endpoint)
+        else:
+            self._down_endpoints.discard(endpoint)
+        self.unreachable = frozenset(s for s in self.view.live if s != self.site
+                                     and self._peer_endpoint(s) in self._down_endpoints)
+        log.log(logging.WARNING if down else logging.INFO, "%s %s; routing around: %s", endpoint,
+                "unreachable" if down else "reachable again", sorted(self.unreachable),
+                extra=kv(site=self.site, event="reachability"))
+
     async def _route(self, req: InferRequest, received: float) -> InferResponse:
         table = self._table()
         if table is None:
@@ -112,13 +145,15 @@ class SiteDataPlane:
             remaining = req.remaining_ms()
             if remaining <= 0:
                 break
+            down = self.unreachable
             decision = table.decide(Query.from_slo(req.task, req.tenant, req.slo, remaining, nbytes,
-                                                   frozenset(excluded)))
+                                                   frozenset(excluded | down) if down else frozenset(excluded)))
             try:
                 if decision.site == self.site:
-                    return await self._serve_local(req, decision.variant_id, decision.reason,
+                    resp = await self._serve_local(req, decision.variant_id, decision.reason,
                                                    decision.best_effort, received)
-                return await self._forward(req, decision, received)
+                else:
+                    resp = await self._forward(req, decision, received, remaining)
             except _RETRYABLE as exc:
                 last_error = exc
                 excluded.add(decision.site)
@@ -126,22 +161,17 @@ class SiteDataPlane:
                          extra=kv(site=self.site, request_id=req.request_id, tenant=req.tenant,
                                   reason="retry"))
                 table = self._table() or table
+                continue
+            if excluded:
+                self.retried += 1
+                resp.reason += RETRIED
+            return resp
         if last_error is not None:
             raise last_error
         raise DeadlineExceeded(f"request {req.request_id}: deadline passed while routing")
 
-    def _observe_path(self, site: str, excess_ms: float) -> None:
-        """Fold one observation of (actual - predicted) network time into the site's estimate."""
-        excess = max(0.0, excess_ms)
-        mean, dev, _ = self.path_overhead.get(site, (excess, excess / 2, 0.0))
-        dev = 0.75 * dev + 0.25 * abs(excess - mean)
-        mean = 0.875 * mean + 0.125 * excess
-        self.path_overhead[site] = (mean, dev, time.monotonic())
-
     def rtt_correction(self, now: float | None = None) -> dict[str, float]:
-        now = time.monotonic() if now is None else now
-        return {s: (mean + 2 * dev) * math.exp(-max(0.0, now - seen) / PATH_ESTIMATE_DECAY_S)
-                for s, (mean, dev, seen) in self.path_overhead.items()}
+        return self.paths.correction(time.monotonic() if now is None else now)
 
     async def _serve_local(self, req: InferRequest, variant_id: str, reason: str, best_effort: bool,
                            received: float) -> InferResponse:
@@ -154,7 +184,7 @@ class SiteDataPlane:
         lv.last_used = time.monotonic()
         result = await lv.batcher.submit(req.inputs, req.deadline)
         self.served += 1
-        total = (time.time() - received) * 1000.0
+        total = (time.monotonic() - received) * 1000.0
         return InferResponse(
             request_id=req.request_id, outputs=result.outputs, site=self.site, variant=variant_id,
             accuracy=meta.accuracy, reason=reason, best_effort=best_effort, tenant=req.tenant,
@@ -162,19 +192,36 @@ class SiteDataPlane:
                           total_ms=total),
             hops=req.hops)
 
-    async def _forward(self, req: InferRequest, d: Decision, received: float) -> InferResponse:
+    async def _forward(self, req: InferRequest, d: Decision, received: float, remaining_ms: float) -> InferResponse:
         endpoint = self._peer_endpoint(d.site)
         if endpoint is None:
             raise PeerUnavailable(f"{d.site} has no live endpoint")
+        # this attempt's own deadline: the peer gets that budget, and gives up when we do
+        limit = attempt_ms(remaining_ms, d.expected_latency_ms, best_effort=d.best_effort)
+        sent = time.monotonic()
         fwd = InferRequest(task=req.task, inputs=req.inputs, slo=req.slo, tenant=req.tenant,
-                           request_id=req.request_id, deadline=req.deadline, hops=req.hops,
-                           target_site=d.site, target_variant=d.variant_id)
+                           request_id=req.request_id, deadline=min(req.deadline, sent + limit / 1000.0),
+                           hops=req.hops, target_site=d.site, target_variant=d.variant_id)
         self.forwarded += 1
-        resp = await self.zmq.request(endpoint, fwd)
-        total = (time.time() - received) * 1000.0
+        try:
+            # keep back half the round trip measured to that peer: the forward transit, which the
+            # peer cannot see (its deadline is its arrival plus the budget sent; mesh.zmq.protocol)
+            resp = await self.zmq.request(endpoint, fwd, reserve_ms=self.net_rtt_ms.get(d.site, 0.0) / 2)
+        except (PeerUnavailable, DeadlineExceeded) as exc:
+            now = time.monotonic()
+            self.paths.observe_failure(d.site, (now - sent) * 1000.0, d.expected_latency_ms, limit, now)
+            if isinstance(exc, DeadlineExceeded) and fwd.deadline < req.deadline and now < req.deadline:
+                raise AttemptTimedOut(f"{d.site}: no reply within {limit:.0f} ms (expected "
+                                      f"{d.expected_latency_ms:.0f} ms)") from exc
+            raise
+        now = time.monotonic()
+        total = (now - received) * 1000.0
         remote = resp.timing
         network = max(0.0, total - remote.total_ms)
-        self._observe_path(d.site, network - d.expected_latency_ms + remote.total_ms)
+        rtt = max(0.0, (now - sent) * 1000.0 - remote.total_ms)
+        prev = self.net_rtt_ms.get(d.site)
+        self.net_rtt_ms[d.site] = rtt if prev is None else 0.875 * prev + 0.125 * rtt
+        self.paths.observe(d.site, network - d.expected_latency_ms + remote.total_ms, now)
         resp.timing = Timing(network_ms=network, queue_ms=remote.queue_ms,
                              compute_ms=remote.compute_ms, total_ms=total)
         resp.reason, resp.best_effort = d.reason, d.best_effort

@@ -8,6 +8,11 @@ an ``SLO`` cannot be built out of range (``SLO.parse`` is what every decoder cal
 parameters and both ZeroMQ decoders); inputs are checked against a task's signature by
 ``check_inputs`` at the data plane's door; a query's id and deadline are set once, by
 ``InferRequest.entering``, where it enters the mesh.
+
+Deadlines are local: ``InferRequest.deadline`` is an instant on this process's monotonic clock
+(``mesh.clock.monotonic``). It never crosses the wire as an instant: a hop sends the budget left
+(``remaining_ms()`` at send) and the next hop sets its own deadline from it on arrival, so sites'
+wall clocks are never compared (see ``mesh.zmq.protocol``).
 """
 
 from __future__ import annotations
@@ -15,13 +20,13 @@ from __future__ import annotations
 import itertools
 import math
 import os
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, get_args
 
 import numpy as np
 
+from mesh import clock
 from mesh.cache import BoundedCache
 from mesh.errors import BadTensor, RequestError
 
@@ -213,8 +218,11 @@ def new_request_id() -> str:
 
 @dataclass(slots=True)
 class InferRequest:
-    """One query as the data plane sees it. ``deadline`` is absolute, on ``time.time()``'s clock;
-    a query entering the mesh is built by :meth:`entering`, which sets it."""
+    """One query as the data plane sees it. ``deadline`` is an instant on *this process's*
+    monotonic clock (``mesh.clock.monotonic``), meaningless elsewhere: a query entering the mesh
+    gets it from :meth:`entering`; one arriving over the wire from the budget its sender had left
+    (the decoder sets it). ``sent_at`` is the previous hop's wall-clock send time as it reported
+    it (0.0: the query did not arrive over the wire): for diagnostics only, never compared."""
 
     task: str
     inputs: dict[str, np.ndarray]
@@ -226,17 +234,19 @@ class InferRequest:
     # where the policy already decided to send it (set by the first hop when forwarding)
     target_site: str | None = None
     target_variant: str | None = None
+    sent_at: float = 0.0
 
     @classmethod
     def entering(cls, task: str, inputs: dict[str, np.ndarray], slo: SLO, tenant: str = DEFAULT_TENANT,
                  request_id: str | None = None, *, now: float | None = None) -> InferRequest:
         """A query as it enters the mesh: the one place its id (the caller's, else a fresh one) and
-        its deadline (the SLO's whole budget from now) are set. Later hops carry both."""
-        start = time.time() if now is None else now
+        its deadline (the SLO's whole budget from ``now``, a monotonic instant) are set."""
+        start = clock.monotonic() if now is None else now
         return cls(task, inputs, slo, tenant, request_id or new_request_id(), start + slo.latency_ms / 1000.0)
 
     def remaining_ms(self, now: float | None = None) -> float:
-        return (self.deadline - (time.time() if now is None else now)) * 1000.0
+        """Budget left at monotonic instant ``now`` (default: now), in ms; negative once past."""
+        return (self.deadline - (clock.monotonic() if now is None else now)) * 1000.0
 
 
 @dataclass(slots=True)

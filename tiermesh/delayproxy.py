@@ -3,7 +3,11 @@
 Each accepted connection is paired with one to the upstream; every chunk read in either direction
 is released to the other side ``latency_ms`` (± ``jitter_ms``) after it arrived, in order, and no
 faster than ``bandwidth_mbps`` allows. ``cut()`` drops every connection and refuses new ones until
-``restore()`` — a partitioned link. Only loopback addresses are accepted as listen or upstream hosts.
+``restore()`` — a partitioned link whose ends see a reset. ``blackhole()`` is the gray failure: bytes
+vanish in both directions while every connection stays open, and new connections are accepted but
+go nowhere (no reset, no refusal: a peer learns only from its own timeouts and heartbeats);
+``restore()`` then closes the connections that lost bytes, as their TCP sessions would have timed
+out meanwhile. Only loopback addresses are accepted as listen or upstream hosts.
 """
 
 from __future__ import annotations
@@ -95,7 +99,9 @@ class DelayProxy:
         self._server: asyncio.Server | None = None
         self._conns: set[asyncio.Task[None]] = set()
         self._cut = False
+        self._blackholed = False
         self.bytes_forwarded = 0
+        self.bytes_dropped = 0
 
     @property
     def port(self) -> int:
@@ -130,8 +136,22 @@ class DelayProxy:
         await self._drop_all()
         log.info("link cut", extra=kv(event="link_cut", reason=self.name))
 
+    def blackhole(self) -> None:
+        """Make the link swallow everything, both ways, without closing or refusing anything."""
+        self._blackholed = True
+        log.info("link black-holed", extra=kv(event="link_blackholed", reason=self.name))
+
+    @property
+    def blackholed(self) -> bool:
+        return self._blackholed
+
     def restore(self) -> None:
+        """Heal a cut or a black hole. Connections that lost bytes in the hole are closed."""
         self._cut = False
+        if self._blackholed:
+            self._blackholed = False
+            for t in list(self._conns):
+                t.cancel()  # each connection task closes its own sockets
         log.info("link restored", extra=kv(event="link_restored", reason=self.name))
 
     def set_upstream(self, host: str, port: int) -> None:
@@ -160,10 +180,21 @@ class DelayProxy:
         self._conns.add(task)
         try:
             await self._serve(reader, writer)
+        except asyncio.CancelledError:
+            # cut(), restore() or stop() closed this connection on purpose (its sockets are closed
+            # by now); ending normally keeps asyncio's server from logging a cancelled callback
+            pass
         finally:
             self._conns.discard(task)
 
     async def _serve(self, c_reader: asyncio.StreamReader, c_writer: asyncio.StreamWriter) -> None:
+        if self._blackholed:  # accepted, never connected on: what a peer behind a black hole sees
+            try:
+                while await c_reader.read(_CHUNK):
+                    pass
+            finally:
+                c_writer.close()
+            return
         try:
             if not self.upstream[1]:
                 raise ConnectionRefusedError("upstream not known yet")
@@ -194,6 +225,9 @@ class DelayProxy:
         pump = asyncio.create_task(pipe.pump())
         try:
             while data := await reader.read(_CHUNK):
+                if self._blackholed:
+                    self.bytes_dropped += len(data)
+                    continue
                 self.bytes_forwarded += len(data)
                 pipe.push(data)
             pipe.queue.put_nowait(None)

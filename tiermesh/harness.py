@@ -28,7 +28,7 @@ from mesh.etcd.server import EmbeddedEtcd
 from mesh.etcd.store import Store
 from mesh.lifecycle import Service
 from mesh.log import get_logger, kv
-from tiermesh.delayproxy import LinkShape, ProxyPool
+from tiermesh.delayproxy import DelayProxy, LinkShape, ProxyPool
 from topology.loader import load_topology_file
 from topology.paths import topology_paths
 from topology.schema import Topology
@@ -77,6 +77,7 @@ class MeshOptions:
     mode: str = "tiermesh"          # routing + placement mode (baselines for benchmarks)
     proactive: bool = True           # scheduler forecasts demand and prewarms
     agent_env: dict[str, str] = field(default_factory=dict)  # extra environment of every agent
+    site_env: dict[str, dict[str, str]] = field(default_factory=dict)  # ... and of one site's agent
     # where the variant store lives in the topology (None: the first core site): with ``wan``,
     # every other site fetches blobs over that site's path, so a cold start pays a real WAN fetch
     store_site: str | None = None
@@ -154,7 +155,7 @@ class LocalMesh(Service):
                 raise ConfigError(f"site {name!r} is not in {self.opts.topology}")
             # port 0: each agent binds its own (reserving ports here and releasing them raced with
             # the proxies' own listening ports); the proxies learn the real port when it is ready
-            self.sites[name] = SiteProcess(name=name, zmq_port=0)
+            self.sites[name] = SiteProcess(name=name, zmq_port=0, extra_env=dict(self.opts.site_env.get(name, {})))
         if self.opts.wan:
             await self._start_proxies()
         await asyncio.gather(*(self.start_site(n) for n in names))
@@ -243,15 +244,26 @@ class LocalMesh(Service):
         proxy = await self.proxies.add(src, BLOB_PEER, (url.hostname, url.port), shape)
         return f"http://{proxy.listen_host}:{proxy.port}"
 
+    def _link_proxies(self, a: str, b: str) -> list[DelayProxy]:
+        """The delay proxies carrying traffic between sites ``a`` and ``b``, both directions."""
+        found = [self.proxies.proxies[k] for k in ((a, b), (b, a)) if k in self.proxies.proxies]
+        if not found:
+            raise ConfigError(f"no emulated link between {a!r} and {b!r} (sites unknown, or WAN emulation off)")
+        return found
+
     async def cut_link(self, a: str, b: str) -> None:
-        for key in ((a, b), (b, a)):
-            if key in self.proxies.proxies:
-                await self.proxies.proxies[key].cut()
+        """Partition ``a``-``b`` both ways: connections reset, new ones refused (``restore_link``)."""
+        for proxy in self._link_proxies(a, b):
+            await proxy.cut()
+
+    def blackhole_link(self, a: str, b: str) -> None:
+        """A gray failure of ``a``-``b``: traffic vanishes both ways, no reset (``restore_link``)."""
+        for proxy in self._link_proxies(a, b):
+            proxy.blackhole()
 
     def restore_link(self, a: str, b: str) -> None:
-        for key in ((a, b), (b, a)):
-            if key in self.proxies.proxies:
-                self.proxies.proxies[key].restore()
+        for proxy in self._link_proxies(a, b):
+            proxy.restore()
 
     # -- sites -----------------------------------------------------------------------------
     async def start_site(self, name: str) -> None:

@@ -1,5 +1,12 @@
-"""What both ends of :mod:`mesh.zmq` share: the socket-security hook and
+"""What both ends of :mod:`mesh.zmq` share: the socket-security hook, the heartbeat settings, and
 the process-wide ZeroMQ context that ends created without one (and without security) run on.
+
+Heartbeats (ZMTP PING/PONG, answered by libzmq's I/O thread, so a busy event loop does not miss
+them): every connection, both ends, pings every ``interval_ms``; an end that hears nothing for
+``timeout_ms`` after a ping closes the connection (the client's socket monitor then reports it:
+see :mod:`mesh.zmq.client`), and a client asks its server to drop it after ``ttl_ms`` of silence.
+A link that black-holes traffic without a reset is therefore noticed within
+``interval_ms + timeout_ms`` (1.25 s by default) of the last byte heard, not at the TCP timeout.
 
 Why one context: every ``zmq.Context`` starts its own I/O thread. A site agent holds a server and a
 client; with a context each, a hop between them crossed two I/O threads besides the event loop's,
@@ -13,12 +20,44 @@ from __future__ import annotations
 
 import os
 import threading
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import zmq
 import zmq.asyncio
 
-__all__ = ["SharedContext", "SocketSecurity", "close_context", "open_context"]
+__all__ = ["DEFAULT_HEARTBEAT", "Heartbeat", "SharedContext", "SocketSecurity", "close_context", "open_context"]
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """ZMTP heartbeat and handshake limits of a mesh socket, in milliseconds."""
+
+    interval_ms: int = 250    # ZMQ_HEARTBEAT_IVL: ping this often
+    timeout_ms: int = 1000    # ZMQ_HEARTBEAT_TIMEOUT: silence after a ping that closes the connection
+    ttl_ms: int = 2000        # ZMQ_HEARTBEAT_TTL: silence after which the peer drops us (0.1 s resolution)
+    handshake_ms: int = 2000  # ZMQ_HANDSHAKE_IVL: a connection not through its handshake by then fails
+    reconnect_max_ms: int = 1000  # ZMQ_RECONNECT_IVL_MAX: back-off cap of reconnects (probes of a dead peer)
+
+    def __post_init__(self) -> None:
+        if min(self.interval_ms, self.timeout_ms, self.ttl_ms, self.handshake_ms, self.reconnect_max_ms) <= 0:
+            raise ValueError(f"heartbeat settings must be positive: {self}")
+
+    @property
+    def detect_s(self) -> float:
+        """Upper bound on the time from the last byte heard to the connection being closed."""
+        return (self.interval_ms + self.timeout_ms) / 1000.0
+
+    def apply(self, sock: zmq.Socket[Any], *, client: bool) -> None:
+        sock.setsockopt(zmq.HEARTBEAT_IVL, self.interval_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self.timeout_ms)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, self.handshake_ms)
+        if client:
+            sock.setsockopt(zmq.HEARTBEAT_TTL, self.ttl_ms)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, self.reconnect_max_ms)
+
+
+DEFAULT_HEARTBEAT = Heartbeat()
 
 
 class SocketSecurity(Protocol):

@@ -1,10 +1,24 @@
 """The client end of :mod:`mesh.zmq`: one ZeroMQ DEALER per peer, shared by every caller, with
 many requests in flight per peer and replies matched to them by request id.
 
-Every request has an absolute deadline: a pending request fails with ``DeadlineExceeded`` when it
+Every request has a deadline (an instant on this process's monotonic clock; the wire carries the
+budget left, see :mod:`mesh.zmq.protocol`): a pending request fails with ``DeadlineExceeded`` when it
 passes, and all of a peer's pending requests fail with ``PeerUnavailable`` as soon as the peer is
 known dead (``fail_peer``, or the socket monitor's disconnect / handshake-failure events): a
 CURVE-rejected or vanished peer otherwise just stays silent.
+
+Gray failures. Every connection carries ZMTP heartbeats (:class:`mesh.zmq.base.Heartbeat`), so a
+peer that stops answering without a reset (a black-holed link, a frozen process) has its
+connection closed by libzmq within ``interval + timeout`` (1.25 s by default) of the last byte
+heard, and one that never completes its handshake is given up ``handshake_ms`` (2 s) after the
+socket opened. Either way the endpoint is then marked *unreachable* here, locally: its pending
+requests fail with ``PeerUnavailable`` at once, new requests to it fail the same way without being
+sent, and listeners (``add_reachability_listener``) hear of it so that routing can leave it out.
+Its socket is replaced by a fresh one that only probes: libzmq reconnects it (back-off capped at
+``reconnect_max_ms``) and the first completed handshake clears the mark. The old socket goes
+because whatever it still queued would reach the peer late, with the budget it had when sent.
+So the bound from the last byte heard to "unreachable" is 1.25 s for an established connection
+and 2 s for a new one (plus an event-loop turn).
 """
 
 from __future__ import annotations
@@ -13,7 +27,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -22,12 +35,13 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from mesh import clock
 from mesh.errors import DeadlineExceeded, MeshError, PayloadTooLarge, PeerUnavailable, RequestError
 from mesh.lifecycle import Service, State
 from mesh.log import get_logger, kv
 from mesh.types import InferRequest, InferResponse, new_request_id
 from mesh.zmq import protocol as wire
-from mesh.zmq.base import SocketSecurity, close_context, open_context
+from mesh.zmq.base import DEFAULT_HEARTBEAT, Heartbeat, SocketSecurity, close_context, open_context
 from mesh.zmq.protocol_check import DECODE_ERRORS, DEFAULT_MAX_BYTES, MAX_HEADER_BYTES, MAX_ID_LEN
 from mesh.zmq.pump import Pump, io_socket
 
@@ -41,6 +55,9 @@ _PEER_DEAD_EVENTS: dict[int, str] = {
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake failed (protocol)",
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "handshake failed (authentication)",
 }
+_MONITORED = zmq.EVENT_HANDSHAKE_SUCCEEDED
+for _event in _PEER_DEAD_EVENTS:
+    _MONITORED |= _event
 _WRITABLE_POLL_S = 0.05  # re-check a full send queue this often even if no POLLOUT edge is seen
 
 
@@ -53,6 +70,10 @@ class _Peer:
     pending: dict[str, tuple[asyncio.Future[InferResponse], asyncio.TimerHandle]] = field(
         default_factory=dict)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    up: bool = False  # the current connection completed its handshake
+    watchdog: asyncio.TimerHandle | None = None
+
+ReachabilityListener = Callable[[str, bool], None]
 
 
 class ZmqClient(Service):
@@ -60,14 +81,18 @@ class ZmqClient(Service):
 
     def __init__(self, *, ctx: zmq.asyncio.Context | None = None, security: SocketSecurity | None = None,
                  server_key_for: Callable[[str], bytes | None] | None = None,
-                 max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+                 max_bytes: int = DEFAULT_MAX_BYTES, heartbeat: Heartbeat = DEFAULT_HEARTBEAT) -> None:
         # None until the first peer opens: then the shared context, or its own when ``security`` is set
         self._given_ctx = ctx
         self._ctx: zmq.asyncio.Context | None = ctx
         self._security = security
         self._server_key_for = server_key_for
         self._max_bytes = max_bytes
+        self._heartbeat = heartbeat
         self._peers: dict[str, _Peer] = {}
+        # endpoint -> monotonic instant it was marked unreachable (its socket only probes)
+        self._down: dict[str, float] = {}
+        self._listeners: list[ReachabilityListener] = []
         self._dying: set[asyncio.Task[None]] = set()
         self._state = State.RUNNING  # usable from construction: peers open on first use
         self.late_replies = 0  # replies that came after their request timed out or was failed
@@ -78,12 +103,23 @@ class ZmqClient(Service):
         if self._state is State.RUNNING and endpoint not in self._peers:
             self._open_peer(endpoint)
 
+    def add_reachability_listener(self, listener: ReachabilityListener) -> None:
+        """Call ``listener(endpoint, unreachable)`` whenever an endpoint's mark changes: ``True``
+        when it is marked unreachable, ``False`` when a probe's handshake (or ``fail_peer``) lifts it."""
+        self._listeners.append(listener)
+
+    def unreachable(self) -> dict[str, float]:
+        """Endpoints marked unreachable now, with the monotonic instant each was marked."""
+        return dict(self._down)
+
     def pending(self, endpoint: str) -> int:
         peer = self._peers.get(endpoint)
         return 0 if peer is None else len(peer.pending)
 
-    async def request(self, endpoint: str, req: InferRequest) -> InferResponse:
-        """Send ``req`` to ``endpoint`` and await its reply. Sets ``req.request_id`` if empty.
+    async def request(self, endpoint: str, req: InferRequest, *, reserve_ms: float = 0.0) -> InferResponse:
+        """Send ``req`` to ``endpoint`` and await its reply, until ``req.deadline`` at the latest.
+        Sets ``req.request_id`` if empty. ``reserve_ms``: budget kept back from the peer (the
+        receiver's deadline is its arrival plus what is left at send, less this).
 
         The wire id is the request id, unless that id is already in flight to the same peer (two
         callers chose the same id) or too long for the wire: then a fresh one stands in for it and
@@ -92,9 +128,13 @@ class ZmqClient(Service):
             raise PeerUnavailable("zmq client is closed")
         if req.deadline <= 0:
             raise RequestError("request has no deadline")
-        remaining = req.deadline - time.time()
+        now = clock.monotonic()
+        remaining = req.deadline - now
         if remaining <= 0:
             raise DeadlineExceeded(f"deadline passed {-remaining * 1000:.1f} ms before sending")
+        since = self._down.get(endpoint)
+        if since is not None:
+            raise PeerUnavailable(f"{endpoint} unreachable for {now - since:.1f} s (no heartbeat); probing")
         if not req.request_id:
             req.request_id = new_request_id()
         size = 0
@@ -107,9 +147,9 @@ class ZmqClient(Service):
         rid = req.request_id
         if rid in peer.pending or len(rid) > MAX_ID_LEN:
             rid = new_request_id()
-            frames = wire.encode_request(dataclasses.replace(req, request_id=rid))
+            frames = wire.encode_request(dataclasses.replace(req, request_id=rid), now=now, reserve_ms=reserve_ms)
         else:
-            frames = wire.encode_request(req)
+            frames = wire.encode_request(req, now=now, reserve_ms=reserve_ms)
         loop = pump.loop
         fut: asyncio.Future[InferResponse] = loop.create_future()
         peer.pending[rid] = (fut, loop.call_at(loop.time() + remaining, self._expire, peer, rid))
@@ -144,9 +184,13 @@ class ZmqClient(Service):
 
     def fail_peer(self, endpoint: str, reason: str) -> int:
         """Fail every pending request to ``endpoint`` with ``PeerUnavailable`` now and drop its socket
-        (queued, unsent requests go with it); the next request opens a fresh one. Returns how many."""
+        (queued, unsent requests go with it), forgetting any unreachable mark (and its probe): the
+        next request opens a fresh one. Returns how many requests failed."""
         peer = self._peers.get(endpoint)
-        return 0 if peer is None else self._drop_peer(peer, reason)
+        failed = 0 if peer is None else self._drop_peer(peer, reason)
+        if self._down.pop(endpoint, None) is not None:
+            self._notify(endpoint, False)
+        return failed
 
     async def close(self) -> None:
         await self.stop()
@@ -154,6 +198,7 @@ class ZmqClient(Service):
     async def _stop(self) -> None:
         for peer in list(self._peers.values()):
             self._drop_peer(peer, "client closed")
+        self._down.clear()
         await asyncio.gather(*self._dying, return_exceptions=True)
         ctx, self._ctx = self._ctx, self._given_ctx
         if ctx is not None and ctx is not self._given_ctx:
@@ -167,15 +212,14 @@ class ZmqClient(Service):
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self._max_bytes + MAX_HEADER_BYTES)
+        self._heartbeat.apply(sock, client=True)
         monitor: zmq.asyncio.Socket | None = None
         try:
             if self._security is not None:
                 key = self._server_key_for(endpoint) if self._server_key_for is not None else None
                 self._security.apply_client(sock, key)
             # watch before connecting so no disconnect can slip past
-            monitor = sock.get_monitor_socket(
-                zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-                | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+            monitor = sock.get_monitor_socket(_MONITORED)
             sock.connect(endpoint)
         except BaseException as exc:
             if monitor is not None:
@@ -188,6 +232,11 @@ class ZmqClient(Service):
         peer = _Peer(endpoint, sock, cast(zmq.asyncio.Socket, monitor))
         peer.pump = Pump(io_socket(sock), lambda msg: self._on_reply(peer, msg), f"zmq client {endpoint}")
         peer.tasks = [asyncio.create_task(self._watch(peer), name=f"zmq-monitor {endpoint}")]
+        if endpoint not in self._down:
+            # a connection that never completes its handshake (a SYN or greeting lost in a black
+            # hole) raises no monitor event of its own
+            peer.watchdog = peer.pump.loop.call_later(self._heartbeat.handshake_ms / 1000.0,
+                                                      self._handshake_overdue, peer)
         self._peers[endpoint] = peer
         return peer
 
@@ -220,11 +269,45 @@ class ZmqClient(Service):
                 if peer.monitor.closed:
                     return
                 continue
-            reason = _PEER_DEAD_EVENTS.get(int(event["event"]))
-            if reason is not None:
-                n = self._drop_peer(peer, reason)
-                log.info("peer %s %s: failed %d pending", peer.endpoint, reason, n)
+            code = int(event["event"])
+            if code == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._mark_up(peer)
+                continue
+            reason = _PEER_DEAD_EVENTS.get(code)
+            if reason is not None and peer.endpoint not in self._down:
+                # (a probe's failed attempt changes nothing: libzmq tries again)
+                self._mark_down(peer, reason)
                 return
+
+    def _handshake_overdue(self, peer: _Peer) -> None:
+        peer.watchdog = None
+        if not peer.up and self._peers.get(peer.endpoint) is peer and peer.endpoint not in self._down:
+            self._mark_down(peer, f"no handshake within {self._heartbeat.handshake_ms} ms")
+
+    def _mark_up(self, peer: _Peer) -> None:
+        peer.up = True
+        if peer.watchdog is not None:
+            peer.watchdog.cancel()
+            peer.watchdog = None
+        since = self._down.pop(peer.endpoint, None)
+        if since is not None:
+            log.info("peer %s reachable again after %.1f s", peer.endpoint, clock.monotonic() - since)
+            self._notify(peer.endpoint, False)
+
+    def _mark_down(self, peer: _Peer, reason: str) -> None:
+        n = self._drop_peer(peer, reason)
+        self._down[peer.endpoint] = clock.monotonic()
+        log.warning("peer %s unreachable (%s): failed %d pending; probing", peer.endpoint, reason, n)
+        if self._state is State.RUNNING:
+            self._open_peer(peer.endpoint)  # the probe: libzmq reconnects it until a handshake succeeds
+        self._notify(peer.endpoint, True)
+
+    def _notify(self, endpoint: str, unreachable: bool) -> None:
+        for listener in self._listeners:
+            try:
+                listener(endpoint, unreachable)
+            except Exception:  # a listener's bug must not stop the others or the monitor
+                log.exception("reachability listener failed for %s", endpoint)
 
     def _expire(self, peer: _Peer, rid: str) -> None:
         entry = peer.pending.pop(rid, None)
@@ -234,6 +317,9 @@ class ZmqClient(Service):
     def _drop_peer(self, peer: _Peer, reason: str) -> int:
         if self._peers.get(peer.endpoint) is peer:
             del self._peers[peer.endpoint]
+        if peer.watchdog is not None:
+            peer.watchdog.cancel()
+            peer.watchdog = None
         if peer.pump is not None:
             peer.pump.close()  # before the socket closes: the pump's handle dies with it
         failed = 0

@@ -3,9 +3,21 @@ frame per tensor.
 
 Request header (``kind == "req"``)::
 
-    {v: 1, kind, id, tenant, task, slo: {latency_ms, min_accuracy, max_cost, prefer},
-     deadline (absolute unix seconds), hops: [site, ...], target_site, target_variant,
+    {v: 2, kind, id, tenant, task, slo: {latency_ms, min_accuracy, max_cost, prefer},
+     budget_ms, sent_at, hops: [site, ...], target_site, target_variant,
      tensors: [{name, dtype, shape}, ...]}
+
+Deadlines travel as durations (version 2; version 1 carried an absolute wall-clock ``deadline``,
+which only worked while every site's clock agreed, and is refused as an unsupported version).
+``budget_ms`` is what the sender had left when it encoded the message (its local deadline minus
+its monotonic now, less any ``reserve_ms`` it chose to keep back); the decoder sets the request's
+deadline to the receiver's monotonic *arrival* instant plus that budget. The forward transit is
+thus counted as budget the receiver still has: it cannot know the one-way delay without comparing
+clocks, and the sender may reserve it (the site data plane reserves half the round trip it has
+measured to that peer, which is what an absolute deadline on synchronised clocks amounted to).
+The sender's own timer still ends the wait at its own deadline. ``sent_at`` is the sender's wall
+clock at encode, for diagnostics (logs of a late arrival) only: it is never compared with the
+receiver's clock.
 
 Reply header: ``{v, kind: "rep", id, site, variant, accuracy, reason, best_effort, tenant,
 timing: {network_ms, queue_ms, compute_ms, total_ms}, hops, tensors}`` or
@@ -39,6 +51,7 @@ import msgpack
 import numpy as np
 import zmq
 
+from mesh import clock
 from mesh.errors import BadTensor, MeshError, ProtocolError
 from mesh.types import InferRequest, InferResponse, Timing
 from mesh.zmq.protocol_check import (
@@ -118,10 +131,15 @@ def _slow_tensor_frame(name: object, arr: object) -> tuple[dict[str, Any], memor
     return {"name": name, "dtype": a.dtype.name, "shape": list(a.shape)}, a.reshape(-1).view(np.uint8).data
 
 
-def encode_request(req: InferRequest) -> Frames:
-    """Frames for ``req``: the header, then one zero-copy view per input tensor."""
+def encode_request(req: InferRequest, *, now: float | None = None, reserve_ms: float = 0.0) -> Frames:
+    """Frames for ``req``: the header, then one zero-copy view per input tensor. The header
+    carries the budget ``req`` has left at monotonic instant ``now`` (default: now) less
+    ``reserve_ms``, and this process's wall-clock time (for diagnostics)."""
     if not req.request_id or len(req.request_id) > MAX_ID_LEN:
         raise ProtocolError(f"request id must be 1 to {MAX_ID_LEN} characters")
+    budget = (req.deadline - (clock.monotonic() if now is None else now)) * 1000.0 - reserve_ms
+    if budget - budget != 0.0:  # inf or nan: no hop could keep it
+        raise ProtocolError(f"request {req.request_id}: deadline {req.deadline!r} gives no finite budget")
     descs, frames = _tensor_frames(req.inputs)
     header = {
         "v": VERSION,
@@ -136,7 +154,8 @@ def encode_request(req: InferRequest) -> Frames:
             "max_cost": req.slo.max_cost,
             "prefer": req.slo.prefer,
         },
-        "deadline": float(req.deadline),
+        "budget_ms": budget,
+        "sent_at": clock.wall(),
         "hops": list(req.hops),
         "target_site": req.target_site,
         "target_variant": req.target_variant,
@@ -225,18 +244,20 @@ def _fast_tensors(descs: object, frames: Sequence[object], max_bytes: int) -> di
     return out
 
 
-def _fast_request(h: dict[str, Any], frames: Sequence[object], max_bytes: int) -> InferRequest | None:
-    slo, task, tenant, deadline = h.get("slo"), h.get("task"), h.get("tenant"), h.get("deadline")
-    hops, site, variant = h.get("hops"), h.get("target_site"), h.get("target_variant")
+def _fast_request(h: dict[str, Any], frames: Sequence[object], max_bytes: int, now: float) -> InferRequest | None:
+    slo, task, tenant, budget = h.get("slo"), h.get("task"), h.get("tenant"), h.get("budget_ms")
+    hops, site, variant, sent_at = h.get("hops"), h.get("target_site"), h.get("target_variant"), h.get("sent_at")
     if (h.get("kind") != "req" or type(slo) is not dict or type(task) is not str or not task
-            or type(tenant) is not str or not tenant or not _finite(deadline) or not _str_items(hops)
+            or type(tenant) is not str or not tenant or not _finite(budget) or not _finite(sent_at)
+            or not _str_items(hops)
             or (site is not None and type(site) is not str) or (variant is not None and type(variant) is not str)):
         return None
     tensors = _fast_tensors(h.get("tensors"), frames[1:], max_bytes)
     if tensors is None:
         return None
     # the one SLO parser, as on the checked path: a bad SLO is a ProtocolError on either
-    return InferRequest(task, tensors, read_slo(slo), tenant, h["id"], deadline, hops, site, variant)
+    return InferRequest(task, tensors, read_slo(slo), tenant, h["id"], now + budget / 1000.0, hops, site, variant,
+                        sent_at)
 
 
 def _fast_response(h: dict[str, Any], rid: str, frames: Sequence[object], max_bytes: int) -> InferResponse | None:
@@ -260,15 +281,19 @@ def _fast_response(h: dict[str, Any], rid: str, frames: Sequence[object], max_by
 # ---------------------------------------------------------------- decode
 
 
-def decode_request(frames: Sequence[FrameLike], *, max_bytes: int = DEFAULT_MAX_BYTES) -> InferRequest:
-    """Rebuild a request from its frames (identity already stripped). See the module docstring."""
+def decode_request(frames: Sequence[FrameLike], *, max_bytes: int = DEFAULT_MAX_BYTES,
+                   now: float | None = None) -> InferRequest:
+    """Rebuild a request from its frames (identity already stripped). See the module docstring.
+    ``now``: the monotonic instant it arrived (default: now), from which its deadline is set."""
+    if now is None:
+        now = clock.monotonic()
     if not frames:
         raise ProtocolError("empty message")
     h = unpack_header(frames[0])
-    fast = _fast_request(h, frames, max_bytes)
+    fast = _fast_request(h, frames, max_bytes, now)
     if fast is not None:
         return fast
-    return check_request(h, frames, max_bytes)
+    return check_request(h, frames, max_bytes, now=now)
 
 
 def decode_reply(frames: Sequence[FrameLike], *,

@@ -37,7 +37,7 @@ __all__ = [
     "unpack_header",
 ]
 
-VERSION: Final = 1
+VERSION: Final = 2  # 2: relative deadlines (budget_ms + sent_at) replaced v1's absolute 'deadline'
 DEFAULT_MAX_BYTES: Final = 64 * 1024 * 1024
 MAX_HEADER_BYTES: Final = 256 * 1024
 MAX_TENSORS: Final = 256
@@ -189,20 +189,24 @@ def _kind(h: Mapping[str, Any], *expected: str) -> str:
     return kind
 
 
-def check_request(h: Mapping[str, Any], frames: Sequence[object], max_bytes: int) -> InferRequest:
-    """The request in header ``h`` (from :func:`unpack_header`) and its frames, every field checked."""
+def check_request(h: Mapping[str, Any], frames: Sequence[object], max_bytes: int, *,
+                  now: float) -> InferRequest:
+    """The request in header ``h`` (from :func:`unpack_header`) and its frames, every field checked.
+    Its deadline is ``now`` (the monotonic arrival instant) plus the budget the sender had left."""
     _kind(h, "req")
     slo = read_slo(_field(h, "slo", dict))
+    budget_ms = _num(h, "budget_ms")
     return InferRequest(
         task=_str(h, "task", nonempty=True),
         inputs=_tensors(h, frames[1:], max_bytes),
         slo=slo,
         tenant=_str(h, "tenant", nonempty=True),
         request_id=h["id"],  # checked by unpack_header
-        deadline=_num(h, "deadline"),
+        deadline=now + budget_ms / 1000.0,
         hops=_str_list(h, "hops"),
         target_site=_field(h, "target_site", str, optional=True),
         target_variant=_field(h, "target_variant", str, optional=True),
+        sent_at=_num(h, "sent_at"),
     )
 
 

@@ -1,28 +1,31 @@
 """The server end of :mod:`mesh.zmq`: a ZeroMQ ROUTER bound in front of a handler.
 
-Requests already past their deadline are answered without calling the handler; a request still in
+A request's deadline is set on arrival, on this process's monotonic clock, from the budget its
+sender had left (:mod:`mesh.zmq.protocol`). Requests that arrive with none left are answered
+without calling the handler; a request still in
 flight when its deadline passes is cancelled and answered with ``DeadlineExceeded`` (unless
 ``enforce_deadline=False``); every handler failure becomes an error reply; past ``max_inflight``
 requests the server answers ``Overloaded``. A caller always gets a ``MeshError`` subclass, never
-silence.
+silence. The ROUTER pings its clients too (:class:`mesh.zmq.base.Heartbeat`) and drops the
+connection of one that stops answering.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Self, cast
 
 import zmq
 import zmq.asyncio
 
+from mesh import clock
 from mesh.errors import DeadlineExceeded, MeshError, Overloaded
 from mesh.lifecycle import Service
 from mesh.log import get_logger, kv
 from mesh.types import InferRequest, InferResponse
 from mesh.zmq import protocol as wire
-from mesh.zmq.base import SocketSecurity, close_context, open_context
+from mesh.zmq.base import DEFAULT_HEARTBEAT, Heartbeat, SocketSecurity, close_context, open_context
 from mesh.zmq.protocol_check import DECODE_ERRORS, DEFAULT_MAX_BYTES, MAX_HEADER_BYTES
 from mesh.zmq.pump import Pump, io_socket
 
@@ -39,7 +42,7 @@ class ZmqServer(Service):
     def __init__(self, handler: Handler, *, bind: str = "tcp://127.0.0.1:0",
                  ctx: zmq.asyncio.Context | None = None, security: SocketSecurity | None = None,
                  max_inflight: int = 1024, max_bytes: int = DEFAULT_MAX_BYTES,
-                 enforce_deadline: bool = True) -> None:
+                 enforce_deadline: bool = True, heartbeat: Heartbeat = DEFAULT_HEARTBEAT) -> None:
         self._handler = handler
         self._bind = bind
         # None until start(): then the shared context, or one of its own when ``security`` is set
@@ -50,6 +53,7 @@ class ZmqServer(Service):
         self._max_bytes = max_bytes
         # False lets a handler answer after the deadline (tests of the client's late-reply path)
         self._enforce_deadline = enforce_deadline
+        self._heartbeat = heartbeat
         self._sock: zmq.Socket[Any] | None = None
         self._pump: Pump | None = None
         self._inflight: set[asyncio.Task[None]] = set()
@@ -73,6 +77,7 @@ class ZmqServer(Service):
             sock.setsockopt(zmq.LINGER, 0)
             # libzmq drops a peer that sends a frame over this, before we ever buffer it
             sock.setsockopt(zmq.MAXMSGSIZE, self._max_bytes + MAX_HEADER_BYTES)
+            self._heartbeat.apply(sock, client=False)
             if self._security is not None:
                 self._security.apply_server(sock)
             sock.bind(self._bind)
@@ -111,17 +116,20 @@ class ZmqServer(Service):
 
     def _dispatch(self, msg: list[zmq.Frame]) -> None:
         ident, frames = msg[0], msg[1:]
+        now = clock.monotonic()
         try:
-            req = wire.decode_request(frames, max_bytes=self._max_bytes)
+            req = wire.decode_request(frames, max_bytes=self._max_bytes, now=now)
         except DECODE_ERRORS as exc:
             rid = wire.peek_request_id(frames)
             log.warning("bad request frames: %s", exc.message, extra=kv(request_id=rid, reason=exc.code))
             if rid is not None:
                 self._reply(ident, wire.encode_error(rid, exc))
             return
-        if req.deadline <= time.time():
+        if req.deadline <= now:
+            # the wall times are for whoever reads the log: skew and transit are not told apart
             self._reply(ident, wire.encode_error(req.request_id, DeadlineExceeded(
-                f"request {req.request_id} arrived {-req.remaining_ms():.1f} ms after its deadline")))
+                f"request {req.request_id} arrived with no budget left ({req.remaining_ms(now):.1f} ms; "
+                f"sent at {req.sent_at:.3f} by its sender's clock, received at {clock.wall():.3f} by ours)")))
             return
         if len(self._inflight) >= self._max_inflight:
             self._reply(ident, wire.encode_error(req.request_id, Overloaded(
@@ -141,7 +149,8 @@ class ZmqServer(Service):
             # that cancels this task is what asyncio.timeout does, at half its cost
             loop, task = asyncio.get_running_loop(), asyncio.current_task()
             assert task is not None
-            timer = loop.call_at(loop.time() + max(0.0, req.deadline - time.time()), _expire_task, task, expired)
+            timer = loop.call_at(loop.time() + max(0.0, req.deadline - clock.monotonic()), _expire_task, task,
+                                 expired)
         try:
             resp = await self._handler(req)
             resp.request_id = rid  # replies are matched by id: never trust the handler to copy it

@@ -44,7 +44,7 @@ async def test_concurrent_requests_are_batched(tmp_path: Path) -> None:
         try:
             rng = np.random.default_rng(0)
             xs = [rng.random((1, 64), dtype=np.float32) for _ in range(16)]
-            deadline = time.time() + 5
+            deadline = time.monotonic() + 5
             results = await asyncio.gather(*(b.submit({"x": x}, deadline) for x in xs))
             for x, r in zip(xs, results, strict=True):
                 np.testing.assert_allclose(r.outputs["logits"], sess.run(None, {"x": x})[0], rtol=1e-5)
@@ -64,8 +64,8 @@ async def test_refuses_what_cannot_meet_deadline(tmp_path: Path) -> None:
         b.start()
         try:
             with pytest.raises(Overloaded):
-                await b.submit({"x": np.zeros((1, 64), np.float32)}, time.time() + 0.01)
-            ok = await b.submit({"x": np.ones((1, 64), np.float32)}, time.time() + 5)
+                await b.submit({"x": np.zeros((1, 64), np.float32)}, time.monotonic() + 0.01)
+            ok = await b.submit({"x": np.ones((1, 64), np.float32)}, time.monotonic() + 5)
             assert ok.outputs["logits"].shape == (1, 10)
         finally:
             await b.stop()
@@ -83,7 +83,7 @@ async def test_closed_loop_caller_is_not_held_for_the_window(tmp_path: Path) -> 
             times = []
             for _ in range(12):
                 t0 = time.perf_counter()
-                await b.submit({"x": np.ones((1, 64), np.float32)}, time.time() + 5)
+                await b.submit({"x": np.ones((1, 64), np.float32)}, time.monotonic() + 5)
                 times.append(time.perf_counter() - t0)
             # the first windows may be held (50 ms each); the last ones must not be
             assert max(times[-5:]) < 0.04, times
@@ -107,15 +107,15 @@ async def test_one_slow_batch_does_not_refuse_tight_requests_for_ever(tmp_path: 
         b = Batcher("bursty", first_slow, executor=pool, compute_ms=lambda n: 0.05, max_batch=1)
         b.start()
         try:
-            await b.submit({"x": np.ones((1, 64), np.float32)}, time.time() + 5)
+            await b.submit({"x": np.ones((1, 64), np.float32)}, time.monotonic() + 5)
             assert b.overhead_ms > 20.0  # learnt from the slow batch
             with pytest.raises(Overloaded):
-                await b.submit({"x": np.ones((1, 64), np.float32)}, time.time() + 0.01)
+                await b.submit({"x": np.ones((1, 64), np.float32)}, time.monotonic() + 0.01)
             ok = None
             for _ in range(100):  # bounded: the estimate fades within a few OVERHEAD_DECAY_S
                 await asyncio.sleep(0.1)
                 try:
-                    ok = await b.submit({"x": np.ones((1, 64), np.float32)}, time.time() + 0.01)
+                    ok = await b.submit({"x": np.ones((1, 64), np.float32)}, time.monotonic() + 0.01)
                     break
                 except Overloaded:
                     continue
@@ -135,4 +135,4 @@ async def test_submit_to_a_stopped_batcher_is_refused_not_left_hanging() -> None
         b.start()
         await b.stop()
         with pytest.raises(Overloaded, match="not running"):
-            await asyncio.wait_for(b.submit({"x": np.ones((1, 64), np.float32)}, time.time() + 5), 2.0)
+            await asyncio.wait_for(b.submit({"x": np.ones((1, 64), np.float32)}, time.monotonic() + 5), 2.0)

@@ -55,7 +55,7 @@ async def test_idle_tiny_request_runs_inline_on_the_loop(pool: ThreadPoolExecuto
     b = Batcher("tiny", rec, executor=pool, compute_ms=lambda n: 0.01, max_batch=1)
     b.start()
     try:
-        res = await b.submit({"x": X}, time.time() + 5)
+        res = await b.submit({"x": X}, time.monotonic() + 5)
         np.testing.assert_array_equal(res.outputs["logits"], X[:, :10] * 2)
         assert rec.threads == [threading.get_ident()]
         assert (b.inline_runs, b.batches, b.served, res.batch_rows, res.queue_ms) == (1, 1, 1, 1, 0.0)
@@ -68,14 +68,14 @@ async def test_profile_above_bound_and_stopped_batcher_use_the_executor(pool: Th
     b = Batcher("big", rec, executor=pool, compute_ms=lambda n: batching.INLINE_MAX_MS * 2, max_batch=1)
     b.start()
     try:
-        await b.submit({"x": X}, time.time() + 5)
+        await b.submit({"x": X}, time.monotonic() + 5)
         assert rec.threads[-1] != threading.get_ident() and b.inline_runs == 0
     finally:
         await b.stop()
     off = Batcher("off", rec, executor=pool, compute_ms=lambda n: 0.01, max_batch=1, inline_max_ms=0.0)
     off.start()
     try:
-        await off.submit({"x": X}, time.time() + 5)
+        await off.submit({"x": X}, time.monotonic() + 5)
         assert rec.threads[-1] != threading.get_ident() and off.inline_runs == 0
     finally:
         await off.stop()
@@ -87,7 +87,7 @@ async def test_concurrent_requests_still_batch(pool: ThreadPoolExecutor) -> None
     b = Batcher("win", rec, executor=pool, compute_ms=lambda n: 0.01, max_batch=16, max_window_ms=20)
     b.start()
     try:
-        results = await asyncio.gather(*(b.submit({"x": X * i}, time.time() + 5) for i in range(16)))
+        results = await asyncio.gather(*(b.submit({"x": X * i}, time.monotonic() + 5) for i in range(16)))
         for i, r in enumerate(results):
             np.testing.assert_array_equal(r.outputs["logits"], X[:, :10] * 2 * i)
         assert b.inline_runs == 0 and b.batches < 16
@@ -100,10 +100,10 @@ async def test_busy_batcher_queues_instead_of_running_inline(pool: ThreadPoolExe
     b = Batcher("busy", slow, executor=pool, compute_ms=lambda n: 0.01, max_batch=1, inline_max_ms=0.0)
     b.start()
     try:
-        first = asyncio.create_task(b.submit({"x": X}, time.time() + 5))
+        first = asyncio.create_task(b.submit({"x": X}, time.monotonic() + 5))
         await asyncio.sleep(0.01)  # the first batch is now in the executor
         b.inline_max_ms = batching.INLINE_MAX_MS
-        second = await b.submit({"x": X}, time.time() + 5)
+        second = await b.submit({"x": X}, time.monotonic() + 5)
         await first
         assert b.inline_runs == 0 and second.queue_ms > 0.0
         assert threading.get_ident() not in slow.threads
@@ -118,7 +118,7 @@ async def test_a_profile_that_lies_blocks_the_loop_once(pool: ThreadPoolExecutor
     b.start()
     try:
         for _ in range(5):
-            await b.submit({"x": X}, time.time() + 5)
+            await b.submit({"x": X}, time.monotonic() + 5)
         here = threading.get_ident()
         assert rec.threads[0] == here and all(t != here for t in rec.threads[1:]), rec.threads
         assert b.inline_runs == 1
@@ -133,7 +133,7 @@ async def test_runs_that_are_slow_as_a_rule_turn_inline_off(pool: ThreadPoolExec
     b.start()
     try:
         for _ in range(20):
-            await b.submit({"x": X}, time.time() + 5)
+            await b.submit({"x": X}, time.monotonic() + 5)
         here = threading.get_ident()
         inline = [t == here for t in rec.threads]
         assert 1 < b.inline_runs <= 8 and inline[:b.inline_runs] == [True] * b.inline_runs, inline
@@ -148,9 +148,9 @@ async def test_inline_failure_is_a_mesh_error_and_the_batcher_serves_on(pool: Th
     b.start()
     try:
         with pytest.raises(MeshError, match="inference failed: kernel exploded"):
-            await b.submit({"x": X}, time.time() + 5)
+            await b.submit({"x": X}, time.monotonic() + 5)
         rec.fail = False
-        ok = await b.submit({"x": X}, time.time() + 5)
+        ok = await b.submit({"x": X}, time.monotonic() + 5)
         assert ok.outputs["logits"].shape == (1, 10) and b.served == 1
     finally:
         await b.stop()

@@ -35,7 +35,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 def make_req(x: np.ndarray | float, *, deadline_s: float = 5.0, **inputs: np.ndarray) -> InferRequest:
     arr = np.full(4, x, np.float32) if isinstance(x, float | int) else x
     return InferRequest(task="echo", inputs={"x": arr, **inputs}, slo=SLO(1000.0), tenant="acme",
-                        deadline=time.time() + deadline_s, hops=["edge-a"])
+                        deadline=time.monotonic() + deadline_s, hops=["edge-a"])
 
 
 def echo_response(req: InferRequest) -> InferResponse:

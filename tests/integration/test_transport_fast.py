@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 
 def make_req(**inputs: np.ndarray) -> InferRequest:
-    return InferRequest(task="echo", inputs=inputs, slo=SLO(1000.0), tenant="acme", deadline=time.time() + 5.0)
+    return InferRequest(task="echo", inputs=inputs, slo=SLO(1000.0), tenant="acme", deadline=time.monotonic() + 5.0)
 
 
 async def echo(req: InferRequest) -> InferResponse:

@@ -33,8 +33,8 @@ slos = st.builds(SLO, latency_ms=st.floats(min_value=1e-6, max_value=1e9),
                  max_cost=st.none() | st.floats(min_value=0.0, max_value=1e12), prefer=st.sampled_from(PREFERS))
 requests = st.builds(
     InferRequest, task=names, inputs=tensors, slo=slos, tenant=names,
-    request_id=st.text(min_size=1, max_size=40), deadline=finite, hops=st.lists(names, max_size=5),
-    target_site=st.none() | names, target_variant=st.none() | names,
+    request_id=st.text(min_size=1, max_size=40), deadline=st.floats(min_value=-1e9, max_value=1e9),
+    hops=st.lists(names, max_size=5), target_site=st.none() | names, target_variant=st.none() | names,
 )
 responses = st.builds(
     InferResponse, request_id=st.text(min_size=1, max_size=40), outputs=tensors, site=st.text(),
@@ -80,13 +80,14 @@ def _decode_any(frames: list[Any]) -> None:
 @FUZZ
 @given(requests)
 def test_request_round_trip(req: InferRequest) -> None:
-    frames = p.encode_request(req)
+    frames = p.encode_request(req, now=0.0)
     assert len(frames) == 1 + len(req.inputs)
     for wire in (frames, _wire(frames), [zmq.Frame(bytes(f)) for f in frames]):
-        got = p.decode_request(wire)
+        got = p.decode_request(wire, now=0.0)
         assert (got.task, got.tenant, got.request_id, got.hops) == (req.task, req.tenant, req.request_id,
                                                                     req.hops)
-        assert got.slo == req.slo and got.deadline == req.deadline
+        # the budget left at send (deadline - 0) becomes the receiver's deadline from arrival (0)
+        assert got.slo == req.slo and got.deadline == pytest.approx(req.deadline, rel=1e-12, abs=1e-9)
         assert (got.target_site, got.target_variant) == (req.target_site, req.target_variant)
         _same_tensors(req.inputs, got.inputs)
 
@@ -165,7 +166,7 @@ _DROP = object()
 
 
 @pytest.mark.parametrize(("changes", "pattern"), [
-    ({"v": 2}, "version 2"),
+    ({"v": 1}, "version 1"),  # v1 carried an absolute wall-clock deadline: refused, not misread
     ({"v": True}, "'v'"),
     ({"kind": "rep"}, "kind"),
     ({"id": 7}, "'id'"),
@@ -176,7 +177,11 @@ _DROP = object()
     ({"slo": {"latency_ms": 5, "min_accuracy": 0, "prefer": "cheap"}}, "prefer"),
     ({"slo": {"latency_ms": -5.0, "min_accuracy": 0.0, "prefer": "latency"}}, "latency_ms must be positive"),
     ({"slo": {"latency_ms": 5.0, "min_accuracy": 1.5, "prefer": "latency"}}, "min_accuracy"),
-    ({"deadline": math.inf}, "not finite"),
+    ({"budget_ms": math.inf}, "not finite"),
+    ({"budget_ms": _DROP}, "'budget_ms' missing"),
+    ({"budget_ms": True}, "'budget_ms'"),
+    ({"sent_at": "noon"}, "'sent_at'"),
+    ({"sent_at": _DROP}, "'sent_at' missing"),
     ({"hops": ["a", 3]}, "hops"),
     ({"target_site": 5}, "target_site"),
     ({"tensors": "x"}, "tensors"),

@@ -83,8 +83,9 @@ arrays = st.sampled_from(sorted(checked.ALLOWED_DTYPES)).flatmap(
     lambda dt: hnp.arrays(np.dtype(dt), hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4)))
 requests = st.builds(
     InferRequest, task=names, inputs=st.dictionaries(names, arrays, max_size=3), slo=valid_slos, tenant=names,
-    request_id=st.text(min_size=1, max_size=20), deadline=finite, hops=st.lists(names, max_size=3),
-    target_site=st.none() | names, target_variant=st.none() | names)
+    request_id=st.text(min_size=1, max_size=20), deadline=st.floats(min_value=-1e9, max_value=1e9),
+    hops=st.lists(names, max_size=3), target_site=st.none() | names, target_variant=st.none() | names,
+    sent_at=finite)
 # what a peer might put in an SLO field: every kind of number, and things that are not numbers
 slo_numbers = (st.floats() | st.integers(-(2**63), 2**64 - 1) | st.sampled_from([0.0, -0.0, 1.0, -5.0, 1.5])
                | st.booleans() | st.none() | st.text(max_size=4))
@@ -104,24 +105,27 @@ def _same_request(a: InferRequest, b: InferRequest) -> None:
             assert x == y and type(x) is type(y), f.name
 
 
-def _outcome(decode: Any, *args: Any) -> InferRequest | type[Exception] | None:
+def _outcome(decode: Any, *args: Any, **kwargs: Any) -> InferRequest | type[Exception] | None:
     try:
-        return decode(*args)
+        return decode(*args, **kwargs)
     except ProtocolError:
         return ProtocolError
 
 
 @FUZZ
-@given(requests)
-def test_fast_and_checked_decoders_agree_on_every_field(req: InferRequest) -> None:
-    frames = [bytes(f) for f in fast.encode_request(req)]
+@given(requests, st.floats(min_value=-1e6, max_value=1e6), st.floats(min_value=-1e6, max_value=1e6))
+def test_fast_and_checked_decoders_agree_on_every_field(req: InferRequest, sent: float, arrived: float) -> None:
+    # sent and arrived are instants on two different monotonic clocks: only the budget crosses
+    frames = [bytes(f) for f in fast.encode_request(req, now=sent)]
     h = checked.unpack_header(frames[0])
-    by_fast = fast._fast_request(h, frames, MAX)
-    by_check = checked.check_request(h, frames, MAX)
+    by_fast = fast._fast_request(h, frames, MAX, arrived)
+    by_check = checked.check_request(h, frames, MAX, now=arrived)
     assert by_fast is not None  # what the codec writes, the fast path reads
     _same_request(by_fast, by_check)
-    _same_request(by_fast, fast.decode_request(frames))
-    _same_request(by_fast, req)
+    _same_request(by_fast, fast.decode_request(frames, now=arrived))
+    assert by_fast.deadline == pytest.approx(arrived + (req.deadline - sent), rel=1e-9, abs=1e-6)
+    assert by_fast.sent_at == h["sent_at"]
+    _same_request(by_fast, dataclasses.replace(req, deadline=by_fast.deadline, sent_at=by_fast.sent_at))
 
 
 @FUZZ
@@ -130,14 +134,14 @@ def test_fast_and_checked_decoders_agree_on_every_field(req: InferRequest) -> No
                                         "max_cost": slo_numbers | st.just(_ABSENT),
                                         "prefer": slo_prefers | st.just(_ABSENT)}))
 def test_fast_and_checked_decoders_reject_the_same_slos(req: InferRequest, slo: dict[str, Any]) -> None:
-    frames = [bytes(f) for f in fast.encode_request(req)]
+    frames = [bytes(f) for f in fast.encode_request(req, now=0.0)]
     h = msgpack.unpackb(frames[0])
     h["slo"] = {k: v for k, v in slo.items() if v is not _ABSENT}
     frames[0] = msgpack.packb(h)
     h = checked.unpack_header(frames[0])
-    by_fast = _outcome(fast._fast_request, h, frames, MAX)
-    by_check = _outcome(checked.check_request, h, frames, MAX)
-    by_decode = _outcome(fast.decode_request, frames)
+    by_fast = _outcome(fast._fast_request, h, frames, MAX, 0.0)
+    by_check = _outcome(checked.check_request, h, frames, MAX, now=0.0)
+    by_decode = _outcome(fast.decode_request, frames, now=0.0)
     got = h["slo"]
     try:  # what the type itself says of these values (an absent one is None on the wire)
         expected: SLO | None = SLO(got.get("latency_ms"), got.get("min_accuracy"), got.get("max_cost"),
@@ -166,11 +170,11 @@ def test_fast_and_checked_decoders_reject_the_same_slos(req: InferRequest, slo: 
 ])
 def test_a_peer_cannot_send_a_bad_slo(bad: dict[str, Any]) -> None:
     req = InferRequest("t", {"x": np.ones((1, 2), np.float32)}, SLO(20.0), "acme", "r-1", 1e9)
-    frames = [bytes(f) for f in fast.encode_request(req)]
+    frames = [bytes(f) for f in fast.encode_request(req, now=0.0)]
     h = msgpack.unpackb(frames[0])
     h["slo"].update(bad)
     frames[0] = msgpack.packb(h)
     with pytest.raises(ProtocolError, match="slo"):
         fast.decode_request(frames)
     with pytest.raises(ProtocolError, match="slo"):
-        checked.check_request(checked.unpack_header(frames[0]), frames, MAX)
+        checked.check_request(checked.unpack_header(frames[0]), frames, MAX, now=0.0)

@@ -1,0 +1,175 @@
+"""Gray failures, the pure parts: learnt path overhead (from failures as well as successes), the
+attempt limit of a forward, and the data plane's retry loop over the real routing policy with a
+fake transport (which site is tried next, never twice, never past the deadline)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from core_scheduler.policy import RoutingTable
+from edge_agent.demand import DemandMeter
+from edge_agent.paths import ATTEMPT_SLACK_MS, MIN_RETRY_MS, PathEstimates, attempt_ms
+from edge_agent.site_dataplane import RETRIED, SiteDataPlane
+from mesh.errors import DeadlineExceeded, NoRoute, PeerUnavailable
+from mesh.types import SLO, InferRequest, InferResponse, Timing
+from tests.unit.test_routing import ALL, snap
+
+pytestmark = pytest.mark.unit
+
+
+# ---------------------------------------------------------------- overhead learning
+
+def test_a_timeout_raises_the_learnt_overhead_and_successes_bring_it_down() -> None:
+    est = PathEstimates()
+    for t in range(20):
+        est.observe("core", 1.0, now=float(t))
+    calm = est.correction(now=20.0)["core"]
+    assert calm < 3.0
+    # an attempt expected in 40 ms, abandoned at its 90 ms limit after waiting 90 ms
+    assert est.observe_failure("core", 90.0, 40.0, 90.0, now=20.0)
+    hit = est.correction(now=20.0)["core"]
+    assert hit > calm + 10.0
+    # a second timeout raises it further
+    est.observe_failure("core", 90.0, 40.0, 90.0, now=20.0)
+    assert est.correction(now=20.0)["core"] > hit
+    # successes return: the estimate comes back down towards the calm value
+    for _ in range(30):
+        est.observe("core", 1.0, now=21.0)
+    assert est.correction(now=21.0)["core"] < hit / 3
+
+
+def test_a_failure_is_capped_at_the_attempt_limit_and_a_fast_one_teaches_nothing() -> None:
+    capped, uncapped = PathEstimates(), PathEstimates()
+    capped.observe_failure("mid", 5000.0, 10.0, 60.0, now=0.0)  # a peer lost mid-flight after 5 s
+    uncapped.observe("mid", 5000.0 - 10.0, now=0.0)
+    assert capped.correction(0.0)["mid"] < uncapped.correction(0.0)["mid"] / 50
+    est = PathEstimates()
+    assert not est.observe_failure("mid", 0.3, 10.0, 60.0, now=0.0)  # refused at once: already known dead
+    assert est.correction(0.0) == {}
+
+
+def test_an_unused_path_fades() -> None:
+    est = PathEstimates(decay_s=10.0)
+    est.observe_failure("core", 100.0, 20.0, 100.0, now=0.0)
+    first = est.correction(now=0.0)["core"]
+    assert est.correction(now=10.0)["core"] == pytest.approx(first / np.e)
+
+
+@pytest.mark.parametrize(("remaining", "expected", "best_effort", "limit"), [
+    (400.0, 35.0, False, 35.0 + ATTEMPT_SLACK_MS),  # a fast path: expected + slack
+    (400.0, 100.0, False, 200.0),                   # a slower one: twice what was expected
+    (60.0, 35.0, False, 60.0),                       # cutting short would leave no room: the whole rest
+    (85.0 + MIN_RETRY_MS, 35.0, False, 85.0),        # just room enough to cut
+    (400.0, 35.0, True, 400.0),                      # best effort: nothing better to retry with
+    (400.0, float("inf"), False, 400.0),
+])
+def test_attempt_limit(remaining: float, expected: float, best_effort: bool, limit: float) -> None:
+    assert attempt_ms(remaining, expected, best_effort=best_effort) == pytest.approx(limit)
+
+
+# ---------------------------------------------------------------- the retry loop
+
+class FakeZmq:
+    """Answers per site: 'ok', 'dead' (PeerUnavailable at once) or 'silent' (no reply: the real
+    client's timer ends the wait at the request's deadline)."""
+
+    def __init__(self, behaviour: dict[str, str]) -> None:
+        self.behaviour = behaviour
+        self.calls: list[tuple[str, float]] = []  # (site, budget ms given to it)
+        self.listeners: list[Any] = []
+
+    def add_reachability_listener(self, fn: Any) -> None:
+        self.listeners.append(fn)
+
+    async def request(self, endpoint: str, req: InferRequest, *, reserve_ms: float = 0.0) -> InferResponse:
+        site = endpoint.removeprefix("tcp://")
+        self.calls.append((site, req.remaining_ms()))
+        what = self.behaviour.get(site, "ok")
+        if what == "dead":
+            raise PeerUnavailable(f"{endpoint}: disconnected")
+        if what == "silent":
+            await asyncio.sleep(max(0.0, req.deadline - time.monotonic()))
+            raise DeadlineExceeded(f"no reply from {endpoint} before the deadline")
+        return InferResponse(req.request_id, {"y": np.zeros(1, np.float32)}, site, str(req.target_variant),
+                             0.99, "forward", tenant=req.tenant, timing=Timing(total_ms=1.0),
+                             hops=[*req.hops, site])
+
+
+def plane(behaviour: dict[str, str]) -> tuple[SiteDataPlane, FakeZmq]:
+    # edge-b holds nothing and has no room to load anything: every decision is a forward
+    table = RoutingTable.build(snap(ALL, site_over={"edge-b": {"memory_mb": 0}}), "edge-b")
+    view = SimpleNamespace(live={s: object() for s in ("edge-a", "edge-b", "mid", "core")})
+    zmq = FakeZmq(behaviour)
+    dp = SiteDataPlane("edge-b", view, None, zmq, table=lambda: table,  # type: ignore[arg-type]
+                       peer_endpoint=lambda s: f"tcp://{s}", demand=DemandMeter())
+    return dp, zmq
+
+
+def query(budget_ms: float, min_accuracy: float = 0.98) -> InferRequest:
+    req = InferRequest.entering("digits", {"x": np.zeros((1, 4), np.float32)}, SLO(budget_ms, min_accuracy))
+    req.hops = ["edge-b"]
+    return req
+
+
+async def test_a_dead_peer_is_retried_elsewhere_and_the_reply_says_so() -> None:
+    dp, zmq = plane({"mid": "dead"})
+    resp = await dp._route(query(500.0), time.monotonic())
+    first, second = (s for s, _ in zmq.calls)
+    assert first == "mid" and second not in ("mid", "edge-b")
+    assert resp.site == second and resp.reason.endswith(RETRIED) and dp.retried == 1
+
+
+async def test_a_silent_peer_is_abandoned_at_its_attempt_limit_and_retried_in_budget() -> None:
+    dp, zmq = plane({"mid": "silent"})
+    t0 = time.monotonic()
+    resp = await dp._route(query(500.0), t0)
+    elapsed_ms = (time.monotonic() - t0) * 1000
+    first, second = (s for s, _ in zmq.calls)
+    assert first == "mid" and second not in ("mid", "edge-b")
+    # mid got only its attempt's budget, not the query's whole 500 ms; the retry had the rest
+    assert zmq.calls[0][1] < 150.0 and 300.0 < zmq.calls[1][1] and elapsed_ms < 500.0
+    assert resp.site == second and resp.reason.endswith(RETRIED)
+    assert dp.rtt_correction()["mid"] > 10.0  # the timeout taught the path estimate
+
+
+async def test_every_site_fails_once_at_most_and_never_past_the_deadline() -> None:
+    dp, zmq = plane({"mid": "silent", "core": "silent", "edge-a": "silent"})
+    t0 = time.monotonic()
+    with pytest.raises(DeadlineExceeded):
+        await dp._route(query(300.0), t0)
+    sites = [s for s, _ in zmq.calls]
+    assert len(sites) == len(set(sites)) and "edge-b" not in sites
+    assert time.monotonic() - t0 < 0.3 + 0.25  # the last attempt ends at the deadline
+
+
+async def test_a_tight_budget_gets_one_attempt_to_its_deadline() -> None:
+    dp, zmq = plane({"mid": "silent"})
+    with pytest.raises(DeadlineExceeded):
+        await dp._route(query(40.0), time.monotonic())
+    assert [s for s, _ in zmq.calls] == ["mid"]
+
+
+async def test_sites_marked_unreachable_are_routed_around_until_probed_back() -> None:
+    dp, zmq = plane({})
+    zmq.listeners[0]("tcp://mid", True)
+    assert dp.unreachable == {"mid"}
+    resp = await dp._route(query(500.0), time.monotonic())
+    assert len(zmq.calls) == 1 and zmq.calls[0][0] != "mid"
+    assert resp.reason in ("forward", "cold_start")  # chosen so, not retried
+    for site in ("core", "edge-a"):
+        zmq.listeners[0](f"tcp://{site}", True)
+    assert dp.unreachable == {"mid", "core", "edge-a"}
+    with pytest.raises(NoRoute):  # edge-b itself has no room for any variant
+        await dp._route(query(500.0), time.monotonic())
+    for site in ("mid", "core", "edge-a"):
+        zmq.listeners[0](f"tcp://{site}", False)
+    assert dp.unreachable == frozenset()
+    zmq.calls.clear()
+    await dp._route(query(500.0), time.monotonic())
+    assert [s for s, _ in zmq.calls] == ["mid"]
