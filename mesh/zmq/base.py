@@ -13,12 +13,22 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import zmq
 import zmq.asyncio
 
-__all__ = ["SharedContext", "SocketSecurity", "close_context", "open_context"]
+__all__ = ["SharedContext", "SocketSecurity", "close_context", "dual_stack", "open_context"]
+
+_Ctx = TypeVar("_Ctx", bound="zmq.Context[Any]")
+
+
+def dual_stack(ctx: _Ctx) -> _Ctx:
+    """``ctx`` with IPv6 on for every socket it makes from now on: without ``ZMQ_IPV6`` libzmq
+    refuses ``tcp://[::1]:port`` and never resolves a host name to an IPv6 address. IPv4 keeps
+    working on such sockets (libzmq opens dual-stack ones)."""
+    ctx.setsockopt(zmq.IPV6, 1)
+    return ctx
 
 
 class SocketSecurity(Protocol):
@@ -43,7 +53,7 @@ class SharedContext:
     def acquire(cls) -> zmq.asyncio.Context:
         with cls._lock:
             if cls._ctx is None or cls._pid != os.getpid() or cls._ctx.closed:
-                cls._ctx, cls._users, cls._pid = zmq.asyncio.Context(), 0, os.getpid()
+                cls._ctx, cls._users, cls._pid = dual_stack(zmq.asyncio.Context()), 0, os.getpid()
             cls._users += 1
             return cls._ctx
 
@@ -66,7 +76,7 @@ class SharedContext:
 
 def open_context(security: SocketSecurity | None) -> zmq.asyncio.Context:
     """The context for an end created without one: the shared one, or its own if it is secured."""
-    return SharedContext.acquire() if security is None else zmq.asyncio.Context()
+    return SharedContext.acquire() if security is None else dual_stack(zmq.asyncio.Context())
 
 
 def close_context(ctx: zmq.asyncio.Context, security: SocketSecurity | None) -> None:
