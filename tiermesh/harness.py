@@ -1,5 +1,5 @@
 """A whole mesh on one machine: embedded etcd, variant store, scheduler, one agent process per site,
-and every site-to-site path made real by userspace TCP delay proxies (loopback only).
+and every site-to-site path made real by userspace TCP delay proxies.
 
 With ``netns`` (root) every participant is a host of its own instead (:mod:`tiermesh.netns`): etcd,
 the control services (variant store + scheduler, then child processes) and each site run in their
@@ -8,7 +8,7 @@ namespace's address on that bridge, so site-to-site traffic still crosses them, 
 cuts or black-holes a link with packet filters inside the namespaces.
 
 ``tiermesh up``, the system tests and the geo benchmarks all stand on this. It can kill and restart
-a site, cut and restore a link, and stop and restart etcd on cue. Everything it starts it stops,
+a site, cut and heal a link, and stop and restart etcd on cue. Everything it starts it stops,
 in reverse order, even when a step fails.
 """
 
@@ -203,11 +203,13 @@ class LocalMesh(Service):
                     await asyncio.wait_for(step(), 10)
         self.scheduler = None
         self.variant_server = None
-        if self.control is not None:
-            await self.control.stop()
-        await self.stop_etcd()
-        if self.lab is not None:
-            await self.lab.stop()
+        try:
+            if self.control is not None:
+                await self.control.stop()
+            await self.stop_etcd()
+        finally:  # the namespaces go whatever happened above (the lab kills what still runs there)
+            if self.lab is not None:
+                await self.lab.stop()
 
     async def _start_control(self) -> None:
         """The variant store and the scheduler as child processes in the ``ctl`` namespace."""
@@ -345,15 +347,15 @@ class LocalMesh(Service):
                 await self.lab.block(src, peer=self.lab.root_address, port=proxy.port, kind=kind)
         return pairs
 
-    async def cut_link(self, a: str, b: str) -> None:
-        for key in ((a, b), (b, a)):
-            if key in self.proxies.proxies:
-                await self.proxies.proxies[key].cut()
-
-    def restore_link(self, a: str, b: str) -> None:
-        for key in ((a, b), (b, a)):
-            if key in self.proxies.proxies:
-                self.proxies.proxies[key].restore()
+    async def heal(self, a: str, b: str) -> None:
+        """Undo :meth:`drill` on ``a``-``b`` (with netns: every drill rule in the namespaces involved)."""
+        if self.lab is not None and not self.opts.wan:
+            await self.lab.unblock(a)
+        for src, dst in self.pairs_over(a, b):
+            if self.lab is None:
+                self.proxies.proxies[(src, dst)].restore()
+            else:
+                await self.lab.unblock(src)
 
     # -- sites -----------------------------------------------------------------------------
     async def start_site(self, name: str) -> None:

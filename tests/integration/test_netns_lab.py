@@ -78,3 +78,19 @@ async def test_lab_routes_drills_and_cleanup() -> None:
             server.terminate()
             await server.wait()
     assert _leftovers(lab.tag) == []
+
+
+async def test_a_new_lab_removes_what_a_dead_run_left() -> None:
+    dead = await asyncio.create_subprocess_exec("true")
+    await dead.wait()  # a pid that no longer runs: the owner of the "stale" run
+    ns, bridge = f"tmx{dead.pid}a-stale", f"tmx{dead.pid}abr"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        subprocess.run(["ip", "link", "add", bridge, "type", "bridge"], check=True)
+        async with NetnsLab(["x"]) as lab:
+            assert _leftovers(f"tmx{dead.pid}a") == []
+            assert lab.host("x").netns in subprocess.run(["ip", "netns", "list"], capture_output=True,
+                                                         text=True, check=True).stdout
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+        subprocess.run(["ip", "link", "del", bridge], capture_output=True, check=False)
