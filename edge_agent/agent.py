@@ -25,6 +25,7 @@ from edge_agent.http_api import DEFAULT_MAX_BODY, EdgeHttpServer
 from edge_agent.liveness import Liveness
 from edge_agent.site_dataplane import SiteDataPlane
 from mesh import clock
+from mesh.addresses import DEFAULT_BIND, advertised_host, http_url, tcp_endpoint
 from mesh.errors import ConfigError, MeshError
 from mesh.etcd.store import Store
 from mesh.lifecycle import Service, cancel_and_wait
@@ -51,7 +52,9 @@ class AgentConfig:
     prefix: str = "/tiermesh/"
     home: Path = Path(".tiermesh")
     http_port: int = 0
-    zmq_bind: str = "tcp://127.0.0.1:0"
+    zmq_port: int = 0
+    bind: str = DEFAULT_BIND          # address HTTP and ZeroMQ listen on (0.0.0.0 / ::: every interface)
+    advertise: str | None = None      # what peers dial (live record); None: the bind address
     peer_map: dict[str, str] = field(default_factory=dict)  # site -> endpoint (WAN emulation proxies);
     # BLOB_PEER -> the variant store's URL as this site reaches it
     lease_ttl_s: float = 3.0
@@ -80,6 +83,8 @@ class Agent(Service):
         self.demand = DemandMeter(window_s=cfg.demand_window_s)
         self._tasks: list[asyncio.Task[None]] = []
         self._reconcile = asyncio.Event()
+        # refused here, before anything starts, when nobody could dial what we would advertise
+        self.advertise_host = advertised_host(cfg.bind, cfg.advertise)
         self.hardware_class = local_hardware_class()
         self.gpu_ok, self.gpu_note = gpu_available()
 
@@ -103,9 +108,11 @@ class Agent(Service):
         self.dataplane = SiteDataPlane(self.site, self.view, self.host, self.zmq_client,
                                        table=lambda: self.table, peer_endpoint=self._peer_endpoint,
                                        demand=self.demand)
-        self.zmq_server = ZmqServer(self.dataplane.infer, bind=cfg.zmq_bind, max_bytes=cfg.max_body_bytes)
+        self.zmq_server = ZmqServer(self.dataplane.infer, bind=tcp_endpoint(cfg.bind, cfg.zmq_port),
+                                    max_bytes=cfg.max_body_bytes)
         await self.zmq_server.start()
-        self.http = EdgeHttpServer(self.dataplane, port=cfg.http_port, max_body_bytes=cfg.max_body_bytes)
+        self.http = EdgeHttpServer(self.dataplane, host=cfg.bind, port=cfg.http_port,
+                                   advertise=self.advertise_host, max_body_bytes=cfg.max_body_bytes)
         await self.http.start()
         self.view.on_change(self._on_view_change)
         self._on_view_change()
@@ -113,7 +120,8 @@ class Agent(Service):
                                  interval_s=cfg.heartbeat_s)
         await self.liveness.start()
         self._tasks.append(asyncio.create_task(self._reconcile_loop(), name=f"reconcile:{self.site}"))
-        log.info("agent up: zmq %s http %s (%s%s)", self.zmq_server.endpoint, self.http.url,
+        log.info("agent up: zmq %s (bound %s) http %s (%s%s)", self.zmq_endpoint, self.zmq_server.endpoint,
+                 self.http.url,
                  self.hardware_class, "" if self.gpu_ok else f"; {self.gpu_note}",
                  extra=kv(site=self.site, event="agent_up"))
 
@@ -136,6 +144,19 @@ class Agent(Service):
                 log.exception("shutdown step failed", extra=kv(site=self.site))
 
     # -- state -----------------------------------------------------------------------------
+    @property
+    def zmq_endpoint(self) -> str:
+        """The ZeroMQ endpoint peers dial: the advertised host with the port really bound."""
+        assert self.zmq_server is not None
+        port = int(self.zmq_server.endpoint.rsplit(":", 1)[1])
+        return tcp_endpoint(self.advertise_host, port)
+
+    @property
+    def http_url(self) -> str:
+        """The HTTP base URL callers use (advertised host, bound port)."""
+        assert self.http is not None
+        return http_url(self.advertise_host, self.http.port)
+
     def _peer_endpoint(self, site: str) -> str | None:
         if self.view is None or site not in self.view.live:
             return None
@@ -181,7 +202,7 @@ class Agent(Service):
             hardware_class=self.hardware_class,
             declared_hardware_class=me.hardware.hardware_class if me else None,
             gpu=self.gpu_ok, gpu_note=self.gpu_note,
-            endpoint=self.zmq_server.endpoint, http=self.http.url,
+            endpoint=self.zmq_endpoint, http=self.http_url,
             loaded=loaded, inflight=self.dataplane.inflight,
             capacity=(me.hardware.cpu_cores if me else 1) * INFLIGHT_PER_CORE,
             memory_total_bytes=mem_total,

@@ -21,6 +21,7 @@ from aiohttp import hdrs, web
 from multidict import CIMultiDict
 
 from edge_agent.dataplane import DataPlane
+from mesh.addresses import DEFAULT_BIND, advertised_host, http_url, normalise_host
 from mesh.errors import BadTensor, MeshError, PayloadTooLarge, RequestError, UnknownTask
 from mesh.lifecycle import Service
 from mesh.log import get_logger, kv
@@ -216,12 +217,14 @@ def make_app(dp: DataPlane, *, max_body_bytes: int = DEFAULT_MAX_BODY,
 
 
 class EdgeHttpServer(Service):
-    """Serves ``make_app(dp)`` on ``host:port`` (port 0 picks a free one; ``url`` says which)."""
+    """Serves ``make_app(dp)`` on ``host:port`` (port 0 picks a free one; ``url`` says which).
+    ``advertise``: the host callers dial, in ``url`` (default ``host``; a wildcard needs one)."""
 
-    def __init__(self, dp: DataPlane, host: str = "127.0.0.1", port: int = 0, *,
-                 max_body_bytes: int = DEFAULT_MAX_BODY, identify: Identify = identify,
-                 shutdown_timeout: float = 5.0) -> None:
-        self.host, self.port = host, port
+    def __init__(self, dp: DataPlane, host: str = DEFAULT_BIND, port: int = 0, *,
+                 advertise: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY,
+                 identify: Identify = identify, shutdown_timeout: float = 5.0) -> None:
+        self.host, self.port = normalise_host(host, "bind address"), port
+        self.advertise = advertised_host(self.host, advertise)
         # Built here, not in start(), so a caller may add middlewares before the app freezes.
         self.app = make_app(dp, max_body_bytes=max_body_bytes, identify=identify)
         self._runner = web.AppRunner(self.app, shutdown_timeout=shutdown_timeout)
@@ -229,13 +232,15 @@ class EdgeHttpServer(Service):
     @property
     def url(self) -> str:
         self._require_running("its URL")
-        return f"http://{self.host}:{self.port}"
+        return http_url(self.advertise, self.port)
 
     async def _start(self) -> None:
         await self._runner.setup()
         await web.TCPSite(self._runner, self.host, self.port).start()
         self.port = int(self._runner.addresses[0][1])
-        log.info("http api listening on http://%s:%d", self.host, self.port, extra=kv(event="http_start"))
+        log.info("http api listening on %s (advertised %s)", http_url(self.host, self.port),
+                 http_url(self.advertise, self.port),
+                 extra=kv(event="http_start"))
 
     async def _stop(self) -> None:
         await self._runner.cleanup()

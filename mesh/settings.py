@@ -8,6 +8,8 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from mesh.addresses import DEFAULT_BIND, advertised_host
+
 __all__ = ["MeshSettings"]
 
 
@@ -28,3 +30,14 @@ class MeshSettings(BaseSettings):
                                          description="Window over which an agent measures the demand it reports "
                                                      "per task and SLO class (queries/s).")
     max_body_bytes: int = Field(default=16 * 1024 * 1024, description="Largest HTTP / wire request accepted.")
+    bind: str = Field(default=DEFAULT_BIND,
+                      description="Address servers listen on (agent HTTP + ZeroMQ, variant store): an interface "
+                                  "address, or 0.0.0.0 / :: for every interface (then `advertise` is required).")
+    advertise: str | None = Field(default=None,
+                                  description="Address peers should dial, written into the live record and the "
+                                              "variant store's announcement. None: the bind address.")
+
+    def advertised_host(self, bind: str | None = None, advertise: str | None = None) -> str:
+        """What peers dial: the given values first (a command line), then these settings; a
+        wildcard bind without an advertised address raises ``ConfigError``."""
+        return advertised_host(bind or self.bind, advertise or self.advertise)

@@ -7,7 +7,8 @@ faster than ``bandwidth_mbps`` allows. ``cut()`` drops every connection and refu
 vanish in both directions while every connection stays open, and new connections are accepted but
 go nowhere (no reset, no refusal: a peer learns only from its own timeouts and heartbeats);
 ``restore()`` then closes the connections that lost bytes, as their TCP sessions would have timed
-out meanwhile. Only loopback addresses are accepted as listen or upstream hosts.
+out meanwhile. Only loopback addresses are accepted as listen or upstream hosts, and addresses in
+``allowed`` networks: the bridge subnet of network namespaces the caller created.
 """
 
 from __future__ import annotations
@@ -28,13 +29,17 @@ log = get_logger(__name__)
 _CHUNK = 256 * 1024
 
 
-def _require_loopback(host: str) -> None:
+Networks = tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
+
+
+def _require_loopback(host: str, allowed: Networks = ()) -> None:
     try:
-        ok = ipaddress.ip_address(host).is_loopback
+        addr = ipaddress.ip_address(host)
+        ok = addr.is_loopback or any(addr in net for net in allowed)
     except ValueError:
         ok = host == "localhost"
     if not ok:
-        raise ConfigError(f"delay proxy only talks to loopback, not {host!r}")
+        raise ConfigError(f"delay proxy only talks to loopback or {[str(n) for n in allowed]}, not {host!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,9 +92,10 @@ class DelayProxy:
 
     def __init__(self, upstream_host: str, upstream_port: int, *, forward: LinkShape,
                  backward: LinkShape | None = None, listen_host: str = "127.0.0.1", listen_port: int = 0,
-                 name: str = "", seed: int = 0) -> None:
-        _require_loopback(upstream_host)
-        _require_loopback(listen_host)
+                 name: str = "", seed: int = 0, allowed: Networks = ()) -> None:
+        self._allowed = allowed
+        _require_loopback(upstream_host, allowed)
+        _require_loopback(listen_host, allowed)
         # port 0: the upstream is not known yet (set_upstream); connections are refused until it is
         self.upstream = (upstream_host, upstream_port)
         self.forward, self.backward = forward, backward or forward
@@ -156,7 +162,7 @@ class DelayProxy:
 
     def set_upstream(self, host: str, port: int) -> None:
         """Point new connections at ``host:port`` (0: refuse them, e.g. while the peer is down)."""
-        _require_loopback(host)
+        _require_loopback(host, self._allowed)
         self.upstream = (host, port)
 
     def set_shape(self, forward: LinkShape, backward: LinkShape | None = None) -> None:
@@ -239,14 +245,16 @@ class DelayProxy:
 
 
 class ProxyPool:
-    """Owns many proxies (one per directed site pair in a harness); stops them all."""
+    """Owns many proxies (one per directed site pair in a harness); stops them all. ``listen_host``
+    and ``allowed``: where they listen and which non-loopback networks they may use (namespaces)."""
 
-    def __init__(self) -> None:
+    def __init__(self, listen_host: str = "127.0.0.1", allowed: Networks = ()) -> None:
         self.proxies: dict[tuple[str, str], DelayProxy] = {}
+        self.listen_host, self.allowed = listen_host, allowed
 
     async def add(self, src: str, dst: str, upstream: tuple[str, int], shape: LinkShape) -> DelayProxy:
         proxy = DelayProxy(upstream[0], upstream[1], forward=shape, name=f"{src}->{dst}",
-                           seed=hash((src, dst)) & 0xFFFF)
+                           seed=hash((src, dst)) & 0xFFFF, listen_host=self.listen_host, allowed=self.allowed)
         await proxy.start()
         self.proxies[(src, dst)] = proxy
         return proxy

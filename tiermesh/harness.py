@@ -1,8 +1,14 @@
 """A whole mesh on one machine: embedded etcd, variant store, scheduler, one agent process per site,
-and every site-to-site path made real by userspace TCP delay proxies (loopback only).
+and every site-to-site path made real by userspace TCP delay proxies.
+
+With ``netns`` (root) every participant is a host of its own instead (:mod:`tiermesh.netns`): etcd,
+the control services (variant store + scheduler, then child processes) and each site run in their
+own network namespace with their own address on one bridge; the delay proxies listen on the root
+namespace's address on that bridge, so site-to-site traffic still crosses them, and :meth:`drill`
+cuts or black-holes a link with packet filters inside the namespaces.
 
 ``tiermesh up``, the system tests and the geo benchmarks all stand on this. It can kill and restart
-a site, cut and restore a link, and stop and restart etcd on cue. Everything it starts it stops,
+a site, cut and heal a link, and stop and restart etcd on cue. Everything it starts it stops,
 in reverse order, even when a step fails.
 """
 
@@ -12,12 +18,12 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
 import socket
 import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 from core_scheduler.scheduler import Scheduler, SchedulerConfig
@@ -28,7 +34,10 @@ from mesh.etcd.server import EmbeddedEtcd
 from mesh.etcd.store import Store
 from mesh.lifecycle import Service
 from mesh.log import get_logger, kv
-from tiermesh.delayproxy import DelayProxy, LinkShape, ProxyPool
+from tiermesh.control import ControlOptions, ControlProcesses, PrefixedEtcd, terminate
+from tiermesh.delayproxy import LinkShape, ProxyPool
+from tiermesh.drills import crosses_link
+from tiermesh.netns import DrillKind, NetnsLab
 from topology.loader import load_topology_file
 from topology.paths import topology_paths
 from topology.schema import Topology
@@ -88,6 +97,7 @@ class MeshOptions:
     forecast_bin_s: float | None = None
     idle_evict_s: float | None = None
     min_residency_s: float | None = None
+    netns: bool = False              # every participant in its own network namespace (root)
 
     def scheduler_config(self, candidate_id: str) -> SchedulerConfig:
         cfg = SchedulerConfig(candidate_id=candidate_id, mode=self.mode, proactive=self.proactive)
@@ -108,6 +118,7 @@ class SiteProcess:
     zmq_port: int
     proc: asyncio.subprocess.Process | None = None
     http: str | None = None
+    zmq: str | None = None           # the endpoint it advertises
     log_path: Path | None = None
     peer_map_path: Path | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -125,17 +136,37 @@ class LocalMesh(Service):
         self.scheduler: Scheduler | None = None
         self.proxies = ProxyPool()
         self.sites: dict[str, SiteProcess] = {}
-        self.etcd_port = _free_port()
-        self.etcd_peer_port = _free_port()
+        self.lab: NetnsLab | None = None
+        self.store_url: str | None = None          # the variant store's advertised URL
+        self.control: ControlProcesses | None = None  # variant store + scheduler in the ctl namespace
+        # in a namespace of its own etcd has its ports to itself
+        self.etcd_port = 2379 if opts.netns else _free_port()
+        self.etcd_peer_port = 2380 if opts.netns else _free_port()
 
     @property
     def etcd_url(self) -> str:
-        return f"http://127.0.0.1:{self.etcd_port}"
+        return f"http://{self._address('etcd')}:{self.etcd_port}"
+
+    def _address(self, role: str) -> str:
+        """Where ``role`` (a site, ``etcd`` or ``ctl``) listens: its namespace's address, or loopback."""
+        return self.lab.host(role).address if self.lab is not None else "127.0.0.1"
+
+    def _exec_prefix(self, role: str) -> list[str]:
+        return self.lab.host(role).exec_prefix() if self.lab is not None else []
 
     # -- lifecycle -------------------------------------------------------------------------
     async def _start(self) -> None:
         home = self.opts.home
         home.mkdir(parents=True, exist_ok=True)
+        names = self.opts.sites or sorted(self.topology.sites)
+        for name in names:
+            if name not in self.topology.sites:
+                raise ConfigError(f"site {name!r} is not in {self.opts.topology}")
+        if self.opts.netns:
+            self.lab = NetnsLab(["etcd", "ctl", *names])
+            await self.lab.start()
+            assert self.lab.subnet is not None
+            self.proxies = ProxyPool(self.lab.root_address, (self.lab.subnet,))
         await self.start_etcd()
         assert self.store is not None
         diff = await apply_topology(self.store, self.topology)
@@ -144,15 +175,16 @@ class LocalMesh(Service):
         self.blobs = BlobStore(home / "blobs")
         self.catalog = Catalog(self.store)
         await ensure_digits_family(self.catalog, self.blobs)
-        self.variant_server = VariantStoreServer(self.blobs, self.catalog, site=self._store_site())
-        await self.variant_server.start()
-        if self.opts.scheduler:
-            self.scheduler = Scheduler(self.store, self.opts.scheduler_config(f"up-{os.getpid()}"))
-            await self.scheduler.start()
-        names = self.opts.sites or sorted(self.topology.sites)
+        if self.lab is not None:
+            await self._start_control()
+        else:
+            self.variant_server = VariantStoreServer(self.blobs, self.catalog, site=self._store_site())
+            await self.variant_server.start()
+            self.store_url = self.variant_server.url
+            if self.opts.scheduler:
+                self.scheduler = Scheduler(self.store, self.opts.scheduler_config(f"up-{os.getpid()}"))
+                await self.scheduler.start()
         for name in names:
-            if name not in self.topology.sites:
-                raise ConfigError(f"site {name!r} is not in {self.opts.topology}")
             # port 0: each agent binds its own (reserving ports here and releasing them raced with
             # the proxies' own listening ports); the proxies learn the real port when it is ready
             self.sites[name] = SiteProcess(name=name, zmq_port=0, extra_env=dict(self.opts.site_env.get(name, {})))
@@ -172,15 +204,56 @@ class LocalMesh(Service):
                     await asyncio.wait_for(step(), 10)
         self.scheduler = None
         self.variant_server = None
-        await self.stop_etcd()
+        try:
+            if self.control is not None:
+                await self.control.stop()
+            await self.stop_etcd()
+        finally:  # the namespaces go whatever happened above (the lab kills what still runs there)
+            if self.lab is not None:
+                await self.lab.stop()
+
+    async def _start_control(self) -> None:
+        """The variant store and the scheduler as child processes in the ``ctl`` namespace."""
+        assert self.store is not None
+        o = self.opts
+        if any(getattr(o, k) is not None for k in ("forecast_horizon_s", "forecast_period_s", "forecast_bin_s",
+                                                    "idle_evict_s", "min_residency_s")):
+            raise ConfigError("with netns the scheduler runs as `tiermesh scheduler`: only interval_s, mode "
+                              "and proactive can be set")
+        self.control = ControlProcesses(ControlOptions(
+            etcd_url=self.etcd_url, prefix=o.prefix, home=o.home, bind=self._address("ctl"),
+            exec_prefix=self._exec_prefix("ctl"), store_site=self._store_site(), scheduler=o.scheduler,
+            scheduler_id=f"up-{os.getpid()}", mode=o.mode, interval_s=o.interval_s, proactive=o.proactive,
+            env={"TIERMESH_LOG_LEVEL": o.agent_log_level, **o.agent_env}, startup_timeout_s=o.startup_timeout_s),
+            self.store)
+        await self.control.start()
+        self.store_url = self.control.store_url
+
+    def addresses(self) -> dict[str, Any]:
+        """What each participant listens on (for the report): per site its host address, HTTP URL
+        and ZeroMQ endpoint (and namespace), plus etcd, the variant store and the proxies' address."""
+        ns = (lambda role: self.lab.host(role).netns) if self.lab is not None else (lambda role: None)
+        return {"etcd": self.etcd_url, "variant_store": self.store_url,
+                "proxies": self.proxies.listen_host if self.opts.wan else None,
+                "sites": {n: {"address": self._address(n), "http": sp.http, "zmq": sp.zmq, "netns": ns(n)}
+                          for n, sp in sorted(self.sites.items())}}
+
+    async def check_dial(self, url: str) -> None:
+        """Before this (root-namespace) process dials ``url``: with netns, its host must be reached
+        through the lab's bridge (``ip route get``), never by the default route."""
+        host = urlsplit(url).hostname
+        if self.lab is not None and host is not None:
+            await self.lab.check_route(host)
 
     # -- etcd ------------------------------------------------------------------------------
     async def start_etcd(self) -> None:
         """Start etcd, or start it again after ``stop_etcd`` on the same ports and data dir: every
         process keeps its URL, and the kept Store reconnects (waited for here)."""
         if self.etcd is None:
-            self.etcd = EmbeddedEtcd(self.opts.home / "etcd", client_port=self.etcd_port,
-                                     peer_port=self.etcd_peer_port)
+            kw: dict[str, Any] = {"data_dir": self.opts.home / "etcd", "host": self._address("etcd"),
+                                  "client_port": self.etcd_port, "peer_port": self.etcd_peer_port}
+            self.etcd = PrefixedEtcd(self._exec_prefix("etcd"), **kw) if self.lab else EmbeddedEtcd(**kw)
+        await self.check_dial(self.etcd_url)
         await self.etcd.start()
         if self.store is None:
             self.store = await Store.connect(self.etcd.url, self.opts.prefix)
@@ -214,7 +287,7 @@ class LocalMesh(Service):
                 if dst == src:
                     continue
                 shape = path_shape(self.topology, src, dst)
-                proxy = await self.proxies.add(src, dst, ("127.0.0.1", sp.zmq_port), shape)
+                proxy = await self.proxies.add(src, dst, (self._address(dst), sp.zmq_port), shape)
                 peer_map[dst] = proxy.endpoint
             blob_proxy = await self._blob_proxy(src)
             if blob_proxy is not None:
@@ -235,35 +308,55 @@ class LocalMesh(Service):
     async def _blob_proxy(self, src: str) -> str | None:
         """URL through which ``src`` reaches the variant store over its path to the store's site."""
         home_site = self._store_site()
-        if home_site is None or home_site == src or self.variant_server is None:
+        if home_site is None or home_site == src or self.store_url is None:
             return None
-        url = urlsplit(self.variant_server.url)
+        url = urlsplit(self.store_url)
         if url.hostname is None or url.port is None:
             return None
         shape = path_shape(self.topology, src, home_site, jitter=False)
         proxy = await self.proxies.add(src, BLOB_PEER, (url.hostname, url.port), shape)
         return f"http://{proxy.listen_host}:{proxy.port}"
 
-    def _link_proxies(self, a: str, b: str) -> list[DelayProxy]:
-        """The delay proxies carrying traffic between sites ``a`` and ``b``, both directions."""
-        found = [self.proxies.proxies[k] for k in ((a, b), (b, a)) if k in self.proxies.proxies]
-        if not found:
-            raise ConfigError(f"no emulated link between {a!r} and {b!r} (sites unknown, or WAN emulation off)")
-        return found
+    def pairs_over(self, a: str, b: str) -> list[tuple[str, str]]:
+        """The directed proxies (src, dst) whose planned path crosses the link ``a``-``b`` (a blob
+        proxy's path ends at the store's site); without such a link, the pair's own two."""
+        crosses = crosses_link(self.topology, a, b)
+        store_site = self._store_site() or ""
+        return sorted((src, dst) for src, dst in self.proxies.proxies
+                      if crosses(src, store_site if dst == BLOB_PEER else dst))
 
-    async def cut_link(self, a: str, b: str) -> None:
-        """Partition ``a``-``b`` both ways: connections reset, new ones refused (``restore_link``)."""
-        for proxy in self._link_proxies(a, b):
-            await proxy.cut()
+    async def drill(self, kind: DrillKind, a: str, b: str) -> list[tuple[str, str]]:
+        """Fail the link ``a``-``b`` both ways for every path that crosses it (:meth:`pairs_over`);
+        ``cut``: connections are reset; ``blackhole``: packets vanish, connections stay open (a
+        gray failure). Without netns the delay proxies do it. Returns the directed pairs it failed."""
+        for site in (a, b):
+            if site not in self.topology.sites:
+                raise ConfigError(f"--{kind} {a}-{b}: {site!r} is not a site of {self.opts.topology}")
+        if not self.opts.wan:  # no proxies: the two sites' own traffic
+            if self.lab is None:
+                raise ConfigError(f"--{kind} needs the delay proxies or --netns (it was started with no WAN)")
+            await self.lab.block(a, peer=self._address(b), port=None, kind=kind)
+            return [(a, b), (b, a)]
+        pairs = self.pairs_over(a, b)
+        for src, dst in pairs:
+            proxy = self.proxies.proxies[(src, dst)]
+            if self.lab is None and kind == "cut":
+                await proxy.cut()
+            elif self.lab is None:
+                proxy.blackhole()
+            else:  # src reaches dst through this proxy's port on the root address
+                await self.lab.block(src, peer=self.lab.root_address, port=proxy.port, kind=kind)
+        return pairs
 
-    def blackhole_link(self, a: str, b: str) -> None:
-        """A gray failure of ``a``-``b``: traffic vanishes both ways, no reset (``restore_link``)."""
-        for proxy in self._link_proxies(a, b):
-            proxy.blackhole()
-
-    def restore_link(self, a: str, b: str) -> None:
-        for proxy in self._link_proxies(a, b):
-            proxy.restore()
+    async def heal(self, a: str, b: str) -> None:
+        """Undo :meth:`drill` on ``a``-``b`` (with netns: every drill rule in the namespaces involved)."""
+        if self.lab is not None and not self.opts.wan:
+            await self.lab.unblock(a)
+        for src, dst in self.pairs_over(a, b):
+            if self.lab is None:
+                self.proxies.proxies[(src, dst)].restore()
+            else:
+                await self.lab.unblock(src)
 
     # -- sites -----------------------------------------------------------------------------
     async def start_site(self, name: str) -> None:
@@ -275,15 +368,15 @@ class LocalMesh(Service):
         cmd = [sys.executable, "-m", "tiermesh", "agent", "--site", name, "--etcd", self.etcd_url,
                "--prefix", self.opts.prefix, "--home", str(self.opts.home), "--zmq-port", "0",
                "--lease-ttl", str(self.opts.lease_ttl_s), "--ready-file", str(ready),
-               "--routing-mode", self.opts.mode]
+               "--routing-mode", self.opts.mode, "--bind", self._address(name)]
         if sp.peer_map_path is not None:
             cmd += ["--peer-map", str(sp.peer_map_path)]
         env = {**os.environ, "TIERMESH_LOG_LEVEL": self.opts.agent_log_level, **self.opts.agent_env,
                **sp.extra_env}
         logf = sp.log_path.open("ab")
         try:
-            sp.proc = await asyncio.create_subprocess_exec(*cmd, stdout=logf, stderr=logf, env=env,
-                                                           stdin=asyncio.subprocess.DEVNULL)
+            sp.proc = await asyncio.create_subprocess_exec(*self._exec_prefix(name), *cmd, stdout=logf, stderr=logf,
+                                                           env=env, stdin=asyncio.subprocess.DEVNULL)
         finally:
             logf.close()  # the child holds its own descriptor
         deadline = time.monotonic() + self.opts.startup_timeout_s
@@ -295,24 +388,18 @@ class LocalMesh(Service):
                                 f"see {sp.log_path}")
             await asyncio.sleep(0.1)
         info = json.loads(ready.read_text())
-        sp.http = info["http"]
+        sp.http, sp.zmq = info["http"], info["zmq"]
         sp.zmq_port = int(str(info["zmq"]).rsplit(":", 1)[1])
         for (_, dst), proxy in self.proxies.proxies.items():
             if dst == name:
-                proxy.set_upstream("127.0.0.1", sp.zmq_port)
+                proxy.set_upstream(self._address(name), sp.zmq_port)
 
     async def kill_site(self, name: str, *, graceful: bool = False) -> None:
         """SIGKILL (a crash: its lease must expire) or SIGTERM (a clean stop)."""
         sp = self.sites[name]
         proc, sp.proc = sp.proc, None
-        if proc is None or proc.returncode is not None:
-            return
-        proc.send_signal(signal.SIGTERM if graceful else signal.SIGKILL)
-        try:
-            await asyncio.wait_for(proc.wait(), 15)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
+        if proc is not None:
+            await terminate(proc, graceful=graceful)
 
     async def wait_live(self, names: list[str] | None = None, timeout: float = 30.0) -> None:  # noqa: ASYNC109
         assert self.store is not None
@@ -346,3 +433,4 @@ class LocalMesh(Service):
     def edge_urls(self) -> dict[str, str]:
         return {n: sp.http for n, sp in self.sites.items()
                 if sp.http and self.topology.sites[n].tier == "edge"}
+

@@ -23,6 +23,7 @@ from typing import Any
 
 from aiohttp import web
 
+from mesh.addresses import DEFAULT_BIND, advertised_host, http_url, normalise_host
 from mesh.errors import BlobError, MeshError, RequestError
 from mesh.etcd.keys import blobs_key
 from mesh.etcd.lease import Lease
@@ -51,15 +52,18 @@ async def header_identity(request: web.Request) -> str:
 class VariantStoreServer(Service):
     """Serves ``blob_store`` and ``catalog`` on ``host:port`` (0: any free port; see ``url``) and,
     when ``announce`` is set, publishes its URL at ``blobs_key()`` under an etcd lease, with the
-    topology ``site`` it runs at when given (routing then charges cold starts elsewhere the fetch)."""
+    topology ``site`` it runs at when given (routing then charges cold starts elsewhere the fetch).
+    ``advertise``: the host peers dial, in ``url`` and the announcement (default ``host``; a
+    wildcard ``host`` needs one)."""
 
-    def __init__(self, blob_store: BlobStore, catalog: Catalog, host: str = "127.0.0.1", port: int = 0, *,
-                 authenticate: Authenticator = header_identity, announce: bool = True,
-                 lease_ttl: int = 10, site: str | None = None) -> None:
+    def __init__(self, blob_store: BlobStore, catalog: Catalog, host: str = DEFAULT_BIND, port: int = 0, *,
+                 advertise: str | None = None, authenticate: Authenticator = header_identity,
+                 announce: bool = True, lease_ttl: int = 10, site: str | None = None) -> None:
         self.blobs = blob_store
         self.site = site
         self.catalog = catalog
-        self.host, self.port = host, port
+        self.host, self.port = normalise_host(host, "bind address"), port
+        self.advertise = advertised_host(self.host, advertise)
         self.authenticate = authenticate
         self.announce = announce
         self.lease_ttl = lease_ttl
@@ -86,8 +90,8 @@ class VariantStoreServer(Service):
         self._runner = runner = web.AppRunner(self.app(), access_log=None)
         await runner.setup()
         await web.TCPSite(runner, self.host, self.port).start()
-        host, port = runner.addresses[0][:2]
-        self._url = f"http://{host}:{port}"
+        self.port = int(runner.addresses[0][1])
+        self._url = http_url(self.advertise, self.port)
         if self.announce:
             await self._announce()
             self._announcer = asyncio.get_running_loop().create_task(

@@ -21,12 +21,13 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import zmq
 import zmq.asyncio
 
-__all__ = ["DEFAULT_HEARTBEAT", "Heartbeat", "SharedContext", "SocketSecurity", "close_context", "open_context"]
+__all__ = ["DEFAULT_HEARTBEAT", "Heartbeat", "SharedContext", "SocketSecurity", "close_context", "dual_stack",
+           "open_context"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +60,16 @@ class Heartbeat:
 
 DEFAULT_HEARTBEAT = Heartbeat()
 
+_Ctx = TypeVar("_Ctx", bound="zmq.Context[Any]")
+
+
+def dual_stack(ctx: _Ctx) -> _Ctx:
+    """``ctx`` with IPv6 on for every socket it makes from now on: without ``ZMQ_IPV6`` libzmq
+    refuses ``tcp://[::1]:port`` and never resolves a host name to an IPv6 address. IPv4 keeps
+    working on such sockets (libzmq opens dual-stack ones)."""
+    ctx.setsockopt(zmq.IPV6, 1)
+    return ctx
+
 
 class SocketSecurity(Protocol):
     """Where CURVE keys and the ZAP domain are applied to a socket before bind / connect."""
@@ -82,7 +93,7 @@ class SharedContext:
     def acquire(cls) -> zmq.asyncio.Context:
         with cls._lock:
             if cls._ctx is None or cls._pid != os.getpid() or cls._ctx.closed:
-                cls._ctx, cls._users, cls._pid = zmq.asyncio.Context(), 0, os.getpid()
+                cls._ctx, cls._users, cls._pid = dual_stack(zmq.asyncio.Context()), 0, os.getpid()
             cls._users += 1
             return cls._ctx
 
@@ -105,7 +116,7 @@ class SharedContext:
 
 def open_context(security: SocketSecurity | None) -> zmq.asyncio.Context:
     """The context for an end created without one: the shared one, or its own if it is secured."""
-    return SharedContext.acquire() if security is None else zmq.asyncio.Context()
+    return SharedContext.acquire() if security is None else dual_stack(zmq.asyncio.Context())
 
 
 def close_context(ctx: zmq.asyncio.Context, security: SocketSecurity | None) -> None:

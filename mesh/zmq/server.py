@@ -75,6 +75,7 @@ class ZmqServer(Service):
         try:
             sock = self._ctx.socket(zmq.ROUTER)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IPV6, 1)  # a caller's own context may lack dual_stack(): tcp://[::1]:0 works
             # libzmq drops a peer that sends a frame over this, before we ever buffer it
             sock.setsockopt(zmq.MAXMSGSIZE, self._max_bytes + MAX_HEADER_BYTES)
             self._heartbeat.apply(sock, client=False)

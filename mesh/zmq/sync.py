@@ -3,16 +3,14 @@ without asyncio's cost. Serving code uses :class:`mesh.zmq.client.ZmqClient`."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Self
+from typing import Any, Self
 
 import zmq
 
 from mesh.errors import DeadlineExceeded, MeshError
 from mesh.types import InferRequest, InferResponse, new_request_id
 from mesh.zmq import protocol as wire
-
-if TYPE_CHECKING:
-    from mesh.zmq.base import SocketSecurity
+from mesh.zmq.base import SocketSecurity, dual_stack
 
 __all__ = ["SyncZmqClient"]
 
@@ -23,7 +21,7 @@ class SyncZmqClient:
     def __init__(self, endpoint: str, *, ctx: zmq.Context[Any] | None = None,
                  security: SocketSecurity | None = None, server_key: bytes | None = None) -> None:
         self._own_ctx = ctx is None
-        self._ctx: zmq.Context[Any] = zmq.Context() if ctx is None else ctx
+        self._ctx: zmq.Context[Any] = dual_stack(zmq.Context()) if ctx is None else ctx
         self._sock: zmq.Socket[Any] = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         if security is not None:

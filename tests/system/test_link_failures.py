@@ -65,11 +65,11 @@ async def test_blackholed_and_cut_links_are_routed_around_and_healed(
         async def drill() -> None:
             await asyncio.sleep(DRILL_AT_S)
             drill_wall.append(time.time())
-            mesh.blackhole_link(BLACKHOLED, CORE)
-            await mesh.cut_link(CUT, CORE)
+            await mesh.drill("blackhole", BLACKHOLED, CORE)
+            await mesh.drill("cut", CUT, CORE)
             await asyncio.sleep(HEAL_AT_S - DRILL_AT_S)
-            mesh.restore_link(BLACKHOLED, CORE)
-            mesh.restore_link(CUT, CORE)
+            await mesh.heal(BLACKHOLED, CORE)
+            await mesh.heal(CUT, CORE)
 
         driller = asyncio.create_task(drill())
         try:

@@ -23,6 +23,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                                    "and heartbeats into etcd. Tier and hardware come from the topology in etcd.")
     add_common(p)
     p.add_argument("--site", required=True, help="site name from the topology")
+    p.add_argument("--bind", default=None, metavar="HOST",
+                   help="address HTTP and ZeroMQ listen on (default $TIERMESH_BIND or 127.0.0.1; "
+                        "0.0.0.0 / :: listen everywhere and need --advertise)")
+    p.add_argument("--advertise", default=None, metavar="HOST",
+                   help="address peers and callers dial, written into the live record "
+                        "(default $TIERMESH_ADVERTISE or the bind address)")
     p.add_argument("--http-port", type=int, default=0, help="edge HTTP port (0: pick a free one)")
     p.add_argument("--zmq-port", type=int, default=0, help="site-to-site ZeroMQ port (0: pick a free one)")
     p.add_argument("--peer-map", type=Path, default=None,
@@ -45,9 +51,12 @@ def agent_config(args: argparse.Namespace, settings: MeshSettings) -> AgentConfi
         etcd = find_running(home)
         if etcd is None:
             raise ConfigError("no etcd: pass --etcd URL or start one with `tiermesh etcd` / `tiermesh up`")
+    bind, advertise = getattr(args, "bind", None), getattr(args, "advertise", None)
     return AgentConfig(site=args.site, etcd=etcd, prefix=args.prefix or settings.prefix,
                        home=Path(args.home) if args.home else settings.home, http_port=args.http_port,
-                       zmq_bind=f"tcp://127.0.0.1:{args.zmq_port}", peer_map=load_peer_map(args.peer_map),
+                       zmq_port=args.zmq_port, bind=bind or settings.bind,
+                       advertise=settings.advertised_host(bind, advertise),
+                       peer_map=load_peer_map(args.peer_map),
                        lease_ttl_s=args.lease_ttl, routing_mode=args.routing_mode,
                        idle_unload_s=settings.agent_idle_unload_s,
                        demand_window_s=settings.agent_demand_window_s, max_body_bytes=settings.max_body_bytes)
@@ -63,10 +72,9 @@ async def run_agent(args: argparse.Namespace) -> int:
         if args.ready_file is not None:
             import json
 
-            assert agent.http is not None and agent.zmq_server is not None
             tmp = args.ready_file.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"http": agent.http.url, "zmq": agent.zmq_server.endpoint}))
+            tmp.write_text(json.dumps({"http": agent.http_url, "zmq": agent.zmq_endpoint}))
             tmp.rename(args.ready_file)
-        print(f"agent {args.site} serving: http {agent.http.url if agent.http else '?'}", flush=True)
+        print(f"agent {args.site} serving: http {agent.http_url} zmq {agent.zmq_endpoint}", flush=True)
         await stop.wait()
     return 0

@@ -9,9 +9,13 @@ import signal
 import socket
 
 from core_scheduler.scheduler import Scheduler, SchedulerConfig
+from mesh.log import get_logger, kv
+from mesh.settings import MeshSettings
 from tiermesh.cli.context import open_store, store_args
 
 __all__ = ["register"]
+
+log = get_logger(__name__)
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -27,10 +31,22 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--election-ttl", type=float, default=3.0,
                    help="lease TTL of the election key, seconds: a dead leader is replaced within it")
     p.add_argument("--mode", default="tiermesh", help="placement mode (tiermesh or a baseline)")
+    p.add_argument("--bind", default=None, metavar="HOST",
+                   help="address the admin console will listen on (default $TIERMESH_BIND or 127.0.0.1). "
+                        "Accepted and recorded only: the scheduler serves nothing yet, it only talks to etcd")
+    p.add_argument("--advertise", default=None, metavar="HOST",
+                   help="address the console will be reached at (default $TIERMESH_ADVERTISE or the bind "
+                        "address). Recorded only, like --bind")
     p.set_defaults(func=_run)
 
 
 async def _run(args: argparse.Namespace) -> int:
+    settings = MeshSettings()
+    # checked now (a wildcard without --advertise is refused) so the console inherits valid values
+    args.bind = args.bind or settings.bind
+    args.advertise = settings.advertised_host(args.bind, args.advertise)
+    log.info("scheduler %s: console address recorded (bind %s, advertise %s); nothing served yet",
+             args.id, args.bind, args.advertise, extra=kv(event="scheduler_addresses"))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -4,6 +4,10 @@ Starts the embedded etcd, applies the topology, builds or loads the digits famil
 store, starts a scheduler and one agent process per site with every site-to-site path delayed by
 userspace TCP proxies, prints the edge API addresses, and with ``--duration`` runs a mixed SLO
 workload through the SDK, then prints (and with ``--report`` writes) a table per SLO class.
+
+With ``--netns`` (root) every site, etcd and the control services run in network namespaces of their
+own, each with its own address on a bridge this run creates and removes; the report lists them.
+``--kill``, ``--cut`` and ``--blackhole`` are failure drills at a time into the workload.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ from rich.console import Console
 from mesh.errors import ConfigError
 from mesh.etcd.server import clear_record, find_running, write_record
 from mesh.settings import MeshSettings
+from tiermesh.drills import LinkDrill, crosses_link, drill_report, parse_kill, parse_link_drill
 from tiermesh.harness import LocalMesh, MeshOptions
+from tiermesh.netns import require_netns
 from tiermesh.workload import render_table, run_workload, summarise
 
 __all__ = ["register", "run_up"]
@@ -41,18 +47,16 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--report", type=Path, default=None, help="write the workload report as JSON here")
     p.add_argument("--kill", metavar="SITE@SECONDS", default=None,
                    help="SIGKILL a site's agent this many seconds into the workload (failure drill)")
+    p.add_argument("--cut", metavar="A-B@SECONDS", action="append", default=[],
+                   help="fail the link A-B (both ways, every path over it) this many seconds into the workload: "
+                        "connections are reset (repeatable)")
+    p.add_argument("--blackhole", metavar="A-B@SECONDS", action="append", default=[],
+                   help="like --cut, but packets vanish without a reset (needs --netns; repeatable)")
+    p.add_argument("--netns", action="store_true",
+                   help="every site, etcd and the control services in a network namespace of its own, with "
+                        "its own address on a private bridge (root; removed on exit)")
     p.add_argument("--no-wan", action="store_true", help="no delay proxies between sites")
     p.set_defaults(func=run_up)
-
-
-def _parse_kill(spec: str | None) -> tuple[str, float] | None:
-    if not spec:
-        return None
-    site, _, at = spec.partition("@")
-    try:
-        return site, float(at)
-    except ValueError as exc:
-        raise ConfigError(f"--kill wants SITE@SECONDS, got {spec!r}") from exc
 
 
 async def run_up(args: argparse.Namespace) -> int:
@@ -63,9 +67,16 @@ async def run_up(args: argparse.Namespace) -> int:
         raise ConfigError(f"topology file {args.topology} not found (run from the repository root or pass --topology)")
     if find_running(home):
         raise ConfigError(f"an etcd already runs for {home}; stop it or pass --home DIR")
-    kill = _parse_kill(args.kill)
-    opts = MeshOptions(topology=args.topology, home=home, wan=not args.no_wan)
+    kill = parse_kill(args.kill)
+    opts = MeshOptions(topology=args.topology, home=home, wan=not args.no_wan, netns=args.netns)
     mesh = LocalMesh(opts)
+    sites = set(mesh.topology.sites)
+    drills = [parse_link_drill("cut", d, sites) for d in args.cut]
+    drills += [parse_link_drill("blackhole", d, sites) for d in args.blackhole]
+    if args.blackhole and not args.netns:
+        raise ConfigError("--blackhole needs --netns (packets are dropped by filters inside the namespaces)")
+    if args.netns:
+        await require_netns(firewall=bool(drills))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -80,39 +91,54 @@ async def run_up(args: argparse.Namespace) -> int:
         console.print(f"[bold green]mesh up[/] in {time.perf_counter() - t_start:.1f} s — etcd {mesh.etcd_url}")
         for name, sp in sorted(mesh.sites.items()):
             tier = mesh.topology.sites[name].tier
-            console.print(f"  {tier:6s} {name:14s} http {sp.http}")
+            console.print(f"  {tier:6s} {name:14s} http {sp.http}  zmq {sp.zmq}")
         if args.duration is None:
             console.print("serving; Ctrl-C to stop")
             await stop.wait()
             return 0
-        return await _drive(mesh, args, console, kill, stop)
+        return await _drive(mesh, args, console, kill, drills, stop)
     finally:
         clear_record(home)
         with console.status("stopping mesh..."):
             await mesh.stop()
 
 
-async def _drive(mesh: LocalMesh, args: argparse.Namespace, console: Console,
-                 kill: tuple[str, float] | None, stop: asyncio.Event) -> int:
+async def _drive(mesh: LocalMesh, args: argparse.Namespace, console: Console, kill: tuple[str, float] | None,
+                 drills: list[LinkDrill], stop: asyncio.Event) -> int:
     from variant_store.families.datasets import load_validation_npz
 
     val = load_validation_npz()
     x, y = val.x[val.calib_count:], val.y[val.calib_count:]
     edges = mesh.edge_urls()
-    killer: asyncio.Task[None] | None = None
+    for url in edges.values():
+        await mesh.check_dial(url)  # with --netns: through the run's bridge, never the default route
+    failed: dict[int, list[tuple[str, str]]] = {}
+
+    async def _kill_later(site: str, at: float) -> None:
+        await asyncio.sleep(at)
+        console.print(f"[bold red]killing {site}[/] (SIGKILL) at t={at:.0f}s")
+        await mesh.kill_site(site)
+
+    async def _drill_later(i: int, d: LinkDrill) -> None:
+        await asyncio.sleep(d.at_s)
+        console.print(f"[bold red]{d.kind} {d.link}[/] at t={d.at_s:.0f}s")
+        failed[i] = await mesh.drill(d.kind, d.a, d.b)
+
+    timers = [asyncio.create_task(_drill_later(i, d)) for i, d in enumerate(drills)]
     if kill is not None:
-        async def _kill_later() -> None:
-            await asyncio.sleep(kill[1])
-            console.print(f"[bold red]killing {kill[0]}[/] (SIGKILL) at t={kill[1]:.0f}s")
-            await mesh.kill_site(kill[0])
-        killer = asyncio.create_task(_kill_later())
+        timers.append(asyncio.create_task(_kill_later(*kill)))
+    offered = [0]
     console.print(f"workload: {args.qps:.0f} q/s for {args.duration:.0f} s across edges {sorted(edges)}")
-    work = asyncio.create_task(run_workload(edges, x, y, duration_s=args.duration, qps=args.qps))
+    work = asyncio.create_task(run_workload(edges, x, y, duration_s=args.duration, qps=args.qps,
+                                            on_tick=lambda n, _t: offered.__setitem__(0, n)))
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait({work, stopper}, return_when=asyncio.FIRST_COMPLETED)
     stopper.cancel()
-    if killer is not None:
-        killer.cancel()
+    for t in timers:
+        t.cancel()
+    for t in timers:  # a drill that failed says so here, not silently
+        if t.done() and not t.cancelled() and (exc := t.exception()) is not None:
+            raise exc
     if not work.done():
         work.cancel()
         return 130
@@ -120,10 +146,22 @@ async def _drive(mesh: LocalMesh, args: argparse.Namespace, console: Console,
     tiers = {n: s.tier for n, s in mesh.topology.sites.items()}
     summary = summarise(result.records, tiers)
     console.print(render_table(summary))
+    lost = offered[0] - len(result.records)
     report: dict[str, Any] = {"schema": 1, "duration_s": result.duration_s, "qps": args.qps,
-                              "queries": len(result.records), "kill": args.kill, "classes": summary}
+                              "queries": len(result.records), "offered": offered[0], "lost": lost,
+                              "kill": args.kill, "netns": args.netns, "addresses": mesh.addresses(),
+                              "classes": summary}
+    if drills:
+        report["drills"] = [drill_report(d, result.records, crosses_link(mesh.topology, d.a, d.b), lost=lost,
+                                         failed_pairs=failed.get(i, [])) for i, d in enumerate(drills)]
+        for section in report["drills"]:
+            console.print(f"{section['kind']} {section['link']} at {section['at_s']:.0f}s: "
+                          f"{section['routed_around']} routed around, {section['crossing_after']} still crossed, "
+                          f"errors {section['errors'] or '-'}, {section['past_deadline_1s']} past deadline+1s, "
+                          f"last miss {section['detection_s']:.2f}s after")
     if args.report is not None:
         args.report.parent.mkdir(parents=True, exist_ok=True)
         args.report.write_text(json.dumps(report, indent=2))
         console.print(f"report written to {args.report}")
     return 0
+

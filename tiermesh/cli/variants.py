@@ -78,7 +78,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     sh.set_defaults(func=_show)
 
     sv = vs.add_parser("serve", help="serve blobs and the catalog over HTTP and announce the URL in etcd")
-    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--bind", "--host", dest="bind", default=None, metavar="HOST",
+                    help="address to listen on (default $TIERMESH_BIND or 127.0.0.1; 0.0.0.0 / :: needs --advertise)")
+    sv.add_argument("--advertise", default=None, metavar="HOST",
+                    help="address peers dial, announced in etcd (default $TIERMESH_ADVERTISE or the bind address)")
     sv.add_argument("--port", type=int, default=0, help="0: any free port (printed)")
     sv.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
     sv.add_argument("--site", default=None,
@@ -174,12 +177,16 @@ async def _show(args: argparse.Namespace) -> int:
 async def _serve(args: argparse.Namespace) -> int:
     import asyncio
 
+    from mesh.settings import MeshSettings
     from tiermesh.cli.context import open_store
     from variant_store.server import VariantStoreServer
 
+    settings = MeshSettings()
+    bind = args.bind or settings.bind
+    advertise = settings.advertised_host(args.bind, args.advertise)  # refuses a wildcard without one
     async with open_store(args.etcd, args.home, args.prefix) as store, \
-            VariantStoreServer(BlobStore(blob_root(args)), Catalog(store), args.host, args.port,
-                               site=args.site) as server:
+            VariantStoreServer(BlobStore(blob_root(args)), Catalog(store), bind, args.port,
+                               advertise=advertise, site=args.site) as server:
         print(f"variant store serving at {server.url}", flush=True)
         if args.duration is None:
             await asyncio.Event().wait()  # until interrupted
