@@ -61,4 +61,4 @@ def _hours(d: timedelta) -> str:
 def lifetimes_text() -> str:
     """For ``--help``: the default lifetimes, from the table above."""
     kinds = ", ".join(f"{k} {_hours(v)}" for k, v in LIFETIMES.items())
-    return f"default lifetimes: {kinds}; CA {_hours(CA_LIFETIME)}"
+    return f"Default lifetimes: {kinds}; CA {_hours(CA_LIFETIME)}"
