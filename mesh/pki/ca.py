@@ -103,7 +103,8 @@ class CertificateAuthority:
             raise ConfigError(f"addresses and CURVE keys are for site certificates, not {identity.kind}")
         key = key or new_key()
         start = _now(now)
-        end = min(start + _check_lifetime(LIFETIMES[identity.kind] if lifetime is None else lifetime), self.cert.not_valid_after_utc)
+        life = _check_lifetime(LIFETIMES[identity.kind] if lifetime is None else lifetime)
+        end = min(start + life, self.cert.not_valid_after_utc)
         if end <= start:
             raise ConfigError("the CA has expired: run `tiermesh pki init --force` to make a new one")
         names: list[x509.GeneralName] = [x509.UniformResourceIdentifier(identity.uri)]
