@@ -67,15 +67,6 @@ class PkiPaths:
             raise PkiError(f"only sites have CURVE keys, not {identity}")
         return self.root / _DIRS[identity.kind] / f"{identity.name}.curve"
 
-    def identities(self) -> list[Identity]:
-        """Every identity with a certificate file here, sorted."""
-        found = []
-        for kind, sub in _DIRS.items():
-            d = self.root / sub
-            if d.is_dir():
-                found += [Identity(kind, p.stem) for p in d.glob("*.pem") if not p.stem.endswith("-key")]
-        return sorted(found)
-
 
 def write_file(path: Path, data: bytes, *, private: bool = False) -> None:
     """Write ``data`` to ``path`` atomically (temp file in the same directory, fsync, rename); a private
