@@ -21,7 +21,11 @@
     ├── Overloaded                  overloaded      503    queue would hold the request past its deadline
     ├── NoRoute                     no_route        503    no live site can serve the task
     ├── PeerUnavailable             peer_down       502    a forwarded hop did not answer
-    └── ProtocolError               protocol        400    a wire frame could not be decoded
+    ├── ProtocolError               protocol        400    a wire frame could not be decoded
+    ├── PkiError                    pki             500    our own CA, keys or revocation list are missing or unusable
+    ├── Unauthenticated             unauthenticated 401    a peer's credential proves no identity (``reason`` says why:
+    │                                                      no certificate, wrong CA, expired, revoked, SAN, EKU, ...)
+    └── PermissionDenied            forbidden       403    an authenticated identity may not do this (wrong kind, ...)
 
 Every error has a stable ``code`` (used on the wire and in HTTP bodies) and ``http_status``.
 Translate foreign exceptions at module boundaries with ``raise XError(...) from exc``.
@@ -45,12 +49,15 @@ __all__ = [
     "Overloaded",
     "PayloadTooLarge",
     "PeerUnavailable",
+    "PermissionDenied",
+    "PkiError",
     "ProtocolError",
     "RequestError",
     "RuntimeLoadError",
     "StoreError",
     "StoreUnavailable",
     "TopologyError",
+    "Unauthenticated",
     "UnknownTask",
     "UnknownTenant",
     "VariantBuildError",
@@ -192,6 +199,39 @@ class PeerUnavailable(MeshError):
 class ProtocolError(MeshError):
     code = "protocol"
     http_status = 400
+
+
+class PkiError(MeshError):
+    """Local trust material (CA certificate or key, a key file, the revocation list) is missing or unusable:
+    our fault, not the peer's."""
+
+    code = "pki"
+    http_status = 500
+
+
+class Unauthenticated(MeshError):
+    """A peer's credential does not prove an identity. ``reason`` is a short stable word (``no_certificate``,
+    ``wrong_ca``, ``expired``, ``not_yet_valid``, ``revoked``, ``san``, ``eku``, ``ca_certificate``,
+    ``curve_binding``, ``bad_certificate``) for logs and tests; callers are told only the code."""
+
+    code = "unauthenticated"
+    http_status = 401
+
+    def __init__(self, message: str, *, reason: str = "unauthenticated", **details: Any) -> None:
+        super().__init__(message, reason=reason, **details)
+        self.reason = reason
+
+
+class PermissionDenied(MeshError):
+    """An authenticated identity asked for something it may not have (another kind of identity expected,
+    another tenant's data, ...). ``reason`` as for :class:`Unauthenticated`."""
+
+    code = "forbidden"
+    http_status = 403
+
+    def __init__(self, message: str, *, reason: str = "forbidden", **details: Any) -> None:
+        super().__init__(message, reason=reason, **details)
+        self.reason = reason
 
 
 def _all_subclasses(cls: type[MeshError]) -> list[type[MeshError]]:

@@ -17,6 +17,7 @@ __all__ = [
     "LIVE",
     "MODELS",
     "PKI",
+    "PKI_CRL",
     "PLACEMENT",
     "SERVICES",
     "SITES",
@@ -46,6 +47,7 @@ PLACEMENT = "placement/"
 MODELS = "models/"
 SERVICES = "services/"
 PKI = "pki/"
+PKI_CRL = PKI + "crl"  # the CA-signed revocation list (PEM), published by `tiermesh pki revoke`
 TOPOLOGY_META = "topology/meta"
 ELECTION_SCHEDULER = "election/scheduler"
 EVENTS_PLACEMENT = "events/placement"

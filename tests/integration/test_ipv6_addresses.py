@@ -45,7 +45,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(60),
 
 def _req(task: str) -> InferRequest:
     return InferRequest(task=task, inputs={"x": np.arange(4, dtype=np.float32)}, slo=SLO(1000.0),
-                        tenant="acme", deadline=time.time() + 5.0, hops=["edge-a"])
+                        tenant="acme", deadline=time.monotonic() + 5.0, hops=["edge-a"])
 
 
 async def test_zmq_round_trip_over_ipv6() -> None:

@@ -30,6 +30,7 @@ _GROUPS: tuple[str, ...] = (
     "tiermesh.cli.agent",
     "tiermesh.cli.scheduler",
     "tiermesh.cli.up",
+    "tiermesh.cli.pki",
 )
 
 DESCRIPTION = """\

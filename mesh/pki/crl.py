@@ -1,0 +1,144 @@
+"""The revocation list: which certificates the CA has withdrawn before they expire.
+
+An X.509 CRL signed by the mesh CA, one entry per revoked serial, each carrying the revoked identity's URI
+(private entry extension :data:`mesh.pki.policy.REVOKED_IDENTITY_OID`) so that people and logs can read who
+was cut off. A ``CRLNumber`` grows by one with every new list, so a reader holding several copies (the file,
+etcd ``pki/crl``) keeps the highest. Its nextUpdate is the CA's notAfter: the list lives as long as the CA
+that signs it. Entries are dropped once the certificate they name has expired (it is refused anyway).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from mesh.errors import ConfigError, PkiError
+from mesh.pki.ca import CertificateAuthority
+from mesh.pki.identity import Identity
+from mesh.pki.policy import CLOCK_SKEW, REVOKED_IDENTITY_OID
+
+__all__ = ["REASONS", "Revocation", "RevocationList"]
+
+REASONS: tuple[str, ...] = tuple(r.name for r in x509.ReasonFlags if r is not x509.ReasonFlags.remove_from_crl)
+
+
+@dataclass(frozen=True, slots=True)
+class Revocation:
+    serial: int
+    identity: Identity | None
+    revoked_at: datetime
+    reason: str | None = None
+    # notAfter of the revoked certificate: after it the entry may be dropped (None: keep it)
+    expires: datetime | None = None
+
+
+def _utf8_der(text: str) -> bytes:
+    data = text.encode()
+    if len(data) > 127:
+        raise ConfigError("identity URI too long for a CRL entry")
+    return b"\x0c" + bytes([len(data)]) + data
+
+
+def _from_utf8_der(value: bytes) -> str:
+    if len(value) < 2 or value[0] != 0x0C or value[1] != len(value) - 2:
+        raise ValueError("not a short DER UTF8String")
+    return value[2:].decode()
+
+
+def _entry_identity(entry: x509.RevokedCertificate) -> Identity | None:
+    try:
+        ext = entry.extensions.get_extension_for_oid(REVOKED_IDENTITY_OID).value
+    except x509.ExtensionNotFound:
+        return None
+    try:
+        assert isinstance(ext, x509.UnrecognizedExtension)
+        return Identity.from_uri(_from_utf8_der(ext.value))
+    except (AssertionError, ValueError, ConfigError):
+        return None  # the serial alone decides; an unreadable label must not hide a revocation
+
+
+def _entry_reason(entry: x509.RevokedCertificate) -> str | None:
+    try:
+        value = entry.extensions.get_extension_for_class(x509.CRLReason).value
+    except x509.ExtensionNotFound:
+        return None
+    return value.reason.name
+
+
+@dataclass(frozen=True, slots=True)
+class RevocationList:
+    crl: x509.CertificateRevocationList
+    entries: tuple[Revocation, ...]
+    number: int
+
+    @property
+    def serials(self) -> frozenset[int]:
+        return frozenset(e.serial for e in self.entries)
+
+    def is_revoked(self, serial: int) -> bool:
+        return self.crl.get_revoked_certificate_by_serial_number(serial) is not None
+
+    def to_pem(self) -> bytes:
+        return self.crl.public_bytes(serialization.Encoding.PEM)
+
+    @classmethod
+    def sign(cls, ca: CertificateAuthority, entries: Iterable[Revocation], *, number: int,
+             now: datetime | None = None) -> RevocationList:
+        now = (now or datetime.now(UTC)).replace(microsecond=0)
+        kept = sorted({e.serial: e for e in entries if e.expires is None or e.expires > now - CLOCK_SKEW}.values(),
+                      key=lambda e: e.revoked_at)
+        builder = (x509.CertificateRevocationListBuilder()
+                   .issuer_name(ca.cert.subject).last_update(now)
+                   .next_update(max(ca.cert.not_valid_after_utc, now))
+                   .add_extension(x509.CRLNumber(number), critical=False)
+                   .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca.key.public_key()),
+                                  critical=False))
+        for e in kept:
+            rb = x509.RevokedCertificateBuilder().serial_number(e.serial).revocation_date(e.revoked_at)
+            if e.reason:
+                rb = rb.add_extension(x509.CRLReason(x509.ReasonFlags[e.reason]), critical=False)
+            if e.identity is not None:
+                rb = rb.add_extension(x509.UnrecognizedExtension(REVOKED_IDENTITY_OID, _utf8_der(e.identity.uri)),
+                                      critical=False)
+            builder = builder.add_revoked_certificate(rb.build())
+        return cls.load(builder.sign(ca.key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM), ca.cert)
+
+    @classmethod
+    def empty(cls, ca: CertificateAuthority, now: datetime | None = None) -> RevocationList:
+        return cls.sign(ca, (), number=1, now=now)
+
+    def add(self, ca: CertificateAuthority, revocations: Iterable[Revocation], *, now: datetime | None = None,
+            expiry: Mapping[int, datetime] | None = None) -> RevocationList:
+        """A new list (number + 1) with ``revocations`` added. Entries whose certificate has expired (per
+        ``Revocation.expires``, or ``expiry`` by serial for entries read back from a list) drop out."""
+        expiry = expiry or {}
+        old = (replace(e, expires=e.expires or expiry.get(e.serial)) for e in self.entries)
+        return RevocationList.sign(ca, (*old, *revocations), number=self.number + 1, now=now)
+
+    @classmethod
+    def load(cls, pem: bytes, ca_cert: x509.Certificate, *, now: datetime | None = None) -> RevocationList:
+        """Parse and check a CRL: signed by ``ca_cert``, issued by it, not past nextUpdate. Anything else is a
+        ``PkiError``: a list we cannot trust is our problem, never a reason to admit a peer."""
+        try:
+            crl = x509.load_pem_x509_crl(pem)
+        except ValueError as exc:
+            raise PkiError(f"unreadable revocation list: {exc}") from exc
+        pub = ca_cert.public_key()
+        if (crl.issuer != ca_cert.subject or not isinstance(pub, ec.EllipticCurvePublicKey)
+                or not crl.is_signature_valid(pub)):
+            raise PkiError("the revocation list is not signed by the mesh CA")
+        now = now or datetime.now(UTC)
+        if crl.next_update_utc is not None and crl.next_update_utc + CLOCK_SKEW < now:
+            raise PkiError(f"the revocation list expired at {crl.next_update_utc:%Y-%m-%d %H:%M:%S}Z")
+        try:
+            number = crl.extensions.get_extension_for_class(x509.CRLNumber).value.crl_number
+        except x509.ExtensionNotFound:
+            number = 0
+        entries = tuple(Revocation(serial=e.serial_number, identity=_entry_identity(e),
+                                   revoked_at=e.revocation_date_utc, reason=_entry_reason(e)) for e in crl)
+        return cls(crl, entries, number)

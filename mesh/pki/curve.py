@@ -1,0 +1,109 @@
+"""CURVE key pairs for ZeroMQ links between sites, made without pyzmq (only ``mesh.zmq`` imports it).
+
+ZeroMQ's CURVE is Curve25519 (X25519) with keys written in Z85 (ZeroMQ RFC 32): 32 raw bytes become 40
+printable characters, which is what pyzmq's ``curve_keypair()`` returns and its ``CURVE_*KEY`` socket options
+take. A site's public key is bound to its certificate by :data:`mesh.pki.policy.CURVE_KEY_OID`
+(see :func:`curve_key_extension`), so a ZAP handler can admit exactly the keys of valid site certificates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+from mesh.errors import ConfigError
+from mesh.pki.policy import CURVE_KEY_OID
+
+__all__ = ["CurveKeyPair", "curve_key_extension", "curve_key_from_extension", "raw_curve_key", "z85_decode",
+           "z85_encode"]
+
+_Z85 = b"0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#"
+_Z85_INDEX = {c: i for i, c in enumerate(_Z85)}
+_KEY_BYTES, _KEY_Z85 = 32, 40
+_DER_OCTET_STRING_32 = b"\x04\x20"
+
+
+def z85_encode(raw: bytes) -> bytes:
+    """Z85-encode ``raw`` (its length must be a multiple of 4, as the RFC requires)."""
+    if len(raw) % 4:
+        raise ConfigError(f"Z85 encodes multiples of 4 bytes, got {len(raw)}")
+    out = bytearray()
+    for i in range(0, len(raw), 4):
+        v = int.from_bytes(raw[i:i + 4], "big")
+        chunk = bytearray(5)
+        for j in range(4, -1, -1):
+            v, r = divmod(v, 85)
+            chunk[j] = _Z85[r]
+        out += chunk
+    return bytes(out)
+
+
+def z85_decode(text: bytes | str) -> bytes:
+    data = text.encode("ascii", "replace") if isinstance(text, str) else bytes(text)
+    if len(data) % 5:
+        raise ConfigError(f"a Z85 string has a multiple of 5 characters, got {len(data)}")
+    out = bytearray()
+    for i in range(0, len(data), 5):
+        v = 0
+        for c in data[i:i + 5]:
+            if c not in _Z85_INDEX:
+                raise ConfigError(f"not a Z85 character: {chr(c)!r}")
+            v = v * 85 + _Z85_INDEX[c]
+        if v >= 1 << 32:
+            raise ConfigError("Z85 group out of range")
+        out += v.to_bytes(4, "big")
+    return bytes(out)
+
+
+def raw_curve_key(key: bytes | str) -> bytes:
+    """The 32 raw bytes of a CURVE key given as 40 Z85 characters (or already raw)."""
+    if isinstance(key, bytes) and len(key) == _KEY_BYTES:
+        return key
+    if len(key) != _KEY_Z85:
+        raise ConfigError(f"a CURVE key is 40 Z85 characters (or 32 raw bytes), got {len(key)}")
+    return z85_decode(key)
+
+
+@dataclass(frozen=True, slots=True)
+class CurveKeyPair:
+    """Z85 bytes, as pyzmq's ``CURVE_PUBLICKEY`` / ``CURVE_SECRETKEY`` / ``CURVE_SERVERKEY`` take them."""
+
+    public: bytes
+    secret: bytes
+
+    def __repr__(self) -> str:  # never print the secret
+        return f"CurveKeyPair(public={self.public.decode()!r})"
+
+    @classmethod
+    def generate(cls) -> CurveKeyPair:
+        return cls.from_secret(z85_encode(X25519PrivateKey.generate().private_bytes(
+            serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption())))
+
+    @classmethod
+    def from_secret(cls, secret: bytes | str) -> CurveKeyPair:
+        """The pair whose secret is ``secret`` (Z85): the public key is derived, so the two always match."""
+        raw = raw_curve_key(secret)
+        public = X25519PrivateKey.from_private_bytes(raw).public_key().public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        return cls(public=z85_encode(public), secret=z85_encode(raw))
+
+
+def curve_key_extension(public: bytes | str) -> x509.UnrecognizedExtension:
+    """The non-critical certificate extension that binds a CURVE public key to the certificate."""
+    return x509.UnrecognizedExtension(CURVE_KEY_OID, _DER_OCTET_STRING_32 + raw_curve_key(public))
+
+
+def curve_key_from_extension(cert: x509.Certificate) -> bytes | None:
+    """The Z85 CURVE public key bound to ``cert``; None if it binds none. A malformed binding is a
+    ``ConfigError`` (the verifier turns it into ``Unauthenticated``)."""
+    try:
+        ext = cert.extensions.get_extension_for_oid(CURVE_KEY_OID)
+    except x509.ExtensionNotFound:
+        return None
+    value = ext.value.value if isinstance(ext.value, x509.UnrecognizedExtension) else b""
+    if len(value) != 2 + _KEY_BYTES or not value.startswith(_DER_OCTET_STRING_32):
+        raise ConfigError("malformed CURVE key binding in certificate")
+    return z85_encode(value[2:])

@@ -1,0 +1,159 @@
+"""The CA's operations on a home directory: what ``tiermesh pki`` (and later ``tiermesh up``) runs.
+
+``init`` makes the CA and an empty revocation list; ``issue`` writes an identity's certificate and key (and a
+site's CURVE key pair, bound into its certificate), replacing the previous ones in place so that running
+processes pick them up (:class:`mesh.pki.reload.ReloadingCredentials`); ``revoke`` puts every live
+certificate of an identity on ``crl.pem`` (publishing it through etcd ``pki/crl`` is a later step);
+``listing`` reads the issuance log against the list.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from cryptography import x509
+
+from mesh.errors import ConfigError, PkiError
+from mesh.pki.ca import CertificateAuthority, IssuedCertificate
+from mesh.pki.crl import REASONS, Revocation, RevocationList
+from mesh.pki.curve import CurveKeyPair
+from mesh.pki.files import (
+    PkiPaths,
+    cert_pem,
+    curve_text,
+    key_pem,
+    read_cert,
+    read_curve,
+    read_key,
+    write_file,
+)
+from mesh.pki.identity import Identity
+from mesh.pki.policy import CA_LIFETIME
+
+__all__ = ["IssuedRecord", "LocalPki"]
+
+
+@dataclass(frozen=True, slots=True)
+class IssuedRecord:
+    """One line of ``issued.jsonl``, with whether the current revocation list names it."""
+
+    identity: Identity
+    serial: int
+    not_before: datetime
+    not_after: datetime
+    revoked: bool = False
+
+    def to_json(self) -> str:
+        return json.dumps({"identity": self.identity.uri, "serial": f"{self.serial:x}",
+                           "not_before": self.not_before.isoformat(), "not_after": self.not_after.isoformat()})
+
+    @classmethod
+    def from_json(cls, line: str) -> IssuedRecord:
+        d = json.loads(line)
+        return cls(Identity.from_uri(d["identity"]), int(d["serial"], 16), datetime.fromisoformat(d["not_before"]),
+                   datetime.fromisoformat(d["not_after"]))
+
+
+@dataclass(frozen=True, slots=True)
+class LocalPki:
+    paths: PkiPaths
+
+    @classmethod
+    def under(cls, home: Path | str) -> LocalPki:
+        return cls(PkiPaths.under(home))
+
+    def exists(self) -> bool:
+        return self.paths.ca_cert.exists() or self.paths.ca_key.exists()
+
+    def init(self, *, force: bool = False, lifetime: timedelta = CA_LIFETIME) -> CertificateAuthority:
+        """A new CA and an empty revocation list. Refuses to replace an existing CA unless ``force`` (which
+        invalidates every certificate it issued: they must all be issued again)."""
+        if self.exists() and not force:
+            raise ConfigError(f"a CA already exists in {self.paths.root}: pass --force to replace it "
+                              f"(every certificate it issued stops being valid)")
+        ca = CertificateAuthority.create(lifetime=lifetime)
+        write_file(self.paths.ca_key, key_pem(ca.key), private=True)
+        write_file(self.paths.ca_cert, cert_pem(ca.cert))
+        write_file(self.paths.crl, RevocationList.empty(ca).to_pem())
+        write_file(self.paths.index, b"")
+        return ca
+
+    def ca(self) -> CertificateAuthority:
+        ca = CertificateAuthority(read_cert(self.paths.ca_cert), read_key(self.paths.ca_key))
+        if ca.cert.public_key() != ca.key.public_key():
+            raise PkiError(f"{self.paths.ca_key} is not the key of {self.paths.ca_cert}")
+        return ca
+
+    def crl(self) -> RevocationList:
+        try:
+            pem = self.paths.crl.read_bytes()
+        except OSError as exc:
+            raise PkiError(f"cannot read the revocation list {self.paths.crl}: {exc}") from exc
+        return RevocationList.load(pem, read_cert(self.paths.ca_cert))
+
+    def issue(self, identity: Identity, *, lifetime: timedelta | None = None,
+              addresses: Sequence[str] = ()) -> IssuedCertificate:
+        """Issue (or re-issue: rotation) ``identity``'s certificate and write it with its key; a site also
+        gets a fresh CURVE key pair bound into the certificate. Files are replaced key first, then the
+        certificate, so a reader that sees the new certificate finds its key already there."""
+        ca = self.ca()
+        curve = CurveKeyPair.generate() if identity.kind == "site" else None
+        issued = ca.issue(identity, lifetime=lifetime, addresses=addresses,
+                          curve_public=curve.public if curve else None)
+        if curve is not None:
+            write_file(self.paths.curve(identity), curve_text(identity, curve), private=True)
+        write_file(self.paths.key(identity), key_pem(issued.key), private=True)
+        write_file(self.paths.cert(identity), cert_pem(issued.cert))
+        record = IssuedRecord(identity, issued.serial, issued.cert.not_valid_before_utc,
+                              issued.cert.not_valid_after_utc)
+        with open(self.paths.index, "a", encoding="utf-8") as f:
+            f.write(record.to_json() + "\n")
+        return issued
+
+    def curve(self, identity: Identity) -> CurveKeyPair:
+        return read_curve(self.paths.curve(identity))
+
+    def _records(self) -> list[IssuedRecord]:
+        try:
+            lines = self.paths.index.read_text(encoding="utf-8").splitlines()
+        except FileNotFoundError:
+            return []
+        try:
+            return [IssuedRecord.from_json(line) for line in lines if line.strip()]
+        except (ValueError, KeyError, ConfigError) as exc:
+            raise PkiError(f"{self.paths.index} is damaged: {exc}") from exc
+
+    def revoke(self, identity: Identity, *, reason: str | None = None,
+               now: datetime | None = None) -> tuple[RevocationList, list[int]]:
+        """Put every unexpired certificate of ``identity`` (from the issuance log, and the one on disk) on the
+        revocation list and rewrite ``crl.pem``. Returns the new list and the serials newly revoked."""
+        if reason is not None and reason not in REASONS:
+            raise ConfigError(f"unknown revocation reason {reason!r}: one of {', '.join(REASONS)}")
+        now = now or datetime.now(UTC)
+        ca, crl = self.ca(), self.crl()
+        records = self._records()
+        live = {r.serial: r.not_after for r in records if r.identity == identity and r.not_after > now}
+        if self.paths.cert(identity).exists():
+            cert = read_cert(self.paths.cert(identity))
+            if cert.not_valid_after_utc > now:
+                live[cert.serial_number] = cert.not_valid_after_utc
+        new = [s for s in live if not crl.is_revoked(s)]
+        if not live:
+            raise ConfigError(f"{identity} has no unexpired certificate to revoke")
+        expiry = {r.serial: r.not_after for r in records}
+        updated = crl.add(ca, [Revocation(s, identity, now, reason, live[s]) for s in new], now=now, expiry=expiry)
+        write_file(self.paths.crl, updated.to_pem())
+        return updated, new
+
+    def listing(self) -> list[IssuedRecord]:
+        """Every certificate issued (oldest first) with its revocation state."""
+        crl = self.crl()
+        return [IssuedRecord(r.identity, r.serial, r.not_before, r.not_after, crl.is_revoked(r.serial))
+                for r in self._records()]
+
+    def certificate(self, identity: Identity) -> x509.Certificate:
+        return read_cert(self.paths.cert(identity))

@@ -1,0 +1,64 @@
+"""The rules of the mesh PKI in one place: how long certificates live, how much clock skew a verifier
+forgives, which extended key usages each kind of identity gets, and the private OIDs tiermesh defines.
+
+Lifetimes are short on purpose (hours, not years): rotation is routine (files are re-read without a restart)
+and a stolen key is worth little for long. Everything here can be overridden per call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import timedelta
+from types import MappingProxyType
+from typing import Literal
+
+from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID
+
+from mesh.pki.identity import Kind
+
+__all__ = ["CA_LIFETIME", "CLOCK_SKEW", "CURVE_KEY_OID", "EKUS", "LIFETIMES", "REVOKED_IDENTITY_OID", "USE_EKU",
+           "Use", "lifetimes_text"]
+
+CA_LIFETIME = timedelta(days=30)
+LIFETIMES: Mapping[Kind, timedelta] = MappingProxyType({
+    "tenant": timedelta(hours=12),
+    "site": timedelta(hours=24),
+    "admin": timedelta(hours=8),
+    "scheduler": timedelta(hours=24),
+})
+# Verifiers accept a certificate this long before its notBefore and after its notAfter; the CA also backdates
+# notBefore by as much, so a peer whose clock runs a little behind the issuer's accepts a fresh certificate.
+CLOCK_SKEW = timedelta(minutes=2)
+
+Use = Literal["client", "server"]
+USE_EKU: Mapping[Use, x509.ObjectIdentifier] = MappingProxyType({
+    "client": ExtendedKeyUsageOID.CLIENT_AUTH,
+    "server": ExtendedKeyUsageOID.SERVER_AUTH,
+})
+# Sites serve and dial other sites; the scheduler also serves the admin console.
+EKUS: Mapping[Kind, tuple[Use, ...]] = MappingProxyType({
+    "tenant": ("client",),
+    "site": ("server", "client"),
+    "admin": ("client",),
+    "scheduler": ("server", "client"),
+})
+
+# tiermesh's private OID arc: a UUID OID (ITU-T X.667, 2.25.<uuid>) needs no registration, and its owner
+# allocates beneath it.
+_ARC = "2.25.104453098811647246352016318826609560993"
+# Non-critical certificate extension: the site's CURVE (Curve25519) public key, DER OCTET STRING of 32 bytes.
+CURVE_KEY_OID = x509.ObjectIdentifier(_ARC + ".1")
+# Non-critical CRL entry extension: the identity URI of the revoked certificate, DER UTF8String.
+REVOKED_IDENTITY_OID = x509.ObjectIdentifier(_ARC + ".2")
+
+
+def _hours(d: timedelta) -> str:
+    h = d.total_seconds() / 3600
+    return f"{h:g} h" if h < 48 else f"{h / 24:g} days"
+
+
+def lifetimes_text() -> str:
+    """For ``--help``: the default lifetimes, from the table above."""
+    kinds = ", ".join(f"{k} {_hours(v)}" for k, v in LIFETIMES.items())
+    return f"Default lifetimes: {kinds}; CA {_hours(CA_LIFETIME)}"

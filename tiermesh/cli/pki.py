@@ -1,0 +1,179 @@
+"""``tiermesh pki ...``: the mesh CA and the certificates of its identities, under ``$TIERMESH_HOME/pki/``.
+
+    init      create the CA (ca.pem, ca-key.pem 0600) and an empty revocation list (crl.pem)
+    issue     issue (or rotate) a tenant / site / admin / scheduler certificate and key; a site also gets a
+              CURVE key pair (sites/S.curve, 0600) bound into its certificate
+    revoke    put every live certificate of an identity on crl.pem
+    list      every certificate issued: identity, serial, not-after, state
+    verify    check a certificate file strictly against the CA and the revocation list
+
+Each identity's certificate carries exactly one URI SAN, spiffe://tiermesh/<kind>/<name>.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from mesh.errors import ConfigError, Unauthenticated
+from mesh.pki.crl import REASONS
+from mesh.pki.identity import KINDS, Identity, Kind
+from mesh.pki.local import LocalPki
+from mesh.pki.policy import CLOCK_SKEW, lifetimes_text
+from mesh.pki.verify import load_certificate, verify_certificate
+from tiermesh.cli.main import EXIT_OK
+
+__all__ = ["register"]
+
+_NOT_PUBLISHED = ("the list is written to pki/crl.pem only; publishing it through etcd (key pki/crl) to running "
+                  "sites is not implemented yet")
+
+
+def _home_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--home", metavar="DIR", default=None,
+                   help="local state directory (default: $TIERMESH_HOME or ./.tiermesh); files go in DIR/pki/")
+
+
+def _identity_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group(required=True)
+    for kind in KINDS:
+        g.add_argument(f"--{kind}", metavar="NAME", default=None, help=f"the {kind} NAME")
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("pki", help="the mesh CA: issue, rotate, revoke and check certificates",
+                       description=__doc__ + "\n" + lifetimes_text() + ".",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    ps = p.add_subparsers(dest="pki_command", metavar="SUBCOMMAND", required=True)
+
+    i = ps.add_parser("init", help="create the mesh CA", description=f"Create the mesh CA. {lifetimes_text()}.")
+    _home_arg(i)
+    i.add_argument("--force", action="store_true",
+                   help="replace an existing CA (every certificate it issued stops being valid)")
+    i.set_defaults(func=_init)
+
+    s = ps.add_parser("issue", help="issue or rotate an identity's certificate",
+                      description=f"Issue (or rotate: issue again) an identity's certificate and key. "
+                                  f"{lifetimes_text()}; never past the CA's own notAfter.")
+    _home_arg(s)
+    _identity_args(s)
+    s.add_argument("--address", action="append", default=[], metavar="HOST",
+                   help="(sites only) a DNS name or IP the site is reached at, added as a SAN; repeatable")
+    s.add_argument("--hours", type=float, default=None, metavar="N", help="lifetime in hours instead of the default")
+    s.set_defaults(func=_issue)
+
+    r = ps.add_parser("revoke", help="revoke every live certificate of an identity (writes pki/crl.pem)",
+                      description=f"Revoke every live certificate of an identity. Note: {_NOT_PUBLISHED}.")
+    _home_arg(r)
+    _identity_args(r)
+    r.add_argument("--reason", default=None, choices=REASONS, metavar="REASON",
+                   help=f"RFC 5280 reason: {', '.join(REASONS)}")
+    r.set_defaults(func=_revoke)
+
+    ls = ps.add_parser("list", help="every certificate issued, with its state")
+    _home_arg(ls)
+    ls.add_argument("--json", action="store_true", help="a JSON array instead of a table")
+    ls.set_defaults(func=_list)
+
+    v = ps.add_parser("verify", help="check a certificate strictly (CA, SAN, EKU, validity, revocation)",
+                      description="Check a certificate: issued by the mesh CA, exactly one URI SAN, not a CA, "
+                                  f"within validity (±{CLOCK_SKEW.total_seconds():g} s), the EKU for the use, "
+                                  "not revoked. Exit 0 if it passes, 1 if it does not, 2 for bad input.")
+    _home_arg(v)
+    v.add_argument("file", type=Path, metavar="FILE", help="a PEM (or DER) certificate")
+    v.add_argument("--use", choices=["client", "server"], default="client", help="the use to check (default client)")
+    v.add_argument("--kind", choices=KINDS, default=None, help="also require this kind of identity")
+    v.add_argument("--curve", type=Path, default=None, metavar="FILE.curve",
+                   help="also require that the certificate binds the CURVE key in this file")
+    v.set_defaults(func=_verify)
+
+
+def _pki(args: argparse.Namespace) -> LocalPki:
+    from mesh.settings import MeshSettings
+
+    return LocalPki.under(Path(args.home) if args.home else MeshSettings().home)
+
+
+def _identity(args: argparse.Namespace) -> Identity:
+    kind: Kind = next(k for k in KINDS if getattr(args, k) is not None)
+    return Identity(kind, getattr(args, kind))
+
+
+def _init(args: argparse.Namespace) -> int:
+    pki = _pki(args)
+    ca = pki.init(force=args.force)
+    print(f"CA written to {pki.paths.ca_cert} (key {pki.paths.ca_key}, 0600), valid until "
+          f"{ca.cert.not_valid_after_utc:%Y-%m-%d %H:%M}Z; revocation list {pki.paths.crl}")
+    return EXIT_OK
+
+
+def _issue(args: argparse.Namespace) -> int:
+    identity = _identity(args)
+    if args.hours is not None and not 0 < args.hours <= 24 * 366:
+        raise ConfigError(f"--hours must be > 0 and at most a year, got {args.hours:g}")
+    pki = _pki(args)
+    issued = pki.issue(identity, lifetime=timedelta(hours=args.hours) if args.hours is not None else None,
+                       addresses=args.address)
+    print(f"{identity}: certificate {pki.paths.cert(identity)} serial {issued.serial:x}, key {pki.paths.key(identity)}"
+          f" (0600), valid until {issued.cert.not_valid_after_utc:%Y-%m-%d %H:%M}Z")
+    if identity.kind == "site":
+        print(f"CURVE key pair {pki.paths.curve(identity)} (0600), public key {pki.curve(identity).public.decode()} "
+              f"bound into the certificate")
+    return EXIT_OK
+
+
+def _revoke(args: argparse.Namespace) -> int:
+    identity = _identity(args)
+    pki = _pki(args)
+    crl, new = pki.revoke(identity, reason=args.reason)
+    for serial in new:
+        print(f"revoked {identity} serial {serial:x}")
+    if not new:
+        print(f"{identity}: every live certificate was already revoked")
+    print(f"{pki.paths.crl} is now list number {crl.number}; {_NOT_PUBLISHED}", file=sys.stderr)
+    return EXIT_OK
+
+
+def _list(args: argparse.Namespace) -> int:
+    now = datetime.now(UTC)
+    rows = [{"identity": r.identity.uri, "serial": f"{r.serial:x}", "not_after": r.not_after.isoformat(),
+             "state": "revoked" if r.revoked else "expired" if r.not_after < now else "valid"}
+            for r in _pki(args).listing()]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return EXIT_OK
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"certificates ({len(rows)})")
+    for col in ("identity", "serial", "not after (UTC)", "state"):
+        table.add_column(col, no_wrap=True)
+    for row in rows:
+        table.add_row(row["identity"], row["serial"], row["not_after"][:16].replace("T", " "), row["state"])
+    Console(width=200).print(table)
+    return EXIT_OK
+
+
+def _verify(args: argparse.Namespace) -> int:
+    try:
+        data = args.file.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {args.file}: {exc}") from exc
+    try:
+        cert = load_certificate(data)
+    except Unauthenticated as exc:
+        raise ConfigError(f"{args.file} is not a certificate") from exc
+    pki = _pki(args)
+    curve = None
+    if args.curve is not None:
+        from mesh.pki.files import read_curve
+
+        curve = read_curve(args.curve).public
+    identity = verify_certificate(cert, ca=pki.ca().cert, crl=pki.crl(), use=args.use,
+                                  kinds=(args.kind,) if args.kind else KINDS, curve_public=curve)
+    print(f"ok: {identity} ({args.use} use), serial {cert.serial_number:x}, valid until "
+          f"{cert.not_valid_after_utc:%Y-%m-%d %H:%M}Z")
+    return EXIT_OK
