@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 DEMO_SECONDS ?= 30
 
-.PHONY: venv demo test test-fast lint bench bench-quick clean models
+.PHONY: venv sysdeps demo test test-fast lint bench bench-quick clean models
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,7 +20,10 @@ lint: venv
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports --no-cache --no-logo  # the layers of DESIGN.md (contracts in pyproject.toml)
 
-test: venv lint
+sysdeps:  ## iproute2 + iptables for the network-namespace tests (apt-get, as root; else they skip)
+	@bash scripts/sysdeps.sh
+
+test: venv sysdeps lint
 	$(PY) -m pytest -q -m "not gpu and not convert" -p no:cacheprovider
 
 test-fast: venv
