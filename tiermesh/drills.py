@@ -14,8 +14,11 @@ A link drill's report, over the queries sent from ``at_s`` on (times are the wor
   failure was noticed, or over a link that still worked for them);
 - ``routed_around``: after the drill, queries from (edge, SLO class) pairs that crossed the link
   before it and were now served without crossing it;
-- ``detection_s``: from the drill to the last such query that failed or missed its budget (0 when
-  none did): how long the mesh took to stop paying for the dead link.
+- ``detection_s``: from the drill to the first such query served without crossing the link: how
+  long the mesh took to notice and route around (None when none was);
+- ``affected_misses`` / ``last_miss_s``: how many such queries failed or missed their budget, and
+  when the last one was sent after the drill (0 when none did); a late one can be ordinary noise
+  rather than the dead link, so read it with ``affected_misses``.
 """
 
 from __future__ import annotations
@@ -113,6 +116,7 @@ def drill_report(drill: LinkDrill, records: Sequence[QueryRecord], crosses: Call
     used = {(r.edge, r.slo_class) for r in before if r.ok and crosses(r.edge, r.site)}
     affected = [r for r in after if (r.edge, r.slo_class) in used]
     bad = [r for r in affected if not r.ok or r.total_ms > r.budget_ms]
+    around = [r for r in affected if r.ok and not crosses(r.edge, r.site)]
     return {
         "kind": drill.kind, "link": drill.link, "at_s": drill.at_s,
         "failed_paths": [f"{s}->{d}" for s, d in failed_pairs],
@@ -122,6 +126,8 @@ def drill_report(drill: LinkDrill, records: Sequence[QueryRecord], crosses: Call
         "lost": lost,
         "crossing_before": sum(1 for r in before if r.ok and crosses(r.edge, r.site)),
         "crossing_after": sum(1 for r in after if r.ok and crosses(r.edge, r.site)),
-        "routed_around": sum(1 for r in affected if r.ok and not crosses(r.edge, r.site)),
-        "detection_s": round(max((r.t - drill.at_s for r in bad), default=0.0), 3),
+        "routed_around": len(around),
+        "detection_s": min((round(r.t - drill.at_s, 3) for r in around), default=None),
+        "affected_misses": len(bad),
+        "last_miss_s": round(max((r.t - drill.at_s for r in bad), default=0.0), 3),
     }

@@ -89,7 +89,8 @@ def test_drill_report_counts_routed_around_hangs_and_detection() -> None:
     assert rep["after"] == 5 and rep["errors"] == {"deadline": 1}
     assert rep["past_deadline_1s"] == 1
     assert (rep["crossing_before"], rep["crossing_after"], rep["routed_around"]) == (1, 1, 2)
-    assert rep["detection_s"] == pytest.approx(0.9)
+    assert rep["detection_s"] == pytest.approx(1.5) and rep["last_miss_s"] == pytest.approx(0.9)
+    assert rep["affected_misses"] == 2
     assert rep["failed_paths"] == ["mid-eu->core-eu"]
 
 

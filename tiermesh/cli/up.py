@@ -51,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="fail the link A-B (both ways, every path over it) this many seconds into the workload: "
                         "connections are reset (repeatable)")
     p.add_argument("--blackhole", metavar="A-B@SECONDS", action="append", default=[],
-                   help="like --cut, but packets vanish without a reset (needs --netns; repeatable)")
+                   help="like --cut, but packets vanish without a reset: a gray failure (repeatable)")
     p.add_argument("--netns", action="store_true",
                    help="every site, etcd and the control services in a network namespace of its own, with "
                         "its own address on a private bridge (root; removed on exit)")
@@ -73,8 +73,8 @@ async def run_up(args: argparse.Namespace) -> int:
     sites = set(mesh.topology.sites)
     drills = [parse_link_drill("cut", d, sites) for d in args.cut]
     drills += [parse_link_drill("blackhole", d, sites) for d in args.blackhole]
-    if args.blackhole and not args.netns:
-        raise ConfigError("--blackhole needs --netns (packets are dropped by filters inside the namespaces)")
+    if drills and args.no_wan and not args.netns:
+        raise ConfigError("--cut/--blackhole need the delay proxies or --netns (this run has neither)")
     if args.netns:
         await require_netns(firewall=bool(drills))
     stop = asyncio.Event()
@@ -155,10 +155,13 @@ async def _drive(mesh: LocalMesh, args: argparse.Namespace, console: Console, ki
         report["drills"] = [drill_report(d, result.records, crosses_link(mesh.topology, d.a, d.b), lost=lost,
                                          failed_pairs=failed.get(i, [])) for i, d in enumerate(drills)]
         for section in report["drills"]:
+            noticed = section["detection_s"]
             console.print(f"{section['kind']} {section['link']} at {section['at_s']:.0f}s: "
-                          f"{section['routed_around']} routed around, {section['crossing_after']} still crossed, "
-                          f"errors {section['errors'] or '-'}, {section['past_deadline_1s']} past deadline+1s, "
-                          f"last miss {section['detection_s']:.2f}s after")
+                          f"{section['routed_around']} routed around (first "
+                          f"{'never' if noticed is None else f'{noticed:.2f}s after'}), "
+                          f"{section['crossing_after']} still crossed, errors {section['errors'] or '-'}, "
+                          f"{section['past_deadline_1s']} past deadline+1s, {section['affected_misses']} affected "
+                          f"missed (last {section['last_miss_s']:.2f}s after)")
     if args.report is not None:
         args.report.parent.mkdir(parents=True, exist_ok=True)
         args.report.write_text(json.dumps(report, indent=2))
