@@ -30,7 +30,9 @@ log = get_logger(__name__)
 class EtcdCluster(Service):
     """``size`` members under ``base_dir/m{i}`` (a temp dir, removed on stop, when none is given).
     Ports are remembered in each member's dir, so a cluster started again on the same dirs keeps
-    its URLs."""
+    its URLs. Like a single member it can be stopped with ``keep_data=True`` and started again."""
+
+    _restartable = True
 
     def __init__(self, base_dir: Path | None = None, *, size: int = 3, host: str = "127.0.0.1",
                  unsafe_no_fsync: bool = False, tls: ServerTLS | None = None,
@@ -45,6 +47,7 @@ class EtcdCluster(Service):
         self._given_dir = Path(base_dir) if base_dir is not None else None
         self._temp_dir: Path | None = None
         self.members: list[EmbeddedEtcd] = []
+        self._keep_data = False
 
     @property
     def urls(self) -> list[str]:
@@ -91,7 +94,8 @@ class EtcdCluster(Service):
             for i, (d, (c, p)) in enumerate(zip(dirs, ports, strict=True))]
 
     async def _start(self) -> None:
-        self._build()
+        if not self.members:
+            self._build()
         # together: no member reports healthy before a quorum has elected a leader
         results = await asyncio.gather(*(m.start() for m in self.members), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
@@ -99,11 +103,29 @@ class EtcdCluster(Service):
             raise EtcdServerError(f"etcd cluster did not start: {errors[0]}") from errors[0]
         log.info("etcd cluster started", extra=kv(event="etcd_cluster_start", reason=self.url))
 
+    async def stop(self, *, keep_data: bool = False) -> None:
+        """Stop every member. A temp base dir is removed (and the next start builds a new cluster)
+        unless ``keep_data``; a given base dir is never removed."""
+        self._keep_data = keep_data
+        await super().stop()
+
     async def _stop(self) -> None:
-        await asyncio.gather(*(m.stop(keep_data=True) for m in self.members), return_exceptions=True)
-        if self._temp_dir is not None:
+        # One at a time, the leader first: a stopping leader hands leadership over, and a hand-over
+        # to a member that is itself stopping hangs for ~7 s; the last member has no quorum to lead.
+        running = [i for i, m in enumerate(self.members) if m.running()]
+        while running:
+            lead = await asyncio.to_thread(self._leader_now, running)
+            i = lead if lead is not None else running[0]
+            with contextlib.suppress(EtcdServerError):
+                await self.members[i].stop(keep_data=True)
+            running.remove(i)
+        for m in self.members:  # members that had died already: reap them
+            with contextlib.suppress(EtcdServerError):
+                await m.stop(keep_data=True)
+        if self._temp_dir is not None and not self._keep_data:
             shutil.rmtree(self._temp_dir, ignore_errors=True)
             self._temp_dir = None
+            self.members = []
 
     # -- faults and introspection -------------------------------------------------------------
     def _status(self, i: int) -> dict[str, object] | None:
@@ -116,16 +138,22 @@ class EtcdCluster(Service):
             return None
         return status if isinstance(status, dict) else None
 
+    def _leader_now(self, among: list[int]) -> int | None:
+        for i in among:
+            st = self._status(i)
+            header = st.get("header") if st else None
+            if st and isinstance(header, dict) and str(st.get("leader")) == str(header.get("member_id")):
+                return i
+        return None
+
     async def leader(self, timeout: float = 10.0) -> int:  # noqa: ASYNC109
         """Index of the member that leads now (waits up to ``timeout`` for an election to finish)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
-            for i in range(self.size):
-                st = await asyncio.to_thread(self._status, i)
-                header = st.get("header") if st else None
-                if st and isinstance(header, dict) and str(st.get("leader")) == str(header.get("member_id")):
-                    return i
+            lead = await asyncio.to_thread(self._leader_now, list(range(self.size)))
+            if lead is not None:
+                return lead
             if loop.time() > deadline:
                 raise EtcdServerError(f"no etcd member leads after {timeout:.0f} s")
             await asyncio.sleep(0.1)

@@ -184,6 +184,11 @@ class Store(Service):
                 errors.append(f"{target}: no answer in {per_member:.1f} s")
         raise StoreUnavailable("; ".join(errors))
 
+    @property
+    def member(self) -> str:
+        """``host:port`` of the member requests go to now."""
+        return self._channels.target
+
     # -- plumbing -------------------------------------------------------------------------------
     def _k(self, key: str) -> bytes:
         return self._bprefix + key.encode()
