@@ -50,7 +50,7 @@ def test_tls_files_checked(pem: Path, tmp_path: Path) -> None:
         parse_endpoints("https://a:1", ca=pem, cert=pem)
     with pytest.raises(ConfigError, match="--etcd-key given without --etcd-cert"):
         parse_endpoints("https://a:1", ca=pem, key=pem)
-    with pytest.raises(ConfigError, match="CA file not found: .*missing.pem"):
+    with pytest.raises(ConfigError, match=r"CA file not found: .*missing\.pem"):
         parse_endpoints("https://a:1", ca=tmp_path / "missing.pem")
     (tmp_path / "junk.pem").write_text("not a certificate")
     with pytest.raises(ConfigError, match="not PEM"):
