@@ -158,6 +158,26 @@ class EtcdCluster(Service):
                 raise EtcdServerError(f"no etcd member leads after {timeout:.0f} s")
             await asyncio.sleep(0.1)
 
+    async def move_leader(self, i: int, timeout: float = 10.0) -> None:  # noqa: ASYNC109
+        """Hand leadership to member ``i`` (etcd's MoveLeader), so a test can kill the member its
+        clients talk to and be sure it is also the leader."""
+        lead = await self.leader(timeout)
+        if lead == i:
+            return
+        status = await asyncio.to_thread(self._status, i)
+        header = status.get("header") if status else None
+        if not isinstance(header, dict):
+            raise EtcdServerError(f"etcd member m{i} does not answer its status")
+        m = self.members[lead]
+        body = json.dumps({"targetID": str(header["member_id"])}).encode()
+        try:
+            await asyncio.to_thread(http_json, m.url, "/v3/maintenance/transfer-leadership", timeout, body=body,
+                                    context=m.client_context())
+        except (OSError, urllib.error.URLError, ValueError) as exc:
+            raise EtcdServerError(f"moving the etcd leader to m{i} failed: {exc}") from exc
+        if await self.leader(timeout) != i:
+            raise EtcdServerError(f"etcd leadership did not move to m{i}")
+
     async def kill(self, i: int) -> None:
         """SIGKILL member ``i`` (its data stays for :meth:`restart`)."""
         await self.members[i].kill()
