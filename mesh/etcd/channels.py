@@ -12,10 +12,12 @@ Failover is done here rather than by gRPC's own load balancing over a multi-addr
 
 So there is one channel per member, opened lazily and kept open (a dead member's channel reconnects
 in the background, cheaply, with the short back-off below); requests go to the *current* member; a
-request that fails with ``UNAVAILABLE`` or times out makes the store call :meth:`Channels.failover`,
-which moves to the next member, once per failure (a generation number stops fifty concurrent requests
-failing on one dead member from moving fifty times). The store then retries the request on the next
-member when that is safe (reads, puts, deletes, keep-alives; never a txn whose fate is unknown).
+request that fails with ``UNAVAILABLE`` or times out moves the store to the next member
+(:meth:`Channels.failover`), once per failure (a generation number stops fifty concurrent requests
+failing on one dead member from moving fifty times). :meth:`Channels.call` then retries the request on
+the next member when that is safe (reads, puts, deletes, lease calls; never a txn whose fate is unknown),
+until the request's timeout is spent; each attempt gets a share of it, so a black-holed member cannot
+eat it all. Watches and keep-alives (streams) fail over too; their owners retry.
 
 TLS: ``grpc.aio.secure_channel`` with ``grpc.ssl_channel_credentials(ca, key, cert)`` and the same stubs
 aetcd's client builds (aetcd 1.0 itself only opens insecure channels).
@@ -23,10 +25,12 @@ aetcd's client builds (aetcd 1.0 itself only opens insecure channels).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import Iterator
+import time
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from aetcd import rpc
@@ -39,6 +43,7 @@ __all__ = ["CHANNEL_OPTIONS", "DOWN_CODES", "FAILOVER_CODES", "Channels", "Membe
            "tls_hint", "translate"]
 
 log = get_logger("mesh.etcd")
+T = TypeVar("T")
 
 # gRPC reconnects with exponential back-off up to 120 s by default: far too slow to notice that a
 # restarted etcd is back. Keepalive finds streams whose TCP connection died silently; etcd refuses
@@ -158,6 +163,40 @@ class Channels:
         if index != self._index:
             self._index = index
             self.generation += 1
+
+    def failed(self, generation: int, exc: BaseException) -> None:
+        """A request to the member of ``generation`` failed: move on if the member looks down."""
+        if isinstance(exc, rpc.AioRpcError) and exc.code() in FAILOVER_CODES:
+            self.failover(generation, f"{exc.code().name}: {exc.details()}")
+        elif isinstance(exc, TimeoutError):
+            self.failover(generation, "timed out")
+
+    async def call(self, what: str, call: Callable[[Member, float], Awaitable[T]], timeout: float, *,  # noqa: ASYNC109
+                   idempotent: bool = True) -> T:
+        """``call(member, attempt_timeout)`` on the current member; with several members, on failure
+        the next one, until ``timeout`` is spent (a non-idempotent call only if it was never sent).
+        Raises the store's errors."""
+        deadline = time.monotonic() + timeout
+        n = len(self)
+        # one slow member must leave time for the others
+        attempt_s = timeout if n == 1 else max(timeout / n, 1.0)
+        tries = 0
+        while True:
+            if self.closed:
+                raise StoreError("store is closed")
+            generation, member = self.current()
+            remaining = deadline - time.monotonic()
+            try:
+                return await call(member, max(min(attempt_s, remaining), 0.05))
+            except rpc.AioRpcError as exc:
+                self.failed(generation, exc)
+                tries += 1
+                again = (n > 1 and exc.code() in FAILOVER_CODES and (idempotent or not_sent(exc))
+                         and deadline - time.monotonic() > 0.1)
+                if not again:
+                    raise translate(exc, f"{what} [{member.target}]") from exc
+            # a leader election takes about a second: do not spin through the members meanwhile
+            await asyncio.sleep(min(0.05 * tries, 0.3))
 
     async def close(self) -> None:
         self.closed = True

@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import json
 import math
-import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +36,7 @@ from aetcd import rpc
 from aetcd import utils as aetcd_utils
 
 from mesh.errors import ConflictError, StoreError, StoreUnavailable
-from mesh.etcd.channels import FAILOVER_CODES, Channels, Member, not_sent, rpc_errors, tls_hint, translate
+from mesh.etcd.channels import Channels, Member, rpc_errors, tls_hint
 from mesh.etcd.endpoints import EtcdEndpoints, parse_endpoints
 from mesh.etcd.lease import Lease
 from mesh.etcd.watch import Compacted, Watch, WatchEvent
@@ -205,35 +204,13 @@ class Store(Service):
         return self._channels.current()
 
     def _failed(self, generation: int, exc: BaseException) -> None:
-        """A request to the member of ``generation`` failed: move on if the member looks down."""
-        if isinstance(exc, rpc.AioRpcError) and exc.code() in FAILOVER_CODES:
-            self._channels.failover(generation, f"{exc.code().name}: {exc.details()}")
-        elif isinstance(exc, TimeoutError):
-            self._channels.failover(generation, "timed out")
+        self._channels.failed(generation, exc)
 
     async def _unary(self, what: str, call: Callable[[Member, float], Awaitable[T]], *,
                      idempotent: bool = True) -> T:
-        """``call(member, timeout)`` on the current member; with several members, on failure the
-        next one, until ``self.timeout`` is spent (a non-idempotent call only if it was never sent)."""
-        deadline = time.monotonic() + self.timeout
-        n = len(self._channels)
-        # one slow member must leave time for the others
-        attempt_s = self.timeout if n == 1 else max(self.timeout / n, 1.0)
-        tries = 0
-        while True:
-            generation, member = self._member()
-            remaining = deadline - time.monotonic()
-            try:
-                return await call(member, max(min(attempt_s, remaining), 0.05))
-            except rpc.AioRpcError as exc:
-                self._failed(generation, exc)
-                tries += 1
-                again = (n > 1 and exc.code() in FAILOVER_CODES and (idempotent or not_sent(exc))
-                         and deadline - time.monotonic() > 0.1)
-                if not again:
-                    raise translate(exc, f"{what} [{member.target}]") from exc
-            # a leader election takes about a second: do not spin through the members meanwhile
-            await asyncio.sleep(min(0.05 * tries, 0.3))
+        if self.state is State.STOPPED:
+            raise StoreError("store is closed")
+        return await self._channels.call(what, call, self.timeout, idempotent=idempotent)
 
     async def _revision_once(self, timeout: float) -> int:  # noqa: ASYNC109
         req = rpc.RangeRequest(key=self._bprefix, range_end=_range_end(self._bprefix), count_only=True)
