@@ -39,8 +39,8 @@ from mesh.errors import StoreError, StoreUnavailable
 from mesh.etcd.endpoints import EtcdEndpoints
 from mesh.log import get_logger, kv
 
-__all__ = ["CHANNEL_OPTIONS", "DOWN_CODES", "FAILOVER_CODES", "Channels", "Member", "not_sent", "rpc_errors",
-           "tls_hint", "translate"]
+__all__ = ["CHANNEL_OPTIONS", "DOWN_CODES", "FAILOVER_CODES", "RECONNECT_GRACE_S", "Channels", "Member", "not_sent",
+           "rpc_errors", "tls_hint", "translate"]
 
 log = get_logger("mesh.etcd")
 T = TypeVar("T")
@@ -58,6 +58,8 @@ CHANNEL_OPTIONS: dict[str, Any] = {
     "grpc.max_receive_message_length": 16 * 1024 * 1024,
 }
 
+# how long a request to a single member that could not connect is tried again
+RECONNECT_GRACE_S = 1.5
 DOWN_CODES = {rpc.StatusCode.UNAVAILABLE, rpc.StatusCode.DEADLINE_EXCEEDED, rpc.StatusCode.CANCELLED}
 # a member that answers these is dead, unreachable, or has no leader: try the next one
 FAILOVER_CODES = {rpc.StatusCode.UNAVAILABLE, rpc.StatusCode.DEADLINE_EXCEEDED}
@@ -176,7 +178,8 @@ class Channels:
         """``call(member, attempt_timeout)`` on the current member; with several members, on failure
         the next one, until ``timeout`` is spent (a non-idempotent call only if it was never sent).
         Raises the store's errors."""
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
         n = len(self)
         # one slow member must leave time for the others
         attempt_s = timeout if n == 1 else max(timeout / n, 1.0)
@@ -191,8 +194,12 @@ class Channels:
             except rpc.AioRpcError as exc:
                 self.failed(generation, exc)
                 tries += 1
-                again = (n > 1 and exc.code() in FAILOVER_CODES and (idempotent or not_sent(exc))
-                         and deadline - time.monotonic() > 0.1)
+                now = time.monotonic()
+                # one member: only a request that never left, briefly (gRPC's reconnect back-off is
+                # at most 1 s), so a restarted etcd is waited for but a dead one is reported soon
+                may_retry = n > 1 or (not_sent(exc) and now - started < RECONNECT_GRACE_S)
+                again = (may_retry and exc.code() in FAILOVER_CODES and (idempotent or not_sent(exc))
+                         and deadline - now > 0.1)
                 if not again:
                     raise translate(exc, f"{what} [{member.target}]") from exc
             # a leader election takes about a second: do not spin through the members meanwhile
