@@ -48,7 +48,10 @@ INFLIGHT_PER_CORE = 8
 @dataclass(slots=True)
 class AgentConfig:
     site: str
-    etcd: str
+    etcd: str                          # member URLs, comma-separated
+    etcd_ca: Path | None = None        # TLS to etcd (https:// URLs): CA, client certificate and key
+    etcd_cert: Path | None = None
+    etcd_key: Path | None = None
     prefix: str = "/tiermesh/"
     home: Path = Path(".tiermesh")
     http_port: int = 0
@@ -91,7 +94,7 @@ class Agent(Service):
     # -- lifecycle -------------------------------------------------------------------------
     async def _start(self) -> None:
         cfg = self.cfg
-        self.store = await Store.connect(cfg.etcd, cfg.prefix)
+        self.store = await Store.connect(cfg.etcd, cfg.prefix, ca=cfg.etcd_ca, cert=cfg.etcd_cert, key=cfg.etcd_key)
         self.view = MeshView(self.store, self.site, debounce_s=0.2)
         await self.view.start()
         topo = self.view.topology

@@ -4,9 +4,10 @@ nothing reads ``os.environ`` at import time."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated, Any
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from mesh.addresses import DEFAULT_BIND, advertised_host
 
@@ -18,8 +19,15 @@ class MeshSettings(BaseSettings):
 
     home: Path = Field(default=Path(".tiermesh"),
                        description="Local state directory: embedded etcd data, blob store, logs.")
-    etcd: str | None = Field(default=None,
-                             description="URL of an existing etcd (http://host:port). None: embedded etcd in `home`.")
+    etcd: Annotated[list[str] | None, NoDecode] = Field(
+        default=None, description="URLs of the members of an existing etcd cluster (a list, or comma-separated: "
+                                  "http://a:2379,http://b:2379; https:// needs `etcd_ca`). "
+                                  "None: embedded etcd in `home`.")
+    etcd_ca: Path | None = Field(default=None, description="PEM file of the CA that signed the etcd members' "
+                                                           "certificates (https:// etcd URLs).")
+    etcd_cert: Path | None = Field(default=None, description="PEM client certificate for etcd's client-cert auth "
+                                                             "(with `etcd_key`).")
+    etcd_key: Path | None = Field(default=None, description="PEM private key of `etcd_cert`.")
     prefix: str = Field(default="/tiermesh/", description="Key prefix of everything tiermesh writes to etcd.")
     log_format: str = Field(default="text", description="'text' for people, 'json' for machines.")
     log_level: str = Field(default="INFO", description="Python logging level name.")
@@ -41,3 +49,13 @@ class MeshSettings(BaseSettings):
         """What peers dial: the given values first (a command line), then these settings; a
         wildcard bind without an advertised address raises ``ConfigError``."""
         return advertised_host(bind or self.bind, advertise or self.advertise)
+
+    @field_validator("etcd", mode="before")
+    @classmethod
+    def _split_urls(cls, value: Any) -> Any:
+        # TIERMESH_ETCD=http://a:2379,http://b:2379 (not JSON); checked further by mesh.etcd.endpoints
+        if isinstance(value, str):
+            value = [u.strip() for u in value.split(",") if u.strip()]
+        elif isinstance(value, list | tuple):
+            value = [u.strip() for item in value for u in str(item).split(",") if u.strip()]
+        return value or None

@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 from core_scheduler.scheduler import Scheduler, SchedulerConfig
 from edge_agent.agent import BLOB_PEER
 from mesh.errors import ConfigError, MeshError, StoreError
+from mesh.etcd.cluster import EtcdCluster
 from mesh.etcd.keys import live_key
 from mesh.etcd.server import EmbeddedEtcd
 from mesh.etcd.store import Store
@@ -90,6 +91,7 @@ class MeshOptions:
     # where the variant store lives in the topology (None: the first core site): with ``wan``,
     # every other site fetches blobs over that site's path, so a cold start pays a real WAN fetch
     store_site: str | None = None
+    etcd_members: int = 1            # >1: a local etcd cluster (agents and scheduler get every member's URL)
     # scheduler knobs (None: SchedulerConfig / PlacementConfig defaults); benchmarks compress time
     interval_s: float | None = None
     forecast_horizon_s: float | None = None
@@ -128,7 +130,7 @@ class LocalMesh(Service):
     def __init__(self, opts: MeshOptions) -> None:
         self.opts = opts
         self.topology: Topology = load_topology_file(opts.topology)
-        self.etcd: EmbeddedEtcd | None = None
+        self.etcd: EmbeddedEtcd | EtcdCluster | None = None
         self.store: Store | None = None
         self.blobs: BlobStore | None = None
         self.catalog: Catalog | None = None
@@ -145,6 +147,9 @@ class LocalMesh(Service):
 
     @property
     def etcd_url(self) -> str:
+        """Every etcd member's URL, comma-separated (one URL without a cluster)."""
+        if isinstance(self.etcd, EtcdCluster) and self.etcd.members:
+            return self.etcd.url
         return f"http://{self._address('etcd')}:{self.etcd_port}"
 
     def _address(self, role: str) -> str:
@@ -249,14 +254,18 @@ class LocalMesh(Service):
     async def start_etcd(self) -> None:
         """Start etcd, or start it again after ``stop_etcd`` on the same ports and data dir: every
         process keeps its URL, and the kept Store reconnects (waited for here)."""
-        if self.etcd is None:
+        if self.etcd is None and self.opts.etcd_members > 1:
+            if self.lab is not None:
+                raise ConfigError("an etcd cluster (etcd_members > 1) in network namespaces is not built yet")
+            self.etcd = EtcdCluster(self.opts.home / "etcd", size=self.opts.etcd_members)
+        elif self.etcd is None:
             kw: dict[str, Any] = {"data_dir": self.opts.home / "etcd", "host": self._address("etcd"),
                                   "client_port": self.etcd_port, "peer_port": self.etcd_peer_port}
             self.etcd = PrefixedEtcd(self._exec_prefix("etcd"), **kw) if self.lab else EmbeddedEtcd(**kw)
         await self.check_dial(self.etcd_url)
         await self.etcd.start()
         if self.store is None:
-            self.store = await Store.connect(self.etcd.url, self.opts.prefix)
+            self.store = await Store.connect(self.etcd_url, self.opts.prefix)
             return
         deadline = time.monotonic() + 15.0
         while True:

@@ -14,19 +14,23 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from mesh.errors import EtcdServerError
 from mesh.lifecycle import Service
 from mesh.log import get_logger, kv
 
-__all__ = ["EmbeddedEtcd", "clear_record", "etcd_binary", "find_running", "healthy", "write_record"]
+__all__ = ["EmbeddedEtcd", "ServerTLS", "clear_record", "etcd_binary", "find_running", "free_port", "healthy",
+           "http_json", "port_free",
+           "write_record"]
 
 log = get_logger(__name__)
 
@@ -48,13 +52,13 @@ def etcd_binary() -> Path:
     return path
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
-def _port_free(host: str, port: int) -> bool:
+def port_free(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
             s.bind((host, port))
@@ -63,11 +67,35 @@ def _port_free(host: str, port: int) -> bool:
         return True
 
 
-def healthy(url: str, timeout: float = 1.0) -> bool:
+@dataclass(frozen=True)
+class ServerTLS:
+    """TLS for the client port of an embedded etcd: its certificate and key, the CA it trusts for
+    client certificates, and whether it demands one (``--client-cert-auth``). The server's own
+    certificate must also allow client auth (EKU): the health probe presents it."""
+
+    cert_file: Path
+    key_file: Path
+    ca_file: Path
+    client_cert_auth: bool = True
+
+    def client_context(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=str(self.ca_file))
+        ctx.load_cert_chain(str(self.cert_file), str(self.key_file))
+        return ctx
+
+
+def http_json(url: str, path: str, timeout: float = 1.0, *, body: bytes | None = None,
+              context: ssl.SSLContext | None = None) -> Any:
+    """GET (or POST ``body`` to) ``url + path`` of an etcd member and decode the JSON answer."""
+    req = urllib.request.Request(f"{url.rstrip('/')}{path}", data=body)
+    with urllib.request.urlopen(req, timeout=timeout, context=context) as resp:
+        return json.loads(resp.read().decode() or "{}")
+
+
+def healthy(url: str, timeout: float = 1.0, context: ssl.SSLContext | None = None) -> bool:
     """True if etcd at ``url`` answers its /health endpoint with health=true."""
     try:
-        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=timeout) as resp:
-            body = json.loads(resp.read().decode() or "{}")
+        body = http_json(url, "/health", timeout, context=context)
     except (OSError, urllib.error.URLError, ValueError):
         return False
     return str(body.get("health")).lower() == "true"
@@ -99,30 +127,39 @@ def clear_record(home: Path | str) -> None:
 
 
 def find_running(home: Path | str) -> str | None:
-    """URL of the etcd recorded in ``<home>/etcd.json`` if its process is alive and healthy."""
+    """URL(s) of the etcd recorded in ``<home>/etcd.json`` if its process is alive and a member is
+    healthy (a cluster is recorded as comma-separated URLs)."""
     try:
         rec = json.loads((Path(home) / RECORD_FILE).read_text())
         pid, url = int(rec["pid"]), str(rec["url"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if not _pid_alive(pid) or not healthy(url, timeout=1.0):
+    if not _pid_alive(pid) or not any(healthy(u, timeout=1.0) for u in url.split(",")):
         return None
     return url
 
 
 class EmbeddedEtcd(Service):
-    """One single-member etcd cluster in a child process.
+    """One etcd member in a child process: a single-member cluster, or one member of the cluster
+    named by ``initial_cluster`` (``name=peer_url,...``; see :mod:`mesh.etcd.cluster`).
 
     Ports are picked once (free ports, never 2379/2380) and kept for the life of the object, so
     ``stop(keep_data=True)`` then ``start()`` (or ``restart()``) brings it back on the same URL and data.
+    ``tls``: the client port speaks TLS (``https://`` URL), with client-certificate auth if asked.
     """
 
     _restartable = True
 
     def __init__(self, data_dir: Path | None = None, *, host: str = "127.0.0.1",
                  client_port: int | None = None, peer_port: int | None = None, name: str = "tiermesh",
-                 unsafe_no_fsync: bool = False, start_timeout: float = 20.0, stop_timeout: float = 10.0) -> None:
+                 unsafe_no_fsync: bool = False, start_timeout: float = 20.0, stop_timeout: float = 10.0,
+                 initial_cluster: str | None = None, cluster_token: str | None = None,
+                 tls: ServerTLS | None = None) -> None:
         self.host = host
+        self.initial_cluster = initial_cluster
+        self.cluster_token = cluster_token
+        self.tls = tls
+        self._kill = False
         self.start_timeout = start_timeout
         self.stop_timeout = stop_timeout
         self._keep_data = False
@@ -140,7 +177,17 @@ class EmbeddedEtcd(Service):
     def url(self) -> str:
         if self.client_port is None:
             raise EtcdServerError("etcd has not been started: no URL yet")
-        return f"http://{self.host}:{self.client_port}"
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        if self.peer_port is None:
+            raise EtcdServerError("etcd has not been started: no peer URL yet")
+        return f"http://{self.host}:{self.peer_port}"
+
+    def client_context(self) -> ssl.SSLContext | None:
+        """TLS context to reach this member's client port over HTTP (None without TLS)."""
+        return self.tls.client_context() if self.tls else None
 
     @property
     def pid(self) -> int | None:
@@ -166,19 +213,18 @@ class EmbeddedEtcd(Service):
             saved = json.loads((self.data_dir / PORTS_FILE).read_text())
         if self.client_port is None:
             port = saved.get("client")
-            self.client_port = port if port and _port_free(self.host, port) else _free_port(self.host)
+            self.client_port = port if port and port_free(self.host, port) else free_port(self.host)
         if self.peer_port is None:
             port = saved.get("peer")
-            ok = port and port != self.client_port and _port_free(self.host, port)
-            self.peer_port = port if ok else _free_port(self.host)
+            ok = port and port != self.client_port and port_free(self.host, port)
+            self.peer_port = port if ok else free_port(self.host)
             while self.peer_port == self.client_port:
-                self.peer_port = _free_port(self.host)
+                self.peer_port = free_port(self.host)
         (self.data_dir / PORTS_FILE).write_text(
             json.dumps({"client": self.client_port, "peer": self.peer_port}))
 
     def _command(self) -> list[str]:
-        client = f"http://{self.host}:{self.client_port}"
-        peer = f"http://{self.host}:{self.peer_port}"
+        client, peer = self.url, self.peer_url
         cmd = [
             str(etcd_binary()),
             "--name", self.name,
@@ -187,10 +233,15 @@ class EmbeddedEtcd(Service):
             "--advertise-client-urls", client,
             "--listen-peer-urls", peer,
             "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"{self.name}={peer}",
+            "--initial-cluster", self.initial_cluster or f"{self.name}={peer}",
             "--initial-cluster-state", "new",
-            "--initial-cluster-token", f"tiermesh-{self.name}",
+            "--initial-cluster-token", self.cluster_token or f"tiermesh-{self.name}",
         ]
+        if self.tls is not None:
+            cmd += ["--cert-file", str(self.tls.cert_file), "--key-file", str(self.tls.key_file),
+                    "--trusted-ca-file", str(self.tls.ca_file)]
+            if self.tls.client_cert_auth:
+                cmd.append("--client-cert-auth")
         if self.unsafe_no_fsync:
             cmd.append("--unsafe-no-fsync")
         return cmd
@@ -220,13 +271,14 @@ class EmbeddedEtcd(Service):
             raise EtcdServerError(f"cannot start etcd: {exc}") from exc
         self._log_fh = log_fh
         deadline = time.monotonic() + timeout
+        context = self.client_context()
         while True:
             if self._proc.poll() is not None:
                 code = self._proc.returncode
                 self._reap()
                 raise EtcdServerError(f"etcd exited with code {code} during start:\n{self._log_tail()}",
                                       log=str(self.log_path))
-            if await asyncio.to_thread(healthy, self.url, 0.5):
+            if await asyncio.to_thread(healthy, self.url, 0.5, context):
                 break
             if time.monotonic() > deadline:
                 await self._terminate(5.0)
@@ -241,7 +293,7 @@ class EmbeddedEtcd(Service):
             return
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
+                proc.send_signal(signal.SIGKILL if self._kill else signal.SIGTERM)
             deadline = time.monotonic() + timeout
             while proc.poll() is None and time.monotonic() < deadline:  # noqa: ASYNC110 - polling a Popen
                 await asyncio.sleep(0.05)
@@ -267,6 +319,14 @@ class EmbeddedEtcd(Service):
         ``keep_data`` (a data dir that was given is never removed)."""
         self._keep_data = keep_data
         await super().stop()
+
+    async def kill(self) -> None:
+        """SIGKILL (a crash: no leadership hand-over), keeping the data for a later ``start()``."""
+        self._kill = True
+        try:
+            await self.stop(keep_data=True)
+        finally:
+            self._kill = False
 
     async def _stop(self) -> None:
         try:

@@ -9,8 +9,16 @@ Leases (:mod:`mesh.etcd.lease`) and watches (:mod:`mesh.etcd.watch`) keep their 
 their modules but reach etcd only through the store; their classes are re-exported here. Leader
 election (built on this) lives in :mod:`mesh.etcd.election`.
 
-Errors: unreachable etcd -> ``StoreUnavailable``; other failures -> ``StoreError``; a lost
-compare-and-swap -> ``ConflictError``.
+Several members: ``Store.connect("http://a:2379,http://b:2379")`` (or a list) talks to one member at
+a time and moves to the next when a request to it fails with ``UNAVAILABLE`` or times out (the
+reasons for doing this here rather than in gRPC's balancer are in :mod:`mesh.etcd.channels`). Reads,
+puts, deletes and lease keep-alives are retried on the next member within the request's timeout; a
+txn is not (it may have committed), its caller sees ``StoreUnavailable`` and retries from a fresh read.
+Watches resume on the next member from their last revision + 1. ``https://`` URLs with a CA file (and a
+client certificate and key, for etcd's ``--client-cert-auth``) open TLS channels.
+
+Errors: bad URLs or TLS files -> ``ConfigError``; unreachable etcd -> ``StoreUnavailable``; other
+failures -> ``StoreError``; a lost compare-and-swap -> ``ConflictError``.
 """
 
 from __future__ import annotations
@@ -19,16 +27,17 @@ import asyncio
 import contextlib
 import json
 import math
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, TypeVar
-from urllib.parse import urlsplit
 
-import aetcd
 from aetcd import rpc
 from aetcd import utils as aetcd_utils
 
 from mesh.errors import ConflictError, StoreError, StoreUnavailable
+from mesh.etcd.channels import Channels, Member, rpc_errors, tls_hint
+from mesh.etcd.endpoints import EtcdEndpoints, parse_endpoints
 from mesh.etcd.lease import Lease
 from mesh.etcd.watch import Compacted, Watch, WatchEvent
 from mesh.lifecycle import Service, State
@@ -50,19 +59,9 @@ __all__ = [
 log = get_logger(__name__)
 T = TypeVar("T")
 
-# gRPC reconnects with exponential back-off up to 120 s by default: far too slow to notice that a
-# restarted etcd is back. Keepalive finds streams whose TCP connection died silently; etcd refuses
-# pings more often than every 5 s.
-_CHANNEL_OPTIONS: dict[str, Any] = {
-    "grpc.initial_reconnect_backoff_ms": 100,
-    "grpc.min_reconnect_backoff_ms": 100,
-    "grpc.max_reconnect_backoff_ms": 1000,
-    "grpc.keepalive_time_ms": 10_000,
-    "grpc.keepalive_timeout_ms": 5_000,
-    "grpc.keepalive_permit_without_calls": 1,
-    "grpc.max_receive_message_length": 16 * 1024 * 1024,
-}
-_DOWN_CODES = {rpc.StatusCode.UNAVAILABLE, rpc.StatusCode.DEADLINE_EXCEEDED, rpc.StatusCode.CANCELLED}
+# watch streams ask the member to end them when it loses its leader, as etcd's own client does, so
+# a member cut off from the quorum cannot hold a watch silent
+_WATCH_MD = (("hasleader", "true"),)
 _OPS = {"==": rpc.Compare.EQUAL, "!=": rpc.Compare.NOT_EQUAL, "<": rpc.Compare.LESS, ">": rpc.Compare.GREATER}
 CmpOp = Literal["==", "!=", "<", ">"]
 
@@ -139,29 +138,13 @@ def _range_end(prefix: bytes) -> bytes:
     return bytes(aetcd_utils.prefix_range_end(prefix))
 
 
-def _translate(exc: BaseException, what: str) -> StoreError:
-    if isinstance(exc, rpc.AioRpcError):
-        cls = StoreUnavailable if exc.code() in _DOWN_CODES else StoreError
-        return cls(f"{what}: {exc.code().name}: {exc.details()}")
-    if isinstance(exc, TimeoutError):
-        return StoreUnavailable(f"{what}: timed out")
-    return StoreError(f"{what}: {exc!r}")
-
-
-@contextlib.contextmanager
-def _errors(what: str) -> Iterator[None]:
-    try:
-        yield
-    except (rpc.AioRpcError, TimeoutError, aetcd.ClientError) as exc:
-        raise _translate(exc, what) from exc
-
-
 class Store(Service):
-    """A connection to etcd under one key prefix. Create with ``await Store.connect(url)``."""
+    """A connection to an etcd cluster under one key prefix. Create with ``await Store.connect(urls)``."""
 
-    def __init__(self, client: aetcd.Client, url: str, prefix: str, timeout: float) -> None:
-        self._client = client
-        self.url = url
+    def __init__(self, endpoints: EtcdEndpoints, prefix: str, timeout: float) -> None:
+        self.endpoints = endpoints
+        self._channels = Channels(endpoints)
+        self.url = str(endpoints)
         self.prefix = prefix if prefix.endswith("/") else prefix + "/"
         self._bprefix = self.prefix.encode()
         self.timeout = timeout
@@ -169,22 +152,38 @@ class Store(Service):
         self._watches: set[Watch] = set()
 
     @classmethod
-    async def connect(cls, url: str, prefix: str = "/tiermesh/", *, timeout: float = 5.0) -> Store:  # noqa: ASYNC109
-        parts = urlsplit(url if "://" in url else f"http://{url}")
-        if parts.scheme not in ("http", "") or not parts.hostname:
-            raise StoreUnavailable(f"unsupported etcd URL {url!r} (expected http://host:port)")
-        client = aetcd.Client(host=parts.hostname, port=parts.port or 2379, timeout=timeout,
-                              options=dict(_CHANNEL_OPTIONS))
-        store = cls(client, url, prefix, timeout)
+    async def connect(cls, urls: str | list[str] | tuple[str, ...] | EtcdEndpoints, prefix: str = "/tiermesh/",
+                      *, timeout: float = 5.0, ca: str | Path | None = None,  # noqa: ASYNC109
+                      cert: str | Path | None = None, key: str | Path | None = None) -> Store:
+        """Connect to the first member of ``urls`` (comma-separated or a list) that answers.
+        ``ConfigError`` for bad URLs or TLS files, ``StoreUnavailable`` if no member answers."""
+        store = cls(parse_endpoints(urls, ca=ca, cert=cert, key=key), prefix, timeout)
         try:
             await store.start()
-        except (StoreError, TimeoutError, aetcd.ClientError) as exc:
-            raise StoreUnavailable(f"etcd at {url} unreachable: {exc}") from exc
+        except (StoreError, TimeoutError) as exc:
+            raise StoreUnavailable(f"etcd at {store.url} unreachable: {exc}") from exc
         return store
 
     async def _start(self) -> None:
-        await self._client.connect()
-        await asyncio.wait_for(self.revision(), self.timeout)
+        errors: list[str] = []
+        # each member gets a share of the timeout, so one black-holed member cannot eat all of it
+        per_member = max(self.timeout / len(self._channels), min(self.timeout, 1.0))
+        for i, target in enumerate(self.endpoints.targets):
+            self._channels.use(i)
+            try:
+                await asyncio.wait_for(self._revision_once(per_member), per_member + 0.5)
+                return
+            except rpc.AioRpcError as exc:
+                details = f"{exc.code().name}: {exc.details()}"
+                errors.append(f"{target}: {details}{tls_hint(details, self.endpoints)}")
+            except TimeoutError:
+                errors.append(f"{target}: no answer in {per_member:.1f} s")
+        raise StoreUnavailable("; ".join(errors))
+
+    @property
+    def member(self) -> str:
+        """``host:port`` of the member requests go to now."""
+        return self._channels.target
 
     # -- plumbing -------------------------------------------------------------------------------
     def _k(self, key: str) -> bytes:
@@ -196,34 +195,37 @@ class Store(Service):
     def _kv(self, raw: Any) -> KV:
         return KV(self._rel(raw.key), _decode(raw.value), raw.mod_revision, raw.create_revision, raw.lease)
 
-    @property
-    def _md(self) -> Any:
-        return self._client.metadata
-
-    def _stub(self, name: str) -> Any:
-        if self.state is State.STOPPED or self._client.kvstub is None:
+    def _member(self) -> tuple[int, Member]:
+        if self.state is State.STOPPED or self._channels.closed:
             raise StoreError("store is closed")
-        if name == "watchstub":
-            return rpc.WatchStub(self._client.channel)
-        return getattr(self._client, name)
+        return self._channels.current()
 
-    async def _unary(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
-        with _errors(what):
-            return await call()
+    def _failed(self, generation: int, exc: BaseException) -> None:
+        self._channels.failed(generation, exc)
+
+    async def _unary(self, what: str, call: Callable[[Member, float], Awaitable[T]], *,
+                     idempotent: bool = True) -> T:
+        if self.state is State.STOPPED:
+            raise StoreError("store is closed")
+        return await self._channels.call(what, call, self.timeout, idempotent=idempotent)
+
+    async def _revision_once(self, timeout: float) -> int:  # noqa: ASYNC109
+        req = rpc.RangeRequest(key=self._bprefix, range_end=_range_end(self._bprefix), count_only=True)
+        _, member = self._member()
+        resp = await member.kv.Range(req, timeout=timeout)
+        return int(resp.header.revision)
 
     async def _range(self, prefix: str) -> tuple[list[KV], int]:
         k = self._k(prefix)
         req = rpc.RangeRequest(key=k, range_end=_range_end(k), sort_order=rpc.RangeRequest.ASCEND,
                                sort_target=rpc.RangeRequest.KEY)
-        resp = await self._unary(f"get_prefix {prefix!r}", lambda: self._stub("kvstub").Range(
-            req, timeout=self.timeout, metadata=self._md))
+        resp = await self._unary(f"get_prefix {prefix!r}", lambda m, t: m.kv.Range(req, timeout=t))
         return [self._kv(x) for x in resp.kvs], resp.header.revision
 
     # -- key/value ------------------------------------------------------------------------------
     async def get(self, key: str) -> KV | None:
         req = rpc.RangeRequest(key=self._k(key))
-        resp = await self._unary(f"get {key!r}", lambda: self._stub("kvstub").Range(
-            req, timeout=self.timeout, metadata=self._md))
+        resp = await self._unary(f"get {key!r}", lambda m, t: m.kv.Range(req, timeout=t))
         return self._kv(resp.kvs[0]) if resp.kvs else None
 
     async def get_prefix(self, prefix: str) -> list[KV]:
@@ -231,14 +233,12 @@ class Store(Service):
 
     async def put(self, key: str, value: Any, *, lease: Lease | None = None) -> int:
         req = rpc.PutRequest(key=self._k(key), value=_encode(value), lease=lease.id if lease else 0)
-        resp = await self._unary(f"put {key!r}", lambda: self._stub("kvstub").Put(
-            req, timeout=self.timeout, metadata=self._md))
+        resp = await self._unary(f"put {key!r}", lambda m, t: m.kv.Put(req, timeout=t))
         return int(resp.header.revision)
 
     async def _delete(self, key: bytes, range_end: bytes | None, what: str) -> int:
         req = rpc.DeleteRangeRequest(key=key, range_end=range_end or b"")
-        resp = await self._unary(what, lambda: self._stub("kvstub").DeleteRange(
-            req, timeout=self.timeout, metadata=self._md))
+        resp = await self._unary(what, lambda m, t: m.kv.DeleteRange(req, timeout=t))
         return int(resp.deleted)
 
     async def delete(self, key: str) -> bool:
@@ -251,9 +251,13 @@ class Store(Service):
     async def revision(self) -> int:
         """The current revision of the whole etcd key space."""
         req = rpc.RangeRequest(key=self._bprefix, range_end=_range_end(self._bprefix), count_only=True)
-        resp = await self._unary("revision", lambda: self._stub("kvstub").Range(
-            req, timeout=self.timeout, metadata=self._md))
+        resp = await self._unary("revision", lambda m, t: m.kv.Range(req, timeout=t))
         return int(resp.header.revision)
+
+    async def compact(self, revision: int) -> None:
+        """Drop the history before ``revision`` in the whole key space (an admin action)."""
+        req = rpc.CompactionRequest(revision=revision, physical=True)
+        await self._unary("compact", lambda m, t: m.kv.Compact(req, timeout=t))
 
     # -- transactions ---------------------------------------------------------------------------
     def _compare(self, c: Compare) -> Any:
@@ -274,8 +278,7 @@ class Store(Service):
 
     async def _txn_raw(self, compares: list[Compare], success: list[Any], failure: list[Any]) -> Any:
         req = rpc.TxnRequest(compare=[self._compare(c) for c in compares], success=success, failure=failure)
-        return await self._unary("txn", lambda: self._stub("kvstub").Txn(
-            req, timeout=self.timeout, metadata=self._md))
+        return await self._unary("txn", lambda m, t: m.kv.Txn(req, timeout=t), idempotent=False)
 
     async def txn(self, compares: list[Compare], success: list[Op],
                   failure: list[Op] | None = None) -> TxnResult:
@@ -300,8 +303,7 @@ class Store(Service):
         """Grant a lease (etcd rounds the TTL up to whole seconds, at least 2) kept alive in the
         background until revoked or the store is closed."""
         req = rpc.LeaseGrantRequest(TTL=max(1, math.ceil(ttl)))
-        resp = await self._unary("lease grant", lambda: self._stub("leasestub").LeaseGrant(
-            req, timeout=self.timeout, metadata=self._md))
+        resp = await self._unary("lease grant", lambda m, t: m.lease.LeaseGrant(req, timeout=t))
         if resp.error:
             raise StoreError(f"lease grant refused: {resp.error}")
         lease = Lease(self, int(resp.ID), float(resp.TTL))
@@ -313,23 +315,29 @@ class Store(Service):
         """Revoke any lease by id (its keys are deleted). False if it did not exist."""
         req = rpc.LeaseRevokeRequest(ID=lease_id)
         try:
-            await self._stub("leasestub").LeaseRevoke(req, timeout=self.timeout, metadata=self._md)
-        except rpc.AioRpcError as exc:
-            if exc.code() == rpc.StatusCode.NOT_FOUND:
+            await self._unary("lease revoke", lambda m, t: m.lease.LeaseRevoke(req, timeout=t))
+        except StoreError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, rpc.AioRpcError) and cause.code() == rpc.StatusCode.NOT_FOUND:
                 return False
-            raise _translate(exc, "lease revoke") from exc
+            raise
         return True
 
     async def _keepalive_once(self, lease_id: int, timeout: float) -> int:  # noqa: ASYNC109
         """One keep-alive round trip; returns the TTL etcd granted (<= 0: the lease is gone)."""
         req = rpc.LeaseKeepAliveRequest(ID=lease_id)
-        with _errors("lease keep-alive"):
-            call = self._stub("leasestub").LeaseKeepAlive(iter([req]), timeout=timeout, metadata=self._md)
-            try:
-                async for reply in call:
-                    return int(reply.TTL)
-            finally:
-                call.cancel()
+        generation, member = self._member()
+        try:
+            with rpc_errors(f"lease keep-alive [{member.target}]"):
+                call = member.lease.LeaseKeepAlive(iter([req]), timeout=timeout)
+                try:
+                    async for reply in call:
+                        return int(reply.TTL)
+                finally:
+                    call.cancel()
+        except StoreError as exc:
+            self._failed(generation, exc.__cause__ or exc)
+            raise
         return 0
 
     # -- watches --------------------------------------------------------------------------------
@@ -353,9 +361,10 @@ class Store(Service):
             yield rpc.WatchRequest(create_request=create)
             await forever.wait()  # keep our half of the stream open
 
-        call = self._stub("watchstub").Watch(requests(), metadata=self._md)
+        generation, member = self._member()
+        call = member.watch.Watch(requests(), metadata=_WATCH_MD)
         try:
-            with _errors(f"watch {prefix!r}"):
+            with rpc_errors(f"watch {prefix!r} [{member.target}]"):
                 async for resp in call:
                     if resp.compact_revision:
                         raise Compacted(int(resp.compact_revision))
@@ -367,6 +376,9 @@ class Store(Service):
                         value = _decode(ev.kv.value) if kind == "put" else None
                         events.append(WatchEvent(kind, self._rel(ev.kv.key), value, int(ev.kv.mod_revision)))
                     yield events, bool(resp.created), int(resp.header.revision)
+        except StoreError as exc:
+            self._failed(generation, exc.__cause__ or exc)  # the next stream goes to the next member
+            raise
         finally:
             call.cancel()
 
@@ -381,7 +393,7 @@ class Store(Service):
             # Revoking makes this process's leased keys vanish now rather than a TTL later.
             with contextlib.suppress(StoreError, TimeoutError):
                 await asyncio.wait_for(lease.revoke(), min(self.timeout, 2.0))
-        await self._client.close()
+        await self._channels.close()
 
     def __repr__(self) -> str:
         return f"Store({self.url}, prefix={self.prefix!r}, {self.state.value})"

@@ -134,7 +134,7 @@ async def test_watch_past_compaction_raises_store_error(fresh_etcd: EmbeddedEtcd
     async with await Store.connect(fresh_etcd.url, prefix="/c/") as store:
         r1 = await store.put("x", 1)
         r2 = await store.put("x", 2)
-        await store._client.compact(r2)  # the private client: compaction is an admin action
+        await store.compact(r2)
         with pytest.raises(StoreError, match="compacted"):
             async with store.watch_prefix("", start_revision=r1) as w:
                 await take(w, 1)

@@ -43,7 +43,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 def agent_config(args: argparse.Namespace, settings: MeshSettings) -> AgentConfig:
     """The agent's configuration from its command line, then settings (``TIERMESH_*``), then defaults."""
-    etcd = args.etcd or settings.etcd
+    from tiermesh.cli.context import etcd_endpoints
+
+    ca, cert, key = (_path(getattr(args, f"etcd_{name}", None) or getattr(settings, f"etcd_{name}"))
+                     for name in ("ca", "cert", "key"))
+    endpoints = etcd_endpoints(args.etcd, ca, cert, key, settings)  # ConfigError for bad URLs or files
+    etcd = str(endpoints) if endpoints is not None else None
     if not etcd:
         from mesh.etcd.server import find_running
 
@@ -52,7 +57,8 @@ def agent_config(args: argparse.Namespace, settings: MeshSettings) -> AgentConfi
         if etcd is None:
             raise ConfigError("no etcd: pass --etcd URL or start one with `tiermesh etcd` / `tiermesh up`")
     bind, advertise = getattr(args, "bind", None), getattr(args, "advertise", None)
-    return AgentConfig(site=args.site, etcd=etcd, prefix=args.prefix or settings.prefix,
+    return AgentConfig(site=args.site, etcd=etcd, etcd_ca=ca, etcd_cert=cert, etcd_key=key,
+                       prefix=args.prefix or settings.prefix,
                        home=Path(args.home) if args.home else settings.home, http_port=args.http_port,
                        zmq_port=args.zmq_port, bind=bind or settings.bind,
                        advertise=settings.advertised_host(bind, advertise),
@@ -60,6 +66,10 @@ def agent_config(args: argparse.Namespace, settings: MeshSettings) -> AgentConfi
                        lease_ttl_s=args.lease_ttl, routing_mode=args.routing_mode,
                        idle_unload_s=settings.agent_idle_unload_s,
                        demand_window_s=settings.agent_demand_window_s, max_body_bytes=settings.max_body_bytes)
+
+
+def _path(value: str | Path | None) -> Path | None:
+    return Path(value) if value else None
 
 
 async def run_agent(args: argparse.Namespace) -> int:

@@ -1,36 +1,55 @@
-"""How a command gets its Store: an etcd URL if given, else the etcd already running for the
-local home directory, else an embedded etcd on ``<home>/etcd`` for the duration of the block."""
+"""How a command gets its Store: the etcd URLs if given (``--etcd`` or ``TIERMESH_ETCD``, with TLS files
+when ``https://``), else the etcd already running for the local home directory, else an embedded etcd
+on ``<home>/etcd`` for the duration of the block."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+from mesh.errors import ConfigError
+from mesh.etcd.endpoints import EtcdEndpoints, parse_endpoints, split_urls
 from mesh.etcd.server import EmbeddedEtcd, find_running
 from mesh.etcd.store import Store
 from mesh.log import get_logger, kv
 from mesh.settings import MeshSettings
 
-__all__ = ["open_store", "store_args"]
+__all__ = ["etcd_endpoints", "open_store", "store_args"]
 
 log = get_logger(__name__)
 
+PathArg = Path | str | None
+
+
+def etcd_endpoints(etcd: str | Sequence[str] | None, ca: PathArg, cert: PathArg, key: PathArg,
+                   settings: MeshSettings) -> EtcdEndpoints | None:
+    """The etcd cluster named on the command line, else in settings, checked (``ConfigError``); None
+    when neither names one (the caller finds or starts a local etcd)."""
+    urls = split_urls(etcd) or settings.etcd
+    ca, cert, key = (ca or settings.etcd_ca), (cert or settings.etcd_cert), (key or settings.etcd_key)
+    if not urls:
+        if ca or cert or key:
+            raise ConfigError("etcd TLS files given without etcd URLs: pass --etcd https://host:port[,...] too")
+        return None
+    return parse_endpoints(urls, ca=ca, cert=cert, key=key)
+
 
 @asynccontextmanager
-async def open_store(etcd: str | None = None, home: Path | str | None = None,
-                     prefix: str | None = None) -> AsyncIterator[Store]:
+async def open_store(etcd: str | Sequence[str] | None = None, home: Path | str | None = None,
+                     prefix: str | None = None, *, etcd_ca: PathArg = None, etcd_cert: PathArg = None,
+                     etcd_key: PathArg = None) -> AsyncIterator[Store]:
     settings = MeshSettings()
-    url = etcd or settings.etcd
     home_dir = Path(home) if home is not None else settings.home
     key_prefix = prefix or settings.prefix
-    if url is None:
-        url = await asyncio.to_thread(find_running, home_dir)  # a short HTTP health probe
-    if url is not None:
-        async with await Store.connect(url, key_prefix) as store:
+    target: EtcdEndpoints | str | None = etcd_endpoints(etcd, etcd_ca, etcd_cert, etcd_key, settings)
+    if target is None:
+        target = await asyncio.to_thread(find_running, home_dir)  # a short HTTP health probe
+    if target is not None:
+        async with await Store.connect(target, key_prefix) as store:
             yield store
         return
     # Nothing running: etcd lives only as long as this command; its data stays on disk.
@@ -47,4 +66,5 @@ async def open_store(etcd: str | None = None, home: Path | str | None = None,
 def store_args(args: argparse.Namespace) -> dict[str, Any]:
     """``open_store`` keyword arguments from the options of ``tiermesh.cli.main.add_common``."""
     return {"etcd": getattr(args, "etcd", None), "home": getattr(args, "home", None),
-            "prefix": getattr(args, "prefix", None)}
+            "prefix": getattr(args, "prefix", None), "etcd_ca": getattr(args, "etcd_ca", None),
+            "etcd_cert": getattr(args, "etcd_cert", None), "etcd_key": getattr(args, "etcd_key", None)}

@@ -44,8 +44,15 @@ and start an embedded etcd there when none is running.
 
 def add_common(p: argparse.ArgumentParser) -> None:
     """Options every command that talks to etcd accepts."""
-    p.add_argument("--etcd", metavar="URL", default=None,
-                   help="use an existing etcd cluster (e.g. http://127.0.0.1:2379) instead of the embedded one")
+    p.add_argument("--etcd", metavar="URL[,URL...]", default=None,
+                   help="use an existing etcd cluster instead of the embedded one: its members' URLs, comma-separated "
+                        "(e.g. http://10.0.0.1:2379,http://10.0.0.2:2379); the store fails over between them")
+    p.add_argument("--etcd-ca", metavar="FILE", default=None,
+                   help="CA certificate (PEM) of the etcd members, for https:// URLs ($TIERMESH_ETCD_CA)")
+    p.add_argument("--etcd-cert", metavar="FILE", default=None,
+                   help="client certificate (PEM) for etcd's client-cert auth, with --etcd-key ($TIERMESH_ETCD_CERT)")
+    p.add_argument("--etcd-key", metavar="FILE", default=None, help="private key (PEM) of --etcd-cert "
+                                                                     "($TIERMESH_ETCD_KEY)")
     p.add_argument("--home", metavar="DIR", default=None,
                    help="local state directory (default: $TIERMESH_HOME or ./.tiermesh)")
     p.add_argument("--prefix", metavar="PREFIX", default=None, help="etcd key prefix (default /tiermesh/)")

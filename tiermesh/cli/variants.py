@@ -94,10 +94,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 async def _register(args: argparse.Namespace) -> int:
-    from tiermesh.cli.context import open_store
+    from tiermesh.cli.context import open_store, store_args
     from variant_store.build import register_model
 
-    async with open_store(args.etcd, args.home, args.prefix) as store:
+    async with open_store(**store_args(args)) as store:
         m = await register_model(Catalog(store), BlobStore(blob_root(args)), args.model, args.validation,
                                  args.task, args.family, owner=args.owner, metric=args.metric)
     print(f"registered {m.task}/{m.family}: model {m.parent_digest[:12]}, "
@@ -106,11 +106,11 @@ async def _register(args: argparse.Namespace) -> int:
 
 
 async def _build(args: argparse.Namespace) -> int:
-    from tiermesh.cli.context import open_store
+    from tiermesh.cli.context import open_store, store_args
     from variant_store.build import build_task
 
     reports = []
-    async with open_store(args.etcd, args.home, args.prefix) as store:
+    async with open_store(**store_args(args)) as store:
         catalog = Catalog(store)
         tasks = [args.task] if args.task else sorted({m.task for m in await catalog.list_models()})
         for task in tasks:
@@ -127,10 +127,10 @@ async def _build(args: argparse.Namespace) -> int:
 
 
 async def _build_digits(args: argparse.Namespace) -> int:
-    from tiermesh.cli.context import open_store
+    from tiermesh.cli.context import open_store, store_args
     from variant_store.build import ensure_digits_family
 
-    async with open_store(args.etcd, args.home, args.prefix) as store:
+    async with open_store(**store_args(args)) as store:
         catalog = Catalog(store)
         reports = await ensure_digits_family(catalog, BlobStore(blob_root(args)), repeats=args.repeats,
                                              force=True)
@@ -143,10 +143,10 @@ async def _build_digits(args: argparse.Namespace) -> int:
 
 
 async def _profile(args: argparse.Namespace) -> int:
-    from tiermesh.cli.context import open_store
+    from tiermesh.cli.context import open_store, store_args
     from variant_store.build import reprofile
 
-    async with open_store(args.etcd, args.home, args.prefix) as store:
+    async with open_store(**store_args(args)) as store:
         meta = await reprofile(Catalog(store), BlobStore(blob_root(args)), args.task, args.variant,
                                repeats=args.repeats)
     _print_variants([meta], None)
@@ -154,9 +154,9 @@ async def _profile(args: argparse.Namespace) -> int:
 
 
 async def _list(args: argparse.Namespace) -> int:
-    from tiermesh.cli.context import open_store
+    from tiermesh.cli.context import open_store, store_args
 
-    async with open_store(args.etcd, args.home, args.prefix) as store:
+    async with open_store(**store_args(args)) as store:
         metas = await Catalog(store).list_variants(args.task)
     if args.json:
         print(json.dumps([variant_row(m) for m in metas], indent=2))
@@ -166,9 +166,9 @@ async def _list(args: argparse.Namespace) -> int:
 
 
 async def _show(args: argparse.Namespace) -> int:
-    from tiermesh.cli.context import open_store
+    from tiermesh.cli.context import open_store, store_args
 
-    async with open_store(args.etcd, args.home, args.prefix) as store:
+    async with open_store(**store_args(args)) as store:
         meta = await Catalog(store).get_variant(args.task, args.variant)
     print(json.dumps(meta.to_json(), indent=2))
     return EXIT_OK
@@ -178,13 +178,13 @@ async def _serve(args: argparse.Namespace) -> int:
     import asyncio
 
     from mesh.settings import MeshSettings
-    from tiermesh.cli.context import open_store
+    from tiermesh.cli.context import open_store, store_args
     from variant_store.server import VariantStoreServer
 
     settings = MeshSettings()
     bind = args.bind or settings.bind
     advertise = settings.advertised_host(args.bind, args.advertise)  # refuses a wildcard without one
-    async with open_store(args.etcd, args.home, args.prefix) as store, \
+    async with open_store(**store_args(args)) as store, \
             VariantStoreServer(BlobStore(blob_root(args)), Catalog(store), bind, args.port,
                                advertise=advertise, site=args.site) as server:
         print(f"variant store serving at {server.url}", flush=True)

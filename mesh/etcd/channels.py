@@ -1,0 +1,212 @@
+"""gRPC channels to the members of an etcd cluster, and which member requests go to now.
+
+Failover is done here rather than by gRPC's own load balancing over a multi-address target
+(``ipv4:a:1,b:2`` with ``pick_first``/``round_robin``) because:
+
+- a gRPC balancer moves off a member only when its *connection* fails; an etcd member that is up but
+  has lost its leader (the moment the leader dies, or a member cut off from the quorum) keeps a healthy
+  connection and answers ``UNAVAILABLE: etcdserver: no leader`` / ``request timed out``: the store must
+  move on for those too;
+- ``ipv4:``/``ipv6:`` targets take address literals only, while members are named by host names; and
+  with TLS each member's certificate is checked against the name used to dial *that* member.
+
+So there is one channel per member, opened lazily and kept open (a dead member's channel reconnects
+in the background, cheaply, with the short back-off below); requests go to the *current* member; a
+request that fails with ``UNAVAILABLE`` or times out moves the store to the next member
+(:meth:`Channels.failover`), once per failure (a generation number stops fifty concurrent requests
+failing on one dead member from moving fifty times). :meth:`Channels.call` then retries the request on
+the next member when that is safe (reads, puts, deletes, lease calls; never a txn whose fate is unknown),
+until the request's timeout is spent; each attempt gets a share of it, so a black-holed member cannot
+eat it all. Watches and keep-alives (streams) fail over too; their owners retry.
+
+TLS: ``grpc.aio.secure_channel`` with ``grpc.ssl_channel_credentials(ca, key, cert)`` and the same stubs
+aetcd's client builds (aetcd 1.0 itself only opens insecure channels).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+from aetcd import rpc
+
+from mesh.errors import StoreError, StoreUnavailable
+from mesh.etcd.endpoints import EtcdEndpoints
+from mesh.log import get_logger, kv
+
+__all__ = ["CHANNEL_OPTIONS", "DOWN_CODES", "FAILOVER_CODES", "RECONNECT_GRACE_S", "Channels", "Member", "not_sent",
+           "rpc_errors", "tls_hint", "translate"]
+
+log = get_logger("mesh.etcd")
+T = TypeVar("T")
+
+# gRPC reconnects with exponential back-off up to 120 s by default: far too slow to notice that a
+# restarted etcd is back. Keepalive finds streams whose TCP connection died silently; etcd refuses
+# pings more often than every 5 s.
+CHANNEL_OPTIONS: dict[str, Any] = {
+    "grpc.initial_reconnect_backoff_ms": 100,
+    "grpc.min_reconnect_backoff_ms": 100,
+    "grpc.max_reconnect_backoff_ms": 1000,
+    "grpc.keepalive_time_ms": 10_000,
+    "grpc.keepalive_timeout_ms": 5_000,
+    "grpc.keepalive_permit_without_calls": 1,
+    "grpc.max_receive_message_length": 16 * 1024 * 1024,
+}
+
+# how long a request to a single member that could not connect is tried again
+RECONNECT_GRACE_S = 1.5
+DOWN_CODES = {rpc.StatusCode.UNAVAILABLE, rpc.StatusCode.DEADLINE_EXCEEDED, rpc.StatusCode.CANCELLED}
+# a member that answers these is dead, unreachable, or has no leader: try the next one
+FAILOVER_CODES = {rpc.StatusCode.UNAVAILABLE, rpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+def translate(exc: BaseException, what: str) -> StoreError:
+    """A gRPC failure as the store's error (``StoreUnavailable`` when etcd looks down)."""
+    if isinstance(exc, rpc.AioRpcError):
+        cls = StoreUnavailable if exc.code() in DOWN_CODES else StoreError
+        return cls(f"{what}: {exc.code().name}: {exc.details()}")
+    if isinstance(exc, TimeoutError):
+        return StoreUnavailable(f"{what}: timed out")
+    return StoreError(f"{what}: {exc!r}")
+
+
+def not_sent(exc: rpc.AioRpcError) -> bool:
+    """The request never reached a member (no connection), so even a txn may be sent again."""
+    return exc.code() == rpc.StatusCode.UNAVAILABLE and "failed to connect" in (exc.details() or "").lower()
+
+
+def tls_hint(details: str, endpoints: EtcdEndpoints) -> str:
+    low = details.lower()
+    tlsish = any(w in low for w in ("ssl", "tls", "handshake", "certificate", "socket closed",
+                                    "connection reset", "end of tcp stream"))
+    if endpoints.tls is None and tlsish:
+        return " (TLS? the member may require https:// with --etcd-ca and a client certificate)"
+    if endpoints.tls is not None and tlsish:
+        auth = "with" if endpoints.tls.client_auth else "without"
+        return (f" (TLS handshake failed {auth} a client certificate: check --etcd-ca, --etcd-cert, "
+                f"--etcd-key and that the member speaks TLS)")
+    return ""
+
+
+@contextlib.contextmanager
+def rpc_errors(what: str) -> Iterator[None]:
+    try:
+        yield
+    except (rpc.AioRpcError, TimeoutError) as exc:
+        raise translate(exc, what) from exc
+
+
+@dataclass(slots=True)
+class Member:
+    """One member's channel and the stubs built on it (as ``aetcd.Client.connect`` builds them)."""
+
+    target: str
+    channel: Any
+    kv: Any
+    lease: Any
+    watch: Any
+    maintenance: Any
+
+
+class Channels:
+    """The members of one cluster; ``current()`` is where requests go until ``failover``."""
+
+    def __init__(self, endpoints: EtcdEndpoints) -> None:
+        self.endpoints = endpoints
+        self._members: dict[int, Member] = {}
+        self._index = 0
+        self.generation = 0  # bumped by every move to another member
+        self.closed = False
+
+    def __len__(self) -> int:
+        return len(self.endpoints.targets)
+
+    @property
+    def target(self) -> str:
+        return self.endpoints.targets[self._index]
+
+    def _open(self, target: str) -> Member:
+        options = list(CHANNEL_OPTIONS.items())
+        tls = self.endpoints.tls
+        if tls is None:
+            channel = rpc.insecure_channel(target, options=options)
+        else:
+            creds = grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=tls.key,
+                                                 certificate_chain=tls.cert)
+            channel = rpc.secure_channel(target, creds, options=options)
+        return Member(target, channel, rpc.KVStub(channel), rpc.LeaseStub(channel), rpc.WatchStub(channel),
+                      rpc.MaintenanceStub(channel))
+
+    def current(self) -> tuple[int, Member]:
+        """(generation, member) to send the next request to."""
+        member = self._members.get(self._index)
+        if member is None:
+            member = self._members[self._index] = self._open(self.endpoints.targets[self._index])
+        return self.generation, member
+
+    def failover(self, generation: int, reason: str) -> bool:
+        """Move to the next member if the failure seen under ``generation`` is news; True if moved."""
+        if generation != self.generation or len(self) == 1:
+            return False
+        old = self.target
+        self._index = (self._index + 1) % len(self)
+        self.generation += 1
+        log.info("etcd member %s failing; now using %s", old, self.target,
+                 extra=kv(event="etcd_failover", reason=reason[:200]))
+        return True
+
+    def use(self, index: int) -> None:
+        """Make member ``index`` current (connect's first probe picks the first that answers)."""
+        if index != self._index:
+            self._index = index
+            self.generation += 1
+
+    def failed(self, generation: int, exc: BaseException) -> None:
+        """A request to the member of ``generation`` failed: move on if the member looks down."""
+        if isinstance(exc, rpc.AioRpcError) and exc.code() in FAILOVER_CODES:
+            self.failover(generation, f"{exc.code().name}: {exc.details()}")
+        elif isinstance(exc, TimeoutError):
+            self.failover(generation, "timed out")
+
+    async def call(self, what: str, call: Callable[[Member, float], Awaitable[T]], timeout: float, *,  # noqa: ASYNC109
+                   idempotent: bool = True) -> T:
+        """``call(member, attempt_timeout)`` on the current member; with several members, on failure
+        the next one, until ``timeout`` is spent (a non-idempotent call only if it was never sent).
+        Raises the store's errors."""
+        started = time.monotonic()
+        deadline = started + timeout
+        n = len(self)
+        # one slow member must leave time for the others
+        attempt_s = timeout if n == 1 else max(timeout / n, 1.0)
+        tries = 0
+        while True:
+            if self.closed:
+                raise StoreError("store is closed")
+            generation, member = self.current()
+            remaining = deadline - time.monotonic()
+            try:
+                return await call(member, max(min(attempt_s, remaining), 0.05))
+            except rpc.AioRpcError as exc:
+                self.failed(generation, exc)
+                tries += 1
+                now = time.monotonic()
+                # one member: only a request that never left, briefly (gRPC's reconnect back-off is
+                # at most 1 s), so a restarted etcd is waited for but a dead one is reported soon
+                may_retry = n > 1 or (not_sent(exc) and now - started < RECONNECT_GRACE_S)
+                again = (may_retry and exc.code() in FAILOVER_CODES and (idempotent or not_sent(exc))
+                         and deadline - now > 0.1)
+                if not again:
+                    raise translate(exc, f"{what} [{member.target}]") from exc
+            # a leader election takes about a second: do not spin through the members meanwhile
+            await asyncio.sleep(min(0.05 * tries, 0.3))
+
+    async def close(self) -> None:
+        self.closed = True
+        members, self._members = self._members, {}
+        for m in members.values():
+            await m.channel.close()
