@@ -56,6 +56,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="every site, etcd and the control services in a network namespace of its own, with "
                         "its own address on a private bridge (root; removed on exit)")
     p.add_argument("--no-wan", action="store_true", help="no delay proxies between sites")
+    p.add_argument("--etcd-members", type=int, default=1, metavar="N",
+                   help="run the embedded etcd as an N-member cluster (1 or 3; not with --netns yet); every "
+                        "process gets all members' URLs and fails over between them")
     p.set_defaults(func=run_up)
 
 
@@ -68,7 +71,12 @@ async def run_up(args: argparse.Namespace) -> int:
     if find_running(home):
         raise ConfigError(f"an etcd already runs for {home}; stop it or pass --home DIR")
     kill = parse_kill(args.kill)
-    opts = MeshOptions(topology=args.topology, home=home, wan=not args.no_wan, netns=args.netns)
+    if args.etcd_members not in (1, 3, 5):
+        raise ConfigError(f"--etcd-members {args.etcd_members}: an etcd cluster has 1, 3 or 5 members")
+    if args.etcd_members > 1 and args.netns:
+        raise ConfigError("--etcd-members > 1 with --netns is not built yet (etcd runs in one namespace)")
+    opts = MeshOptions(topology=args.topology, home=home, wan=not args.no_wan, netns=args.netns,
+                       etcd_members=args.etcd_members)
     mesh = LocalMesh(opts)
     sites = set(mesh.topology.sites)
     drills = [parse_link_drill("cut", d, sites) for d in args.cut]
