@@ -55,7 +55,7 @@ def _no_silent_downgrade(records: list[QueryRecord], min_accuracy: dict[str, flo
 
 @pytest.mark.slow
 async def test_tiermesh_up_demo_writes_a_report() -> None:
-    """``tiermesh up --duration 15 --report FILE`` (``make demo`` on the small topology)."""
+    """``tiermesh up --duration 15 --report FILE`` (``make demo`` on the small topology), secured by default."""
     with tempfile.TemporaryDirectory(prefix="tiermesh-up-", ignore_cleanup_errors=True) as tmp:
         report = Path(tmp) / "report.json"
         proc = await asyncio.create_subprocess_exec(
@@ -78,6 +78,8 @@ async def test_tiermesh_up_demo_writes_a_report() -> None:
         assert proc.returncode == 0, text[-3000:]
         data = json.loads(report.read_text())
     assert data["schema"] == 1 and data["queries"] > 100, data
+    # secured by default: mutual TLS at every edge, https addresses, the workload through tenant certificates
+    assert data["tls"] is True and all(s["http"].startswith("https://") for s in data["addresses"]["sites"].values())
     assert set(data["classes"]) == {c.name for c in DEFAULT_CLASSES}, data["classes"].keys()
     for name, s in data["classes"].items():
         served = sum(s["served_at_tier"].values())
