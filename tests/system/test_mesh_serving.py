@@ -241,7 +241,7 @@ MALFORMED: list[tuple[str, str, Callable[[], tuple[bytes, dict[str, str]]], int,
     ("latency not a number", TASK, _params(latency_ms="fast"), 400, "bad_request"),
     ("accuracy above 1", TASK, _params(min_accuracy=1.5), 400, "bad_request"),
     ("unknown prefer", TASK, _params(prefer="cheap"), 400, "bad_request"),
-    ("tenant in body", TASK, _params(tenant="acme"), 400, "bad_request"),
+    ("tenant in body", TASK, _params(tenant="acme"), 403, "forbidden"),  # another tenant than the caller's
     ("oversized body", TASK, lambda: (b" " * OVER_LIMIT, {}), 413, "too_large"),
     ("declared binary too large", TASK, lambda: _bin(X2, declared=OVER_LIMIT), 413, "too_large"),
     ("truncated binary", TASK, lambda: _bin(X2, cut=8), 400, "bad_tensor"),
