@@ -23,9 +23,10 @@ from edge_agent.demand import DemandMeter
 from edge_agent.host import VariantHost
 from edge_agent.http_api import DEFAULT_MAX_BODY, EdgeHttpServer
 from edge_agent.liveness import Liveness
+from edge_agent.mtls import EdgeTls
 from edge_agent.site_dataplane import SiteDataPlane
 from mesh import clock
-from mesh.addresses import DEFAULT_BIND, advertised_host, http_url, tcp_endpoint
+from mesh.addresses import DEFAULT_BIND, advertised_host, tcp_endpoint
 from mesh.errors import ConfigError, MeshError
 from mesh.etcd.store import Store
 from mesh.lifecycle import Service, cancel_and_wait
@@ -67,6 +68,9 @@ class AgentConfig:
     model_memory_fraction: float = 0.25  # share of the site's memory its models may take
     routing_mode: str = "tiermesh"      # or a baseline (core_scheduler.policy.modes), for benchmarks
     max_body_bytes: int = DEFAULT_MAX_BODY  # largest request body (HTTP) and tensor payload (ZeroMQ)
+    # the edge HTTP API over mutual TLS with the site's certificate from home/pki (`tiermesh agent` turns it
+    # on unless --insecure); False: plain HTTP, the tenant taken from a header (development only)
+    tls: bool = False
 
 
 class Agent(Service):
@@ -115,7 +119,8 @@ class Agent(Service):
                                     max_bytes=cfg.max_body_bytes)
         await self.zmq_server.start()
         self.http = EdgeHttpServer(self.dataplane, host=cfg.bind, port=cfg.http_port,
-                                   advertise=self.advertise_host, max_body_bytes=cfg.max_body_bytes)
+                                   advertise=self.advertise_host, max_body_bytes=cfg.max_body_bytes,
+                                   tls=EdgeTls.under(cfg.home, self.site) if cfg.tls else None)
         await self.http.start()
         self.view.on_change(self._on_view_change)
         self._on_view_change()
@@ -156,9 +161,9 @@ class Agent(Service):
 
     @property
     def http_url(self) -> str:
-        """The HTTP base URL callers use (advertised host, bound port)."""
+        """The HTTP(S) base URL callers use (advertised host, bound port)."""
         assert self.http is not None
-        return http_url(self.advertise_host, self.http.port)
+        return self.http.url
 
     def _peer_endpoint(self, site: str) -> str | None:
         if self.view is None or site not in self.view.live:

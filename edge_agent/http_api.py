@@ -9,6 +9,12 @@ Errors are JSON ``{"error": message, "code": code}`` with the status each ``Mesh
 declares (``http_status`` in ``mesh.errors`` is the one table); anything else is a logged 500;
 paths and methods nothing serves are a JSON 404 / 405 from a catch-all route. No middleware does
 this: with none, aiohttp builds no middleware chain per request.
+
+Who calls: ``identify(request)`` names the tenant of a query (and of metadata requests);
+``authenticate(request)`` (health and server metadata) only checks that the caller proves some
+identity. With ``tls`` (:class:`edge_agent.mtls.EdgeTls`) the server speaks HTTPS with client
+certificates and both come from the certificate; without it (``--insecure``, development only) the
+tenant is the ``X-Tiermesh-Tenant`` header and anyone may call. A 401 closes the connection.
 """
 
 from __future__ import annotations
@@ -21,8 +27,9 @@ from aiohttp import hdrs, web
 from multidict import CIMultiDict
 
 from edge_agent.dataplane import DataPlane
+from edge_agent.mtls import EdgeTls
 from mesh.addresses import DEFAULT_BIND, advertised_host, http_url, normalise_host
-from mesh.errors import BadTensor, MeshError, PayloadTooLarge, RequestError, UnknownTask
+from mesh.errors import BadTensor, MeshError, PayloadTooLarge, PermissionDenied, RequestError, UnknownTask
 from mesh.lifecycle import Service
 from mesh.log import get_logger, kv
 from mesh.types import DEFAULT_TENANT, InferRequest
@@ -34,6 +41,7 @@ __all__ = [
     "DEFAULT_MAX_BODY",
     "EXTENSIONS",
     "TENANT_HEADER",
+    "Authenticate",
     "EdgeHttpServer",
     "Identify",
     "identify",
@@ -46,12 +54,18 @@ DEFAULT_MAX_BODY = 16 << 20
 TENANT_HEADER = codec.TENANT_HEADER
 EXTENSIONS = ["binary_tensor_data", "tiermesh_slo"]
 Identify = Callable[[web.Request], str]
+Authenticate = Callable[[web.Request], object]
 
 
 def identify(request: web.Request) -> str:
-    """Who is calling. A seam: mutual TLS will replace the header with the client certificate's
-    URI SAN. Whether the tenant exists is the data plane's decision, not this function's."""
+    """Who is calling, without TLS (``--insecure``): whatever the header says. With mutual TLS the
+    client certificate's URI SAN decides (``EdgeTls.tenant``). Whether the tenant exists is the data
+    plane's decision, not this function's."""
     return request.headers.get(TENANT_HEADER, "").strip() or DEFAULT_TENANT
+
+
+def _anyone(request: web.Request) -> object:
+    return None
 
 
 def _version() -> str:
@@ -71,7 +85,10 @@ def _error(status: int, code: str, message: str, headers: dict[str, str] | None 
 
 
 def _mesh_error(exc: MeshError) -> web.Response:
-    return web.json_response(exc.to_dict(), status=exc.http_status)
+    resp = web.json_response(exc.to_dict(), status=exc.http_status)
+    if exc.http_status == 401:
+        resp.force_close()  # a caller whose credential no longer proves anything keeps no connection
+    return resp
 
 
 _Handler = Callable[[web.Request], Awaitable[web.Response]]
@@ -116,24 +133,29 @@ def _header_length(raw: str | None) -> int | None:
 
 
 class _Handlers:
-    def __init__(self, dp: DataPlane, max_body: int, who: Identify) -> None:
-        self.dp, self.max_body, self.who = dp, max_body, who
+    def __init__(self, dp: DataPlane, max_body: int, who: Identify, anyone: Authenticate) -> None:
+        self.dp, self.max_body, self.who, self.anyone = dp, max_body, who, anyone
 
     async def live(self, request: web.Request) -> web.Response:
+        self.anyone(request)
         return web.json_response({"live": True})
 
     async def ready(self, request: web.Request) -> web.Response:
+        self.anyone(request)
         ok = self.dp.ready()
         return web.json_response({"ready": ok}, status=200 if ok else 503)
 
     async def server_metadata(self, request: web.Request) -> web.Response:
+        self.anyone(request)
         return web.json_response({"name": "tiermesh", "version": _version(), "extensions": EXTENSIONS})
 
     async def model_metadata(self, request: web.Request) -> web.Response:
+        self.who(request)
         sig = self.dp.task_signature(request.match_info["task"])
         return web.json_response(signature_to_metadata(sig))
 
     async def model_ready(self, request: web.Request) -> web.Response:
+        self.who(request)
         task = request.match_info["task"]
         if task not in self.dp.tasks():
             raise UnknownTask(f"no task {task!r}")
@@ -163,7 +185,7 @@ class _Handlers:
             claimed = params.get("tenant")
             if claimed is not None and claimed != tenant:
                 # The body must not choose the tenant: identity comes from the connection.
-                raise RequestError(f"parameter tenant {claimed!r} does not match the caller's "
+                raise PermissionDenied(f"parameter tenant {claimed!r} does not match the caller's "
                                    f"identity {tenant!r}")
             wanted = dec.outputs
             if wanted is not None and (unknown := sorted(set(wanted) - {s.name for s in sig.outputs})):
@@ -196,10 +218,11 @@ class _Handlers:
 
 
 def make_app(dp: DataPlane, *, max_body_bytes: int = DEFAULT_MAX_BODY,
-             identify: Identify = identify) -> web.Application:
+             identify: Identify = identify, authenticate: Authenticate = _anyone) -> web.Application:
     """The V2 application over ``dp``. ``max_body_bytes`` bounds every request body and each
-    declared binary tensor; ``identify`` maps a request to its tenant."""
-    h = _Handlers(dp, max_body_bytes, identify)
+    declared binary tensor; ``identify`` maps a request to its tenant; ``authenticate`` admits (or
+    raises for) callers of the health and server-metadata endpoints."""
+    h = _Handlers(dp, max_body_bytes, identify, authenticate)
     app = web.Application(client_max_size=max_body_bytes)
     prefixes = ("/v2/models/{task}", "/v2/models/{task}/versions/{version}")
     # Versions are accepted and ignored: the mesh, not the caller, picks the variant. The infer
@@ -218,32 +241,47 @@ def make_app(dp: DataPlane, *, max_body_bytes: int = DEFAULT_MAX_BODY,
 
 class EdgeHttpServer(Service):
     """Serves ``make_app(dp)`` on ``host:port`` (port 0 picks a free one; ``url`` says which).
-    ``advertise``: the host callers dial, in ``url`` (default ``host``; a wildcard needs one)."""
+    ``advertise``: the host callers dial, in ``url`` (default ``host``; a wildcard needs one).
+    ``tls``: HTTPS with client certificates (identity from the certificate; ``identify`` is then
+    ignored); this server starts and stops it. None: plain HTTP, tenant from the header."""
 
     def __init__(self, dp: DataPlane, host: str = DEFAULT_BIND, port: int = 0, *,
                  advertise: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY,
-                 identify: Identify = identify, shutdown_timeout: float = 5.0) -> None:
+                 identify: Identify = identify, tls: EdgeTls | None = None,
+                 shutdown_timeout: float = 5.0) -> None:
         self.host, self.port = normalise_host(host, "bind address"), port
         self.advertise = advertised_host(self.host, advertise)
+        self.tls = tls
+        who, anyone = (tls.tenant, tls.peer) if tls is not None else (identify, _anyone)
         # Built here, not in start(), so a caller may add middlewares before the app freezes.
-        self.app = make_app(dp, max_body_bytes=max_body_bytes, identify=identify)
+        self.app = make_app(dp, max_body_bytes=max_body_bytes, identify=who, authenticate=anyone)
         self._runner = web.AppRunner(self.app, shutdown_timeout=shutdown_timeout)
+
+    def _url(self, host: str) -> str:
+        url = http_url(host, self.port)
+        return "https" + url.removeprefix("http") if self.tls is not None else url
 
     @property
     def url(self) -> str:
         self._require_running("its URL")
-        return http_url(self.advertise, self.port)
+        return self._url(self.advertise)
 
     async def _start(self) -> None:
+        if self.tls is not None:
+            await self.tls.start()
         await self._runner.setup()
-        await web.TCPSite(self._runner, self.host, self.port).start()
+        ssl_context = self.tls.ssl_context if self.tls is not None else None
+        await web.TCPSite(self._runner, self.host, self.port, ssl_context=ssl_context).start()
         self.port = int(self._runner.addresses[0][1])
-        log.info("http api listening on %s (advertised %s)", http_url(self.host, self.port),
-                 http_url(self.advertise, self.port),
+        log.info("http api listening on %s (advertised %s)", self._url(self.host), self._url(self.advertise),
                  extra=kv(event="http_start"))
 
     async def _stop(self) -> None:
-        await self._runner.cleanup()
+        try:
+            await self._runner.cleanup()
+        finally:
+            if self.tls is not None:
+                await self.tls.stop()
 
     def __repr__(self) -> str:
         return f"<EdgeHttpServer {self.host}:{self.port} {self.state.value}>"

@@ -1,7 +1,7 @@
 """tiermesh: a model-less inference serving mesh. The public SDK surface.
 
     from mesh import Client
-    with Client("http://127.0.0.1:8000") as c:
+    with Client("https://127.0.0.1:8000", cert="acme.pem", key="acme-key.pem", ca="ca.pem") as c:
         r = c.infer("digit-classification", x, latency_ms=20, min_accuracy=0.97)
         r.output(), r.site, r.variant, r.accuracy, r.reason, r.timing
 """
@@ -16,7 +16,9 @@ from mesh.errors import (
     Overloaded,
     PayloadTooLarge,
     PeerUnavailable,
+    PermissionDenied,
     RequestError,
+    Unauthenticated,
     UnknownTask,
     UnknownTenant,
 )
@@ -35,8 +37,10 @@ __all__ = [
     "Overloaded",
     "PayloadTooLarge",
     "PeerUnavailable",
+    "PermissionDenied",
     "RequestError",
     "Timing",
+    "Unauthenticated",
     "UnknownTask",
     "UnknownTenant",
 ]

@@ -9,6 +9,13 @@ Both speak the Open Inference Protocol to an edge agent (``edge_agent.http_api``
 ``Transport`` (``mesh.sdk_transport``). Failures arrive as ``mesh.errors`` classes: an error body
 becomes the class its ``code`` names, an unreachable agent ``PeerUnavailable``, a timeout
 ``DeadlineExceeded``. A closed client raises ``RuntimeError``, as a closed file would.
+
+Identity: with ``cert=``, ``key=`` and ``ca=`` (PEM paths, as ``tiermesh pki issue --tenant T`` writes
+them) the client speaks HTTPS with that client certificate, and the certificate names the tenant; the
+server's certificate must come from the mesh CA ``ca`` (and, with ``check_hostname``, name the host
+dialled). The SSL context is built once; the files are checked again at most every second, so a
+re-issued certificate is presented on new connections without a new client. Without them (an
+``--insecure`` agent) ``tenant=`` names the tenant in a header (default ``public``).
 """
 
 from __future__ import annotations
@@ -16,9 +23,11 @@ from __future__ import annotations
 import asyncio
 import enum
 import json
+import ssl
 import threading
 from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 from urllib.parse import quote
@@ -26,7 +35,8 @@ from urllib.parse import quote
 import numpy as np
 
 from mesh.cache import BoundedCache
-from mesh.errors import BadTensor, DeadlineExceeded, MeshError, error_from_code
+from mesh.errors import BadTensor, ConfigError, DeadlineExceeded, MeshError, error_from_code
+from mesh.pki.reload import ReloadingCredentials
 from mesh.sdk_transport import AiohttpTransport, Transport
 from mesh.types import DEFAULT_PREFER, DEFAULT_TENANT, TaskSignature, Timing
 from mesh.v2 import codec as codec
@@ -92,6 +102,29 @@ def _error_from(status: int, body: bytes) -> MeshError:
     return MeshError(f"HTTP {status}: {body[:200]!r}")
 
 
+PathLike = str | Path
+
+
+def _tls(base_url: str, cert: PathLike | None, key: PathLike | None, ca: PathLike | None,
+         check_hostname: bool) -> tuple[ssl.SSLContext | None, ReloadingCredentials | None]:
+    """The client's SSL context (once per client) and the credentials that keep it current."""
+    https = base_url.lower().startswith("https://")
+    if (cert is None) != (key is None):
+        raise ConfigError("pass both cert= and key= (the client certificate and its private key), or neither")
+    if cert is not None and not https:
+        raise ConfigError(f"a client certificate needs an https:// URL, not {base_url!r}")
+    if not https:
+        return None, None
+    if ca is None:
+        raise ConfigError("an https:// mesh URL needs ca= (the mesh CA certificate, pki/ca.pem)")
+    if cert is None or key is None:  # server authentication only: a mutual-TLS edge will refuse us
+        ctx = ssl.create_default_context(cafile=str(ca))
+        ctx.check_hostname = check_hostname
+        return ctx, None
+    creds = ReloadingCredentials(Path(cert), Path(key), Path(ca))
+    return creds.client_context(check_hostname=check_hostname), creds
+
+
 @dataclass(slots=True, frozen=True)
 class _Plan:
     header: bytes  # the request's JSON header (binary mode, no request id)
@@ -102,11 +135,21 @@ class _Plan:
 
 
 class AsyncClient:
-    """Asynchronous SDK client. Opens on first use or ``async with``; ``aclose()`` ends it."""
+    """Asynchronous SDK client. Opens on first use or ``async with``; ``aclose()`` ends it.
 
-    def __init__(self, base_url: str, *, tenant: str = DEFAULT_TENANT, timeout: float = 30.0,
-                 transport: Transport | None = None, binary: bool = True) -> None:
+    ``cert``, ``key``, ``ca``: the tenant's certificate and key and the mesh CA (paths) for an
+    ``https://`` edge; ``tenant``: the tenant header for an ``--insecure`` edge (with a certificate,
+    leave it out: the certificate names the tenant, and a header naming another one is refused)."""
+
+    def __init__(self, base_url: str, *, tenant: str | None = None, timeout: float = 30.0,
+                 transport: Transport | None = None, binary: bool = True, cert: PathLike | None = None,
+                 key: PathLike | None = None, ca: PathLike | None = None, check_hostname: bool = True) -> None:
         self.base_url = base_url
+        ssl_context, self.credentials = _tls(base_url, cert, key, ca, check_hostname) if transport is None \
+            else (None, None)
+        if tenant is None and cert is None:
+            tenant = DEFAULT_TENANT
+        self._tenant_headers: dict[str, str] = {}
         self.tenant = tenant
         self.timeout = timeout
         self.binary = binary
@@ -114,7 +157,9 @@ class AsyncClient:
         # DeadlineExceeded, per call for a query's budget); a second timer per call would only add cost
         self._own: AiohttpTransport | None = None
         if transport is None:
-            transport = self._own = AiohttpTransport(base_url, timeout=timeout)
+            transport = self._own = AiohttpTransport(
+                base_url, timeout=timeout, ssl_context=ssl_context,
+                refresh=self.credentials.refresh if self.credentials is not None else None)
         self._transport: Transport = transport
         self._bounded = self._own is not None
         self._state = _State.UNOPENED
@@ -123,6 +168,16 @@ class AsyncClient:
         # the JSON header, HTTP headers, path and time bound of one are kept for the next, which
         # then skips building and serialising the JSON header.
         self._plans: BoundedCache[tuple[Any, ...], _Plan] = BoundedCache(256)
+
+    @property
+    def tenant(self) -> str | None:
+        """The tenant named in a header (None: none sent; the client certificate names it)."""
+        return self._tenant
+
+    @tenant.setter
+    def tenant(self, tenant: str | None) -> None:
+        self._tenant = tenant
+        self._tenant_headers = {codec.TENANT_HEADER: tenant} if tenant is not None else {}
 
     @property
     def state(self) -> str:
@@ -140,7 +195,7 @@ class AsyncClient:
     async def _send(self, method: str, path: str, headers: dict[str, str] | None = None,
                     body: bytes = b"") -> tuple[int, Mapping[str, str], bytes]:
         self._open()
-        hdrs = {codec.TENANT_HEADER: self.tenant, **(headers or {})}
+        hdrs = {**self._tenant_headers, **(headers or {})}
         if self._bounded:
             return await self._transport.request(method, path, hdrs, body)
         try:
@@ -227,7 +282,7 @@ class AsyncClient:
         if max_cost is not None:
             params["max_cost"] = max_cost
         body, hlen = codec.encode_infer_request(tensors, params, request_id=request_id, binary=self.binary)
-        headers = {codec.TENANT_HEADER: self.tenant}
+        headers = dict(self._tenant_headers)
         if hlen is None:
             headers["Content-Type"] = "application/json"
         else:
@@ -256,10 +311,11 @@ class AsyncClient:
 class Client:
     """Synchronous SDK client: ``AsyncClient`` on a private loop thread (see the module docstring)."""
 
-    def __init__(self, base_url: str, *, tenant: str = DEFAULT_TENANT, timeout: float = 30.0,
-                 transport: Transport | None = None, binary: bool = True) -> None:
+    def __init__(self, base_url: str, *, tenant: str | None = None, timeout: float = 30.0,
+                 transport: Transport | None = None, binary: bool = True, cert: PathLike | None = None,
+                 key: PathLike | None = None, ca: PathLike | None = None, check_hostname: bool = True) -> None:
         self._async = AsyncClient(base_url, tenant=tenant, timeout=timeout, transport=transport,
-                                  binary=binary)
+                                  binary=binary, cert=cert, key=key, ca=ca, check_hostname=check_hostname)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()

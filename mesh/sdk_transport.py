@@ -4,12 +4,18 @@
 across calls); ``MockTransport`` answers from a function so unit tests need no server. A transport
 translates its own failures at the boundary: unreachable peer -> ``PeerUnavailable``,
 timeout -> ``DeadlineExceeded``. HTTP error statuses are *not* errors here; the client reads them.
+
+Over HTTPS the transport takes a ready ``ssl.SSLContext`` (built once by the client from its certificate,
+key and CA) and, optionally, a ``refresh`` callable it runs at most every ``refresh_s`` before a request:
+the client's credentials check their files there, so a rotated certificate is used by new connections.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
+import ssl
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Protocol, runtime_checkable
 
@@ -44,10 +50,14 @@ class AiohttpTransport:
     the only one.
     """
 
-    def __init__(self, base_url: str, *, timeout: float = 30.0, limit: int = 16) -> None:
+    def __init__(self, base_url: str, *, timeout: float = 30.0, limit: int = 16,
+                 ssl_context: ssl.SSLContext | None = None, refresh: Callable[[], object] | None = None,
+                 refresh_s: float = 1.0) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self._limit = limit
+        self._ssl = ssl_context
+        self._refresh, self._refresh_s, self._next_refresh = refresh, refresh_s, 0.0
         self._session: aiohttp.ClientSession | None = None
         self._closed = False
         # parsing a URL and building a ClientTimeout cost micro-seconds per request; a client's
@@ -77,7 +87,7 @@ class AiohttpTransport:
             raise RuntimeError("transport is closed")
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self._limit),
+                connector=aiohttp.TCPConnector(limit=self._limit, ssl=self._ssl if self._ssl is not None else True),
                 timeout=aiohttp.ClientTimeout(total=self.timeout),
             )
         return self._session
@@ -85,6 +95,9 @@ class AiohttpTransport:
     async def request(self, method: str, path: str, headers: Mapping[str, str], body: bytes, *,
                       limit_s: float | None = None) -> Response:
         session = self._get_session()
+        if self._refresh is not None and (now := time.monotonic()) >= self._next_refresh:
+            self._next_refresh = now + self._refresh_s
+            self._refresh()
         url = self._url(path)
         bound = self.timeout if limit_s is None else limit_s
         try:
@@ -97,6 +110,8 @@ class AiohttpTransport:
             raise DeadlineExceeded(f"{method} {url}: no answer within {bound} s") from exc
         except aiohttp.ClientError as exc:
             raise PeerUnavailable(f"{method} {url}: {exc}") from exc
+        except ssl.SSLError as exc:  # a TLS alert outside aiohttp's wrapping (the server refused us)
+            raise PeerUnavailable(f"{method} {url}: TLS: {exc}") from exc
 
     async def aclose(self) -> None:
         self._closed = True

@@ -10,6 +10,11 @@ cuts or black-holes a link with packet filters inside the namespaces.
 ``tiermesh up``, the system tests and the geo benchmarks all stand on this. It can kill and restart
 a site, cut and heal a link, and stop and restart etcd on cue. Everything it starts it stops,
 in reverse order, even when a step fails.
+
+With ``tls`` the edge APIs speak HTTPS with client certificates: the harness makes (or reuses) the mesh CA
+under ``home/pki``, issues a certificate per site (naming the address callers dial) and one per tenant of
+the topology (and ``public``), and :meth:`tenant_files` hands a tenant's files to SDK clients. Without it
+the agents run ``--insecure`` (plain HTTP, tenant from a header), as the tests and benchmarks expect.
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ from mesh.etcd.server import EmbeddedEtcd
 from mesh.etcd.store import Store
 from mesh.lifecycle import Service
 from mesh.log import get_logger, kv
+from mesh.pki.identity import Identity
+from mesh.pki.local import LocalPki
+from mesh.types import DEFAULT_TENANT
 from tiermesh.control import ControlOptions, ControlProcesses, PrefixedEtcd, terminate
 from tiermesh.delayproxy import LinkShape, ProxyPool
 from tiermesh.drills import crosses_link
@@ -100,6 +108,7 @@ class MeshOptions:
     idle_evict_s: float | None = None
     min_residency_s: float | None = None
     netns: bool = False              # every participant in its own network namespace (root)
+    tls: bool = False                # edge APIs over mutual TLS, certificates issued into home/pki
 
     def scheduler_config(self, candidate_id: str) -> SchedulerConfig:
         cfg = SchedulerConfig(candidate_id=candidate_id, mode=self.mode, proactive=self.proactive)
@@ -142,6 +151,7 @@ class LocalMesh(Service):
         self.store_url: str | None = None          # the variant store's advertised URL
         self.control: ControlProcesses | None = None  # variant store + scheduler in the ctl namespace
         # in a namespace of its own etcd has its ports to itself
+        self.pki = LocalPki.under(opts.home) if opts.tls else None
         self.etcd_port = 2379 if opts.netns else _free_port()
         self.etcd_peer_port = 2380 if opts.netns else _free_port()
 
@@ -189,6 +199,7 @@ class LocalMesh(Service):
             if self.opts.scheduler:
                 self.scheduler = Scheduler(self.store, self.opts.scheduler_config(f"up-{os.getpid()}"))
                 await self.scheduler.start()
+        self._issue_certificates(names)
         for name in names:
             # port 0: each agent binds its own (reserving ports here and releasing them raced with
             # the proxies' own listening ports); the proxies learn the real port when it is ready
@@ -233,6 +244,30 @@ class LocalMesh(Service):
             self.store)
         await self.control.start()
         self.store_url = self.control.store_url
+
+    # -- identities ------------------------------------------------------------------------
+    def tenants(self) -> list[str]:
+        """Every tenant a caller may be: the topology's, and the default ``public``."""
+        return sorted({DEFAULT_TENANT, *self.topology.tenants})
+
+    def _issue_certificates(self, names: list[str]) -> None:
+        """With ``tls``: the CA (kept if the home has one), a fresh certificate per site naming the address
+        callers dial, and one per tenant. Re-issuing is rotation: running processes reload the files."""
+        if self.pki is None:
+            return
+        if not self.pki.exists():
+            self.pki.init()
+        for name in names:
+            self.pki.issue(Identity("site", name), addresses=[self._address(name)])
+        for tenant in self.tenants():
+            self.pki.issue(Identity("tenant", tenant))
+
+    def tenant_files(self, tenant: str) -> dict[str, Path]:
+        """``cert``, ``key`` and ``ca`` for an SDK client of ``tenant`` (``AsyncClient(url, **files)``)."""
+        if self.pki is None:
+            raise ConfigError("this mesh runs without TLS (MeshOptions.tls is off): there are no certificates")
+        who = Identity("tenant", tenant)
+        return {"cert": self.pki.paths.cert(who), "key": self.pki.paths.key(who), "ca": self.pki.paths.ca_cert}
 
     def addresses(self) -> dict[str, Any]:
         """What each participant listens on (for the report): per site its host address, HTTP URL
@@ -380,6 +415,8 @@ class LocalMesh(Service):
                "--routing-mode", self.opts.mode, "--bind", self._address(name)]
         if sp.peer_map_path is not None:
             cmd += ["--peer-map", str(sp.peer_map_path)]
+        if not self.opts.tls:
+            cmd.append("--insecure")
         env = {**os.environ, "TIERMESH_LOG_LEVEL": self.opts.agent_log_level, **self.opts.agent_env,
                **sp.extra_env}
         logf = sp.log_path.open("ab")

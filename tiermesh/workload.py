@@ -5,6 +5,10 @@ from the held-out set, so the accuracy *delivered* is measured against its label
 loop is bounded in count and in time. Latency for SLO attainment is the edge-measured end-to-end
 time (``timing.total_ms``: from the edge's receipt to its reply, which is what the SLO promises);
 client-observed latency (adds the SDK's loopback HTTP) is reported beside it.
+
+Each SLO class speaks as its tenant: one SDK client per (edge, tenant). Against mutual-TLS edges
+``credentials(tenant)`` gives that tenant's ``cert``/``key``/``ca`` files (``LocalMesh.tenant_files``);
+without it the tenant rides in the header (``--insecure`` agents).
 """
 
 from __future__ import annotations
@@ -13,8 +17,9 @@ import asyncio
 import random
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -84,14 +89,22 @@ async def _one(client: AsyncClient, cls: SloClass, edge: str, x: np.ndarray, lab
                        reason=res.reason, t=start - t0)
 
 
+def _client(url: str, tenant: str, credentials: Callable[[str], Mapping[str, Path]] | None) -> AsyncClient:
+    if credentials is None:
+        return AsyncClient(url, timeout=10, tenant=tenant)
+    files = credentials(tenant)
+    return AsyncClient(url, timeout=10, cert=files["cert"], key=files["key"], ca=files["ca"])
+
+
 async def run_workload(edges: dict[str, str], x: np.ndarray, y: np.ndarray, *, duration_s: float,
                        qps: float, classes: tuple[SloClass, ...] = DEFAULT_CLASSES, seed: int = 7,
-                       max_queries: int = 20_000, max_inflight: int = 64,
-                       on_tick: Any = None) -> WorkloadResult:
+                       max_queries: int = 20_000, max_inflight: int = 64, on_tick: Any = None,
+                       credentials: Callable[[str], Mapping[str, Path]] | None = None) -> WorkloadResult:
     """Open-loop arrivals at ``qps`` spread over ``edges`` for ``duration_s`` (bounded by ``max_queries``)."""
     rng = random.Random(seed)
     weights = [c.share for c in classes]
-    clients = {e: AsyncClient(url, timeout=10) for e, url in edges.items()}
+    tenants = sorted({c.tenant for c in classes})
+    clients = {(e, t): _client(url, t, credentials) for e, url in edges.items() for t in tenants}
     sem = asyncio.Semaphore(max_inflight)
     result = WorkloadResult()
     tasks: set[asyncio.Task[None]] = set()
@@ -99,7 +112,7 @@ async def run_workload(edges: dict[str, str], x: np.ndarray, y: np.ndarray, *, d
 
     async def fire(cls: SloClass, edge: str, i: int) -> None:
         async with sem:
-            rec = await _one(clients[edge], cls, edge, x[i], int(y[i]), t0)
+            rec = await _one(clients[(edge, cls.tenant)], cls, edge, x[i], int(y[i]), t0)
             result.records.append(rec)
 
     try:

@@ -19,16 +19,19 @@ def odd_leaf(ca: CertificateAuthority, *, uris: Sequence[str] = ("spiffe://tierm
              dns: Sequence[str] = (), ekus: Sequence[x509.ObjectIdentifier] | None = (CLIENT,),
              ca_flag: bool | None = False, curve_public: bytes | None = None,
              lifetime: timedelta = timedelta(hours=1),
-             extra: Sequence[x509.ExtensionType] = ()) -> IssuedCertificate:
+             extra: Sequence[x509.ExtensionType] = (),
+             valid: tuple[datetime, datetime] | None = None) -> IssuedCertificate:
     """A leaf signed by ``ca`` with exactly the given SANs, EKUs (None: no EKU extension) and
-    BasicConstraints (``ca_flag`` None: no BasicConstraints extension)."""
+    BasicConstraints (``ca_flag`` None: no BasicConstraints extension); ``valid``: (notBefore, notAfter)
+    instead of one ``lifetime`` from a minute ago."""
     key = new_key()
     now = datetime.now(UTC)
     names: list[x509.GeneralName] = [x509.UniformResourceIdentifier(u) for u in uris]
     names += [x509.DNSName(d) for d in dns]
     b = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "odd")]))
          .issuer_name(ca.cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
-         .not_valid_before(now - timedelta(minutes=1)).not_valid_after(now + lifetime))
+         .not_valid_before(valid[0] if valid else now - timedelta(minutes=1))
+         .not_valid_after(valid[1] if valid else now + lifetime))
     if names:
         b = b.add_extension(x509.SubjectAlternativeName(names), critical=False)
     if ekus is not None:

@@ -55,7 +55,7 @@ def _no_silent_downgrade(records: list[QueryRecord], min_accuracy: dict[str, flo
 
 @pytest.mark.slow
 async def test_tiermesh_up_demo_writes_a_report() -> None:
-    """``tiermesh up --duration 15 --report FILE`` (``make demo`` on the small topology)."""
+    """``tiermesh up --duration 15 --report FILE`` (``make demo`` on the small topology), secured by default."""
     with tempfile.TemporaryDirectory(prefix="tiermesh-up-", ignore_cleanup_errors=True) as tmp:
         report = Path(tmp) / "report.json"
         proc = await asyncio.create_subprocess_exec(
@@ -78,6 +78,8 @@ async def test_tiermesh_up_demo_writes_a_report() -> None:
         assert proc.returncode == 0, text[-3000:]
         data = json.loads(report.read_text())
     assert data["schema"] == 1 and data["queries"] > 100, data
+    # secured by default: mutual TLS at every edge, https addresses, the workload through tenant certificates
+    assert data["tls"] is True and all(s["http"].startswith("https://") for s in data["addresses"]["sites"].values())
     assert set(data["classes"]) == {c.name for c in DEFAULT_CLASSES}, data["classes"].keys()
     for name, s in data["classes"].items():
         served = sum(s["served_at_tier"].values())
@@ -239,7 +241,7 @@ MALFORMED: list[tuple[str, str, Callable[[], tuple[bytes, dict[str, str]]], int,
     ("latency not a number", TASK, _params(latency_ms="fast"), 400, "bad_request"),
     ("accuracy above 1", TASK, _params(min_accuracy=1.5), 400, "bad_request"),
     ("unknown prefer", TASK, _params(prefer="cheap"), 400, "bad_request"),
-    ("tenant in body", TASK, _params(tenant="acme"), 400, "bad_request"),
+    ("tenant in body", TASK, _params(tenant="acme"), 403, "forbidden"),  # another tenant than the caller's
     ("oversized body", TASK, lambda: (b" " * OVER_LIMIT, {}), 413, "too_large"),
     ("declared binary too large", TASK, lambda: _bin(X2, declared=OVER_LIMIT), 413, "too_large"),
     ("truncated binary", TASK, lambda: _bin(X2, cut=8), 400, "bad_tensor"),

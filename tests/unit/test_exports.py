@@ -21,9 +21,8 @@ def test_request_facing_errors_exported() -> None:
     caller_errors = {n for n in errors.__all__ if n not in {
         "error_from_code", "ConfigError", "TopologyError", "StoreError", "StoreUnavailable", "ConflictError",
         "EtcdServerError", "CatalogError", "BlobError", "VariantBuildError", "RuntimeLoadError", "ProtocolError",
-        # PkiError is the local CA's; Unauthenticated / PermissionDenied reach SDK callers once the edge speaks
-        # mutual TLS (issue 11, item 2), and are exported from ``mesh`` with that change
-        "PkiError", "Unauthenticated", "PermissionDenied"}}
+        # PkiError is the local CA's, not a caller's
+        "PkiError"}}
     assert caller_errors <= set(mesh.__all__)
 
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+import sys
 from pathlib import Path
 
 from edge_agent.agent import Agent, AgentConfig, load_peer_map
 from mesh.errors import ConfigError
 from mesh.settings import MeshSettings
 
-__all__ = ["agent_config", "register", "run_agent"]
+__all__ = ["INSECURE_WARNING", "agent_config", "register", "run_agent"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -36,6 +37,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--lease-ttl", type=float, default=3.0, help="liveness lease TTL in seconds")
     p.add_argument("--routing-mode", default="tiermesh",
                    help="tiermesh (default) or a baseline policy for benchmarks: edge-only, core-only, static, infaas")
+    p.add_argument("--insecure", action="store_true",
+                   help="serve the edge API over plain HTTP, the tenant taken from the X-Tiermesh-Tenant header "
+                        "(development only: anyone can claim any tenant). Default: HTTPS with client "
+                        "certificates, the site's certificate from HOME/pki/sites/SITE.pem")
     p.add_argument("--ready-file", type=Path, default=None,
                    help="write {http, zmq} here once serving (for harnesses)")
     p.set_defaults(func=run_agent)
@@ -65,7 +70,12 @@ def agent_config(args: argparse.Namespace, settings: MeshSettings) -> AgentConfi
                        peer_map=load_peer_map(args.peer_map),
                        lease_ttl_s=args.lease_ttl, routing_mode=args.routing_mode,
                        idle_unload_s=settings.agent_idle_unload_s,
-                       demand_window_s=settings.agent_demand_window_s, max_body_bytes=settings.max_body_bytes)
+                       demand_window_s=settings.agent_demand_window_s, max_body_bytes=settings.max_body_bytes,
+                       tls=not getattr(args, "insecure", False))
+
+
+INSECURE_WARNING = ("WARNING: --insecure: the edge API speaks plain HTTP and believes the X-Tiermesh-Tenant "
+                    "header; any caller can claim any tenant. For development only.")
 
 
 def _path(value: str | Path | None) -> Path | None:
@@ -74,6 +84,8 @@ def _path(value: str | Path | None) -> Path | None:
 
 async def run_agent(args: argparse.Namespace) -> int:
     cfg = agent_config(args, MeshSettings())
+    if not cfg.tls:
+        print(INSECURE_WARNING, file=sys.stderr, flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

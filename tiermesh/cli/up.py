@@ -8,6 +8,11 @@ workload through the SDK, then prints (and with ``--report`` writes) a table per
 With ``--netns`` (root) every site, etcd and the control services run in network namespaces of their
 own, each with its own address on a bridge this run creates and removes; the report lists them.
 ``--kill``, ``--cut`` and ``--blackhole`` are failure drills at a time into the workload.
+
+Secured by default: the edge APIs speak HTTPS with client certificates; the run creates the mesh CA
+under HOME/pki (or keeps the one there), a certificate per site and one per tenant of the topology, and
+prints where they are. ``--insecure`` (development only, with a warning) serves plain HTTP and takes the
+tenant from the X-Tiermesh-Tenant header.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from rich.console import Console
 from mesh.errors import ConfigError
 from mesh.etcd.server import clear_record, find_running, write_record
 from mesh.settings import MeshSettings
+from tiermesh.cli.agent import INSECURE_WARNING
 from tiermesh.drills import LinkDrill, crosses_link, drill_report, parse_kill, parse_link_drill
 from tiermesh.harness import LocalMesh, MeshOptions
 from tiermesh.netns import require_netns
@@ -59,6 +65,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--etcd-members", type=int, default=1, metavar="N",
                    help="run the embedded etcd as an N-member cluster (1 or 3; not with --netns yet); every "
                         "process gets all members' URLs and fails over between them")
+    p.add_argument("--insecure", action="store_true",
+                   help="edge APIs over plain HTTP, tenant from the X-Tiermesh-Tenant header (development only: "
+                        "anyone can claim any tenant). Default: HTTPS with client certificates from HOME/pki")
     p.set_defaults(func=run_up)
 
 
@@ -76,7 +85,9 @@ async def run_up(args: argparse.Namespace) -> int:
     if args.etcd_members > 1 and args.netns:
         raise ConfigError("--etcd-members > 1 with --netns is not built yet (etcd runs in one namespace)")
     opts = MeshOptions(topology=args.topology, home=home, wan=not args.no_wan, netns=args.netns,
-                       etcd_members=args.etcd_members)
+                       etcd_members=args.etcd_members, tls=not args.insecure)
+    if args.insecure:
+        console.print(f"[bold yellow]{INSECURE_WARNING}[/]")
     mesh = LocalMesh(opts)
     sites = set(mesh.topology.sites)
     drills = [parse_link_drill("cut", d, sites) for d in args.cut]
@@ -100,6 +111,10 @@ async def run_up(args: argparse.Namespace) -> int:
         for name, sp in sorted(mesh.sites.items()):
             tier = mesh.topology.sites[name].tier
             console.print(f"  {tier:6s} {name:14s} http {sp.http}  zmq {sp.zmq}")
+        if mesh.pki is not None:
+            paths = mesh.pki.paths
+            console.print(f"mutual TLS: CA {paths.ca_cert}; tenant certificates ({', '.join(mesh.tenants())}) in "
+                          f"{paths.root / 'tenants'}; e.g. Client(URL, cert=..., key=..., ca={str(paths.ca_cert)!r})")
         if args.duration is None:
             console.print("serving; Ctrl-C to stop")
             await stop.wait()
@@ -138,7 +153,8 @@ async def _drive(mesh: LocalMesh, args: argparse.Namespace, console: Console, ki
     offered = [0]
     console.print(f"workload: {args.qps:.0f} q/s for {args.duration:.0f} s across edges {sorted(edges)}")
     work = asyncio.create_task(run_workload(edges, x, y, duration_s=args.duration, qps=args.qps,
-                                            on_tick=lambda n, _t: offered.__setitem__(0, n)))
+                                            on_tick=lambda n, _t: offered.__setitem__(0, n),
+                                            credentials=mesh.tenant_files if mesh.pki is not None else None))
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait({work, stopper}, return_when=asyncio.FIRST_COMPLETED)
     stopper.cancel()
@@ -157,7 +173,8 @@ async def _drive(mesh: LocalMesh, args: argparse.Namespace, console: Console, ki
     lost = offered[0] - len(result.records)
     report: dict[str, Any] = {"schema": 1, "duration_s": result.duration_s, "qps": args.qps,
                               "queries": len(result.records), "offered": offered[0], "lost": lost,
-                              "kill": args.kill, "netns": args.netns, "addresses": mesh.addresses(),
+                              "kill": args.kill, "netns": args.netns, "tls": mesh.pki is not None,
+                              "addresses": mesh.addresses(),
                               "classes": summary}
     if drills:
         report["drills"] = [drill_report(d, result.records, crosses_link(mesh.topology, d.a, d.b), lost=lost,

@@ -1,0 +1,112 @@
+"""Mutual TLS at the edge: the site's server credentials, and who a caller is from its client certificate.
+
+:class:`EdgeTls` holds the site's :class:`~mesh.pki.reload.ReloadingCredentials` (one server ``SSLContext``
+with ``CERT_REQUIRED``, reloaded in place when ``pki/sites/<site>.pem`` is re-issued: no restart) and a
+:class:`~mesh.pki.reload.TrustStore` (the CA and ``crl.pem``, re-read on change). TLS refuses at the
+handshake a caller with no certificate, one from another CA, or one outside its validity; everything else
+(exactly one URI SAN, not a CA, clientAuth EKU, not revoked) is checked after it, per connection:
+
+    caller                                    answer
+    no certificate / another CA / expired     refused at the handshake (TLS 1.3: a reset at its first request)
+    revoked / bad SAN / CA:TRUE / wrong EKU   401 unauthenticated, and the connection is closed
+    a site, admin or scheduler identity       403 forbidden on the tenant API (health endpoints admit any)
+    tenant header or ``tenant`` parameter     403 forbidden when it names another tenant than the certificate
+
+The verdict is cached per connection (its ``SSLObject``) and recomputed when the CA or the revocation list
+changes or the certificate expires, so a keep-alive connection pays the full check once, and a revoked
+tenant is refused on its next request after ``crl.pem`` is re-read (``interval_s``).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+
+from mesh.errors import PermissionDenied, PkiError, Unauthenticated
+from mesh.lifecycle import Service
+from mesh.pki.crl import RevocationList
+from mesh.pki.files import PkiPaths
+from mesh.pki.identity import KINDS, Identity
+from mesh.pki.reload import ReloadingCredentials, TrustStore
+from mesh.pki.verify import peer_certificate
+from mesh.v2.codec import TENANT_HEADER
+
+__all__ = ["EdgeTls"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Verdict:
+    identity: Identity | None
+    error: Unauthenticated | PermissionDenied | None
+    ca: object
+    crl: RevocationList | None
+    not_after: float  # wall-clock seconds: past it, check again (and refuse)
+
+
+class EdgeTls(Service):
+    """The edge's mutual-TLS side: ``ssl_context`` for the listener, ``tenant`` / ``peer`` for the handlers."""
+
+    def __init__(self, paths: PkiPaths, site: str, *, interval_s: float = 1.0) -> None:
+        self.identity = Identity("site", site)
+        try:
+            self.credentials = ReloadingCredentials.for_identity(paths, self.identity, interval_s=interval_s)
+            self.trust = TrustStore.under(paths, interval_s=interval_s)
+        except PkiError as exc:
+            raise PkiError(f"site {site} cannot serve HTTPS: {exc} (create them with `tiermesh pki init` and "
+                           f"`tiermesh pki issue --site {site} --address HOST`, or run with --insecure)") from exc
+        self.ssl_context = self.credentials.server_context()
+        self._verdicts: weakref.WeakKeyDictionary[object, _Verdict] = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def under(cls, home: Path | str, site: str, *, interval_s: float = 1.0) -> EdgeTls:
+        return cls(PkiPaths.under(home), site, interval_s=interval_s)
+
+    async def _start(self) -> None:
+        await self.trust.start()
+        await self.credentials.start()
+
+    async def _stop(self) -> None:
+        await self.credentials.stop()
+        await self.trust.stop()
+
+    def _verify(self, ssl_object: object) -> _Verdict:
+        ca, crl = self.trust.ca, self.trust.crl
+        try:
+            cert = peer_certificate(ssl_object)  # type: ignore[arg-type]  # an SSLObject, or None
+            not_after = cert.not_valid_after_utc.timestamp()
+            identity = self.trust.verify(cert, use="client", kinds=KINDS)
+        except (Unauthenticated, PermissionDenied) as exc:
+            return _Verdict(None, exc, ca, crl, float("inf"))
+        return _Verdict(identity, None, ca, crl, not_after)
+
+    def peer(self, request: web.Request) -> Identity:
+        """The caller's verified identity, of any kind; ``Unauthenticated`` (401) if it proves none."""
+        transport = request.transport
+        ssl_object = transport.get_extra_info("ssl_object") if transport is not None else None
+        if ssl_object is None:
+            raise Unauthenticated("no TLS connection", reason="no_certificate")
+        v = self._verdicts.get(ssl_object)
+        if v is None or v.ca is not self.trust.ca or v.crl is not self.trust.crl or time.time() > v.not_after:
+            v = self._verdicts[ssl_object] = self._verify(ssl_object)
+        if v.error is not None:
+            # a fresh exception each time: re-raising one instance would grow its traceback per request
+            raise type(v.error)(v.error.message, **v.error.details)
+        assert v.identity is not None
+        return v.identity
+
+    def tenant(self, request: web.Request) -> str:
+        """The tenant the client certificate names. A site (or admin, scheduler) identity is not a tenant (403);
+        a tenant header naming another tenant is refused (403): identity comes from the certificate only."""
+        identity = self.peer(request)
+        if identity.kind != "tenant":
+            raise PermissionDenied(f"{identity} is a {identity.kind}, not a tenant: the inference API serves "
+                                   f"tenants", reason="wrong_kind")
+        claimed = request.headers.get(TENANT_HEADER)
+        if claimed is not None and claimed.strip() and claimed.strip() != identity.name:
+            raise PermissionDenied(f"header {TENANT_HEADER}: {claimed.strip()!r} does not match the client "
+                                   f"certificate's tenant {identity.name!r}", reason="tenant_mismatch")
+        return identity.name
