@@ -72,11 +72,18 @@ def dual_stack(ctx: _Ctx) -> _Ctx:
 
 
 class SocketSecurity(Protocol):
-    """Where CURVE keys and the ZAP domain are applied to a socket before bind / connect."""
+    """Where CURVE keys and the ZAP domain are applied to a socket before bind / connect, and who sent a
+    message (:mod:`mesh.zmq.curve` is the implementation)."""
 
     def apply_server(self, sock: zmq.Socket[Any]) -> None: ...
 
+    def release_server(self, sock: zmq.Socket[Any]) -> None:
+        """``sock`` (given to ``apply_server``) is about to close."""
+
     def apply_client(self, sock: zmq.Socket[Any], server_key: bytes | None) -> None: ...
+
+    def peer(self, frame: zmq.Frame) -> str | None:
+        """The authenticated peer a received frame came from; None if it is not (or no longer) admitted."""
 
 
 class SharedContext:
