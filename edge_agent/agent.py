@@ -30,7 +30,10 @@ from mesh.errors import ConfigError, MeshError
 from mesh.etcd.store import Store
 from mesh.lifecycle import Service, cancel_and_wait
 from mesh.log import get_logger, kv
+from mesh.pki.files import PkiPaths, read_curve
+from mesh.pki.identity import Identity
 from mesh.zmq.client import ZmqClient
+from mesh.zmq.curve import CurveSecurity, SiteKeys
 from mesh.zmq.server import ZmqServer
 from variant_store.hardware import gpu_available, local_hardware_class
 
@@ -64,6 +67,11 @@ class AgentConfig:
     model_memory_fraction: float = 0.25  # share of the site's memory its models may take
     routing_mode: str = "tiermesh"      # or a baseline (core_scheduler.policy.modes), for benchmarks
     max_body_bytes: int = DEFAULT_MAX_BODY  # largest request body (HTTP) and tensor payload (ZeroMQ)
+    # CURVE between sites: on when this site's certificate and CURVE key are in the PKI directory
+    # (None: <home>/pki, where a missing one means "not secured yet", with a warning); an explicit
+    # directory without them is an error. ``insecure`` turns it off whatever is there (with a warning).
+    pki_dir: Path | None = None
+    insecure: bool = False
 
 
 class Agent(Service):
@@ -75,6 +83,7 @@ class Agent(Service):
         self.host: VariantHost | None = None
         self.zmq_server: ZmqServer | None = None
         self.zmq_client: ZmqClient | None = None
+        self.curve: CurveSecurity | None = None
         self.http: EdgeHttpServer | None = None
         self.liveness: Liveness | None = None
         self.dataplane: SiteDataPlane | None = None
@@ -104,12 +113,14 @@ class Agent(Service):
         cache.mkdir(parents=True, exist_ok=True)
         self.host = VariantHost(self.site, cache, hardware_class=self.hardware_class,
                                 memory_budget_bytes=budget, threads=min(2, me.hardware.cpu_cores))
-        self.zmq_client = ZmqClient()
+        self.curve = await self._open_curve()
+        self.zmq_client = ZmqClient(security=self.curve, server_key_for=self._server_key)
         self.dataplane = SiteDataPlane(self.site, self.view, self.host, self.zmq_client,
                                        table=lambda: self.table, peer_endpoint=self._peer_endpoint,
                                        demand=self.demand)
-        self.zmq_server = ZmqServer(self.dataplane.infer, bind=tcp_endpoint(cfg.bind, cfg.zmq_port),
-                                    max_bytes=cfg.max_body_bytes)
+        self.dataplane.secured = self.curve is not None
+        self.zmq_server = ZmqServer(self.dataplane.infer_from_peer, bind=tcp_endpoint(cfg.bind, cfg.zmq_port),
+                                    max_bytes=cfg.max_body_bytes, security=self.curve)
         await self.zmq_server.start()
         self.http = EdgeHttpServer(self.dataplane, host=cfg.bind, port=cfg.http_port,
                                    advertise=self.advertise_host, max_body_bytes=cfg.max_body_bytes)
@@ -132,6 +143,7 @@ class Agent(Service):
                             self.http.stop if self.http else None,
                             self.zmq_server.stop if self.zmq_server else None,
                             self.zmq_client.close if self.zmq_client else None,
+                            self.curve.sites.stop if self.curve else None,
                             self.host.close if self.host else None,
                             self.view.stop if self.view else None,
                             self.store.close if self.store else None]
@@ -161,6 +173,46 @@ class Agent(Service):
         if self.view is None or site not in self.view.live:
             return None
         return self.cfg.peer_map.get(site) or self.view.live[site].endpoint
+
+    async def _open_curve(self) -> CurveSecurity | None:
+        cfg, me = self.cfg, Identity("site", self.site)
+        if cfg.insecure:
+            log.warning("--insecure: ZeroMQ links between sites are NOT authenticated or encrypted",
+                        extra=kv(site=self.site, event="insecure"))
+            return None
+        paths = PkiPaths(cfg.pki_dir) if cfg.pki_dir is not None else PkiPaths.under(cfg.home)
+        if not (paths.cert(me).exists() and paths.curve(me).exists()):
+            if cfg.pki_dir is not None:
+                raise ConfigError(f"no certificate or CURVE key for site {self.site} in {paths.root} "
+                                  f"(run `tiermesh pki issue --site {self.site}`, or pass --insecure)")
+            log.warning("no site credentials in %s: ZeroMQ links are NOT secured (issue them with "
+                        "`tiermesh pki issue --site %s`)", paths.root, self.site,
+                        extra=kv(site=self.site, event="insecure"))
+            return None
+        keys = read_curve(paths.curve(me))
+        sites = SiteKeys(paths)
+        # our own certificate must bind our own key, or no peer would ever admit us
+        sites.trust.verify(paths.cert(me).read_bytes(), use="server", kinds=(me.kind,), curve_public=keys.public)
+        await sites.start()
+        log.info("CURVE on: %d site keys admitted", len(sites.sites()), extra=kv(site=self.site, event="curve"))
+        return CurveSecurity(keys, sites)
+
+    def _server_key(self, endpoint: str) -> bytes | None:
+        """The CURVE key of the site behind ``endpoint``: the one its certificate binds where we have it
+        (a live record that disagrees is refused), else the one its live record publishes."""
+        if self.view is None or self.curve is None:
+            return None
+        for site, hb in self.view.live.items():
+            if self._peer_endpoint(site) != endpoint:
+                continue
+            bound = self.curve.sites.key_of(site)
+            published = hb.curve_key.encode() if hb.curve_key else None
+            if bound is not None and published is not None and bound != published:
+                log.warning("%s publishes a CURVE key its certificate does not bind: not dialled", site,
+                            extra=kv(site=self.site, peer=site, event="curve_mismatch"))
+                return None
+            return bound or published
+        return None
 
     def _on_view_change(self) -> None:
         assert self.view is not None and self.host is not None and self.zmq_client is not None
@@ -202,7 +254,8 @@ class Agent(Service):
             hardware_class=self.hardware_class,
             declared_hardware_class=me.hardware.hardware_class if me else None,
             gpu=self.gpu_ok, gpu_note=self.gpu_note,
-            endpoint=self.zmq_endpoint, http=self.http_url,
+            endpoint=self.zmq_endpoint, curve_key=self.curve.public_key if self.curve else None,
+            http=self.http_url,
             loaded=loaded, inflight=self.dataplane.inflight,
             capacity=(me.hardware.cpu_cores if me else 1) * INFLIGHT_PER_CORE,
             memory_total_bytes=mem_total,

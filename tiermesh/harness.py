@@ -34,6 +34,8 @@ from mesh.etcd.server import EmbeddedEtcd
 from mesh.etcd.store import Store
 from mesh.lifecycle import Service
 from mesh.log import get_logger, kv
+from mesh.pki.identity import Identity
+from mesh.pki.local import LocalPki
 from tiermesh.control import ControlOptions, ControlProcesses, PrefixedEtcd, terminate
 from tiermesh.delayproxy import LinkShape, ProxyPool
 from tiermesh.drills import crosses_link
@@ -98,6 +100,8 @@ class MeshOptions:
     idle_evict_s: float | None = None
     min_residency_s: float | None = None
     netns: bool = False              # every participant in its own network namespace (root)
+    # CURVE between sites: a CA in <home>/pki (made if missing) and a certificate + CURVE key per site
+    curve: bool = False
 
     def scheduler_config(self, candidate_id: str) -> SchedulerConfig:
         cfg = SchedulerConfig(candidate_id=candidate_id, mode=self.mode, proactive=self.proactive)
@@ -184,6 +188,8 @@ class LocalMesh(Service):
             if self.opts.scheduler:
                 self.scheduler = Scheduler(self.store, self.opts.scheduler_config(f"up-{os.getpid()}"))
                 await self.scheduler.start()
+        if self.opts.curve:
+            self._issue_site_credentials(names)
         for name in names:
             # port 0: each agent binds its own (reserving ports here and releasing them raced with
             # the proxies' own listening ports); the proxies learn the real port when it is ready
@@ -358,6 +364,14 @@ class LocalMesh(Service):
             else:
                 await self.lab.unblock(src)
 
+    def _issue_site_credentials(self, names: list[str]) -> None:
+        """What `tiermesh pki init` (unless a CA is there) and `tiermesh pki issue --site S` do."""
+        pki = LocalPki.under(self.opts.home)
+        if not pki.exists():
+            pki.init()
+        for name in names:
+            pki.issue(Identity("site", name))
+
     # -- sites -----------------------------------------------------------------------------
     async def start_site(self, name: str) -> None:
         sp = self.sites[name]
@@ -371,6 +385,8 @@ class LocalMesh(Service):
                "--routing-mode", self.opts.mode, "--bind", self._address(name)]
         if sp.peer_map_path is not None:
             cmd += ["--peer-map", str(sp.peer_map_path)]
+        if self.opts.curve:
+            cmd += ["--pki-dir", str(LocalPki.under(self.opts.home).paths.root)]
         env = {**os.environ, "TIERMESH_LOG_LEVEL": self.opts.agent_log_level, **self.opts.agent_env,
                **sp.extra_env}
         logf = sp.log_path.open("ab")

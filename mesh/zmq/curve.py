@@ -95,6 +95,9 @@ class SiteKeys(Service):
         """The Z85 CURVE public key ``site``'s valid certificate binds, or None."""
         return self._by_site.get(site)
 
+    def sites(self) -> list[str]:
+        return sorted(self._by_site)
+
     def admits(self, site: str) -> bool:
         return site in self._by_site
 

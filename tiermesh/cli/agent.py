@@ -36,6 +36,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--lease-ttl", type=float, default=3.0, help="liveness lease TTL in seconds")
     p.add_argument("--routing-mode", default="tiermesh",
                    help="tiermesh (default) or a baseline policy for benchmarks: edge-only, core-only, static, infaas")
+    p.add_argument("--pki-dir", type=Path, default=None,
+                   help="PKI directory holding sites/SITE.pem and SITE.curve (default <home>/pki): with them, "
+                        "site-to-site ZeroMQ links use CURVE and admit only sites with valid certificates")
+    p.add_argument("--insecure", action="store_true",
+                   help="development only: no CURVE between sites even if credentials exist (prints a warning)")
     p.add_argument("--ready-file", type=Path, default=None,
                    help="write {http, zmq} here once serving (for harnesses)")
     p.set_defaults(func=run_agent)
@@ -59,7 +64,8 @@ def agent_config(args: argparse.Namespace, settings: MeshSettings) -> AgentConfi
                        peer_map=load_peer_map(args.peer_map),
                        lease_ttl_s=args.lease_ttl, routing_mode=args.routing_mode,
                        idle_unload_s=settings.agent_idle_unload_s,
-                       demand_window_s=settings.agent_demand_window_s, max_body_bytes=settings.max_body_bytes)
+                       demand_window_s=settings.agent_demand_window_s, max_body_bytes=settings.max_body_bytes,
+                       pki_dir=getattr(args, "pki_dir", None), insecure=bool(getattr(args, "insecure", False)))
 
 
 async def run_agent(args: argparse.Namespace) -> int:
