@@ -107,7 +107,7 @@ class SiteKeys(Service):
     def refresh(self, *, force: bool = False) -> bool:
         trust_changed = self.trust.refresh()
         files = self._files()
-        stamp = tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in files if p.exists())
+        stamp = tuple((p.name, *_stat(p)) for p in files)
         now = time.monotonic()
         if not (force or trust_changed or stamp != self._stamp or now - self._checked > _RECHECK_S):
             return False
@@ -151,6 +151,14 @@ class SiteKeys(Service):
 
     async def _stop(self) -> None:
         await cancel_and_wait(self._task)
+
+
+def _stat(path: Path) -> tuple[int, int]:
+    try:
+        st = path.stat()
+    except OSError:  # gone between the listing and now: the next refresh sees it gone
+        return (0, -1)
+    return (st.st_mtime_ns, st.st_size)
 
 
 class _ZapHandler:
