@@ -128,19 +128,19 @@ async def _echo_handler(req: InferRequest) -> InferResponse:
 
 @contextlib.asynccontextmanager
 async def _curve_ends() -> AsyncIterator[tuple[ZmqServer, ZmqClient, _BareZmqEcho]]:
-    """A CURVE mesh hop as agents run it (a CA, two site certificates binding their keys, the ZAP handler)
-    and the bare CURVE echo with the same two key pairs."""
+    """A CURVE mesh hop as an agent runs it (a CA, a site certificate binding its key, the ZAP handler, the
+    per-request peer check) and the bare CURVE echo with the same keys. The site dials its own port: its
+    server and client share one ``CurveSecurity`` and so one context, as the plain hop's ends share one."""
     with tempfile.TemporaryDirectory(prefix="bench-curve-") as tmp:
         pki = LocalPki.under(tmp)
         pki.init()
-        core, edge = Identity("site", "core"), Identity("site", "edge")
-        for site in (core, edge):
-            pki.issue(site)
-        server_keys, client_keys = pki.curve(core), pki.curve(edge)
-        sites = SiteKeys(pki.paths)
-        server = ZmqServer(_echo_handler, security=CurveSecurity(server_keys, sites))
-        client = ZmqClient(security=CurveSecurity(client_keys, sites), server_key_for=lambda _ep: server_keys.public)
-        floor = _BareZmqEcho((server_keys, client_keys))
+        site = Identity("site", "core")
+        pki.issue(site)
+        keys = pki.curve(site)
+        security = CurveSecurity(keys, SiteKeys(pki.paths))
+        server = ZmqServer(_echo_handler, security=security)
+        client = ZmqClient(security=security, server_key_for=lambda _ep: keys.public)
+        floor = _BareZmqEcho((keys, keys))
         try:
             await server.start()
             yield server, client, floor
@@ -172,8 +172,8 @@ async def run_mesh_hop(ctx: RunContext) -> Path:
         "system = ZmqClient.request -> ZmqServer echo handler (msgpack header + raw tensor frame both ways); "
         "floor = bare zmq.asyncio DEALER -> ROUTER echo of the tensor bytes as one frame. One event loop, "
         f"latency with one request in flight, throughput at concurrency {CONCURRENCY}. 'CURVE' cases: both "
-        "sides encrypt with CURVE; the mesh side also runs the ZAP handler, the per-request peer check, and a "
-        "context per secured end (as an agent does), the floor one context."))
+        "sides encrypt with CURVE; the mesh side also runs the ZAP handler and the per-request peer check. Both "
+        "sides one context each (a site dialling its own port: an agent's server and client share one)."))
 
 
 async def _hop_rows(ctx: RunContext, rows: list[dict[str, Any]], server: ZmqServer, client: ZmqClient,
