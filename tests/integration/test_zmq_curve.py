@@ -179,3 +179,16 @@ async def test_header_claims_are_trusted_only_from_an_authenticated_site(mesh: M
             await client.request(secured.endpoint, make_req(deadline_s=5.0, hops=["edge-b"]))
         with pytest.raises(Unauthenticated, match="not an authenticated site"):  # no CURVE at all
             await plain.request(open_server.endpoint, make_req(deadline_s=5.0))
+
+
+def test_site_keys_admit_only_valid_site_certificates_under_their_own_name(mesh: Mesh) -> None:
+    sites = mesh.pki.paths.root / "sites"
+    tenant = Identity("tenant", "acme")
+    mesh.pki.issue(tenant)
+    # a tenant's certificate dropped among the sites, and a site's certificate under another site's name
+    (sites / "impostor.pem").write_bytes(mesh.pki.paths.cert(tenant).read_bytes())
+    (sites / "edge-b.pem").write_bytes(mesh.pki.paths.cert(EDGE).read_bytes())
+    assert mesh.keys.refresh()
+    assert mesh.keys.sites() == ["core", "edge-a"]
+    assert mesh.keys.key_of("edge-a") == mesh.pki.curve(EDGE).public
+    assert mesh.keys.site_of(bytes(32)) is None
