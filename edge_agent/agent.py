@@ -84,6 +84,7 @@ class Agent(Service):
         self.zmq_server: ZmqServer | None = None
         self.zmq_client: ZmqClient | None = None
         self.curve: CurveSecurity | None = None
+        self._dialled_keys: dict[str, bytes | None] = {}  # endpoint -> the CURVE key its socket was opened with
         self.http: EdgeHttpServer | None = None
         self.liveness: Liveness | None = None
         self.dataplane: SiteDataPlane | None = None
@@ -198,6 +199,11 @@ class Agent(Service):
         return CurveSecurity(keys, sites)
 
     def _server_key(self, endpoint: str) -> bytes | None:
+        """``ZmqClient``'s ``server_key_for``: :meth:`_lookup_key`, remembered for :meth:`_redial_rotated`."""
+        key = self._dialled_keys[endpoint] = self._lookup_key(endpoint)
+        return key
+
+    def _lookup_key(self, endpoint: str) -> bytes | None:
         """The CURVE key of the site behind ``endpoint``: the one its certificate binds where we have it
         (a live record that disagrees is refused), else the one its live record publishes."""
         if self.view is None or self.curve is None:
@@ -214,6 +220,15 @@ class Agent(Service):
             return bound or published
         return None
 
+    def _redial_rotated(self) -> None:
+        """A peer whose CURVE key changed (re-issued certificate): its socket has the old key and would fail
+        every handshake, so drop it; the next connect opens one with the new key."""
+        assert self.zmq_client is not None
+        for endpoint, key in list(self._dialled_keys.items()):
+            if self._lookup_key(endpoint) != key:
+                self._dialled_keys.pop(endpoint, None)
+                self.zmq_client.fail_peer(endpoint, "its CURVE key changed")
+
     def _on_view_change(self) -> None:
         assert self.view is not None and self.host is not None and self.zmq_client is not None
         svc = self.view.services.get("variant-store")
@@ -227,6 +242,8 @@ class Agent(Service):
         for site, endpoint in self.cfg.peer_map.items():
             if site != BLOB_PEER and site not in self.view.live:
                 self.zmq_client.fail_peer(endpoint, f"{site} lease expired")
+        if self.curve is not None:
+            self._redial_rotated()
         # live peers: connect ahead of the first query (the handshake costs WAN round trips)
         for site in self.view.live:
             if site != self.site and (peer := self._peer_endpoint(site)):

@@ -1,6 +1,7 @@
 """Issue 11, item 3 on a real local mesh: with ``curve=True`` every site gets a certificate binding its CURVE
 key, agents publish the key in their heartbeats, and queries forwarded between sites are served end to end;
-a plain ZeroMQ peer dialling a site's port is served nothing."""
+a plain ZeroMQ peer dialling a site's port is served nothing; a site re-issued (new CURVE key) and restarted
+is dialled with its new key."""
 
 from __future__ import annotations
 
@@ -43,9 +44,21 @@ async def test_forwarded_queries_are_served_over_curve(holdout: Holdout) -> None
                                target_site="core-eu")
             with pytest.raises((PeerUnavailable, DeadlineExceeded)):
                 await plain.request(core, req)
+        # rotate the core's certificate and CURVE key, restart it: the edge must dial it with the new key
+        old_key = pki.curve(Identity("site", "core-eu")).public
+        pki.issue(Identity("site", "core-eu"))
+        assert pki.curve(Identity("site", "core-eu")).public != old_key
+        await mesh.kill_site("core-eu")  # SIGKILL: its live record stays, then changes key
+        await mesh.start_site("core-eu")
+        await mesh.wait_live(["core-eu"])
+        await wait_warm(mesh, holdout.x)
+        after = await run_workload(mesh.edge_urls(), holdout.x, holdout.y, duration_s=4.0, qps=20, seed=4,
+                                   max_queries=100)
     recs = result.records
     detail = str(summarise(recs, {n: s.tier for n, s in mesh.topology.sites.items()}))
     ok = [r for r in recs if r.ok]
     assert len(ok) >= 0.8 * len(recs) and len(recs) >= 50, detail
     forwarded = [r for r in ok if r.site != r.edge]
     assert forwarded, f"no query was forwarded between sites: {detail}"
+    rotated = [r for r in after.records if r.ok and r.site == "core-eu" and r.edge != "core-eu"]
+    assert rotated, f"nothing forwarded to the rotated core: {summarise(after.records, {})}"
