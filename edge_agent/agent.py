@@ -31,7 +31,10 @@ from mesh.errors import ConfigError, MeshError
 from mesh.etcd.store import Store
 from mesh.lifecycle import Service, cancel_and_wait
 from mesh.log import get_logger, kv
+from mesh.pki.files import PkiPaths, read_curve
+from mesh.pki.identity import Identity
 from mesh.zmq.client import ZmqClient
+from mesh.zmq.curve import CurveSecurity, SiteKeys
 from mesh.zmq.server import ZmqServer
 from variant_store.hardware import gpu_available, local_hardware_class
 
@@ -71,6 +74,11 @@ class AgentConfig:
     # the edge HTTP API over mutual TLS with the site's certificate from home/pki (`tiermesh agent` turns it
     # on unless --insecure); False: plain HTTP, the tenant taken from a header (development only)
     tls: bool = False
+    # the PKI directory of both (None: <home>/pki). CURVE between sites is on when this site's certificate
+    # and CURVE key are there (missing from the default directory: "not secured yet", with a warning; from
+    # an explicit one: an error). ``insecure`` turns CURVE off whatever is there (with a warning).
+    pki_dir: Path | None = None
+    insecure: bool = False
 
 
 class Agent(Service):
@@ -82,6 +90,8 @@ class Agent(Service):
         self.host: VariantHost | None = None
         self.zmq_server: ZmqServer | None = None
         self.zmq_client: ZmqClient | None = None
+        self.curve: CurveSecurity | None = None
+        self._dialled_keys: dict[str, bytes | None] = {}  # endpoint -> the CURVE key its socket was opened with
         self.http: EdgeHttpServer | None = None
         self.liveness: Liveness | None = None
         self.dataplane: SiteDataPlane | None = None
@@ -111,16 +121,18 @@ class Agent(Service):
         cache.mkdir(parents=True, exist_ok=True)
         self.host = VariantHost(self.site, cache, hardware_class=self.hardware_class,
                                 memory_budget_bytes=budget, threads=min(2, me.hardware.cpu_cores))
-        self.zmq_client = ZmqClient()
+        self.curve = await self._open_curve()
+        self.zmq_client = ZmqClient(security=self.curve, server_key_for=self._server_key)
         self.dataplane = SiteDataPlane(self.site, self.view, self.host, self.zmq_client,
                                        table=lambda: self.table, peer_endpoint=self._peer_endpoint,
                                        demand=self.demand)
-        self.zmq_server = ZmqServer(self.dataplane.infer, bind=tcp_endpoint(cfg.bind, cfg.zmq_port),
-                                    max_bytes=cfg.max_body_bytes)
+        self.dataplane.secured = self.curve is not None
+        self.zmq_server = ZmqServer(self.dataplane.infer_from_peer, bind=tcp_endpoint(cfg.bind, cfg.zmq_port),
+                                    max_bytes=cfg.max_body_bytes, security=self.curve)
         await self.zmq_server.start()
         self.http = EdgeHttpServer(self.dataplane, host=cfg.bind, port=cfg.http_port,
                                    advertise=self.advertise_host, max_body_bytes=cfg.max_body_bytes,
-                                   tls=EdgeTls.under(cfg.home, self.site) if cfg.tls else None)
+                                   tls=EdgeTls(self._pki_paths(), self.site) if cfg.tls else None)
         await self.http.start()
         self.view.on_change(self._on_view_change)
         self._on_view_change()
@@ -140,6 +152,7 @@ class Agent(Service):
                             self.http.stop if self.http else None,
                             self.zmq_server.stop if self.zmq_server else None,
                             self.zmq_client.close if self.zmq_client else None,
+                            self.curve.sites.stop if self.curve else None,
                             self.host.close if self.host else None,
                             self.view.stop if self.view else None,
                             self.store.close if self.store else None]
@@ -170,6 +183,64 @@ class Agent(Service):
             return None
         return self.cfg.peer_map.get(site) or self.view.live[site].endpoint
 
+    def _pki_paths(self) -> PkiPaths:
+        """The PKI directory of the edge certificate and the CURVE keys (``--pki-dir``, else HOME/pki)."""
+        return PkiPaths(self.cfg.pki_dir) if self.cfg.pki_dir is not None else PkiPaths.under(self.cfg.home)
+
+    async def _open_curve(self) -> CurveSecurity | None:
+        cfg, me = self.cfg, Identity("site", self.site)
+        if cfg.insecure:
+            log.warning("--insecure: ZeroMQ links between sites are NOT authenticated or encrypted",
+                        extra=kv(site=self.site, event="insecure"))
+            return None
+        paths = self._pki_paths()
+        if not (paths.cert(me).exists() and paths.curve(me).exists()):
+            if cfg.pki_dir is not None:
+                raise ConfigError(f"no certificate or CURVE key for site {self.site} in {paths.root} "
+                                  f"(run `tiermesh pki issue --site {self.site}`, or pass --insecure)")
+            log.warning("no site credentials in %s: ZeroMQ links are NOT secured (issue them with "
+                        "`tiermesh pki issue --site %s`)", paths.root, self.site,
+                        extra=kv(site=self.site, event="insecure"))
+            return None
+        keys = read_curve(paths.curve(me))
+        sites = SiteKeys(paths)
+        # our own certificate must bind our own key, or no peer would ever admit us
+        sites.trust.verify(paths.cert(me).read_bytes(), use="server", kinds=(me.kind,), curve_public=keys.public)
+        await sites.start()
+        log.info("CURVE on: %d site keys admitted", len(sites.sites()), extra=kv(site=self.site, event="curve"))
+        return CurveSecurity(keys, sites)
+
+    def _server_key(self, endpoint: str) -> bytes | None:
+        """``ZmqClient``'s ``server_key_for``: :meth:`_lookup_key`, remembered for :meth:`_redial_rotated`."""
+        key = self._dialled_keys[endpoint] = self._lookup_key(endpoint)
+        return key
+
+    def _lookup_key(self, endpoint: str) -> bytes | None:
+        """The CURVE key of the site behind ``endpoint``: the one its certificate binds where we have it
+        (a live record that disagrees is refused), else the one its live record publishes."""
+        if self.view is None or self.curve is None:
+            return None
+        for site, hb in self.view.live.items():
+            if self._peer_endpoint(site) != endpoint:
+                continue
+            bound = self.curve.sites.key_of(site)
+            published = hb.curve_key.encode() if hb.curve_key else None
+            if bound is not None and published is not None and bound != published:
+                log.warning("%s publishes a CURVE key its certificate does not bind: not dialled", site,
+                            extra=kv(site=self.site, peer=site, event="curve_mismatch"))
+                return None
+            return bound or published
+        return None
+
+    def _redial_rotated(self) -> None:
+        """A peer whose CURVE key changed (re-issued certificate): its socket has the old key and would fail
+        every handshake, so drop it; the next connect opens one with the new key."""
+        assert self.zmq_client is not None
+        for endpoint, key in list(self._dialled_keys.items()):
+            if self._lookup_key(endpoint) != key:
+                self._dialled_keys.pop(endpoint, None)
+                self.zmq_client.fail_peer(endpoint, "its CURVE key changed")
+
     def _on_view_change(self) -> None:
         assert self.view is not None and self.host is not None and self.zmq_client is not None
         svc = self.view.services.get("variant-store")
@@ -183,6 +254,8 @@ class Agent(Service):
         for site, endpoint in self.cfg.peer_map.items():
             if site != BLOB_PEER and site not in self.view.live:
                 self.zmq_client.fail_peer(endpoint, f"{site} lease expired")
+        if self.curve is not None:
+            self._redial_rotated()
         # live peers: connect ahead of the first query (the handshake costs WAN round trips)
         for site in self.view.live:
             if site != self.site and (peer := self._peer_endpoint(site)):
@@ -210,7 +283,8 @@ class Agent(Service):
             hardware_class=self.hardware_class,
             declared_hardware_class=me.hardware.hardware_class if me else None,
             gpu=self.gpu_ok, gpu_note=self.gpu_note,
-            endpoint=self.zmq_endpoint, http=self.http_url,
+            endpoint=self.zmq_endpoint, curve_key=self.curve.public_key if self.curve else None,
+            http=self.http_url,
             loaded=loaded, inflight=self.dataplane.inflight,
             capacity=(me.hardware.cpu_cores if me else 1) * INFLIGHT_PER_CORE,
             memory_total_bytes=mem_total,

@@ -33,15 +33,18 @@ from mesh.errors import (
     NoRoute,
     Overloaded,
     PeerUnavailable,
+    PermissionDenied,
     ProtocolError,
+    Unauthenticated,
     UnknownTask,
     UnknownTenant,
 )
 from mesh.log import get_logger, kv
 from mesh.types import DEFAULT_TENANT, InferRequest, InferResponse, TaskSignature, Timing, check_inputs
 from mesh.zmq.client import ZmqClient
+from mesh.zmq.server import current_peer
 
-__all__ = ["SiteDataPlane"]
+__all__ = ["SiteDataPlane", "check_sender"]
 
 log = get_logger(__name__)
 MAX_RETRIES = 2
@@ -55,6 +58,20 @@ class AttemptTimedOut(DeadlineExceeded):
 _RETRYABLE = (PeerUnavailable, Overloaded, AttemptTimedOut)
 
 
+def check_sender(req: InferRequest, peer: str | None, *, secured: bool) -> None:
+    """Where a query came from over ZeroMQ decides whether its header is believed. With CURVE on
+    (``secured``), its tenant, target and hops are trusted only from an authenticated site, and only if
+    that site is the last hop it claims (the one that forwarded it)."""
+    if not secured:
+        return
+    if peer is None:
+        raise Unauthenticated(f"request {req.request_id}: the sender is not an authenticated site; its "
+                              f"tenant and target claims are not trusted", reason="not_a_site")
+    if not req.hops or req.hops[-1] != peer:
+        raise PermissionDenied(f"request {req.request_id} from site {peer} claims hops {req.hops}",
+                               reason="hops")
+
+
 class SiteDataPlane:
     def __init__(self, site: str, view: MeshView, host: VariantHost, zmq: ZmqClient, *,
                  table: Callable[[], Router | None], peer_endpoint: Callable[[str], str | None],
@@ -66,6 +83,7 @@ class SiteDataPlane:
         self._table = table
         self._peer_endpoint = peer_endpoint
         self.demand = demand
+        self.secured = False  # CURVE on: forwarded queries are believed only from authenticated sites
         self.inflight = 0
         self.served = 0
         self.forwarded = 0
@@ -114,6 +132,11 @@ class SiteDataPlane:
             return await self._route(req, received)
         finally:
             self.inflight -= 1
+
+    async def infer_from_peer(self, req: InferRequest) -> InferResponse:
+        """The ZeroMQ server's handler: :meth:`infer` for a query another site forwarded."""
+        check_sender(req, current_peer(), secured=self.secured)
+        return await self.infer(req)
 
     # -- internals -------------------------------------------------------------------------
     def _check_tenant(self, tenant: str) -> None:

@@ -109,6 +109,8 @@ class MeshOptions:
     min_residency_s: float | None = None
     netns: bool = False              # every participant in its own network namespace (root)
     tls: bool = False                # edge APIs over mutual TLS, certificates issued into home/pki
+    # CURVE between sites: a CA in <home>/pki (made if missing) and a certificate + CURVE key per site
+    curve: bool = False
 
     def scheduler_config(self, candidate_id: str) -> SchedulerConfig:
         cfg = SchedulerConfig(candidate_id=candidate_id, mode=self.mode, proactive=self.proactive)
@@ -199,7 +201,10 @@ class LocalMesh(Service):
             if self.opts.scheduler:
                 self.scheduler = Scheduler(self.store, self.opts.scheduler_config(f"up-{os.getpid()}"))
                 await self.scheduler.start()
-        self._issue_certificates(names)
+        if self.opts.tls:
+            self._issue_certificates(names)
+        elif self.opts.curve:
+            self._issue_site_credentials(names)
         for name in names:
             # port 0: each agent binds its own (reserving ports here and releasing them raced with
             # the proxies' own listening ports); the proxies learn the real port when it is ready
@@ -402,6 +407,14 @@ class LocalMesh(Service):
             else:
                 await self.lab.unblock(src)
 
+    def _issue_site_credentials(self, names: list[str]) -> None:
+        """What `tiermesh pki init` (unless a CA is there) and `tiermesh pki issue --site S` do."""
+        pki = LocalPki.under(self.opts.home)
+        if not pki.exists():
+            pki.init()
+        for name in names:
+            pki.issue(Identity("site", name))
+
     # -- sites -----------------------------------------------------------------------------
     async def start_site(self, name: str) -> None:
         sp = self.sites[name]
@@ -415,8 +428,10 @@ class LocalMesh(Service):
                "--routing-mode", self.opts.mode, "--bind", self._address(name)]
         if sp.peer_map_path is not None:
             cmd += ["--peer-map", str(sp.peer_map_path)]
+        if self.opts.tls or self.opts.curve:
+            cmd += ["--pki-dir", str(LocalPki.under(self.opts.home).paths.root)]
         if not self.opts.tls:
-            cmd.append("--insecure")
+            cmd.append("--no-edge-tls" if self.opts.curve else "--insecure")
         env = {**os.environ, "TIERMESH_LOG_LEVEL": self.opts.agent_log_level, **self.opts.agent_env,
                **sp.extra_env}
         logf = sp.log_path.open("ab")

@@ -73,6 +73,7 @@ class Heartbeat:
     gpu: bool = False
     gpu_note: str = ""
     endpoint: str | None = None                   # ZeroMQ endpoint peers dial
+    curve_key: str | None = None                  # its CURVE server public key (Z85), when CURVE is on
     http: str | None = None                       # edge HTTP URL
     loaded: Mapping[str, LoadedVariant] = field(default_factory=dict)
     inflight: int = 0
@@ -131,4 +132,5 @@ class Heartbeat:
         return replace(hb, capacity=max(1, int(hb.capacity)), inflight=int(hb.inflight),
                        memory_used_bytes=int(hb.memory_used_bytes),
                        model_memory_budget_bytes=int(hb.model_memory_budget_bytes),
-                       ts=_num(hb.ts, "ts"), gpu=bool(hb.gpu))
+                       ts=_num(hb.ts, "ts"), gpu=bool(hb.gpu),
+                       curve_key=None if hb.curve_key is None else str(hb.curve_key))

@@ -21,6 +21,7 @@ The parts:
     mesh.zmq.client   ZmqClient                    the DEALER end, one socket per peer
     mesh.zmq.base     SocketSecurity, Heartbeat    what both ends share (and their lifecycle state)
     mesh.zmq.pump     Pump                         the socket pump under both
+    mesh.zmq.curve    CurveSecurity, SiteKeys      CURVE between sites, bound to the mesh CA (ZAP handler)
     mesh.zmq.sync     SyncZmqClient                the blocking client, for benchmarks
     mesh.zmq.protocol                              the wire codec (fast path)
     mesh.zmq.protocol_check                        the checked decoder the fast path falls back to

@@ -8,11 +8,18 @@ flight when its deadline passes is cancelled and answered with ``DeadlineExceede
 requests the server answers ``Overloaded``. A caller always gets a ``MeshError`` subclass, never
 silence. The ROUTER pings its clients too (:class:`mesh.zmq.base.Heartbeat`) and drops the
 connection of one that stops answering.
+
+Receive memory is bounded per peer: at most ``rcvhwm`` messages queued per connection (then TCP pushes back
+on that peer alone), each at most ``max_bytes`` plus a header (libzmq drops a peer that sends more). Garbage
+is answered where it names a request id, and logged at most once per peer every 10 s (counted in
+``garbage``). With ``security`` (:mod:`mesh.zmq.curve`), every request's sender must be an admitted peer:
+the handler reads who it is with :func:`current_peer`; a sender no longer admitted (revoked) is refused.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections.abc import Awaitable, Callable
 from typing import Any, Self, cast
 
@@ -20,20 +27,30 @@ import zmq
 import zmq.asyncio
 
 from mesh import clock
-from mesh.errors import DeadlineExceeded, MeshError, Overloaded
+from mesh.errors import DeadlineExceeded, MeshError, Overloaded, Unauthenticated
 from mesh.lifecycle import Service
 from mesh.log import get_logger, kv
 from mesh.types import InferRequest, InferResponse
 from mesh.zmq import protocol as wire
 from mesh.zmq.base import DEFAULT_HEARTBEAT, Heartbeat, SocketSecurity, close_context, open_context
+from mesh.zmq.curve import RateLimitedLog
 from mesh.zmq.protocol_check import DECODE_ERRORS, DEFAULT_MAX_BYTES, MAX_HEADER_BYTES
 from mesh.zmq.pump import Pump, io_socket
 
-__all__ = ["Handler", "ZmqServer"]
+__all__ = ["DEFAULT_RCVHWM", "Handler", "ZmqServer", "current_peer"]
 
 log = get_logger("mesh.zmq")
 
 Handler = Callable[[InferRequest], Awaitable[InferResponse]]
+# messages queued per peer connection before libzmq stops reading it: with max_bytes, its memory bound
+DEFAULT_RCVHWM = 256
+_PEER: contextvars.ContextVar[str | None] = contextvars.ContextVar("zmq_peer", default=None)
+
+
+def current_peer() -> str | None:
+    """Inside a handler: the authenticated peer (a site name, the ZAP ``User-Id``) that sent the request
+    being handled; None on a server without security, or outside a handler."""
+    return _PEER.get()
 
 
 class ZmqServer(Service):
@@ -42,7 +59,8 @@ class ZmqServer(Service):
     def __init__(self, handler: Handler, *, bind: str = "tcp://127.0.0.1:0",
                  ctx: zmq.asyncio.Context | None = None, security: SocketSecurity | None = None,
                  max_inflight: int = 1024, max_bytes: int = DEFAULT_MAX_BYTES,
-                 enforce_deadline: bool = True, heartbeat: Heartbeat = DEFAULT_HEARTBEAT) -> None:
+                 enforce_deadline: bool = True, heartbeat: Heartbeat = DEFAULT_HEARTBEAT,
+                 rcvhwm: int = DEFAULT_RCVHWM) -> None:
         self._handler = handler
         self._bind = bind
         # None until start(): then the shared context, or one of its own when ``security`` is set
@@ -54,6 +72,8 @@ class ZmqServer(Service):
         # False lets a handler answer after the deadline (tests of the client's late-reply path)
         self._enforce_deadline = enforce_deadline
         self._heartbeat = heartbeat
+        self._rcvhwm = rcvhwm
+        self.garbage = RateLimitedLog()  # bad frames and refused senders, logged per peer at most every 10 s
         self._sock: zmq.Socket[Any] | None = None
         self._pump: Pump | None = None
         self._inflight: set[asyncio.Task[None]] = set()
@@ -78,12 +98,15 @@ class ZmqServer(Service):
             sock.setsockopt(zmq.IPV6, 1)  # a caller's own context may lack dual_stack(): tcp://[::1]:0 works
             # libzmq drops a peer that sends a frame over this, before we ever buffer it
             sock.setsockopt(zmq.MAXMSGSIZE, self._max_bytes + MAX_HEADER_BYTES)
+            sock.setsockopt(zmq.RCVHWM, self._rcvhwm)
             self._heartbeat.apply(sock, client=False)
             if self._security is not None:
                 self._security.apply_server(sock)
             sock.bind(self._bind)
         except Exception:
             if sock is not None:
+                if self._security is not None:
+                    self._security.release_server(sock)
                 sock.close(linger=0)
             self._release_context()
             raise
@@ -100,6 +123,8 @@ class ZmqServer(Service):
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if self._sock is not None:
+            if self._security is not None:
+                self._security.release_server(self._sock)
             self._sock.close(linger=0)
         self._release_context()
 
@@ -118,11 +143,24 @@ class ZmqServer(Service):
     def _dispatch(self, msg: list[zmq.Frame]) -> None:
         ident, frames = msg[0], msg[1:]
         now = clock.monotonic()
+        peer: str | None = None
+        if self._security is not None and frames:
+            # the ROUTER's identity frame carries no metadata: the peer's own frames do
+            peer = self._security.peer(frames[0])
+            if peer is None:
+                rid = wire.peek_request_id(frames)
+                self.garbage.warn(_who(frames[0]), "request from a peer not (or no longer) admitted",
+                                  request_id=rid, reason="unauthenticated")
+                if rid is not None:
+                    self._reply(ident, wire.encode_error(rid, Unauthenticated(
+                        "the sender is not an admitted site (revoked?)", reason="not_admitted")))
+                return
         try:
             req = wire.decode_request(frames, max_bytes=self._max_bytes, now=now)
         except DECODE_ERRORS as exc:
             rid = wire.peek_request_id(frames)
-            log.warning("bad request frames: %s", exc.message, extra=kv(request_id=rid, reason=exc.code))
+            self.garbage.warn(peer or _who(frames[0] if frames else ident), "bad request frames: %s",
+                              exc.message, request_id=rid, reason=exc.code)
             if rid is not None:
                 self._reply(ident, wire.encode_error(rid, exc))
             return
@@ -136,11 +174,13 @@ class ZmqServer(Service):
             self._reply(ident, wire.encode_error(req.request_id, Overloaded(
                 f"{len(self._inflight)} requests in flight at {self._endpoint}")))
             return
-        task = asyncio.get_running_loop().create_task(self._handle(ident, req))
+        task = asyncio.get_running_loop().create_task(self._handle(ident, req, peer))
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
 
-    async def _handle(self, ident: zmq.Frame, req: InferRequest) -> None:
+    async def _handle(self, ident: zmq.Frame, req: InferRequest, peer: str | None = None) -> None:
+        if peer is not None:
+            _PEER.set(peer)  # this task's own context: seen by the handler, nowhere else
         rid = req.request_id
         frames: list[Any]
         expired: list[bool] = []
@@ -184,6 +224,14 @@ class ZmqServer(Service):
             pump.send([ident, *frames])
         except zmq.ZMQError as exc:  # a vanished peer: expected, not a crash
             log.debug("reply to a peer failed: %s", exc)
+
+
+def _who(frame: zmq.Frame) -> str:
+    """A name for the sender of ``frame`` in logs: its address (where the transport knows it)."""
+    try:
+        return str(frame.get("Peer-Address"))
+    except zmq.ZMQError:
+        return "?"
 
 
 def _expire_task(task: asyncio.Task[None], expired: list[bool]) -> None:

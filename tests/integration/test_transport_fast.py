@@ -48,6 +48,12 @@ class CurveKeys:
         sock.curve_publickey = self.client_public
         sock.curve_secretkey = self.client_secret
 
+    def release_server(self, sock: zmq.Socket[Any]) -> None:
+        pass
+
+    def peer(self, frame: zmq.Frame) -> str | None:
+        return "any"  # no ZAP handler: every client key is admitted, under one name
+
 
 async def test_ends_without_a_context_share_one_and_release_it() -> None:
     users = SharedContext.users()
@@ -88,22 +94,27 @@ async def test_failed_start_releases_the_shared_context() -> None:
     assert SharedContext.users() == users
 
 
-async def test_secured_ends_keep_a_context_of_their_own() -> None:
-    keys = CurveKeys()
+async def test_secured_ends_share_a_context_only_with_the_same_security() -> None:
+    keys, other = CurveKeys(), CurveKeys()
     users = SharedContext.users()
     server = ZmqServer(echo, security=keys)
     client = ZmqClient(security=keys)
+    stranger = ZmqServer(echo, security=other)
     try:
         await server.start()
+        await stranger.start()
         resp = await client.request(server.endpoint, make_req(x=np.ones(4, np.float32)))
         np.testing.assert_array_equal(resp.outputs["x"], np.ones(4, np.float32))
-        own = (server._ctx, client._ctx)  # private: see above
-        assert own[0] is not None and own[1] is not None and own[0] is not own[1]
-        assert SharedContext.users() == users  # a ZAP handler is per context: never shared
+        own = (server._ctx, client._ctx, stranger._ctx)  # private: see above
+        assert own[0] is not None and own[0] is own[1] and own[2] is not None and own[2] is not own[0]
+        assert SharedContext.users() == users  # a ZAP handler is per context: never the shared one
+        await server.stop()
+        assert not own[0].closed  # the client still holds it
     finally:
         await client.close()
         await server.stop()
-    assert own[0].closed and own[1].closed
+        await stranger.stop()
+    assert own[0].closed and own[2].closed
 
 
 async def test_a_given_context_is_left_open() -> None:

@@ -15,7 +15,8 @@ pytestmark = pytest.mark.unit
 
 def _beat() -> Heartbeat:
     return Heartbeat(site="edge-1", ts=1.5, tier="edge", hardware_class="cpu-x86", gpu=False,
-                     endpoint="tcp://127.0.0.1:5555", http="http://127.0.0.1:8080",
+                     endpoint="tcp://127.0.0.1:5555", curve_key="rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7",
+                     http="http://127.0.0.1:8080",
                      loaded={"mlp-tiny": LoadedVariant(task="digits", queue_ms=1.25, queued_rows=3, served=7)},
                      inflight=2, capacity=16, model_memory_budget_bytes=1000, memory_used_bytes=400,
                      demand=(DemandSample(task="digits", slo_class="tight-lo", tenant="acme", qps=4.0,
@@ -37,7 +38,7 @@ def test_liveness_fields_are_added_without_touching_the_rest() -> None:
 
 def test_unknown_fields_are_dropped_and_missing_ones_default() -> None:
     hb = Heartbeat.from_json({"site": "s", "future_field": {"x": 1}, "capacity": 0})
-    assert hb.site == "s" and hb.loaded == {} and hb.demand == ()
+    assert hb.site == "s" and hb.loaded == {} and hb.demand == () and hb.curve_key is None
     assert hb.capacity == 1  # never zero: routing divides by it
 
 

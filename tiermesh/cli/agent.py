@@ -37,10 +37,17 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--lease-ttl", type=float, default=3.0, help="liveness lease TTL in seconds")
     p.add_argument("--routing-mode", default="tiermesh",
                    help="tiermesh (default) or a baseline policy for benchmarks: edge-only, core-only, static, infaas")
+    p.add_argument("--pki-dir", type=Path, default=None,
+                   help="PKI directory holding ca.pem and sites/SITE.pem, SITE-key.pem, SITE.curve (default "
+                        "HOME/pki): the edge API's certificate, and the CURVE keys site-to-site links use to admit "
+                        "only sites with valid certificates")
     p.add_argument("--insecure", action="store_true",
-                   help="serve the edge API over plain HTTP, the tenant taken from the X-Tiermesh-Tenant header "
-                        "(development only: anyone can claim any tenant). Default: HTTPS with client "
-                        "certificates, the site's certificate from HOME/pki/sites/SITE.pem")
+                   help="development only (prints a warning): the edge API over plain HTTP with the tenant taken "
+                        "from the X-Tiermesh-Tenant header (anyone can claim any tenant), and no CURVE between "
+                        "sites. Default: HTTPS with client certificates, CURVE between sites")
+    p.add_argument("--no-edge-tls", action="store_true",
+                   help="the edge API over plain HTTP (tenant from the header) while site-to-site links keep "
+                        "CURVE: for an agent behind a TLS-terminating proxy that sets the header, and for tests")
     p.add_argument("--ready-file", type=Path, default=None,
                    help="write {http, zmq} here once serving (for harnesses)")
     p.set_defaults(func=run_agent)
@@ -71,11 +78,13 @@ def agent_config(args: argparse.Namespace, settings: MeshSettings) -> AgentConfi
                        lease_ttl_s=args.lease_ttl, routing_mode=args.routing_mode,
                        idle_unload_s=settings.agent_idle_unload_s,
                        demand_window_s=settings.agent_demand_window_s, max_body_bytes=settings.max_body_bytes,
-                       tls=not getattr(args, "insecure", False))
+                       tls=not (getattr(args, "insecure", False) or getattr(args, "no_edge_tls", False)),
+                       pki_dir=getattr(args, "pki_dir", None), insecure=bool(getattr(args, "insecure", False)))
 
 
 INSECURE_WARNING = ("WARNING: --insecure: the edge API speaks plain HTTP and believes the X-Tiermesh-Tenant "
-                    "header; any caller can claim any tenant. For development only.")
+                    "header; any caller can claim any tenant; site-to-site links are not authenticated. "
+                    "For development only.")
 
 
 def _path(value: str | Path | None) -> Path | None:

@@ -1,0 +1,250 @@
+"""CURVE between sites, bound to the mesh CA: who may open a ZeroMQ connection to a site, and as whom.
+
+    SiteKeys        the CURVE public keys of the sites whose certificates (``pki/sites/*.pem``) verify against
+                    the CA and the revocation list (a :class:`mesh.pki.TrustStore`), re-read when those files
+                    change: key -> site, site -> key
+    CurveSecurity   the :class:`mesh.zmq.base.SocketSecurity` of a site: its own key pair on every socket; on a
+                    server, a ZAP handler that admits a client key only if ``SiteKeys`` knows it, with the
+                    site's name as the connection's ZMTP ``User-Id``
+    RateLimitedLog  one warning per peer per ``every_s`` for garbage, the rest counted
+
+The ZAP handler is a ROUTER on ``inproc://zeromq.zap.01`` of the server's own context (libzmq asks it once
+per handshake), driven by the same :class:`mesh.zmq.pump.Pump` as the data sockets: a refused peer finishes no
+handshake and gets nothing, not even an error (its own client sees ``handshake failed (authentication)``,
+callers see ``PeerUnavailable`` or their deadline). A site revoked while connected keeps its connection but
+:meth:`CurveSecurity.peer` stops naming it within one refresh (1 s by default), so its requests are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from mesh.errors import ConfigError, MeshError, PeerUnavailable
+from mesh.lifecycle import Service, cancel_and_wait
+from mesh.log import get_logger, kv
+from mesh.pki.curve import CurveKeyPair, curve_key_from_extension, raw_curve_key, z85_encode
+from mesh.pki.files import PkiPaths, read_cert
+from mesh.pki.identity import Kind
+from mesh.pki.reload import TrustStore
+from mesh.zmq.pump import Pump, io_socket
+
+__all__ = ["ZAP_ENDPOINT", "CurveSecurity", "RateLimitedLog", "SiteKeys"]
+
+log = get_logger("mesh.zmq")
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by ZeroMQ RFC 27
+_SITE: tuple[Kind, ...] = ("site",)
+_RECHECK_S = 30.0  # re-verify unchanged certificates this often anyway: they expire without changing
+
+
+class RateLimitedLog:
+    """At most one warning per key every ``every_s``; what is held back is counted and said with the next one.
+    Remembers at most ``max_keys`` keys (the least recently warned are forgotten), so a flood from many
+    peers costs bounded memory."""
+
+    def __init__(self, every_s: float = 10.0, max_keys: int = 1024) -> None:
+        self.every_s, self.max_keys = every_s, max_keys
+        self.total = 0      # every event seen
+        self.logged = 0     # warnings written
+        self._last: OrderedDict[str, tuple[float, int]] = OrderedDict()
+
+    def warn(self, key: str, message: str, *args: Any, **fields: Any) -> bool:
+        self.total += 1
+        now = time.monotonic()
+        last = self._last.get(key)
+        if last is not None and now - last[0] < self.every_s:
+            self._last[key] = (last[0], last[1] + 1)
+            return False
+        held = last[1] if last is not None else 0
+        self._last[key] = (now, 0)
+        self._last.move_to_end(key)
+        while len(self._last) > self.max_keys:
+            self._last.popitem(last=False)
+        self.logged += 1
+        log.warning(message + (f" ({held} more from {key} not logged)" if held else ""), *args,
+                    extra=kv(peer=key, **fields))
+        return True
+
+
+class SiteKeys(Service):
+    """The CURVE keys bound by valid, unrevoked site certificates in ``paths.root/sites``. ``refresh()`` re-reads
+    them when a certificate, the CA or the revocation list changed (and every 30 s regardless); started as a
+    ``Service`` it does so every ``interval_s``."""
+
+    def __init__(self, paths: PkiPaths, trust: TrustStore | None = None, *, interval_s: float = 1.0) -> None:
+        self.paths, self.interval_s = paths, interval_s
+        self.trust = trust or TrustStore.under(paths, interval_s=interval_s)
+        self._by_key: dict[bytes, str] = {}
+        self._by_site: dict[str, bytes] = {}
+        self._stamp: tuple[Any, ...] | None = None
+        self._checked = 0.0
+        self._refused: dict[str, str] = {}
+        self._task: asyncio.Task[None] | None = None
+        self.refresh(force=True)
+
+    def site_of(self, public: bytes) -> str | None:
+        """The site whose certificate binds ``public`` (32 raw bytes, as ZAP gives it), or None."""
+        return self._by_key.get(public)
+
+    def key_of(self, site: str) -> bytes | None:
+        """The Z85 CURVE public key ``site``'s valid certificate binds, or None."""
+        return self._by_site.get(site)
+
+    def sites(self) -> list[str]:
+        return sorted(self._by_site)
+
+    def admits(self, site: str) -> bool:
+        return site in self._by_site
+
+    def _files(self) -> list[Path]:
+        return sorted(p for p in (self.paths.root / "sites").glob("*.pem") if not p.name.endswith("-key.pem"))
+
+    def refresh(self, *, force: bool = False) -> bool:
+        trust_changed = self.trust.refresh()
+        files = self._files()
+        stamp = tuple((p.name, *_stat(p)) for p in files)
+        now = time.monotonic()
+        if not (force or trust_changed or stamp != self._stamp or now - self._checked > _RECHECK_S):
+            return False
+        by_key: dict[bytes, str] = {}
+        refused: dict[str, str] = {}
+        for path in files:
+            try:
+                cert = read_cert(path)
+                site = self.trust.verify(cert, use="client", kinds=_SITE).name
+                if site != path.name[:-4]:
+                    raise ConfigError(f"{path} holds the certificate of {site}")
+                key = curve_key_from_extension(cert)
+                if key is None:
+                    raise ConfigError("the certificate binds no CURVE key")
+            except (MeshError, OSError) as exc:
+                refused[path.name] = str(exc)
+                continue
+            by_key[raw_curve_key(key)] = site
+        for name, why in refused.items():
+            if self._refused.get(name) != why:
+                log.warning("site certificate %s not admitted to CURVE: %s", name, why,
+                            extra=kv(event="curve_refused"))
+        gone = set(self._by_site) - set(by_key.values())
+        if gone:
+            log.warning("CURVE keys of %s no longer admitted", sorted(gone), extra=kv(event="curve_revoked"))
+        self._by_key = by_key
+        self._by_site = {site: z85_encode(raw) for raw, site in by_key.items()}
+        self._refused, self._stamp, self._checked = refused, stamp, now
+        return True
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                self.refresh()
+            except Exception:
+                log.exception("re-reading site certificates failed; the previous keys stay in force")
+
+    async def _start(self) -> None:
+        self._task = asyncio.create_task(self._poll(), name="SiteKeys.poll")
+
+    async def _stop(self) -> None:
+        await cancel_and_wait(self._task)
+
+
+def _stat(path: Path) -> tuple[int, int]:
+    try:
+        st = path.stat()
+    except OSError:  # gone between the listing and now: the next refresh sees it gone
+        return (0, -1)
+    return (st.st_mtime_ns, st.st_size)
+
+
+class _ZapHandler:
+    """ZAP (RFC 27) on one context: admits the CURVE client keys ``sites`` knows, as their site."""
+
+    def __init__(self, ctx: zmq.Context[Any], sites: SiteKeys, refusals: RateLimitedLog) -> None:
+        self.sites, self.refusals = sites, refusals
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        try:
+            self.sock.bind(ZAP_ENDPOINT)
+        except zmq.ZMQError:
+            self.sock.close(linger=0)
+            raise
+        self.pump = Pump(io_socket(self.sock), self._on_request, "zap handler")
+        self.users = 0
+
+    def _on_request(self, msg: list[zmq.Frame]) -> None:
+        parts = [f.bytes for f in msg]
+        # [routing id, b"", version, request id, domain, address, identity, mechanism, *credentials]
+        if len(parts) < 8 or parts[1] != b"" or parts[2] != b"1.0":
+            self.refusals.warn("zap", "malformed ZAP request (%d frames)", len(parts))
+            return
+        rid, address, mechanism = parts[3], parts[5].decode(errors="replace"), parts[7]
+        site = None
+        if mechanism == b"CURVE" and len(parts) == 9 and len(parts[8]) == 32:
+            site = self.sites.site_of(parts[8])
+        if site is None:
+            self.refusals.warn(address or "?", "refused a %s handshake from %s: its key is not bound to a valid "
+                               "site certificate", mechanism.decode(errors="replace"), address,
+                               event="curve_refused")
+            reply = [b"1.0", rid, b"400", b"key not bound to a valid site certificate", b"", b""]
+        else:
+            reply = [b"1.0", rid, b"200", b"OK", site.encode(), b""]
+        try:
+            self.pump.send([parts[0], b"", *reply])
+        except zmq.ZMQError as exc:
+            log.debug("ZAP reply failed: %s", exc)
+
+    def close(self) -> None:
+        self.pump.close()
+        self.sock.close(linger=0)
+
+
+class CurveSecurity:
+    """A site's CURVE: its own ``keys`` on every socket; servers admit the sites ``sites`` knows."""
+
+    def __init__(self, keys: CurveKeyPair, sites: SiteKeys, *, domain: str = "tiermesh") -> None:
+        self.keys, self.sites, self.domain = keys, sites, domain
+        self.refusals = RateLimitedLog()
+        self._zap: dict[int, _ZapHandler] = {}
+
+    @property
+    def public_key(self) -> str:
+        return self.keys.public.decode()
+
+    def apply_server(self, sock: zmq.Socket[Any]) -> None:
+        ctx = sock.context
+        zap = self._zap.get(id(ctx))
+        if zap is None:
+            zap = self._zap[id(ctx)] = _ZapHandler(ctx, self.sites, self.refusals)
+        zap.users += 1
+        sock.setsockopt(zmq.ZAP_DOMAIN, self.domain.encode())
+        sock.setsockopt(zmq.CURVE_SECRETKEY, self.keys.secret)
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+
+    def release_server(self, sock: zmq.Socket[Any]) -> None:
+        zap = self._zap.get(id(sock.context))
+        if zap is not None:
+            zap.users -= 1
+            if zap.users <= 0:
+                del self._zap[id(sock.context)]
+                zap.close()
+
+    def apply_client(self, sock: zmq.Socket[Any], server_key: bytes | None) -> None:
+        if server_key is None:
+            raise PeerUnavailable("no CURVE key known for this peer (no live record with one, or it disagrees "
+                                  "with the site's certificate)")
+        sock.setsockopt(zmq.CURVE_SERVERKEY, server_key)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, self.keys.public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, self.keys.secret)
+
+    def peer(self, frame: zmq.Frame) -> str | None:
+        """The site that sent ``frame``, if it is still admitted (a revoked one is not, once noticed)."""
+        try:
+            user = frame.get("User-Id")
+        except zmq.ZMQError:
+            return None
+        return user if isinstance(user, str) and self.sites.admits(user) else None

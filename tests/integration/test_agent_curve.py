@@ -1,0 +1,56 @@
+"""The agent's CURVE switch: on when its site credentials are in the PKI directory, refused when an explicit
+directory lacks them, off (with a warning) under ``insecure``; the live record publishes the key."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from edge_agent.agent import Agent, AgentConfig
+from mesh.errors import ConfigError
+from mesh.etcd.server import EmbeddedEtcd
+from mesh.etcd.store import Store
+from mesh.pki.identity import Identity
+from mesh.pki.local import LocalPki
+from mesh.settings import MeshSettings
+from tiermesh.cli.agent import agent_config
+from topology.loader import load_topology_file
+from topology.store_io import apply as apply_topology
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+
+TOPOLOGY = Path(__file__).resolve().parents[1] / "data" / "topology_small.yaml"
+SITE = "edge-fra-1"
+
+
+def _cfg(store: Store, etcd: EmbeddedEtcd, home: Path, **kw: object) -> AgentConfig:
+    return AgentConfig(site=SITE, etcd=etcd.url, prefix=store.prefix, home=home, lease_ttl_s=2.0,
+                       **kw)  # type: ignore[arg-type]
+
+
+def test_the_command_line_reaches_the_config(tmp_path: Path) -> None:
+    args = argparse.Namespace(etcd="http://127.0.0.1:1", site=SITE, prefix=None, home=None, http_port=0,
+                              zmq_port=0, peer_map=None, lease_ttl=2.0, routing_mode="tiermesh",
+                              pki_dir=tmp_path, insecure=True)
+    cfg = agent_config(args, MeshSettings())
+    assert cfg.pki_dir == tmp_path and cfg.insecure
+
+
+async def test_curve_follows_the_site_credentials(store: Store, etcd_server: EmbeddedEtcd, tmp_path: Path,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    await apply_topology(store, load_topology_file(TOPOLOGY))
+    with pytest.raises(ConfigError, match="pki issue --site edge-fra-1"):
+        async with Agent(_cfg(store, etcd_server, tmp_path, pki_dir=tmp_path / "nothing-here")):
+            pass
+    async with Agent(_cfg(store, etcd_server, tmp_path)) as agent:  # default <home>/pki: none yet
+        assert agent.curve is None and agent._live_record().curve_key is None
+    pki = LocalPki.under(tmp_path)
+    pki.init()
+    pki.issue(Identity("site", SITE))
+    async with Agent(_cfg(store, etcd_server, tmp_path)) as agent:
+        assert agent.curve is not None and agent.dataplane is not None and agent.dataplane.secured
+        assert agent._live_record().curve_key == pki.curve(Identity("site", SITE)).public.decode()
+    async with Agent(_cfg(store, etcd_server, tmp_path, insecure=True)) as agent:
+        assert agent.curve is None and "NOT authenticated" in caplog.text
