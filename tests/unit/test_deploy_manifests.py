@@ -18,6 +18,8 @@ import pytest
 from ruamel.yaml import YAML
 
 from mesh.errors import ConfigError
+from mesh.pki.files import PkiPaths
+from mesh.pki.identity import Identity
 from mesh.settings import MeshSettings
 from tiermesh import deploy
 from tiermesh.cli.main import build_parser
@@ -127,13 +129,28 @@ def test_every_site_has_its_agent() -> None:
         assert args[args.index("--advertise") + 1] == "$(POD_IP)"
         pod_ip = next(e for e in c["env"] if e["name"] == "POD_IP")
         assert pod_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
-        assert c["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
-        assert c["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
+        assert "--insecure" not in args, "agents are secured: HTTPS with client certificates"
+        # the kubelet has no client certificate: no httpGet; readiness asks with the site's own one
+        assert c["livenessProbe"]["tcpSocket"]["port"] == c["startupProbe"]["tcpSocket"]["port"] == "http"
+        command, ns = _parse(c["readinessProbe"]["exec"]["command"][1:])
+        assert c["readinessProbe"]["exec"]["command"][0] == "tiermesh"
+        assert (command, ns.probe, ns.site, ns.insecure) == ("agent", True, site.name, False)
+        assert ns.http_port == int(_flag(args, "--http-port"))
+        # the agent reads its PKI from $TIERMESH_HOME/pki (PkiPaths); exactly those files are mounted there
+        home = _env(c)["TIERMESH_HOME"]
+        pki, me = PkiPaths.under(home), Identity("site", site.name)
+        mounted = _secret_files(pod, c)
+        wanted = {pki.ca_cert, pki.crl, pki.cert(me), pki.key(me), pki.curve(me)}
+        assert {Path(f) for f in mounted if Path(f).is_relative_to(pki.root)} == wanted, site.name
+        assert {mounted[str(pki.cert(me))][0], mounted[str(pki.key(me))][0]} == {deploy.site_secret(site.name)}
+        assert mounted[str(pki.ca_cert)][0] == mounted[str(pki.crl)][0] == deploy.TRUST_SECRET
+        assert {Path(f): v for f, v in mounted.items()} == deploy.agent_pki_files(site.name)
+        # and its etcd client certificate is the site's own
+        assert (_env(c)["TIERMESH_ETCD_CERT"], _env(c)["TIERMESH_ETCD_KEY"]) == (str(pki.cert(me)), str(pki.key(me)))
         limits = c["resources"]["limits"]
         assert limits["cpu"] == str(site.hardware.cpu_cores)
         assert limits["memory"] == f"{site.hardware.memory_mb}Mi"
         assert limits.get("nvidia.com/gpu", 0) == len(site.hardware.gpus)
-        assert any(v.get("secret", {}).get("secretName") == deploy.site_secret(site.name) for v in pod["volumes"])
         services = [s for s in _kind("Service") if s["spec"].get("selector", {}).get("tiermesh.io/site") == site.name]
         assert bool(services) == (site.tier == "edge"), f"{site.name}: an OIP Service exactly for edge sites"
     # edge boxes are small, the core large: the requests say so too
@@ -190,14 +207,40 @@ def test_etcd_is_a_three_member_cluster_named_by_its_pods() -> None:
     assert _named("PodDisruptionBudget", "etcd")["spec"]["minAvailable"] == 2
 
 
+def _env(container: Doc) -> dict[str, str]:
+    """The container's environment as the kubelet builds it: envFrom ConfigMaps, then env (which wins)."""
+    out: dict[str, str] = {}
+    for ref in container.get("envFrom", []):
+        out |= _named("ConfigMap", ref["configMapRef"]["name"])["data"]
+    return out | {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+
+
+def _secret_sources(volume: Doc) -> list[Doc]:
+    """The Secret references of a ``secret`` or ``projected`` volume, as {name, items?}."""
+    if "secret" in volume:
+        return [{"name": volume["secret"]["secretName"], **({"items": volume["secret"]["items"]}
+                                                             if "items" in volume["secret"] else {})}]
+    return [src["secret"] for src in volume.get("projected", {}).get("sources", []) if "secret" in src]
+
+
+def _secret_files(pod: Doc, container: Doc) -> dict[str, tuple[str, str]]:
+    """Every file the container sees from a Secret: its path -> (Secret, key). Without ``items`` a Secret
+    volume shows every key of the Secret under its own name."""
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    files: dict[str, tuple[str, str]] = {}
+    for m in container.get("volumeMounts", []):
+        for src in _secret_sources(volumes.get(m["name"], {})):  # claim templates are not pod volumes
+            secret = _named("Secret", src["name"])
+            keys = {**secret.get("data", {}), **secret.get("stringData", {})}
+            items = src.get("items") or [{"key": k, "path": k} for k in keys]
+            for item in items:
+                assert item["key"] in keys, f"{container['name']}: Secret {src['name']} has no key {item['key']}"
+                files[f"{m['mountPath'].rstrip('/')}/{item['path']}"] = (src["name"], item["key"])
+    return files
+
+
 def _assert_file_from_secret(pod: Doc, container: Doc, path: str) -> None:
-    mount = next((m for m in container["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/")), None)
-    assert mount is not None, f"{container['name']}: {path} is not under any mount"
-    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
-    assert "secret" in volume, f"{container['name']}: {path} is not from a Secret"
-    secret = _named("Secret", volume["secret"]["secretName"])
-    key = path[len(mount["mountPath"].rstrip("/")) + 1:]
-    assert key in {**secret.get("data", {}), **secret.get("stringData", {})}, f"{secret['metadata']['name']}: {key}"
+    assert path in _secret_files(pod, container), f"{container['name']}: {path} is not a file from a Secret"
 
 
 def test_tiermesh_pods_find_their_etcd_certificates() -> None:
@@ -208,8 +251,10 @@ def test_tiermesh_pods_find_their_etcd_certificates() -> None:
             if not _is_tiermesh(c):
                 continue
             assert {"configMapRef": {"name": deploy.CONFIG_MAP}} in c.get("envFrom", []), c["name"]
+            env = _env(c)
+            assert env["TIERMESH_ETCD"] == config["TIERMESH_ETCD"]
             for key in ("TIERMESH_ETCD_CA", "TIERMESH_ETCD_CERT", "TIERMESH_ETCD_KEY"):
-                _assert_file_from_secret(tpl["spec"], c, config[key])
+                _assert_file_from_secret(tpl["spec"], c, env[key])
             seen += 1
     assert seen >= 10
 
@@ -235,12 +280,22 @@ def test_service_selectors_and_ports_match_pods() -> None:
 
 
 def test_probes_use_declared_ports() -> None:
+    seen = 0
     for _, tpl in _pod_templates():
         for c in tpl["spec"]["containers"]:
             names = {p["name"] for p in c.get("ports", [])}
             for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
-                if probe in c:
-                    assert c[probe]["httpGet"]["port"] in names, f"{c['name']}.{probe}"
+                if probe not in c:
+                    continue
+                handler = c[probe].get("httpGet") or c[probe].get("tcpSocket")
+                if handler is not None:
+                    assert handler["port"] in names, f"{c['name']}.{probe}"
+                else:  # an exec probe: a real command of the image (args checked against the CLI)
+                    command = c[probe]["exec"]["command"]
+                    assert _is_tiermesh(c) and command[0] == "tiermesh", f"{c['name']}.{probe}: {command}"
+                    _parse(command[1:])
+                seen += 1
+    assert seen >= 10
 
 
 def test_every_reference_exists() -> None:
@@ -252,8 +307,10 @@ def test_every_reference_exists() -> None:
         spec = tpl["spec"]
         volumes = {v["name"]: v for v in spec.get("volumes", [])}
         for v in volumes.values():
-            if "secret" in v:
-                assert v["secret"]["secretName"] in secrets, f"{where}: Secret {v['secret']['secretName']}"
+            for src in _secret_sources(v):
+                assert src["name"] in secrets, f"{where}: Secret {src['name']}"
+            for src in v.get("projected", {}).get("sources", []):
+                assert set(src) <= {"secret", "configMap"}, f"{where}: projected {set(src)}"
             if "configMap" in v:
                 assert v["configMap"]["name"] in configmaps, f"{where}: ConfigMap {v['configMap']['name']}"
             if "persistentVolumeClaim" in v:

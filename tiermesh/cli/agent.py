@@ -1,18 +1,26 @@
-"""``tiermesh agent --site NAME``: run one site agent in the foreground until SIGINT/SIGTERM."""
+"""``tiermesh agent --site NAME``: run one site agent in the foreground until SIGINT/SIGTERM.
+
+``tiermesh agent --site NAME --http-port PORT --probe`` instead asks that site's running agent whether it is
+ready, over mutual TLS with the site's own certificate (Kubernetes' ``httpGet`` probes cannot present one).
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import http.client
 import signal
+import ssl
 import sys
 from pathlib import Path
 
 from edge_agent.agent import Agent, AgentConfig, load_peer_map
 from mesh.errors import ConfigError
+from mesh.pki.files import PkiPaths
+from mesh.pki.identity import Identity
 from mesh.settings import MeshSettings
 
-__all__ = ["INSECURE_WARNING", "agent_config", "register", "run_agent"]
+__all__ = ["INSECURE_WARNING", "agent_config", "probe_ready", "register", "run_agent"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -50,6 +58,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                         "CURVE: for an agent behind a TLS-terminating proxy that sets the header, and for tests")
     p.add_argument("--ready-file", type=Path, default=None,
                    help="write {http, zmq} here once serving (for harnesses)")
+    p.add_argument("--probe", action="store_true",
+                   help="do not run an agent: ask SITE's running agent on --http-port (at --bind, default "
+                        "127.0.0.1) for /v2/health/ready over mutual TLS with the site's own certificate, and exit "
+                        "0 if it is ready, 1 if not (a Kubernetes exec readiness probe)")
     p.set_defaults(func=run_agent)
 
 
@@ -91,7 +103,51 @@ def _path(value: str | Path | None) -> Path | None:
     return Path(value) if value else None
 
 
+def probe_ready(home: Path, site: str, port: int, *, host: str = "127.0.0.1", tls: bool = True,
+                timeout_s: float = 5.0) -> tuple[bool, str]:
+    """(ready?, why) from ``GET /v2/health/ready`` on ``host:port``. With ``tls`` the client presents the site's
+    certificate from ``home/pki`` (the health endpoints admit any valid identity) and requires the server to
+    prove that same site identity: we dial ourselves by a local address, which no certificate names, so the
+    check is on the identity rather than the host name."""
+    if not 0 < port < 65536:
+        raise ConfigError(f"--probe needs the agent's --http-port (1-65535), not {port}")
+    conn: http.client.HTTPConnection
+    paths, identity = PkiPaths.under(home), Identity("site", site)
+    if tls:
+        try:
+            ctx = ssl.create_default_context(cafile=str(paths.ca_cert))
+            ctx.check_hostname = False  # verify_mode stays CERT_REQUIRED: the chain is checked, then the SAN
+            ctx.load_cert_chain(paths.cert(identity), paths.key(identity))
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"--probe: cannot load site {site}'s credentials under {paths.root}: {exc}") from exc
+        conn = http.client.HTTPSConnection(host, port, context=ctx, timeout=timeout_s)
+    else:
+        conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+    try:
+        conn.connect()
+        if isinstance(conn.sock, ssl.SSLSocket):
+            sans = (conn.sock.getpeercert() or {}).get("subjectAltName", ())
+            if ("URI", identity.uri) not in sans:
+                return False, f"the server at {host}:{port} is not {identity.uri} (SANs {list(sans)})"
+        conn.request("GET", "/v2/health/ready")
+        resp = conn.getresponse()
+        body = resp.read(4096).decode("utf-8", "replace")
+    except (OSError, ssl.SSLError, http.client.HTTPException) as exc:
+        return False, f"{host}:{port}: {type(exc).__name__}: {exc}"
+    finally:
+        conn.close()
+    return resp.status == 200, f"{resp.status} {body.strip()}"
+
+
 async def run_agent(args: argparse.Namespace) -> int:
+    if getattr(args, "probe", False):
+        settings = MeshSettings()
+        home = Path(args.home) if args.home else settings.home
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(args.bind, args.bind) if args.bind else "127.0.0.1"
+        ok, why = await asyncio.to_thread(probe_ready, home, args.site, args.http_port, host=host,
+                                          tls=not args.insecure)
+        print(f"agent {args.site}: {'ready' if ok else 'not ready'}: {why}", file=sys.stdout if ok else sys.stderr)
+        return 0 if ok else 1
     cfg = agent_config(args, MeshSettings())
     if not cfg.tls:
         print(INSECURE_WARNING, file=sys.stderr, flush=True)
