@@ -6,7 +6,10 @@ re-computes the limits from its cluster view on every view change (:meth:`DoorQu
 buckets keep their tokens across updates, so a new share takes effect without a free refill.
 
 Only queries entering the mesh here are charged (``SiteDataPlane.infer`` calls :meth:`admit` for a
-query that arrives with no hops); a hop forwarded from another site was charged at its door.
+query that arrives with no hops, whichever transport brought it: HTTP, the in-process SDK, a ZeroMQ
+caller that is not a site); a hop forwarded from another site was charged at its door. A hop list is
+believed only from an authenticated site once site-to-site CURVE is in place (issue 11, item 3); until
+then a ZeroMQ caller that claims hops escapes the charge, as it escapes every other tenant check.
 Over quota raises :class:`mesh.errors.QuotaExceeded` (HTTP 429) with ``retry_after_s``: whole
 seconds until a token is available (at least 1, at most :data:`MAX_RETRY_AFTER_S`); 1 for an
 in-flight refusal, whose slot frees when some query finishes. Tenants without quotas (and tenants
