@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import numpy as np
@@ -16,7 +17,7 @@ import pytest
 from edge_agent.agent import Agent, AgentConfig
 from mesh.etcd.server import EmbeddedEtcd
 from mesh.etcd.store import Store
-from mesh.types import SLO, InferRequest
+from mesh.types import SLO, InferRequest, TensorSpec
 from mesh.v2.codec import TENANT_HEADER
 from mesh.zmq.client import ZmqClient
 from topology.loader import load_topology_file
@@ -53,6 +54,10 @@ def _topology(tmp: Path) -> Path:
     return path
 
 
+def _specs(specs: tuple[TensorSpec, ...]) -> list[dict[str, Any]]:
+    return [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in specs]
+
+
 async def _catalog(store: Store, blobs: BlobStore) -> None:
     sig = signature_from_onnx(TASK, MODEL)
     cat = Catalog(store)
@@ -60,11 +65,10 @@ async def _catalog(store: Store, blobs: BlobStore) -> None:
     digest = blobs.put_file(MODEL)
     prof = Profile(hardware_class=local_hardware_class(), load_ms=50.0,
                    latency={1: LatencyStats(0.1, 0.3), 8: LatencyStats(0.3, 0.8)}, peak_memory_bytes=1 << 20)
-    specs = lambda ss: [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in ss]  # noqa: E731
     await cat.put_variant(VariantMeta(task=TASK, family="mlp-tiny", variant_id="mlp-tiny.onnx.fp32", format="onnx",
                                       precision="fp32", runtime="onnxruntime", blob_digest=digest,
                                       size_bytes=blobs.size(digest), accuracy=0.96, batch_sizes=[1, 8],
-                                      inputs=specs(sig.inputs), outputs=specs(sig.outputs),
+                                      inputs=_specs(sig.inputs), outputs=_specs(sig.outputs),
                                       profiles={prof.hardware_class: prof}))
 
 
