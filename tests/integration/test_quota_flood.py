@@ -14,6 +14,7 @@ import aiohttp
 import numpy as np
 import pytest
 
+from core_scheduler.policy.quota import FLOOR
 from edge_agent.agent import Agent, AgentConfig
 from mesh.etcd.server import EmbeddedEtcd
 from mesh.etcd.store import Store
@@ -172,3 +173,37 @@ async def test_a_flooding_tenant_gets_429_and_another_keeps_its_slo(store: Store
         status, _, _, _ = await _infer(http, url, "acme")
         assert status == 200
         assert agent.quota.inflight.get("acme", 0) == 0
+
+
+async def test_two_edges_share_a_tenants_qps_by_the_demand_their_heartbeats_report(
+        store: Store, etcd_server: EmbeddedEtcd, tmp_path: Path) -> None:
+    await apply_topology(store, load_topology_file(_topology(tmp_path)))
+    blobs = BlobStore(tmp_path / "blobs")
+    await _catalog(store, blobs)
+
+    def cfg(site: str) -> AgentConfig:
+        return AgentConfig(site=site, etcd=etcd_server.url, prefix=store.prefix, home=tmp_path / site,
+                           lease_ttl_s=2.0, heartbeat_s=0.5)
+
+    async with VariantStoreServer(blobs, Catalog(store), host="127.0.0.1"), Agent(cfg(SITE)) as fra, \
+            Agent(cfg("edge-par-1")) as par, aiohttp.ClientSession() as http:
+        assert fra.view is not None and par.view is not None
+        fra_url = f"{fra.http_url}/v2/models/{TASK}/infer"
+        par_url = f"{par.http_url}/v2/models/{TASK}/infer"
+        # A calls only at fra, within its quota: fra's heartbeats show the demand, par's show none
+        shared: tuple[float, float] = (0.0, 0.0)
+        for _ in range(150):  # bounded: at most ~15 s
+            await _infer(http, fra_url, "acme")
+            await asyncio.sleep(0.1)
+            lf, lp = fra.quota.limits.get("acme"), par.quota.limits.get("acme")
+            assert lf is not None and lp is not None and lf.qps is not None and lp.qps is not None
+            shared = (lf.qps, lp.qps)
+            if len(fra.view.live) == len(par.view.live) == 2 and shared[1] == pytest.approx(A_QPS * FLOOR / 2) \
+                    and shared[0] == pytest.approx(A_QPS * (1 - FLOOR / 2)):
+                break
+        # par keeps only its floor (20 % over two doors); fra holds the rest: the shares add up to the quota
+        assert shared == (pytest.approx(A_QPS * (1 - FLOOR / 2)), pytest.approx(A_QPS * FLOOR / 2)), shared
+        # at par, A's burst is its 2 q/s: a quick run of 6 is mostly refused there while B is served
+        statuses = [(await _infer(http, par_url, "acme"))[0] for _ in range(6)]
+        assert statuses.count(429) >= 3 and set(statuses) <= {200, 429}, statuses
+        assert (await _infer(http, par_url, "globex"))[0] == 200
