@@ -24,6 +24,7 @@ from edge_agent.host import VariantHost
 from edge_agent.http_api import DEFAULT_MAX_BODY, EdgeHttpServer
 from edge_agent.liveness import Liveness
 from edge_agent.mtls import EdgeTls
+from edge_agent.quota import DoorQuotas, limits_from_view
 from edge_agent.site_dataplane import SiteDataPlane
 from mesh import clock
 from mesh.addresses import DEFAULT_BIND, advertised_host, tcp_endpoint
@@ -98,6 +99,7 @@ class Agent(Service):
         self.table: Router | None = None
         self.table_version = 0
         self.demand = DemandMeter(window_s=cfg.demand_window_s)
+        self.quota = DoorQuotas()
         self._tasks: list[asyncio.Task[None]] = []
         self._reconcile = asyncio.Event()
         # refused here, before anything starts, when nobody could dial what we would advertise
@@ -125,7 +127,7 @@ class Agent(Service):
         self.zmq_client = ZmqClient(security=self.curve, server_key_for=self._server_key)
         self.dataplane = SiteDataPlane(self.site, self.view, self.host, self.zmq_client,
                                        table=lambda: self.table, peer_endpoint=self._peer_endpoint,
-                                       demand=self.demand)
+                                       demand=self.demand, quota=self.quota)
         self.dataplane.secured = self.curve is not None
         self.zmq_server = ZmqServer(self.dataplane.infer_from_peer, bind=tcp_endpoint(cfg.bind, cfg.zmq_port),
                                     max_bytes=cfg.max_body_bytes, security=self.curve)
@@ -245,6 +247,10 @@ class Agent(Service):
         assert self.view is not None and self.host is not None and self.zmq_client is not None
         svc = self.view.services.get("variant-store")
         self.host.blob_url = self.cfg.peer_map.get(BLOB_PEER) or (svc.get("url") if isinstance(svc, dict) else None)
+        topo = self.view.topology
+        # this door's share of each tenant's quota follows the heartbeats (core_scheduler.policy.quota)
+        self.quota.update(limits_from_view(self.site, {t.name: t.quotas for t in topo.tenants.values()}
+                                           if topo else {}, self.view.live))
         snap = build_snapshot(self.view, here=self.site, local_loads=self._local_load(),
                               rtt_correction=self.dataplane.rtt_correction() if self.dataplane else None)
         if snap is None:

@@ -29,7 +29,15 @@ from multidict import CIMultiDict
 from edge_agent.dataplane import DataPlane
 from edge_agent.mtls import EdgeTls
 from mesh.addresses import DEFAULT_BIND, advertised_host, http_url, normalise_host
-from mesh.errors import BadTensor, MeshError, PayloadTooLarge, PermissionDenied, RequestError, UnknownTask
+from mesh.errors import (
+    BadTensor,
+    MeshError,
+    PayloadTooLarge,
+    PermissionDenied,
+    QuotaExceeded,
+    RequestError,
+    UnknownTask,
+)
 from mesh.lifecycle import Service
 from mesh.log import get_logger, kv
 from mesh.types import DEFAULT_TENANT, InferRequest
@@ -85,7 +93,9 @@ def _error(status: int, code: str, message: str, headers: dict[str, str] | None 
 
 
 def _mesh_error(exc: MeshError) -> web.Response:
-    resp = web.json_response(exc.to_dict(), status=exc.http_status)
+    # a 429 says when to come back (RFC 9110 Retry-After, whole seconds)
+    headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, QuotaExceeded) else None
+    resp = web.json_response(exc.to_dict(), status=exc.http_status, headers=headers)
     if exc.http_status == 401:
         resp.force_close()  # a caller whose credential no longer proves anything keeps no connection
     return resp

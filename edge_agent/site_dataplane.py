@@ -28,6 +28,7 @@ from core_scheduler.state.view import MeshView
 from edge_agent.demand import DemandMeter
 from edge_agent.host import VariantHost
 from edge_agent.paths import PathEstimates, attempt_ms
+from edge_agent.quota import DoorQuotas
 from mesh.errors import (
     DeadlineExceeded,
     NoRoute,
@@ -75,7 +76,7 @@ def check_sender(req: InferRequest, peer: str | None, *, secured: bool) -> None:
 class SiteDataPlane:
     def __init__(self, site: str, view: MeshView, host: VariantHost, zmq: ZmqClient, *,
                  table: Callable[[], Router | None], peer_endpoint: Callable[[str], str | None],
-                 demand: DemandMeter) -> None:
+                 demand: DemandMeter, quota: DoorQuotas | None = None) -> None:
         self.site = site
         self.view = view
         self.host = host
@@ -84,6 +85,9 @@ class SiteDataPlane:
         self._peer_endpoint = peer_endpoint
         self.demand = demand
         self.secured = False  # CURVE on: forwarded queries are believed only from authenticated sites
+        # tenant quotas, charged once per query at the door it entered by (no hops yet): here, not in
+        # the HTTP front, so that every way in (HTTP, in-process SDK, a ZeroMQ caller) pays
+        self.quota = quota if quota is not None else DoorQuotas()
         self.inflight = 0
         self.served = 0
         self.forwarded = 0
@@ -122,6 +126,9 @@ class SiteDataPlane:
         req.inputs = check_inputs(sig.inputs, req.inputs)
         if self.site in req.hops:
             raise ProtocolError(f"routing loop: {self.site} already in hops {req.hops}")
+        door = not req.hops
+        if door:
+            self.quota.admit(req.tenant)  # raises QuotaExceeded
         req.hops = [*req.hops, self.site]
         self.inflight += 1
         try:
@@ -132,6 +139,8 @@ class SiteDataPlane:
             return await self._route(req, received)
         finally:
             self.inflight -= 1
+            if door:
+                self.quota.release(req.tenant)
 
     async def infer_from_peer(self, req: InferRequest) -> InferResponse:
         """The ZeroMQ server's handler: :meth:`infer` for a query another site forwarded."""

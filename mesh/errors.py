@@ -19,6 +19,7 @@
     │   └── ImpossibleSLO           impossible_slo  422    no variant anywhere can meet the SLO and prefer=refuse
     ├── DeadlineExceeded            deadline        504    the request's absolute deadline passed
     ├── Overloaded                  overloaded      503    queue would hold the request past its deadline
+    ├── QuotaExceeded               quota_exceeded  429    the tenant is over its quota at this door (``retry_after_s``)
     ├── NoRoute                     no_route        503    no live site can serve the task
     ├── PeerUnavailable             peer_down       502    a forwarded hop did not answer
     ├── ProtocolError               protocol        400    a wire frame could not be decoded
@@ -52,6 +53,7 @@ __all__ = [
     "PermissionDenied",
     "PkiError",
     "ProtocolError",
+    "QuotaExceeded",
     "RequestError",
     "RuntimeLoadError",
     "StoreError",
@@ -184,6 +186,19 @@ class DeadlineExceeded(MeshError):
 class Overloaded(MeshError):
     code = "overloaded"
     http_status = 503
+
+
+class QuotaExceeded(MeshError):
+    """The tenant is over its rate or in-flight quota at the door it called (``edge_agent.quota``).
+    ``retry_after_s``: whole seconds until the caller may try again (at least 1), sent as HTTP
+    ``Retry-After``."""
+
+    code = "quota_exceeded"
+    http_status = 429
+
+    def __init__(self, message: str, *, retry_after_s: int = 1, **details: Any) -> None:
+        super().__init__(message, retry_after_s=retry_after_s, **details)
+        self.retry_after_s = max(1, int(retry_after_s))
 
 
 class NoRoute(MeshError):
