@@ -299,7 +299,14 @@ class ZmqClient(Service):
         self._down[peer.endpoint] = clock.monotonic()
         log.warning("peer %s unreachable (%s): failed %d pending; probing", peer.endpoint, reason, n)
         if self._state is State.RUNNING:
-            self._open_peer(peer.endpoint)  # the probe: libzmq reconnects it until a handshake succeeds
+            try:
+                self._open_peer(peer.endpoint)  # the probe: libzmq reconnects it until a handshake succeeds
+            except MeshError as exc:
+                # nothing can probe it (e.g. its CURVE key went with its live record): forget the mark,
+                # so the next request dials afresh and says why it cannot, instead of a mark no probe lifts
+                self._down.pop(peer.endpoint, None)
+                log.warning("peer %s cannot be probed (%s); its next request dials afresh", peer.endpoint, exc)
+                return
         self._notify(peer.endpoint, True)
 
     def _notify(self, endpoint: str, unreachable: bool) -> None:

@@ -116,3 +116,47 @@ async def test_fail_peer_forgets_the_mark(linked: tuple) -> None:
     assert client.unreachable() == {} and events[-1][1:] == (proxy.endpoint, False)
     proxy.restore()
     assert (await client.request(proxy.endpoint, _req(5.0))).site == "core"
+
+
+class _ForgetfulSecurity:
+    """A client-side security that stops being able to dial once told to (a CURVE key that left
+    with its peer's live record). Server side unused."""
+
+    def __init__(self) -> None:
+        self.known = True
+
+    def apply_server(self, sock: object) -> None:  # pragma: no cover - client only
+        raise AssertionError("client only")
+
+    def release_server(self, sock: object) -> None:  # pragma: no cover - client only
+        pass
+
+    def apply_client(self, sock: object, server_key: bytes | None) -> None:
+        if not self.known:
+            raise PeerUnavailable("no key known for this peer")
+
+    def peer(self, frame: object) -> str | None:  # pragma: no cover - client only
+        return None
+
+
+async def test_a_peer_that_cannot_be_probed_is_not_left_marked(linked: tuple) -> None:
+    server, proxy, _, _ = linked
+    security = _ForgetfulSecurity()
+    client = ZmqClient(security=security)  # type: ignore[arg-type]
+    loop_errors: list[dict[str, object]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: loop_errors.append(ctx))
+    try:
+        assert (await client.request(proxy.endpoint, _req(2.0))).variant == "echo"
+        security.known = False
+        await proxy.cut()  # the peer goes: the monitor marks it down and cannot open a probe
+        await asyncio.sleep(2 * BOUND_S + NOISE_S)
+        assert client.unreachable() == {}  # no mark that no probe could ever lift
+        with pytest.raises(PeerUnavailable):
+            await client.request(proxy.endpoint, _req(1.0))
+        security.known = True
+        proxy.restore()
+        assert (await client.request(proxy.endpoint, _req(3.0))).variant == "echo"
+    finally:
+        await client.close()
+        asyncio.get_running_loop().set_exception_handler(None)
+    assert not [c for c in loop_errors if "never retrieved" in str(c.get("message"))], loop_errors
