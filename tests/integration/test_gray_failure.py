@@ -140,7 +140,7 @@ class _ForgetfulSecurity:
 
 
 async def test_a_peer_that_cannot_be_probed_is_not_left_marked(linked: tuple) -> None:
-    server, proxy, _, _ = linked
+    _, proxy, _, _ = linked
     security = _ForgetfulSecurity()
     client = ZmqClient(security=security)  # type: ignore[arg-type]
     loop_errors: list[dict[str, object]] = []
