@@ -14,7 +14,8 @@ handshake a caller with no certificate, one from another CA, or one outside its 
 
 The verdict is cached per connection (its ``SSLObject``) and recomputed when the CA or the revocation list
 changes or the certificate expires, so a keep-alive connection pays the full check once, and a revoked
-tenant is refused on its next request after ``crl.pem`` is re-read (``interval_s``).
+tenant is refused on its next request (401, then the connection is closed) after ``crl.pem`` is re-read
+(``interval_s``) or a newer list arrives from etcd ``pki/crl`` (:meth:`EdgeTls.load_crl`, from the agent's view).
 """
 
 from __future__ import annotations
@@ -72,6 +73,11 @@ class EdgeTls(Service):
     async def _stop(self) -> None:
         await self.credentials.stop()
         await self.trust.stop()
+
+    def load_crl(self, pem: bytes) -> bool:
+        """Adopt a newer revocation list (etcd ``pki/crl``): every cached verdict is recomputed on its
+        connection's next request. ``PkiError`` if it does not verify; True if adopted."""
+        return self.trust.load_crl(pem)
 
     def _verify(self, ssl_object: object) -> _Verdict:
         ca, crl = self.trust.ca, self.trust.crl
