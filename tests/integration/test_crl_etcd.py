@@ -6,9 +6,12 @@ a revoked site's CURVE key stops being admitted, and an older list never overwri
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
+import ssl
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
@@ -38,6 +41,27 @@ SITE, PEER = Identity("site", "edge-fra-1"), Identity("site", "core-eu")
 ACME, GLOBEX = Identity("tenant", "acme"), Identity("tenant", "globex")
 
 
+async def _idle_keepalive(url: str, ctx: ssl.SSLContext) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection that made one successful request and then stays open, idle (HTTP/1.1 keep-alive)."""
+    parts = urlsplit(url)
+    assert parts.hostname is not None and parts.port is not None
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(parts.hostname, parts.port, ssl=ctx), 15)
+    writer.write(f"GET {parts.path} HTTP/1.1\r\nHost: {parts.hostname}\r\n\r\n".encode())
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 15)
+    assert head.startswith(b"HTTP/1.1 200"), head
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length"))
+    await asyncio.wait_for(reader.readexactly(length), 15)
+    return reader, writer
+
+
+async def _closed_by_server(reader: asyncio.StreamReader) -> bool:
+    try:
+        return await reader.read(1) == b""
+    except (ConnectionError, ssl.SSLError):
+        return True
+
+
 def _revoke(home: Path, store: Store, etcd: str, *who: str) -> int:
     return main(["pki", "revoke", "--home", str(home), *who, "--etcd", etcd, "--prefix", store.prefix])
 
@@ -64,6 +88,7 @@ async def test_revocation_through_etcd_reaches_an_agent_with_a_stale_crl(store: 
         assert agent.curve is not None and agent.curve.sites.admits(PEER.name)
         url = f"{agent.http_url}/v2/models/{TASK}"
         stop = time.monotonic() + 30.0
+        idle_reader, idle_writer = await _idle_keepalive(url, tenant_context(pki, ACME))
 
         async def loop(who: Identity) -> None:
             # one keep-alive connection at a time: requests after the revocation ride the open one
@@ -86,8 +111,16 @@ async def test_revocation_through_etcd_reaches_an_agent_with_a_stale_crl(store: 
             assert await asyncio.to_thread(_revoke, operator, store, etcd_server.url, "--tenant", "acme") == EXIT_OK
             revoked_at.append(time.monotonic())
 
-        await asyncio.gather(loop(ACME), loop(GLOBEX), revoke())
-        assert revoked_at
+        try:
+            await asyncio.gather(loop(ACME), loop(GLOBEX), revoke())
+            assert revoked_at
+            # the idle keep-alive connection was closed by the agent without waiting for its next request
+            closed = await asyncio.wait_for(_closed_by_server(idle_reader), 10)
+            assert closed and time.monotonic() - revoked_at[0] < 10
+        finally:
+            idle_writer.close()
+            with contextlib.suppress(ConnectionError, ssl.SSLError, TimeoutError):
+                await asyncio.wait_for(idle_writer.wait_closed(), 5)
         acme_after = [(t, s) for t, s in statuses["acme"] if t > revoked_at[0]]
         first_refusal = next(t for t, s in acme_after if s == 401)
         assert first_refusal - revoked_at[0] < 5.0
