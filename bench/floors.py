@@ -5,7 +5,10 @@
   same with CURVE (``mesh.zmq.curve``: site keys bound to certificates, ZAP handler, per-request peer
   check) vs a bare echo whose two sockets use CURVE keys (the cost of encryption itself is in both).
 * ``http_api``: a V2 binary request to the edge HTTP API over an echoing data plane (codec both
-  ways, HTTP and HTTPS) vs a bare aiohttp echo server posting the same body.
+  ways, HTTP and HTTPS) vs a bare aiohttp echo server posting the same body; and ``mtls``: the edge API
+  with mutual TLS as an agent runs it (``EdgeTls``: the mesh CA, a site certificate, the tenant taken from
+  the client certificate, revocation checked per connection) vs a bare aiohttp HTTPS echo that also
+  requires client certificates (``CERT_REQUIRED``) from the same CA.
 * ``sdk_local``: ``mesh.AsyncClient`` -> ``EdgeHttpServer`` -> ``Batcher`` -> ONNX Runtime on a real
   digits model vs ORT ``session.run`` plus the bare HTTP echo of the same body.
 
@@ -48,6 +51,7 @@ from bench.common import (
 )
 from edge_agent.batching import Batcher
 from edge_agent.http_api import EdgeHttpServer, make_app
+from edge_agent.mtls import EdgeTls
 from mesh.client import AsyncClient
 from mesh.errors import UnknownTask
 from mesh.pki.curve import CurveKeyPair
@@ -61,7 +65,8 @@ from mesh.zmq.curve import CurveSecurity, SiteKeys
 from mesh.zmq.server import ZmqServer
 from variant_store.runtimes import open_runtime
 
-__all__ = ["EchoDataPlane", "ModelDataPlane", "run_http_api", "run_mesh_hop", "run_sdk_local", "self_signed"]
+__all__ = ["EchoDataPlane", "ModelDataPlane", "mutual_tls", "run_http_api", "run_mesh_hop", "run_sdk_local",
+           "self_signed"]
 
 PAYLOADS = {"1 KB": 1024, "100 KB": 100 * 1024}
 CONCURRENCY = 8
@@ -267,6 +272,25 @@ def self_signed(workdir: Path) -> tuple[ssl.SSLContext, ssl.SSLContext]:
     return server, client
 
 
+MTLS_SITE, MTLS_TENANT = Identity("site", "bench-edge"), Identity("tenant", "bench")
+
+
+def mutual_tls(workdir: Path) -> tuple[ssl.SSLContext, EdgeTls, ssl.SSLContext]:
+    """A mesh CA under ``workdir`` with a site and a tenant certificate: (the bare floor's server context,
+    requiring client certificates from that CA; the edge's ``EdgeTls``; the tenant's client context)."""
+    pki = LocalPki.under(workdir)
+    pki.init()
+    pki.issue(MTLS_SITE, addresses=["127.0.0.1"])
+    pki.issue(MTLS_TENANT)
+    paths = pki.paths
+    floor = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(paths.ca_cert))
+    floor.verify_mode = ssl.CERT_REQUIRED
+    floor.load_cert_chain(paths.cert(MTLS_SITE), paths.key(MTLS_SITE))
+    client = ssl.create_default_context(cafile=str(paths.ca_cert))
+    client.load_cert_chain(paths.cert(MTLS_TENANT), paths.key(MTLS_TENANT))
+    return floor, EdgeTls(paths, MTLS_SITE.name), client
+
+
 @contextlib.asynccontextmanager
 async def _site(app: web.Application, tls: ssl.SSLContext | None) -> AsyncIterator[str]:
     runner = web.AppRunner(app)
@@ -290,11 +314,11 @@ def _bare_echo_app() -> web.Application:
 
 
 @contextlib.asynccontextmanager
-async def _edge(dp: Any, tls: ssl.SSLContext | None) -> AsyncIterator[str]:
-    """The edge HTTP API: ``EdgeHttpServer`` for HTTP; for HTTPS its app on our own TLS site, since
-    the server class takes no TLS context."""
-    if tls is None:
-        async with EdgeHttpServer(dp) as srv:
+async def _edge(dp: Any, tls: ssl.SSLContext | EdgeTls | None) -> AsyncIterator[str]:
+    """The edge HTTP API: ``EdgeHttpServer`` for HTTP and mutual TLS (``EdgeTls``, as an agent runs it);
+    for plain HTTPS its app on our own TLS site (one-way TLS: the tenant comes from the header)."""
+    if tls is None or isinstance(tls, EdgeTls):
+        async with EdgeHttpServer(dp, "127.0.0.1", tls=tls) as srv:
             yield srv.url
     else:
         async with _site(make_app(dp), tls) as url:
@@ -329,10 +353,15 @@ async def run_http_api(ctx: RunContext) -> Path:
     dp = EchoDataPlane()
     with tempfile.TemporaryDirectory(prefix="tiermesh-bench-") as tmp:
         server_tls, client_tls = self_signed(Path(tmp))
-        for scheme, stls, ctls in (("http", None, None), ("https", server_tls, client_tls)):
-            async with _site(_bare_echo_app(), stls) as floor_url, _edge(dp, stls) as edge_url, \
+        floor_mtls, edge_mtls, client_mtls = mutual_tls(Path(tmp) / "mtls")
+        cases: list[tuple[str, ssl.SSLContext | None, ssl.SSLContext | EdgeTls | None, ssl.SSLContext | None,
+                          dict[str, int]]] = [
+            ("http", None, None, None, PAYLOADS), ("https", server_tls, server_tls, client_tls, PAYLOADS),
+            ("mtls", floor_mtls, edge_mtls, client_mtls, {"1 KB": PAYLOADS["1 KB"]})]
+        for scheme, ftls, etls, ctls, payloads in cases:
+            async with _site(_bare_echo_app(), ftls) as floor_url, _edge(dp, etls) as edge_url, \
                     _session(ctls) as session:
-                for label, nbytes in PAYLOADS.items():
+                for label, nbytes in payloads.items():
                     arr = _payload(nbytes)
                     body, headers = _v2_body({"x": arr})
                     floor = _post(session, f"{floor_url}/echo", body, headers)
@@ -354,12 +383,18 @@ async def run_http_api(ctx: RunContext) -> Path:
                     rows.append(await _throughput_row(name, {"floor": floor, "system": system},
                                                       tp_total, tp_rounds))
     targets = [target(f"edge HTTP API / bare aiohttp echo, median latency, {r['case']}", r["ratio"], 1.4,
-                      unit="x") for r in rows if r["metric"] == "latency"]
+                      unit="x") for r in rows if r["metric"] == "latency" and not r["case"].startswith("mtls")]
+    targets += [target(f"mTLS edge API / bare aiohttp HTTPS echo with client certificates, median latency, "
+                       f"{r['case'].removeprefix('mtls ')}", r["ratio"], 1.4, unit="x")
+                for r in rows if r["metric"] == "latency" and r["case"].startswith("mtls")]
     _plot(ctx, "http_api", "Edge HTTP API (V2 binary) vs bare aiohttp echo", rows)
     return write_result(ctx, "http_api", rows, targets, notes=(
         "system = one aiohttp ClientSession: encode V2 binary request, POST /v2/models/echo/infer to the edge "
         "HTTP API over an echoing data plane, decode the reply; floor = POST of the same body to a bare aiohttp "
-        "echo handler. HTTPS: self-signed EC P-256 certificate, TLS on both, 127.0.0.1."))
+        "echo handler. HTTPS: self-signed EC P-256 certificate, TLS on both, 127.0.0.1. mtls: a mesh CA (LocalPki) "
+        "with a site and a tenant certificate; the edge is EdgeHttpServer with EdgeTls (tenant from the client "
+        "certificate, verdict cached per keep-alive connection); the floor is the bare echo with CERT_REQUIRED "
+        "against the same CA; one client context presents the tenant certificate to both."))
 
 
 # ------------------------------------------------------------------ sdk + model

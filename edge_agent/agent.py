@@ -3,6 +3,9 @@
 Lifecycle (start in this order, stop in reverse, each with a timeout):
 store -> view (watch) -> variant host -> ZeroMQ server + client -> HTTP front -> liveness ->
 placement follower. Every background task is owned here and cancelled on stop.
+
+The revocation list published at etcd ``pki/crl`` reaches both trust stores (edge TLS and CURVE) through the
+view, so a revocation takes effect here even when this site's own ``crl.pem`` is stale.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from edge_agent.quota import DoorQuotas, limits_from_view
 from edge_agent.site_dataplane import SiteDataPlane
 from mesh import clock
 from mesh.addresses import DEFAULT_BIND, advertised_host, tcp_endpoint
-from mesh.errors import ConfigError, MeshError
+from mesh.errors import ConfigError, MeshError, PkiError
 from mesh.etcd.store import Store
 from mesh.lifecycle import Service, cancel_and_wait
 from mesh.log import get_logger, kv
@@ -102,6 +105,7 @@ class Agent(Service):
         self.quota = DoorQuotas()
         self._tasks: list[asyncio.Task[None]] = []
         self._reconcile = asyncio.Event()
+        self._crl_seen: bytes | None = None  # the pki/crl PEM last handed to the trust stores
         # refused here, before anything starts, when nobody could dial what we would advertise
         self.advertise_host = advertised_host(cfg.bind, cfg.advertise)
         self.hardware_class = local_hardware_class()
@@ -137,6 +141,8 @@ class Agent(Service):
                                    tls=EdgeTls(self._pki_paths(), self.site) if cfg.tls else None)
         await self.http.start()
         self.view.on_change(self._on_view_change)
+        self.view.on_change(self._adopt_crl)
+        self._adopt_crl()
         self._on_view_change()
         self.liveness = Liveness(self.store, self.site, self._live_record, ttl_s=cfg.lease_ttl_s,
                                  interval_s=cfg.heartbeat_s)
@@ -242,6 +248,27 @@ class Agent(Service):
             if self._lookup_key(endpoint) != key:
                 self._dialled_keys.pop(endpoint, None)
                 self.zmq_client.fail_peer(endpoint, "its CURVE key changed")
+
+    def _adopt_crl(self) -> None:
+        """Hand a changed ``pki/crl`` to the edge TLS and CURVE trust stores; each adopts it only if it is
+        signed by its CA and newer than what it holds. A bad list is logged and the held one stays."""
+        pem = self.view.crl if self.view is not None else None
+        if pem is None or pem == self._crl_seen:
+            return
+        self._crl_seen = pem
+        holders = [("edge TLS", self.http.tls if self.http else None),
+                   ("CURVE", self.curve.sites if self.curve else None)]
+        for what, holder in holders:
+            if holder is None:
+                continue
+            try:
+                adopted = holder.load_crl(pem)
+            except PkiError as exc:
+                log.warning("revocation list from etcd not adopted by %s: %s", what, exc,
+                            extra=kv(site=self.site, event="crl_refused"))
+                continue
+            if adopted:
+                log.info("revocation list from etcd adopted by %s", what, extra=kv(site=self.site, event="crl"))
 
     def _on_view_change(self) -> None:
         assert self.view is not None and self.host is not None and self.zmq_client is not None

@@ -14,11 +14,15 @@ handshake a caller with no certificate, one from another CA, or one outside its 
 
 The verdict is cached per connection (its ``SSLObject``) and recomputed when the CA or the revocation list
 changes or the certificate expires, so a keep-alive connection pays the full check once, and a revoked
-tenant is refused on its next request after ``crl.pem`` is re-read (``interval_s``).
+tenant is refused on its next request (401, then the connection is closed) after ``crl.pem`` is re-read
+(``interval_s``) or a newer list arrives from etcd ``pki/crl`` (:meth:`EdgeTls.load_crl`, from the agent's view).
+Idle keep-alive connections are not left waiting for that request: when the CA or the list changes,
+:meth:`EdgeTls.sweep` closes every open connection whose certificate is no longer accepted.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import weakref
 from dataclasses import dataclass
@@ -27,7 +31,8 @@ from pathlib import Path
 from aiohttp import web
 
 from mesh.errors import PermissionDenied, PkiError, Unauthenticated
-from mesh.lifecycle import Service
+from mesh.lifecycle import Service, cancel_and_wait
+from mesh.log import get_logger, kv
 from mesh.pki.crl import RevocationList
 from mesh.pki.files import PkiPaths
 from mesh.pki.identity import KINDS, Identity
@@ -36,6 +41,8 @@ from mesh.pki.verify import peer_certificate
 from mesh.v2.codec import TENANT_HEADER
 
 __all__ = ["EdgeTls"]
+
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +66,12 @@ class EdgeTls(Service):
             raise PkiError(f"site {site} cannot serve HTTPS: {exc} (create them with `tiermesh pki init` and "
                            f"`tiermesh pki issue --site {site} --address HOST`, or run with --insecure)") from exc
         self.ssl_context = self.credentials.server_context()
+        self.interval_s = interval_s
         self._verdicts: weakref.WeakKeyDictionary[object, _Verdict] = weakref.WeakKeyDictionary()
+        # connections whose caller was admitted, by transport (it holds its SSLObject, not the reverse)
+        self._open: weakref.WeakKeyDictionary[asyncio.BaseTransport, object] = weakref.WeakKeyDictionary()
+        self._swept: tuple[object, object] = (self.trust.ca, self.trust.crl)
+        self._task: asyncio.Task[None] | None = None
 
     @classmethod
     def under(cls, home: Path | str, site: str, *, interval_s: float = 1.0) -> EdgeTls:
@@ -68,10 +80,45 @@ class EdgeTls(Service):
     async def _start(self) -> None:
         await self.trust.start()
         await self.credentials.start()
+        self._task = asyncio.create_task(self._sweep_loop(), name="EdgeTls.sweep")
 
     async def _stop(self) -> None:
+        await cancel_and_wait(self._task)
         await self.credentials.stop()
         await self.trust.stop()
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            if self._swept == (self.trust.ca, self.trust.crl):
+                continue
+            try:
+                self.sweep()
+            except Exception:
+                log.exception("closing the connections of revoked callers failed")
+
+    def sweep(self) -> int:
+        """Close every open connection whose client certificate the current CA and revocation list no longer
+        accept (a revoked tenant's idle keep-alive connections). Returns how many were closed."""
+        self._swept = (self.trust.ca, self.trust.crl)
+        closed = 0
+        for transport, ssl_object in list(self._open.items()):
+            if transport.is_closing() or self._current(ssl_object).error is None:
+                continue
+            transport.close()
+            closed += 1
+        if closed:
+            log.info("closed %d connection(s) of callers no longer trusted", closed, extra=kv(event="tls_sweep"))
+        return closed
+
+    def load_crl(self, pem: bytes) -> bool:
+        """Adopt a newer revocation list (etcd ``pki/crl``): every cached verdict is recomputed on its
+        connection's next request, and open connections it revokes are closed now. ``PkiError`` if it does
+        not verify; True if adopted."""
+        if not self.trust.load_crl(pem):
+            return False
+        self.sweep()
+        return True
 
     def _verify(self, ssl_object: object) -> _Verdict:
         ca, crl = self.trust.ca, self.trust.crl
@@ -89,14 +136,20 @@ class EdgeTls(Service):
         ssl_object = transport.get_extra_info("ssl_object") if transport is not None else None
         if ssl_object is None:
             raise Unauthenticated("no TLS connection", reason="no_certificate")
-        v = self._verdicts.get(ssl_object)
-        if v is None or v.ca is not self.trust.ca or v.crl is not self.trust.crl or time.time() > v.not_after:
-            v = self._verdicts[ssl_object] = self._verify(ssl_object)
+        v = self._current(ssl_object)
         if v.error is not None:
             # a fresh exception each time: re-raising one instance would grow its traceback per request
             raise type(v.error)(v.error.message, **v.error.details)
-        assert v.identity is not None
+        assert v.identity is not None and transport is not None
+        self._open[transport] = ssl_object
         return v.identity
+
+    def _current(self, ssl_object: object) -> _Verdict:
+        """The cached verdict on a connection, recomputed when the CA or the list changed or it expired."""
+        v = self._verdicts.get(ssl_object)
+        if v is None or v.ca is not self.trust.ca or v.crl is not self.trust.crl or time.time() > v.not_after:
+            v = self._verdicts[ssl_object] = self._verify(ssl_object)
+        return v
 
     def tenant(self, request: web.Request) -> str:
         """The tenant the client certificate names. A site (or admin, scheduler) identity is not a tenant (403);

@@ -4,6 +4,9 @@ Per-query routing must not touch etcd: the agent reads everything once, then fol
 the revision it read (resuming after etcd restarts is the Store's job). Each change marks the view
 dirty; ``on_change`` listeners rebuild derived state (the routing table) at most every
 ``debounce_s``. When etcd is unreachable the last view stays in force (degraded mode).
+
+``crl`` is the revocation list PEM published at ``pki/crl`` (unverified: the agent hands it to its trust
+stores, which check the CA signature and adopt only a newer list).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from mesh.etcd.keys import parse_key
 from mesh.etcd.store import Store
 from mesh.lifecycle import Service, cancel_and_wait
 from mesh.log import get_logger, kv
+from mesh.pki.crl import crl_pem_from_record
 from mesh.types import TaskSignature
 from topology.schema import Link, Site, Tenant, Topology
 from variant_store.catalog import signature_from_json
@@ -43,6 +47,7 @@ class MeshView(Service):
         self.live: dict[str, Heartbeat] = {}
         self.placement: dict[str, dict[str, Any]] = {}
         self.services: dict[str, Any] = {}
+        self.crl: bytes | None = None
         self._topology: Topology | None = None
         self._listeners: list[Callable[[], None]] = []
         self._dirty = asyncio.Event()
@@ -85,6 +90,7 @@ class MeshView(Service):
         self.sites, self.links, self.tenants = {}, {}, {}
         self.variants, self.signatures = {}, {}
         self.live, self.placement, self.services = {}, {}, {}
+        self.crl = None
         self._topology = None
 
     async def _load_all(self) -> None:
@@ -179,6 +185,8 @@ class MeshView(Service):
                 _set(self.placement, names[0], value)
             elif kind == "service":
                 _set(self.services, names[0], value)
+            elif kind == "crl":
+                self.crl = None if value is None else crl_pem_from_record(value)
         except (KeyError, TypeError, ValueError) as exc:
             log.warning("ignoring malformed value at %s: %s", key, exc, extra=kv(site=self.site))
 

@@ -112,15 +112,17 @@ def last_segment(key: str) -> str:
     return key.rstrip("/").rsplit("/", 1)[-1]
 
 
-KeyKind = Literal["site", "link", "tenant", "task", "variant", "live", "placement", "service"]
+KeyKind = Literal["site", "link", "tenant", "task", "variant", "live", "placement", "service", "crl"]
 _ONE_LEVEL: dict[str, KeyKind] = {TENANTS[:-1]: "tenant", LIVE[:-1]: "live", PLACEMENT[:-1]: "placement"}
 
 
 def parse_key(key: str) -> tuple[KeyKind, tuple[str, ...]] | None:
     """The kind of a key and the names in it, e.g. ``live/edge-1`` -> ``("live", ("edge-1",))``,
     ``catalog/t/_task`` -> ``("task", ("t",))``, ``services/variant-store`` ->
-    ``("service", ("variant-store",))``; ``None`` for keys no view follows (meta, models, events,
-    election, pki) and for malformed ones."""
+    ``("service", ("variant-store",))``, ``pki/crl`` -> ``("crl", ())``; ``None`` for keys no view follows
+    (meta, models, events, election, the rest of pki) and for malformed ones."""
+    if key == PKI_CRL:
+        return "crl", ()
     head, _, rest = key.partition("/")
     parts = tuple(rest.split("/")) if rest else ()
     if not all(parts):

@@ -5,6 +5,9 @@ An X.509 CRL signed by the mesh CA, one entry per revoked serial, each carrying 
 was cut off. A ``CRLNumber`` grows by one with every new list, so a reader holding several copies (the file,
 etcd ``pki/crl``) keeps the highest. Its nextUpdate is the CA's notAfter: the list lives as long as the CA
 that signs it. Entries are dropped once the certificate they name has expired (it is refused anyway).
+
+In etcd (``pki/crl``) the list travels as :func:`crl_record`: ``{"schema": 1, "number": N, "pem": "..."}``;
+the number is there for people and guards, readers trust only the signed PEM (:func:`crl_pem_from_record`).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
+from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -22,8 +26,9 @@ from mesh.pki.ca import CertificateAuthority
 from mesh.pki.identity import Identity
 from mesh.pki.policy import CLOCK_SKEW, REVOKED_IDENTITY_OID
 
-__all__ = ["REASONS", "Revocation", "RevocationList"]
+__all__ = ["CRL_RECORD_SCHEMA", "REASONS", "Revocation", "RevocationList", "crl_pem_from_record", "crl_record"]
 
+CRL_RECORD_SCHEMA = 1
 REASONS: tuple[str, ...] = tuple(r.name for r in x509.ReasonFlags if r is not x509.ReasonFlags.remove_from_crl)
 
 
@@ -142,3 +147,16 @@ class RevocationList:
         entries = tuple(Revocation(serial=e.serial_number, identity=_entry_identity(e),
                                    revoked_at=e.revocation_date_utc, reason=_entry_reason(e)) for e in crl)
         return cls(crl, entries, number)
+
+
+def crl_record(crl: RevocationList) -> dict[str, Any]:
+    """The etcd value of ``pki/crl`` for ``crl``."""
+    return {"schema": CRL_RECORD_SCHEMA, "number": crl.number, "pem": crl.to_pem().decode()}
+
+
+def crl_pem_from_record(value: Any) -> bytes:
+    """The PEM inside a ``pki/crl`` value; ``ValueError`` for anything else. It is not verified here: the
+    holder of the CA certificate does that (``RevocationList.load``, ``TrustStore.load_crl``)."""
+    if not isinstance(value, dict) or value.get("schema") != CRL_RECORD_SCHEMA or not isinstance(value.get("pem"), str):
+        raise ValueError(f"not a schema-{CRL_RECORD_SCHEMA} revocation list record")
+    return value["pem"].encode()

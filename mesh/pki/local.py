@@ -3,7 +3,8 @@
 ``init`` makes the CA and an empty revocation list; ``issue`` writes an identity's certificate and key (and a
 site's CURVE key pair, bound into its certificate), replacing the previous ones in place so that running
 processes pick them up (:class:`mesh.pki.reload.ReloadingCredentials`); ``revoke`` puts every live
-certificate of an identity on ``crl.pem`` (publishing it through etcd ``pki/crl`` is a later step);
+certificate of an identity on ``crl.pem`` (``tiermesh pki revoke`` then publishes it through etcd ``pki/crl``;
+``adopt_crl`` takes a newer list from there first, so two operators' homes never fork the numbering);
 ``listing`` reads the issuance log against the list.
 """
 
@@ -94,6 +95,15 @@ class LocalPki:
         except OSError as exc:
             raise PkiError(f"cannot read the revocation list {self.paths.crl}: {exc}") from exc
         return RevocationList.load(pem, read_cert(self.paths.ca_cert))
+
+    def adopt_crl(self, pem: bytes) -> bool:
+        """Replace ``crl.pem`` with ``pem`` if it is a list signed by this CA and newer than the one here.
+        ``PkiError`` if it does not verify. True if adopted."""
+        crl = RevocationList.load(pem, read_cert(self.paths.ca_cert))
+        if crl.number <= self.crl().number:
+            return False
+        write_file(self.paths.crl, crl.to_pem())
+        return True
 
     def issue(self, identity: Identity, *, lifetime: timedelta | None = None,
               addresses: Sequence[str] = ()) -> IssuedCertificate:

@@ -6,6 +6,7 @@
     CurveSecurity   the :class:`mesh.zmq.base.SocketSecurity` of a site: its own key pair on every socket; on a
                     server, a ZAP handler that admits a client key only if ``SiteKeys`` knows it, with the
                     site's name as the connection's ZMTP ``User-Id``
+                    (``load_crl``: a newer list from etcd ``pki/crl``, adopted at once)
     RateLimitedLog  one warning per peer per ``every_s`` for garbage, the rest counted
 
 The ZAP handler is a ROUTER on ``inproc://zeromq.zap.01`` of the server's own context (libzmq asks it once
@@ -103,6 +104,14 @@ class SiteKeys(Service):
 
     def _files(self) -> list[Path]:
         return sorted(p for p in (self.paths.root / "sites").glob("*.pem") if not p.name.endswith("-key.pem"))
+
+    def load_crl(self, pem: bytes) -> bool:
+        """Adopt a newer revocation list received from elsewhere (etcd ``pki/crl``) and drop the keys of sites
+        it revokes at once. ``PkiError`` if it does not verify; True if adopted."""
+        if not self.trust.load_crl(pem):
+            return False
+        self.refresh(force=True)
+        return True
 
     def refresh(self, *, force: bool = False) -> bool:
         trust_changed = self.trust.refresh()

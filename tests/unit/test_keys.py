@@ -64,6 +64,7 @@ def test_self_link_is_refused():
     (keys.live_key("core"), ("live", ("core",))),
     (keys.placement_key("mid"), ("placement", ("mid",))),
     (keys.blobs_key(), ("service", ("variant-store",))),
+    (keys.PKI_CRL, ("crl", ())),
 ])
 def test_every_built_key_parses_back_to_its_kind(key, expected):
     assert keys.parse_key(key) == expected
@@ -71,6 +72,7 @@ def test_every_built_key_parses_back_to_its_kind(key, expected):
 
 @pytest.mark.parametrize("key", [keys.TOPOLOGY_META, keys.EVENTS_PLACEMENT, keys.ELECTION_SCHEDULER + "/1",
                                  keys.model_key("digits", "mlp"), "live/", "live/a/b", "topology/sites/a/b",
-                                 "topology/links/a", "catalog/t", "catalog//v", "tenants", ""])
+                                 "topology/links/a", "catalog/t", "catalog//v", "tenants", "",
+                                 keys.PKI + "ca", keys.PKI_CRL + "/x"])
 def test_keys_no_view_follows_parse_to_none(key):
     assert keys.parse_key(key) is None

@@ -3,7 +3,8 @@
     init      create the CA (ca.pem, ca-key.pem 0600) and an empty revocation list (crl.pem)
     issue     issue (or rotate) a tenant / site / admin / scheduler certificate and key; a site also gets a
               CURVE key pair (sites/S.curve, 0600) bound into its certificate
-    revoke    put every live certificate of an identity on crl.pem
+    revoke    put every live certificate of an identity on crl.pem and publish it at etcd pki/crl (when an etcd
+              is named with --etcd / $TIERMESH_ETCD or runs for this home), where every agent picks it up
     list      every certificate issued: identity, serial, not-after, state
     verify    check a certificate file strictly against the CA and the revocation list
 
@@ -13,23 +14,30 @@ Each identity's certificate carries exactly one URI SAN, spiffe://tiermesh/<kind
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from mesh.errors import ConfigError, Unauthenticated
-from mesh.pki.crl import REASONS
+from cryptography import x509
+
+from mesh.errors import ConfigError, ConflictError, PkiError, Unauthenticated
+from mesh.etcd.keys import PKI_CRL
+from mesh.etcd.store import Store
+from mesh.pki.crl import REASONS, RevocationList, crl_pem_from_record, crl_record
 from mesh.pki.identity import KINDS, Identity, Kind
 from mesh.pki.local import LocalPki
 from mesh.pki.policy import CLOCK_SKEW, lifetimes_text
 from mesh.pki.verify import load_certificate, verify_certificate
-from tiermesh.cli.main import EXIT_OK
+from tiermesh.cli.context import etcd_endpoints, open_store, store_args
+from tiermesh.cli.main import EXIT_FAILED, EXIT_OK, add_common
 
-__all__ = ["register"]
+__all__ = ["publish_crl", "register"]
 
-_NOT_PUBLISHED = ("the list is written to pki/crl.pem only; publishing it through etcd (key pki/crl) to running "
-                  "sites is not implemented yet")
+_NOT_PUBLISHED = ("no etcd named (--etcd, $TIERMESH_ETCD) or running for this home: the list is written to "
+                  "pki/crl.pem only, and agents see it only if their own crl.pem is updated")
+_PUBLISH_TRIES = 5
 
 
 def _home_arg(p: argparse.ArgumentParser) -> None:
@@ -65,9 +73,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     s.add_argument("--hours", type=float, default=None, metavar="N", help="lifetime in hours instead of the default")
     s.set_defaults(func=_issue)
 
-    r = ps.add_parser("revoke", help="revoke every live certificate of an identity (writes pki/crl.pem)",
-                      description=f"Revoke every live certificate of an identity. Note: {_NOT_PUBLISHED}.")
-    _home_arg(r)
+    r = ps.add_parser("revoke", help="revoke every live certificate of an identity (crl.pem, then etcd pki/crl)",
+                      description="Revoke every live certificate of an identity: sign a new revocation list into "
+                                  "HOME/pki/crl.pem and publish it at etcd pki/crl, where every agent adopts it "
+                                  "within seconds (a list older than the one in etcd is never published; a newer "
+                                  "one found there is adopted into crl.pem first). Without an etcd (--etcd, "
+                                  "$TIERMESH_ETCD, or one running for HOME) only crl.pem is written.")
+    add_common(r)
     _identity_args(r)
     r.add_argument("--reason", default=None, choices=REASONS, metavar="REASON",
                    help=f"RFC 5280 reason: {', '.join(REASONS)}")
@@ -125,16 +137,71 @@ def _issue(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _revoke(args: argparse.Namespace) -> int:
+async def publish_crl(store: Store, crl: RevocationList, ca_cert: x509.Certificate) -> tuple[bool, int]:
+    """Put ``crl`` at ``pki/crl`` unless etcd already holds a list of this CA numbered as high or higher: an
+    older list never undoes a revocation. The put is a compare-and-swap on the key's revision, so a list
+    published by someone else between our read and our write is seen, not overwritten. Returns (published,
+    the number etcd holds now)."""
+    for _ in range(_PUBLISH_TRIES):
+        held = await store.get(PKI_CRL)
+        number = _held_number(held.value, ca_cert) if held is not None else None
+        if number is not None and number >= crl.number:
+            return False, number
+        try:
+            await store.put_if_mod_revision(PKI_CRL, crl_record(crl), held.mod_revision if held else 0)
+        except ConflictError:
+            continue  # someone published meanwhile: look again
+        return True, crl.number
+    raise ConflictError(f"{PKI_CRL} kept changing while publishing list {crl.number}: run the command again")
+
+
+def _held_number(value: object, ca_cert: x509.Certificate) -> int | None:
+    """The number of the list in a ``pki/crl`` value if it verifies against ``ca_cert``; None if it does not
+    (unreadable, or from a replaced CA: ours supersedes it)."""
+    try:
+        return RevocationList.load(crl_pem_from_record(value), ca_cert).number
+    except (ValueError, PkiError):
+        return None
+
+
+async def _revoke(args: argparse.Namespace) -> int:
+    from mesh.etcd.server import find_running
+    from mesh.settings import MeshSettings
+
     identity = _identity(args)
     pki = _pki(args)
-    crl, new = pki.revoke(identity, reason=args.reason)
+    named = etcd_endpoints(args.etcd, args.etcd_ca, args.etcd_cert, args.etcd_key, MeshSettings())
+    running = None if named is not None else await asyncio.to_thread(find_running, pki.paths.root.parent)
+    if named is None and running is None:
+        crl, new = pki.revoke(identity, reason=args.reason)
+        _print_revoked(identity, new)
+        print(f"{pki.paths.crl} is now list number {crl.number}; {_NOT_PUBLISHED}", file=sys.stderr)
+        return EXIT_OK
+    async with open_store(**store_args(args)) as store:
+        held = await store.get(PKI_CRL)
+        if held is not None:
+            try:
+                if pki.adopt_crl(crl_pem_from_record(held.value)):
+                    print(f"adopted the newer list from etcd {PKI_CRL} into {pki.paths.crl}", file=sys.stderr)
+            except (ValueError, PkiError) as exc:
+                print(f"warning: etcd {PKI_CRL} holds no list of this CA ({exc}); it will be replaced",
+                      file=sys.stderr)
+        crl, new = pki.revoke(identity, reason=args.reason)
+        _print_revoked(identity, new)
+        published, number = await publish_crl(store, crl, pki.ca().cert)
+    if not published:
+        print(f"error: {pki.paths.crl} is list number {crl.number} but etcd {PKI_CRL} already holds number "
+              f"{number}: not published; run the command again", file=sys.stderr)
+        return EXIT_FAILED
+    print(f"list number {crl.number} written to {pki.paths.crl} and published at etcd {PKI_CRL}", file=sys.stderr)
+    return EXIT_OK
+
+
+def _print_revoked(identity: Identity, new: list[int]) -> None:
     for serial in new:
         print(f"revoked {identity} serial {serial:x}")
     if not new:
         print(f"{identity}: every live certificate was already revoked")
-    print(f"{pki.paths.crl} is now list number {crl.number}; {_NOT_PUBLISHED}", file=sys.stderr)
-    return EXIT_OK
 
 
 def _list(args: argparse.Namespace) -> int:
