@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import json
 import math
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +63,8 @@ T = TypeVar("T")
 # watch streams ask the member to end them when it loses its leader, as etcd's own client does, so
 # a member cut off from the quorum cannot hold a watch silent
 _WATCH_MD = (("hasleader", "true"),)
+# what connecting retries (a member restarting, or electing a leader); anything else fails at once
+_RETRY_CONNECT = frozenset({rpc.StatusCode.UNAVAILABLE, rpc.StatusCode.DEADLINE_EXCEEDED})
 _OPS = {"==": rpc.Compare.EQUAL, "!=": rpc.Compare.NOT_EQUAL, "<": rpc.Compare.LESS, ">": rpc.Compare.GREATER}
 CmpOp = Literal["==", "!=", "<", ">"]
 
@@ -165,20 +168,33 @@ class Store(Service):
         return store
 
     async def _start(self) -> None:
-        errors: list[str] = []
+        """Try the members in turn until one answers or ``timeout`` is spent. A member that refuses or
+        has no leader yet (the moment after a leader died) is tried again in the next round; an answer
+        that no retry can change (TLS refused, permission denied) ends the attempt at once."""
+        errors: dict[str, str] = {}
         # each member gets a share of the timeout, so one black-holed member cannot eat all of it
         per_member = max(self.timeout / len(self._channels), min(self.timeout, 1.0))
-        for i, target in enumerate(self.endpoints.targets):
-            self._channels.use(i)
-            try:
-                await asyncio.wait_for(self._revision_once(per_member), per_member + 0.5)
-                return
-            except rpc.AioRpcError as exc:
-                details = f"{exc.code().name}: {exc.details()}"
-                errors.append(f"{target}: {details}{tls_hint(details, self.endpoints)}")
-            except TimeoutError:
-                errors.append(f"{target}: no answer in {per_member:.1f} s")
-        raise StoreUnavailable("; ".join(errors))
+        deadline = time.monotonic() + self.timeout
+        backoff = 0.05
+        while True:
+            for i, target in enumerate(self.endpoints.targets):
+                left = deadline - time.monotonic()
+                if left <= 0 and errors:
+                    raise StoreUnavailable("; ".join(f"{t}: {e}" for t, e in errors.items()))
+                wait = min(per_member, max(left, 0.2))
+                self._channels.use(i)
+                try:
+                    await asyncio.wait_for(self._revision_once(wait), wait + 0.5)
+                    return
+                except rpc.AioRpcError as exc:
+                    details = f"{exc.code().name}: {exc.details()}"
+                    errors[target] = f"{details}{tls_hint(details, self.endpoints)}"
+                    if exc.code() not in _RETRY_CONNECT:
+                        raise StoreUnavailable("; ".join(f"{t}: {e}" for t, e in errors.items())) from exc
+                except TimeoutError:
+                    errors[target] = f"no answer in {wait:.1f} s"
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 0.5)
 
     @property
     def member(self) -> str:
