@@ -19,8 +19,8 @@ client certificate and key, for etcd's ``--client-cert-auth``) open TLS channels
 
 Errors: bad URLs or TLS files -> ``ConfigError``; unreachable etcd -> ``StoreUnavailable``; other
 failures -> ``StoreError``; a request etcd's RBAC refuses -> ``StorePermissionDenied`` (a ``StoreError``,
-also from ``connect`` when the identity may not even read the prefix); a lost compare-and-swap ->
-``ConflictError``.
+in :mod:`mesh.etcd.channels`; also from ``connect`` when the identity may not even read the prefix); a
+lost compare-and-swap -> ``ConflictError``.
 """
 
 from __future__ import annotations
@@ -54,7 +54,6 @@ __all__ = [
     "Op",
     "Put",
     "Store",
-    "StorePermissionDenied",
     "TxnResult",
     "ValueEquals",
 ]

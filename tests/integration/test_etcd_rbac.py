@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 
 from mesh.errors import StoreError
+from mesh.etcd.channels import StorePermissionDenied
 from mesh.etcd.keys import EVENTS_PLACEMENT, live_key, placement_key, site_key, tenant_key
 from mesh.etcd.rbac import apply, plan
 from mesh.etcd.server import EmbeddedEtcd, ServerTLS
-from mesh.etcd.store import Store, StorePermissionDenied
+from mesh.etcd.store import Store
 from mesh.pki.files import cert_pem, key_pem, write_file
 from mesh.pki.identity import Identity
 from mesh.pki.local import LocalPki
