@@ -54,8 +54,8 @@ _RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$")
 
 
 async def header_identity(request: web.Request) -> str:
-    """Today's identity: the tenant header, or "public". The mTLS seam: replace this hook with one
-    that reads the peer certificate's URI SAN once the mesh CA exists."""
+    """The identity without TLS (development only): the tenant header, or "public"; it grants nothing.
+    With ``tls`` the identity is the client certificate's (:class:`~variant_store.access.StoreTls`)."""
     return request.headers.get(TENANT_HEADER, "").strip() or "public"
 
 

@@ -11,6 +11,8 @@ from mesh.errors import ConfigError
 from mesh.etcd.rbac import ROOT_ROLE, ROOT_USER, plan
 from tiermesh.cli.main import EXIT_OK, main
 
+pytestmark = pytest.mark.unit
+
 P = "/tiermesh/"
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "topology.yaml"
 
