@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import ssl as _ssl
 from pathlib import Path
 
 import aiohttp
 
-from mesh.errors import BlobError, MeshError, PeerUnavailable, error_from_code
+from mesh.errors import BlobError, MeshError, PeerUnavailable, PermissionDenied, Unauthenticated, error_from_code
 from mesh.log import get_logger, kv
 from variant_store.blobs import is_digest, sha256_file
 
@@ -26,12 +27,14 @@ _FLUSH = 1 << 20  # write to disk (off the loop) a megabyte at a time
 
 
 async def fetch_blob(base_url: str, digest: str, dest: Path, *, session: aiohttp.ClientSession | None = None,
-                     timeout: float = 30, tenant: str | None = None) -> Path:  # noqa: ASYNC109
+                     timeout: float = 30, tenant: str | None = None,  # noqa: ASYNC109
+                     ssl: _ssl.SSLContext | None = None) -> Path:
     """Download blob ``digest`` from the variant store at ``base_url`` into ``dest`` and return ``dest``.
 
     Raises ``BlobError`` when the blob is missing, the store refuses it (corrupt at the source),
     or the bytes received do not hash to ``digest`` (the bad file is deleted); ``PeerUnavailable``
-    when the store cannot be reached.
+    when the store cannot be reached; ``PermissionDenied`` when an HTTPS store refuses this identity a
+    tenant-private blob. ``ssl``: the client context (the caller's mesh certificate) for an ``https://`` store.
     """
     if not is_digest(digest):
         raise BlobError(f"not a sha256 digest: {digest!r}", digest=digest)
@@ -47,13 +50,13 @@ async def fetch_blob(base_url: str, digest: str, dest: Path, *, session: aiohttp
     own = session is None
     sess = session or aiohttp.ClientSession()
     try:
-        resumed = await _download(sess, base_url, digest, part, headers, timeout)
+        resumed = await _download(sess, base_url, digest, part, headers, timeout, ssl)
         got = await loop.run_in_executor(None, sha256_file, part)
         if got != digest and resumed:
             # the partial file itself may have been bad: one clean retry before blaming the store
             log.warning("resumed blob did not verify; downloading again", extra=kv(event="blob_retry"))
             _discard(part)
-            await _download(sess, base_url, digest, part, headers, timeout)
+            await _download(sess, base_url, digest, part, headers, timeout, ssl)
             got = await loop.run_in_executor(None, sha256_file, part)
         if got != digest:
             _discard(part)
@@ -66,7 +69,8 @@ async def fetch_blob(base_url: str, digest: str, dest: Path, *, session: aiohttp
 
 
 async def _download(sess: aiohttp.ClientSession, base_url: str, digest: str, part: Path,
-                    headers: dict[str, str], timeout: float) -> bool:  # noqa: ASYNC109
+                    headers: dict[str, str], timeout: float,  # noqa: ASYNC109
+                    ssl: _ssl.SSLContext | None = None) -> bool:
     """Fill ``part``; returns True when it appended to bytes already there (a resumed download)."""
     loop = asyncio.get_running_loop()
     have = _size(part)
@@ -76,11 +80,12 @@ async def _download(sess: aiohttp.ClientSession, base_url: str, digest: str, par
         hdrs.update({"Range": f"bytes={have}-", "If-Range": f'"{digest}"'})
     url = f"{base_url.rstrip('/')}/blobs/{digest}"
     try:
-        async with sess.get(url, headers=hdrs, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+        async with sess.get(url, headers=hdrs, timeout=aiohttp.ClientTimeout(total=timeout),
+                            ssl=ssl if ssl is not None else True) as resp:
             if resp.status == 416 and have:
                 # the partial file is as long as (or longer than) the blob: start over
                 _discard(part)
-                return await _download(sess, base_url, digest, part, headers, timeout)
+                return await _download(sess, base_url, digest, part, headers, timeout, ssl)
             if resp.status not in (200, 206):
                 raise await _error_from(resp, digest)
             resumed = resp.status == 206 and have > 0
@@ -114,6 +119,6 @@ async def _error_from(resp: aiohttp.ClientResponse, digest: str) -> MeshError:
         err = error_from_code(str(body.get("code", "blob")), str(body.get("error", "")))
     except (ValueError, aiohttp.ContentTypeError, AttributeError):
         err = BlobError(f"variant store answered HTTP {resp.status} for blob {digest}")
-    if isinstance(err, BlobError):
+    if isinstance(err, BlobError | PermissionDenied | Unauthenticated):
         return err
     return BlobError(f"variant store refused blob {digest}: HTTP {resp.status}: {err}", digest=digest)

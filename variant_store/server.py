@@ -9,6 +9,12 @@ blob is verified on its first serve and the verdict cached by the file's (inode,
 a rewritten file is checked again while an untouched one is hashed only once.
 
 Errors are ``MeshError`` JSON bodies (``{"code", "error"}``) with the error's ``http_status``.
+
+With ``tls`` (a :class:`~variant_store.access.StoreTls`) it serves HTTPS with client certificates from the
+mesh CA: the caller's identity is its certificate's (401 when it proves none), and a tenant-private variant's
+catalog entry and blob are served only to identities :func:`~variant_store.access.may_read` admits (403 for
+a blob, left out of ``/catalog``). Without ``tls`` (development only) it is plain HTTP and anyone reads
+everything.
 """
 
 from __future__ import annotations
@@ -24,11 +30,13 @@ from typing import Any
 from aiohttp import web
 
 from mesh.addresses import DEFAULT_BIND, advertised_host, http_url, normalise_host
-from mesh.errors import BlobError, MeshError, RequestError
+from mesh.errors import BlobError, MeshError, PermissionDenied, RequestError
 from mesh.etcd.keys import blobs_key
 from mesh.etcd.lease import Lease
 from mesh.lifecycle import Service, cancel_and_wait
 from mesh.log import get_logger, kv
+from mesh.pki.identity import Identity
+from variant_store.access import Serves, StoreTls, blob_readable, may_read
 from variant_store.blobs import CHUNK, BlobStore, is_digest
 from variant_store.catalog import Catalog
 
@@ -40,12 +48,14 @@ Authenticator = Callable[[web.Request], Awaitable[str]]
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # request[IDENTITY] is who authenticate() said the caller is (RequestKey is aiohttp >= 3.12)
 IDENTITY: Any = web.RequestKey("identity", str) if hasattr(web, "RequestKey") else "identity"
+# request[PEER]: the caller's verified Identity (HTTPS only)
+PEER: Any = web.RequestKey("peer", Identity) if hasattr(web, "RequestKey") else "peer"
 _RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$")
 
 
 async def header_identity(request: web.Request) -> str:
-    """Today's identity: the tenant header, or "public". The mTLS seam: replace this hook with one
-    that reads the peer certificate's URI SAN once the mesh CA exists."""
+    """The identity without TLS (development only): the tenant header, or "public"; it grants nothing.
+    With ``tls`` the identity is the client certificate's (:class:`~variant_store.access.StoreTls`)."""
     return request.headers.get(TENANT_HEADER, "").strip() or "public"
 
 
@@ -58,13 +68,16 @@ class VariantStoreServer(Service):
 
     def __init__(self, blob_store: BlobStore, catalog: Catalog, host: str = DEFAULT_BIND, port: int = 0, *,
                  advertise: str | None = None, authenticate: Authenticator = header_identity,
-                 announce: bool = True, lease_ttl: int = 10, site: str | None = None) -> None:
+                 announce: bool = True, lease_ttl: int = 10, site: str | None = None,
+                 tls: StoreTls | None = None, serves: Serves | None = None) -> None:
         self.blobs = blob_store
         self.site = site
         self.catalog = catalog
         self.host, self.port = normalise_host(host, "bind address"), port
         self.advertise = advertised_host(self.host, advertise)
         self.authenticate = authenticate
+        self.tls = tls
+        self.serves: Serves = serves or (lambda site, tenant: True)
         self.announce = announce
         self.lease_ttl = lease_ttl
         self._runner: web.AppRunner | None = None
@@ -89,9 +102,13 @@ class VariantStoreServer(Service):
     async def _start(self) -> None:
         self._runner = runner = web.AppRunner(self.app(), access_log=None)
         await runner.setup()
-        await web.TCPSite(runner, self.host, self.port).start()
+        if self.tls is not None:
+            await self.tls.start()
+        await web.TCPSite(runner, self.host, self.port,
+                          ssl_context=self.tls.ssl_context if self.tls else None).start()
         self.port = int(runner.addresses[0][1])
-        self._url = http_url(self.advertise, self.port)
+        url = http_url(self.advertise, self.port)
+        self._url = "https://" + url.removeprefix("http://") if self.tls else url
         if self.announce:
             await self._announce()
             self._announcer = asyncio.get_running_loop().create_task(
@@ -108,6 +125,8 @@ class VariantStoreServer(Service):
                 await lease.revoke()  # drop the announcement now rather than at lease expiry
         if runner is not None:
             await runner.cleanup()
+        if self.tls is not None:
+            await self.tls.stop()
 
     async def _announce(self) -> None:
         store = self.catalog.store
@@ -143,12 +162,16 @@ class VariantStoreServer(Service):
     # handlers ---------------------------------------------------------------------------------
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        request[IDENTITY] = await self.authenticate(request)
         try:
+            if self.tls is not None:
+                peer = request[PEER] = self.tls.peer(request)
+                request[IDENTITY] = str(peer)
+            else:
+                request[IDENTITY] = await self.authenticate(request)
             return await handler(request)
         except MeshError as exc:
             log.warning("%s %s -> %s: %s", request.method, request.path, exc.http_status, exc,
-                        extra=kv(tenant=request[IDENTITY], event="blob_request_failed", reason=exc.code))
+                        extra=kv(tenant=request.get(IDENTITY, "?"), event="blob_request_failed", reason=exc.code))
             return web.json_response(exc.to_dict(), status=exc.http_status)
 
     async def _healthz(self, request: web.Request) -> web.Response:
@@ -157,12 +180,18 @@ class VariantStoreServer(Service):
     async def _catalog(self, request: web.Request) -> web.Response:
         task = request.query.get("task") or None
         metas = await self.catalog.list_variants(task)
+        peer = request.get(PEER)
+        if peer is not None:
+            metas = [m for m in metas if may_read(peer, m.owner, self.serves)]
         return web.json_response({"variants": [m.to_json() for m in metas]})
 
     async def _blob(self, request: web.Request) -> web.StreamResponse:
         digest = request.match_info["digest"]
         if not is_digest(digest):
             raise RequestError(f"not a sha256 digest: {digest!r}")
+        peer = request.get(PEER)
+        if peer is not None and not blob_readable(peer, digest, await self.catalog.list_variants(), self.serves):
+            raise PermissionDenied(f"{peer} may not read blob {digest}", reason="private_variant")
         if not self.blobs.has(digest):
             raise _NotFound(f"blob not found: {digest}", digest=digest)
         path = self.blobs.path(digest)

@@ -39,8 +39,8 @@ from mesh.errors import StoreError, StoreUnavailable
 from mesh.etcd.endpoints import EtcdEndpoints
 from mesh.log import get_logger, kv
 
-__all__ = ["CHANNEL_OPTIONS", "DOWN_CODES", "FAILOVER_CODES", "RECONNECT_GRACE_S", "Channels", "Member", "not_sent",
-           "rpc_errors", "tls_hint", "translate"]
+__all__ = ["CHANNEL_OPTIONS", "DOWN_CODES", "FAILOVER_CODES", "RECONNECT_GRACE_S", "Channels", "Member",
+           "StorePermissionDenied", "not_sent", "rpc_errors", "tls_hint", "translate"]
 
 log = get_logger("mesh.etcd")
 T = TypeVar("T")
@@ -65,9 +65,18 @@ DOWN_CODES = {rpc.StatusCode.UNAVAILABLE, rpc.StatusCode.DEADLINE_EXCEEDED, rpc.
 FAILOVER_CODES = {rpc.StatusCode.UNAVAILABLE, rpc.StatusCode.DEADLINE_EXCEEDED}
 
 
+class StorePermissionDenied(StoreError):
+    """etcd refused the request under RBAC: the identity (the client certificate's CN, under
+    ``--client-cert-auth``) has no role that permits it (see :mod:`mesh.etcd.rbac`)."""
+
+
 def translate(exc: BaseException, what: str) -> StoreError:
-    """A gRPC failure as the store's error (``StoreUnavailable`` when etcd looks down)."""
+    """A gRPC failure as the store's error (``StoreUnavailable`` when etcd looks down,
+    ``StorePermissionDenied`` when RBAC refused it)."""
     if isinstance(exc, rpc.AioRpcError):
+        if exc.code() == rpc.StatusCode.PERMISSION_DENIED:
+            return StorePermissionDenied(f"{what}: permission denied by etcd RBAC ({exc.details()}): the client "
+                                         f"certificate's identity may not do this")
         cls = StoreUnavailable if exc.code() in DOWN_CODES else StoreError
         return cls(f"{what}: {exc.code().name}: {exc.details()}")
     if isinstance(exc, TimeoutError):
@@ -111,6 +120,7 @@ class Member:
     lease: Any
     watch: Any
     maintenance: Any
+    auth: Any
 
 
 class Channels:
@@ -140,7 +150,7 @@ class Channels:
                                                  certificate_chain=tls.cert)
             channel = rpc.secure_channel(target, creds, options=options)
         return Member(target, channel, rpc.KVStub(channel), rpc.LeaseStub(channel), rpc.WatchStub(channel),
-                      rpc.MaintenanceStub(channel))
+                      rpc.MaintenanceStub(channel), rpc.AuthStub(channel))
 
     def current(self) -> tuple[int, Member]:
         """(generation, member) to send the next request to."""

@@ -18,7 +18,9 @@ Watches resume on the next member from their last revision + 1. ``https://`` URL
 client certificate and key, for etcd's ``--client-cert-auth``) open TLS channels.
 
 Errors: bad URLs or TLS files -> ``ConfigError``; unreachable etcd -> ``StoreUnavailable``; other
-failures -> ``StoreError``; a lost compare-and-swap -> ``ConflictError``.
+failures -> ``StoreError``; a request etcd's RBAC refuses -> ``StorePermissionDenied`` (a ``StoreError``,
+in :mod:`mesh.etcd.channels`; also from ``connect`` when the identity may not even read the prefix); a
+lost compare-and-swap -> ``ConflictError``.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from aetcd import rpc
 from aetcd import utils as aetcd_utils
 
 from mesh.errors import ConflictError, StoreError, StoreUnavailable
-from mesh.etcd.channels import Channels, Member, rpc_errors, tls_hint
+from mesh.etcd.channels import Channels, Member, StorePermissionDenied, rpc_errors, tls_hint, translate
 from mesh.etcd.endpoints import EtcdEndpoints, parse_endpoints
 from mesh.etcd.lease import Lease
 from mesh.etcd.watch import Compacted, Watch, WatchEvent
@@ -163,6 +165,8 @@ class Store(Service):
         store = cls(parse_endpoints(urls, ca=ca, cert=cert, key=key), prefix, timeout)
         try:
             await store.start()
+        except StorePermissionDenied:
+            raise
         except (StoreError, TimeoutError) as exc:
             raise StoreUnavailable(f"etcd at {store.url} unreachable: {exc}") from exc
         return store
@@ -187,6 +191,8 @@ class Store(Service):
                     await asyncio.wait_for(self._revision_once(wait), wait + 0.5)
                     return
                 except rpc.AioRpcError as exc:
+                    if exc.code() == rpc.StatusCode.PERMISSION_DENIED:
+                        raise translate(exc, f"connect [{target}]") from exc
                     details = f"{exc.code().name}: {exc.details()}"
                     errors[target] = f"{details}{tls_hint(details, self.endpoints)}"
                     if exc.code() not in _RETRY_CONNECT:
@@ -224,6 +230,11 @@ class Store(Service):
         if self.state is State.STOPPED:
             raise StoreError("store is closed")
         return await self._channels.call(what, call, self.timeout, idempotent=idempotent)
+
+    async def call(self, what: str, call: Callable[[Member, float], Awaitable[T]], *,
+                   idempotent: bool = True) -> T:
+        """A raw request (``call(member, timeout)``) with the store's failover and errors (for rbac)."""
+        return await self._unary(what, call, idempotent=idempotent)
 
     async def _revision_once(self, timeout: float) -> int:  # noqa: ASYNC109
         req = rpc.RangeRequest(key=self._bprefix, range_end=_range_end(self._bprefix), count_only=True)

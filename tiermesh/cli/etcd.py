@@ -1,6 +1,7 @@
 """``tiermesh etcd``: run the embedded etcd in the foreground for a home directory (one member, or a local
 cluster with ``--members 3``), so that other commands (and ``tiermesh up``) find it through
-``<home>/etcd.json``."""
+``<home>/etcd.json``; and ``tiermesh etcd-rbac``: create etcd users and roles for a mesh's identities
+(:mod:`mesh.etcd.rbac`) and turn on etcd's auth."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ import sys
 from pathlib import Path
 
 from mesh.errors import ConfigError
+from mesh.etcd import rbac
 from mesh.etcd.cluster import EtcdCluster
 from mesh.etcd.server import EmbeddedEtcd, clear_record, find_running, write_record
 from mesh.settings import MeshSettings
-from tiermesh.cli.main import EXIT_FAILED, EXIT_OK
+from tiermesh.cli.main import EXIT_FAILED, EXIT_OK, add_common
+from topology.loader import load_topology_file
 
-__all__ = ["register", "run_etcd"]
+__all__ = ["register", "run_etcd", "run_rbac"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -30,6 +33,23 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="members of a local etcd cluster (default 1; 3 for failover tests), data under "
                         "<home>/etcd/m<i>")
     p.set_defaults(func=run_etcd)
+    r = sub.add_parser("etcd-rbac", help="create etcd users and roles for the mesh's identities and enable auth",
+                       description="One etcd user per identity, named by its certificate's CN (etcd takes the CN "
+                                   "as the user under --client-cert-auth): each site may write only its own "
+                                   "live/<site> key; schedulers write placement/, events/, election/; admins "
+                                   "write topology/, tenants/, catalog/, models/, pki/, services/ (the variant "
+                                   "store runs as an admin); tenants get no user. Everyone in the plan reads the "
+                                   "prefix. Run it with a --root-admin's certificate (--etcd-cert/--etcd-key) "
+                                   "against an etcd with TLS and --client-cert-auth; it is idempotent.")
+    add_common(r)
+    r.add_argument("--topology", metavar="FILE", required=True, help="topology file: its sites get users")
+    r.add_argument("--scheduler", metavar="NAME", action="append", default=[], help="a scheduler identity "
+                   "(repeatable)")
+    r.add_argument("--admin", metavar="NAME", action="append", default=[], help="an operator identity (repeatable)")
+    r.add_argument("--root-admin", metavar="NAME", action="append", default=[], required=True,
+                   help="an admin identity with etcd's root role (repeatable; include the one running this)")
+    r.add_argument("--dry-run", action="store_true", help="print the users and roles, change nothing")
+    r.set_defaults(func=run_rbac)
 
 
 async def run_etcd(args: argparse.Namespace) -> int:
@@ -71,3 +91,26 @@ async def run_etcd(args: argparse.Namespace) -> int:
         await server.stop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+
+
+async def run_rbac(args: argparse.Namespace) -> int:
+    from tiermesh.cli.context import open_store, store_args
+
+    topo = load_topology_file(args.topology)
+    prefix = args.prefix or "/tiermesh/"
+    plan = rbac.plan(prefix, sites=topo.sites, schedulers=args.scheduler, admins=args.admin,
+                     root_admins=args.root_admin)
+    for user, roles in sorted(plan.users.items()):
+        print(f"user {user}: {', '.join(roles)}")
+    for role, grants in sorted(plan.roles.items()):
+        for g in grants:
+            print(f"role {role}: {g.access} {g.key}{'*' if g.prefix else ''}")
+    if args.dry_run:
+        return EXIT_OK
+    if not args.etcd:
+        raise ConfigError("etcd-rbac needs --etcd https://... with --etcd-ca, --etcd-cert and --etcd-key "
+                          "(a root admin's certificate): RBAC on an etcd without TLS client auth names no one")
+    async with open_store(**store_args(args)) as store:
+        await rbac.apply(store, plan)
+    print(f"etcd auth enabled for {prefix}", file=sys.stderr)
+    return EXIT_OK

@@ -1,0 +1,56 @@
+"""The etcd RBAC plan as data: who may read and write which keys (applied on a real etcd in
+tests/integration/test_etcd_rbac.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mesh.errors import ConfigError
+from mesh.etcd.rbac import ROOT_ROLE, ROOT_USER, plan
+from tiermesh.cli.main import EXIT_OK, main
+
+pytestmark = pytest.mark.unit
+
+P = "/tiermesh/"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "topology.yaml"
+
+
+def test_each_role_writes_only_its_keys() -> None:
+    p = plan(P, sites=["edge-1", "edge-2"], schedulers=["s1"], admins=["op"], root_admins=["boss"])
+    assert p.may("site:edge-1", "write", P + "live/edge-1")
+    assert not p.may("site:edge-1", "write", P + "live/edge-2")
+    assert not p.may("site:edge-1", "write", P + "live/edge-10")  # an exact key, not a prefix
+    assert not p.may("site:edge-1", "write", P + "placement/edge-1")
+    assert p.may("site:edge-1", "read", P + "placement/edge-1")
+    assert not p.may("site:edge-1", "read", "/other/live/edge-1")  # nothing outside the prefix
+    assert p.may("scheduler:s1", "write", P + "placement/edge-1")
+    assert p.may("scheduler:s1", "write", P + "events/placement")
+    assert p.may("scheduler:s1", "write", P + "election/scheduler")
+    assert not p.may("scheduler:s1", "write", P + "topology/sites/edge-1")
+    for key in ("topology/sites/x", "tenants/t", "catalog/t/v", "models/t/f", "pki/crl", "services/variant-store"):
+        assert p.may("admin:op", "write", P + key)
+    assert not p.may("admin:op", "write", P + "live/edge-1")
+    assert not p.may("admin:op", "write", P + "placement/edge-1")
+    assert ROOT_ROLE in p.users["admin:boss"] and p.users[ROOT_USER] == (ROOT_ROLE,)
+    assert not any(u.startswith("tenant:") for u in p.users)  # tenants: no etcd user at all
+    assert not p.may("tenant:acme", "read", P + "tenants/acme")
+
+
+def test_bad_plans_are_refused() -> None:
+    with pytest.raises(ConfigError, match="root admin"):
+        plan(P, sites=["a"], root_admins=[])
+    with pytest.raises(ConfigError, match="prefix"):
+        plan("tiermesh", sites=["a"], root_admins=["boss"])
+    with pytest.raises(ConfigError, match="invalid site name"):
+        plan(P, sites=["Bad Name"], root_admins=["boss"])
+
+
+def test_cli_dry_run_prints_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["etcd-rbac", "--topology", str(EXAMPLE), "--root-admin", "boss", "--scheduler", "s1",
+                 "--dry-run"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "user site:edge-fra-1: tiermesh-site:edge-fra-1" in out
+    assert "role tiermesh-site:edge-fra-1: write /tiermesh/live/edge-fra-1\n" in out
+    assert "user admin:boss: root, tiermesh-operator" in out
