@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import os
 from types import TracebackType
 from typing import ClassVar, Self
 
 from mesh.log import get_logger
 
-__all__ = ["Service", "State", "cancel_and_wait"]
+__all__ = ["Service", "State", "cancel_and_wait", "pid_alive"]
 
 log = get_logger("mesh.lifecycle")
 
@@ -110,3 +111,15 @@ class Service:
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
         await self.stop()
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` still exists (also when it is another user's): how a part finds out that
+    the owner recorded beside something it left behind is gone."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from mesh.errors import ConfigError, MeshError
-from mesh.lifecycle import Service
+from mesh.lifecycle import Service, pid_alive
 from mesh.log import get_logger, kv
 
 __all__ = ["DrillKind", "NetnsLab", "NsHost", "cleanup_stale", "require_netns", "unavailable_reason"]
@@ -81,16 +81,6 @@ async def require_netns(*, firewall: bool = False) -> None:
         raise ConfigError(f"--netns is unavailable: {reason}")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 async def cleanup_stale() -> list[str]:
     """Remove namespaces and interfaces of labs whose owning process is gone (and kill what still
     runs inside those namespaces: it belonged to the dead run). Returns what was removed."""
@@ -98,7 +88,7 @@ async def cleanup_stale() -> list[str]:
     for line in (await _run("ip", "netns", "list", check=False)).splitlines():
         name = line.split()[0] if line.split() else ""
         m = _STALE.match(name)
-        if not m or _pid_alive(int(m.group(1))):
+        if not m or pid_alive(int(m.group(1))):
             continue
         for pid in (await _run("ip", "netns", "pids", name, check=False)).split():
             with contextlib.suppress(ProcessLookupError, ValueError):
@@ -111,7 +101,7 @@ async def cleanup_stale() -> list[str]:
             continue
         ifname = parts[1].strip().split("@")[0]
         m = _STALE.match(ifname)
-        if m and not _pid_alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             await _run("ip", "link", "del", ifname, check=False)
             removed.append(ifname)
     if removed:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from mesh.errors import EtcdServerError
-from mesh.lifecycle import Service
+from mesh.lifecycle import Service, pid_alive
 from mesh.log import get_logger, kv
 
 __all__ = ["EmbeddedEtcd", "ServerTLS", "clear_record", "etcd_binary", "find_running", "free_port", "healthy",
@@ -101,16 +101,6 @@ def healthy(url: str, timeout: float = 1.0, context: ssl.SSLContext | None = Non
     return str(body.get("health")).lower() == "true"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def write_record(home: Path | str, pid: int, url: str) -> Path:
     """Record a foreground etcd in ``<home>/etcd.json`` so other commands can find it."""
     path = Path(home) / RECORD_FILE
@@ -134,7 +124,7 @@ def find_running(home: Path | str) -> str | None:
         pid, url = int(rec["pid"]), str(rec["url"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if not _pid_alive(pid) or not any(healthy(u, timeout=1.0) for u in url.split(",")):
+    if not pid_alive(pid) or not any(healthy(u, timeout=1.0) for u in url.split(",")):
         return None
     return url
 

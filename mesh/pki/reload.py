@@ -32,7 +32,7 @@ from mesh.pki.identity import KINDS, Identity, Kind
 from mesh.pki.policy import Use
 from mesh.pki.verify import verify_certificate
 
-__all__ = ["ReloadingCredentials", "TrustStore"]
+__all__ = ["Poller", "ReloadingCredentials", "TrustStore"]
 
 log = get_logger(__name__)
 _Stamp = tuple[tuple[int, int, int] | None, ...]
@@ -50,7 +50,7 @@ def _stamp(*paths: Path) -> _Stamp:
     return tuple(out)
 
 
-class _Poller(Service):
+class Poller(Service):
     """Calls ``refresh()`` every ``interval_s`` while running; a failing refresh is logged, never fatal."""
 
     interval_s: float
@@ -74,7 +74,7 @@ class _Poller(Service):
         await cancel_and_wait(self._task)
 
 
-class ReloadingCredentials(_Poller):
+class ReloadingCredentials(Poller):
     """An identity's TLS credentials (certificate, key, CA), re-read when the files change."""
 
     def __init__(self, cert: Path, key: Path, ca: Path, *, interval_s: float = 1.0) -> None:
@@ -154,7 +154,7 @@ class ReloadingCredentials(_Poller):
         return True
 
 
-class TrustStore(_Poller):
+class TrustStore(Poller):
     """The CA certificate and revocation list a verifier trusts, re-read when their files change. A new
     revocation list that does not verify is refused (logged) and the previous one stays in force."""
 

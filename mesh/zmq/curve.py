@@ -18,7 +18,6 @@ callers see ``PeerUnavailable`` or their deadline). A site revoked while connect
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -27,12 +26,11 @@ from typing import Any
 import zmq
 
 from mesh.errors import ConfigError, MeshError, PeerUnavailable
-from mesh.lifecycle import Service, cancel_and_wait
 from mesh.log import get_logger, kv
 from mesh.pki.curve import CurveKeyPair, curve_key_from_extension, raw_curve_key, z85_encode
 from mesh.pki.files import PkiPaths, read_cert
 from mesh.pki.identity import Kind
-from mesh.pki.reload import TrustStore
+from mesh.pki.reload import Poller, TrustStore
 from mesh.zmq.pump import Pump, io_socket
 
 __all__ = ["ZAP_ENDPOINT", "CurveSecurity", "RateLimitedLog", "SiteKeys"]
@@ -72,7 +70,7 @@ class RateLimitedLog:
         return True
 
 
-class SiteKeys(Service):
+class SiteKeys(Poller):
     """The CURVE keys bound by valid, unrevoked site certificates in ``paths.root/sites``. ``refresh()`` re-reads
     them when a certificate, the CA or the revocation list changed (and every 30 s regardless); started as a
     ``Service`` it does so every ``interval_s``."""
@@ -85,7 +83,6 @@ class SiteKeys(Service):
         self._stamp: tuple[Any, ...] | None = None
         self._checked = 0.0
         self._refused: dict[str, str] = {}
-        self._task: asyncio.Task[None] | None = None
         self.refresh(force=True)
 
     def site_of(self, public: bytes) -> str | None:
@@ -146,20 +143,6 @@ class SiteKeys(Service):
         self._by_site = {site: z85_encode(raw) for raw, site in by_key.items()}
         self._refused, self._stamp, self._checked = refused, stamp, now
         return True
-
-    async def _poll(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            try:
-                self.refresh()
-            except Exception:
-                log.exception("re-reading site certificates failed; the previous keys stay in force")
-
-    async def _start(self) -> None:
-        self._task = asyncio.create_task(self._poll(), name="SiteKeys.poll")
-
-    async def _stop(self) -> None:
-        await cancel_and_wait(self._task)
 
 
 def _stat(path: Path) -> tuple[int, int]:
