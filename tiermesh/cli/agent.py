@@ -24,7 +24,7 @@ __all__ = ["INSECURE_WARNING", "agent_config", "probe_ready", "register", "run_a
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from tiermesh.cli.main import add_common
+    from tiermesh.cli.main import add_addresses, add_common
 
     p = sub.add_parser("agent", help="run a site agent (any tier)",
                        description="Run the site agent for SITE: hosts variants, routes queries, serves the "
@@ -32,12 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                                    "and heartbeats into etcd. Tier and hardware come from the topology in etcd.")
     add_common(p)
     p.add_argument("--site", required=True, help="site name from the topology")
-    p.add_argument("--bind", default=None, metavar="HOST",
-                   help="address HTTP and ZeroMQ listen on (default $TIERMESH_BIND or 127.0.0.1; "
-                        "0.0.0.0 / :: listen everywhere and need --advertise)")
-    p.add_argument("--advertise", default=None, metavar="HOST",
-                   help="address peers and callers dial, written into the live record "
-                        "(default $TIERMESH_ADVERTISE or the bind address)")
+    add_addresses(p, "the edge HTTP API and the ZeroMQ port")
     p.add_argument("--http-port", type=int, default=0, help="edge HTTP port (0: pick a free one)")
     p.add_argument("--zmq-port", type=int, default=0, help="site-to-site ZeroMQ port (0: pick a free one)")
     p.add_argument("--peer-map", type=Path, default=None,

@@ -58,6 +58,17 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix", metavar="PREFIX", default=None, help="etcd key prefix (default /tiermesh/)")
 
 
+def add_addresses(p: argparse.ArgumentParser, listens: str, *, aliases: tuple[str, ...] = (),
+                  note: str = "") -> None:
+    """``--bind`` / ``--advertise`` of a server (``listens``: what listens there, for the help)."""
+    p.add_argument("--bind", *aliases, dest="bind", default=None, metavar="HOST",
+                   help=f"address {listens} listen(s) on (default $TIERMESH_BIND or 127.0.0.1; 0.0.0.0 / :: "
+                        f"listen everywhere and need --advertise){note}")
+    p.add_argument("--advertise", default=None, metavar="HOST",
+                   help=f"address peers and callers dial, written into etcd (default $TIERMESH_ADVERTISE or the "
+                        f"bind address){note}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tiermesh", description=DESCRIPTION,
                                      epilog="exit codes: 0 ok, 1 failed at run time, 2 bad input (usage, invalid "

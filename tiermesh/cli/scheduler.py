@@ -19,7 +19,7 @@ log = get_logger(__name__)
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from tiermesh.cli.main import add_common
+    from tiermesh.cli.main import add_addresses, add_common
 
     p = sub.add_parser("scheduler", help="run a scheduler replica (placement control loop)",
                        description="Run a scheduler replica. Replicas elect one leader through etcd; the leader "
@@ -31,12 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--election-ttl", type=float, default=3.0,
                    help="lease TTL of the election key, seconds: a dead leader is replaced within it")
     p.add_argument("--mode", default="tiermesh", help="placement mode (tiermesh or a baseline)")
-    p.add_argument("--bind", default=None, metavar="HOST",
-                   help="address the admin console will listen on (default $TIERMESH_BIND or 127.0.0.1). "
-                        "Accepted and recorded only: the scheduler serves nothing yet, it only talks to etcd")
-    p.add_argument("--advertise", default=None, metavar="HOST",
-                   help="address the console will be reached at (default $TIERMESH_ADVERTISE or the bind "
-                        "address). Recorded only, like --bind")
+    add_addresses(p, "the admin console", note=". Recorded only: the scheduler serves nothing yet")
     p.set_defaults(func=_run)
 
 

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tiermesh.cli.main import EXIT_OK, add_common
+from tiermesh.cli.main import EXIT_OK, add_addresses, add_common
 from variant_store.blobs import BlobStore
 from variant_store.catalog import Catalog
 from variant_store.meta import VariantMeta
@@ -78,10 +78,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     sh.set_defaults(func=_show)
 
     sv = vs.add_parser("serve", help="serve blobs and the catalog over HTTP and announce the URL in etcd")
-    sv.add_argument("--bind", "--host", dest="bind", default=None, metavar="HOST",
-                    help="address to listen on (default $TIERMESH_BIND or 127.0.0.1; 0.0.0.0 / :: needs --advertise)")
-    sv.add_argument("--advertise", default=None, metavar="HOST",
-                    help="address peers dial, announced in etcd (default $TIERMESH_ADVERTISE or the bind address)")
+    add_addresses(sv, "the blob and catalog server", aliases=("--host",))
     sv.add_argument("--port", type=int, default=0, help="0: any free port (printed)")
     sv.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
     sv.add_argument("--site", default=None,
