@@ -180,11 +180,14 @@ def versions() -> dict[str, str]:
 
 
 def git_commit(repo: Path = REPO_ROOT) -> str:
-    """HEAD's hash, with ``+dirty`` when the working tree has changes; ``unknown`` outside git."""
+    """HEAD's hash, with ``+dirty`` when the working tree has changes; ``unknown`` outside git. What the
+    benchmarks write themselves (``bench/results``, ``BENCHMARKS.md``) does not count: a run would
+    otherwise mark its own later scenarios dirty with the files its earlier ones wrote."""
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
                               timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":(exclude)bench/results", ":(exclude)BENCHMARKS.md"], cwd=repo,
                                capture_output=True, text=True, timeout=10, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"

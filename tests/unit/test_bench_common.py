@@ -133,3 +133,25 @@ def test_cells_and_sentences() -> None:
     assert fmt("a|b") == "a\\|b"
     assert render_table([]) == "_no rows_\n"
     assert "not measured" in target_sentence({"name": "x", "target": 1, "measured": None, "met": False})
+
+
+def test_git_commit_ignores_what_the_benchmarks_write(tmp_path: Path) -> None:
+    import subprocess
+
+    from bench.common import git_commit
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    (tmp_path / "bench" / "results" / "x.json").write_text("{}")
+    (tmp_path / "BENCHMARKS.md").write_text("old")
+    (tmp_path / "code.py").write_text("a = 1")
+    git("init", "-q")
+    git("add", "-A")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "init")
+    (tmp_path / "bench" / "results" / "x.json").write_text('{"new": 1}')
+    (tmp_path / "BENCHMARKS.md").write_text("new")
+    assert not git_commit(tmp_path).endswith("+dirty")
+    (tmp_path / "code.py").write_text("a = 2")
+    assert git_commit(tmp_path).endswith("+dirty")
