@@ -66,7 +66,8 @@ T = TypeVar("T")
 # a member cut off from the quorum cannot hold a watch silent
 _WATCH_MD = (("hasleader", "true"),)
 # what connecting retries (a member restarting, or electing a leader); anything else fails at once
-_RETRY_CONNECT = frozenset({rpc.StatusCode.UNAVAILABLE, rpc.StatusCode.DEADLINE_EXCEEDED})
+_RETRY_CONNECT = frozenset({rpc.StatusCode.UNAVAILABLE, rpc.StatusCode.DEADLINE_EXCEEDED,
+                            rpc.StatusCode.UNKNOWN})  # etcd: "context deadline exceeded" mid-election
 _OPS = {"==": rpc.Compare.EQUAL, "!=": rpc.Compare.NOT_EQUAL, "<": rpc.Compare.LESS, ">": rpc.Compare.GREATER}
 CmpOp = Literal["==", "!=", "<", ">"]
 
