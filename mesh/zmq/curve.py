@@ -27,7 +27,7 @@ import zmq
 
 from mesh.errors import ConfigError, MeshError, PeerUnavailable
 from mesh.log import get_logger, kv
-from mesh.pki.curve import CurveKeyPair, curve_key_from_extension, raw_curve_key, z85_encode
+from mesh.pki.curve import CurveKeyPair, curve_key_from_certificate, raw_curve_key, z85_encode
 from mesh.pki.files import PkiPaths, read_cert
 from mesh.pki.identity import Kind
 from mesh.pki.reload import Poller, TrustStore
@@ -125,7 +125,7 @@ class SiteKeys(Poller):
                 site = self.trust.verify(cert, use="client", kinds=_SITE).name
                 if site != path.name[:-4]:
                     raise ConfigError(f"{path} holds the certificate of {site}")
-                key = curve_key_from_extension(cert)
+                key = curve_key_from_certificate(cert)
                 if key is None:
                     raise ConfigError("the certificate binds no CURVE key")
             except (MeshError, OSError) as exc:
