@@ -140,6 +140,8 @@ class Agent(Service):
                                    advertise=self.advertise_host, max_body_bytes=cfg.max_body_bytes,
                                    tls=EdgeTls(self._pki_paths(), self.site) if cfg.tls else None)
         await self.http.start()
+        # blobs from an https:// variant store: with the site's own (reloading) client certificate
+        self.host.blob_ssl = self.http.tls.credentials.client_context() if self.http.tls is not None else None
         self.view.on_change(self._on_view_change)
         self.view.on_change(self._adopt_crl)
         self._adopt_crl()
