@@ -234,6 +234,8 @@ class Agent(Service):
             if self._peer_endpoint(site) != endpoint:
                 continue
             bound = self.curve.sites.key_of(site)
+            if bound is None and self.curve.sites.refuses(site):
+                return None  # its certificate is here and refused (revoked, expired): never dialled
             published = hb.curve_key.encode() if hb.curve_key else None
             if bound is not None and published is not None and bound != published:
                 log.warning("%s publishes a CURVE key its certificate does not bind: not dialled", site,

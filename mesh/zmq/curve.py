@@ -12,14 +12,20 @@
 The ZAP handler is a ROUTER on ``inproc://zeromq.zap.01`` of the server's own context (libzmq asks it once
 per handshake), driven by the same :class:`mesh.zmq.pump.Pump` as the data sockets: a refused peer finishes no
 handshake and gets nothing, not even an error (its own client sees ``handshake failed (authentication)``,
-callers see ``PeerUnavailable`` or their deadline). A site revoked while connected keeps its connection but
-:meth:`CurveSecurity.peer` stops naming it within one refresh (1 s by default), so its requests are refused.
+callers see ``PeerUnavailable`` or their deadline). A site revoked while connected stops being named by
+:meth:`CurveSecurity.peer` within one refresh (1 s by default), so its requests are refused, and its open
+connections are shut down then (:meth:`CurveSecurity.close_connections`: libzmq cannot drop one ROUTER peer, so
+the TCP connection a site's frames came from — ``ZMQ_SRCFD`` — is shut down under it; its reconnect meets ZAP).
+A site re-issued a certificate (rotation) is not revoked: its connections stay.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +89,8 @@ class SiteKeys(Poller):
         self._stamp: tuple[Any, ...] | None = None
         self._checked = 0.0
         self._refused: dict[str, str] = {}
+        # called with the sites no longer admitted (revoked, expired, removed) after each refresh that drops any
+        self.on_revoked: list[Callable[[set[str]], object]] = []
         self.refresh(force=True)
 
     def site_of(self, public: bytes) -> str | None:
@@ -98,6 +106,10 @@ class SiteKeys(Poller):
 
     def admits(self, site: str) -> bool:
         return site in self._by_site
+
+    def refuses(self, site: str) -> bool:
+        """Whether ``site`` has a certificate here that is refused (revoked, expired, not binding a key)."""
+        return f"{site}.pem" in self._refused
 
     def _files(self) -> list[Path]:
         return sorted(p for p in (self.paths.root / "sites").glob("*.pem") if not p.name.endswith("-key.pem"))
@@ -142,6 +154,11 @@ class SiteKeys(Poller):
         self._by_key = by_key
         self._by_site = {site: z85_encode(raw) for raw, site in by_key.items()}
         self._refused, self._stamp, self._checked = refused, stamp, now
+        for listener in list(self.on_revoked) if gone else ():
+            try:
+                listener(gone)
+            except Exception:
+                log.exception("a revocation listener failed")
         return True
 
 
@@ -151,6 +168,28 @@ def _stat(path: Path) -> tuple[int, int]:
     except OSError:  # gone between the listing and now: the next refresh sees it gone
         return (0, -1)
     return (st.st_mtime_ns, st.st_size)
+
+
+_MAX_CONNECTIONS = 4096
+
+
+def _sockname(fd: int) -> Any:
+    try:
+        with socket.socket(fileno=os.dup(fd)) as s:
+            return s.getsockname()
+    except OSError:
+        return None
+
+
+def _shutdown(fd: int, local: Any) -> bool:
+    try:
+        with socket.socket(fileno=os.dup(fd)) as s:
+            if s.getsockname() != local:
+                return False
+            s.shutdown(socket.SHUT_RDWR)  # the duplicate and libzmq's descriptor share one connection
+            return True
+    except OSError:
+        return False
 
 
 class _ZapHandler:
@@ -202,6 +241,10 @@ class CurveSecurity:
         self.keys, self.sites, self.domain = keys, sites, domain
         self.refusals = RateLimitedLog()
         self._zap: dict[int, _ZapHandler] = {}
+        # the TCP connections admitted sites' frames came from: fd -> (site, our local address), at most
+        # _MAX_CONNECTIONS (the oldest forgotten), for close_connections
+        self._conns: OrderedDict[int, tuple[str, Any]] = OrderedDict()
+        sites.on_revoked.append(self.close_connections)
 
     @property
     def public_key(self) -> str:
@@ -239,4 +282,39 @@ class CurveSecurity:
             user = frame.get("User-Id")
         except zmq.ZMQError:
             return None
-        return user if isinstance(user, str) and self.sites.admits(user) else None
+        if not isinstance(user, str) or not self.sites.admits(user):
+            return None
+        self._note_connection(frame, user)
+        return user
+
+    def _note_connection(self, frame: zmq.Frame, site: str) -> None:
+        try:
+            fd = frame.get(zmq.SRCFD)
+        except (zmq.ZMQError, AttributeError):
+            return
+        known = self._conns.get(fd)
+        if known is not None and known[0] == site:
+            return  # the hot path: one dict lookup
+        local = _sockname(fd)
+        if local is None:
+            return
+        self._conns[fd] = (site, local)
+        self._conns.move_to_end(fd)
+        while len(self._conns) > _MAX_CONNECTIONS:
+            self._conns.popitem(last=False)
+
+    def close_connections(self, sites: set[str]) -> int:
+        """Shut down the open connections whose frames came from ``sites`` (revoked): the peer's next handshake
+        goes through ZAP again, which refuses it. A descriptor is shut down only if it is still a socket on the
+        same local address (not reused by something else of this process). Returns how many were closed."""
+        closed = 0
+        for fd, (site, local) in list(self._conns.items()):
+            if site not in sites:
+                continue
+            del self._conns[fd]
+            if _shutdown(fd, local):
+                closed += 1
+        if closed:
+            log.warning("closed %d ZeroMQ connection(s) of %s (no longer admitted)", closed, sorted(sites),
+                        extra=kv(event="curve_closed"))
+        return closed

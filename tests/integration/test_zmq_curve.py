@@ -118,13 +118,29 @@ async def test_a_revoked_site_is_refused_within_5_s(mesh: Mesh) -> None:
         while time.monotonic() - t0 < 5.0 and refused is None:
             try:
                 await client.request(mesh.server.endpoint, make_req())
-            except Unauthenticated as exc:  # its open connection: refused per request
+            except (Unauthenticated, PeerUnavailable) as exc:  # refused per request, or its connection closed
                 refused = exc
             await asyncio.sleep(0.1)
-        assert isinstance(refused, Unauthenticated), "revoked site still served 5 s after the CRL changed"
+        assert refused is not None, "revoked site still served 5 s after the CRL changed"
     async with mesh.client(mesh.pki.curve(EDGE)) as fresh:  # and a new connection fails its handshake
         await assert_refused(fresh, mesh.server.endpoint)
     assert not mesh.keys.admits("edge-a") and mesh.keys.admits("core")
+
+
+async def test_a_revoked_sites_open_connection_is_closed_within_5_s(mesh: Mesh) -> None:
+    """Idle, it sends nothing after the revocation: the server shuts its connection down, and its reconnect
+    fails the handshake (its client marks the server unreachable), while another site's connection stays."""
+    other = Identity("site", "edge-b")
+    mesh.pki.issue(other)
+    mesh.keys.refresh()
+    async with mesh.client(mesh.pki.curve(EDGE)) as revoked, mesh.client(mesh.pki.curve(other)) as kept:
+        assert (await revoked.request(mesh.server.endpoint, make_req(deadline_s=5.0))).variant == "edge-a"
+        assert (await kept.request(mesh.server.endpoint, make_req(deadline_s=5.0))).variant == "edge-b"
+        mesh.pki.revoke(EDGE)
+        await wait_for(lambda: mesh.server.endpoint in revoked.unreachable(), 5.0)
+        assert mesh.server.endpoint in revoked.unreachable(), "the revoked site's connection is still open"
+        assert mesh.server.endpoint not in kept.unreachable()
+        assert (await kept.request(mesh.server.endpoint, make_req(deadline_s=5.0))).variant == "edge-b"
 
 
 async def test_a_re_issued_site_is_admitted_with_its_new_key(mesh: Mesh) -> None:
