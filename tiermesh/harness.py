@@ -285,6 +285,13 @@ class LocalMesh(Service):
         sites.setdefault(self._store_identity(), self._address("ctl"))
         self.creds.issue(sites, self.tenants(), etcd_address=self._address("etcd"))
 
+    def rotate_certificates(self) -> None:
+        """Re-issue every certificate (and every site's CURVE key) in place, as an operator rotating would;
+        running processes pick them up from the files, none restarts."""
+        if self.creds is None:
+            raise ConfigError("this mesh runs without TLS (MeshOptions.tls is off): there are no certificates")
+        self._issue_certificates(sorted(self.sites))
+
     def tenant_files(self, tenant: str) -> dict[str, Path]:
         """``cert``, ``key`` and ``ca`` for an SDK client of ``tenant`` (``AsyncClient(url, **files)``)."""
         if self.pki is None:

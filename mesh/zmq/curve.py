@@ -39,12 +39,13 @@ from mesh.pki.identity import Kind
 from mesh.pki.reload import Poller, TrustStore
 from mesh.zmq.pump import Pump, io_socket
 
-__all__ = ["ZAP_ENDPOINT", "CurveSecurity", "RateLimitedLog", "SiteKeys"]
+__all__ = ["ROTATION_GRACE_S", "ZAP_ENDPOINT", "CurveSecurity", "RateLimitedLog", "SiteKeys"]
 
 log = get_logger("mesh.zmq")
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by ZeroMQ RFC 27
 _SITE: tuple[Kind, ...] = ("site",)
 _RECHECK_S = 30.0  # re-verify unchanged certificates this often anyway: they expire without changing
+ROTATION_GRACE_S = 60.0  # a re-issued site's previous CURVE key stays admitted this long
 
 
 class RateLimitedLog:
@@ -81,21 +82,39 @@ class SiteKeys(Poller):
     them when a certificate, the CA or the revocation list changed (and every 30 s regardless); started as a
     ``Service`` it does so every ``interval_s``."""
 
-    def __init__(self, paths: PkiPaths, trust: TrustStore | None = None, *, interval_s: float = 1.0) -> None:
-        self.paths, self.interval_s = paths, interval_s
+    def __init__(self, paths: PkiPaths, trust: TrustStore | None = None, *, interval_s: float = 1.0,
+                 rotation_grace_s: float = ROTATION_GRACE_S) -> None:
+        self.paths, self.interval_s, self.rotation_grace_s = paths, interval_s, rotation_grace_s
         self.trust = trust or TrustStore.under(paths, interval_s=interval_s)
         self._by_key: dict[bytes, str] = {}
         self._by_site: dict[str, bytes] = {}
         self._stamp: tuple[Any, ...] | None = None
         self._checked = 0.0
         self._refused: dict[str, str] = {}
+        self._previous_by_key: dict[bytes, tuple[str, float]] = {}  # rotated-away key -> (site, grace end)
         # called with the sites no longer admitted (revoked, expired, removed) after each refresh that drops any
         self.on_revoked: list[Callable[[set[str]], object]] = []
+        # called after every refresh that re-read the keys (a site re-issued, revoked, added)
+        self.on_change: list[Callable[[], object]] = []
         self.refresh(force=True)
 
     def site_of(self, public: bytes) -> str | None:
-        """The site whose certificate binds ``public`` (32 raw bytes, as ZAP gives it), or None."""
-        return self._by_key.get(public)
+        """The site whose certificate binds ``public`` (32 raw bytes, as ZAP gives it), or None. A site's key
+        from before its certificate was re-issued still counts for ``ROTATION_GRACE_S``, so its connections
+        and its peers' get through while it takes the new key (it is rotated, not revoked)."""
+        site = self._by_key.get(public)
+        if site is None:
+            prev = self._previous_by_key.get(public)
+            if prev is not None and prev[1] > time.monotonic() and prev[0] in self._by_site:
+                return prev[0]
+        return site
+
+    def previous_key(self, site: str) -> bytes | None:
+        """The Z85 key ``site``'s certificate bound before it was re-issued, within ``ROTATION_GRACE_S``."""
+        for raw, (owner, until) in self._previous_by_key.items():
+            if owner == site and until > time.monotonic():
+                return z85_encode(raw)
+        return None
 
     def key_of(self, site: str) -> bytes | None:
         """The Z85 CURVE public key ``site``'s valid certificate binds, or None."""
@@ -151,14 +170,20 @@ class SiteKeys(Poller):
         gone = set(self._by_site) - set(by_key.values())
         if gone:
             log.warning("CURVE keys of %s no longer admitted", sorted(gone), extra=kv(event="curve_revoked"))
+        for raw, site in self._by_key.items():  # re-issued (still valid under a new key): a grace period
+            if site in by_key.values() and raw not in by_key:
+                self._previous_by_key[raw] = (site, now + self.rotation_grace_s)
+        self._previous_by_key = {k: v for k, v in self._previous_by_key.items()
+                                 if v[1] > now and v[0] not in gone and k not in by_key}
         self._by_key = by_key
         self._by_site = {site: z85_encode(raw) for raw, site in by_key.items()}
         self._refused, self._stamp, self._checked = refused, stamp, now
-        for listener in list(self.on_revoked) if gone else ():
+        calls = [lambda f=f: f(gone) for f in self.on_revoked] if gone else []
+        for call in [*calls, *self.on_change]:
             try:
-                listener(gone)
+                call()
             except Exception:
-                log.exception("a revocation listener failed")
+                log.exception("a site-keys listener failed")
         return True
 
 
