@@ -70,7 +70,6 @@ from mesh.zmq.protocol_check import (
     check_request,
     read_id,
     read_slo,
-    read_trace,
     read_traceparent,
     unpack_header,
 )

@@ -225,7 +225,7 @@ def test_a_peer_that_predates_traces_is_understood_both_ways() -> None:
     for trace, ok in ([{"site": "s"}], True), ([1, 2], False), ("x", False):
         h["trace"] = trace
         frames[0] = msgpack.packb(h)
-        rid, out = p.decode_reply(frames)
+        _, out = p.decode_reply(frames)
         assert isinstance(out, InferResponse) == ok and (not ok or out.trace == trace), out
 
 
