@@ -215,7 +215,7 @@ class SiteDataPlane:
                 "unreachable" if down else "reachable again", sorted(self.unreachable),
                 extra=kv(site=self.site, event="reachability"))
 
-    async def _route(self, req: InferRequest, received: float, hop: HopTrace | None) -> InferResponse:
+    async def _route(self, req: InferRequest, received: float, hop: HopTrace | None = None) -> InferResponse:
         table = self._table()
         if table is None:
             raise NoRoute(f"{self.site} has no routing state yet")
@@ -260,7 +260,7 @@ class SiteDataPlane:
         return self.paths.correction(time.monotonic() if now is None else now)
 
     async def _serve_local(self, req: InferRequest, variant_id: str, reason: str, best_effort: bool,
-                           received: float, hop: HopTrace | None) -> InferResponse:
+                           received: float, hop: HopTrace | None = None) -> InferResponse:
         """Run ``req`` here on ``variant_id``. ``hop``: a traced query's record at a hop that serves what an
         earlier hop decided (a hop that decided itself has recorded its decision already)."""
         if hop is not None:
