@@ -115,7 +115,8 @@ class AgentMetrics(Collector):
         self.sites: frozenset[str] = frozenset({site})
         self.requests: dict[tuple[str, str, str, str, str], int] = {}
         self.slo: dict[tuple[str, str, str], int] = {}
-        self.latency: dict[tuple[str, str], _Hist] = {}
+        self.latency: dict[tuple[str, str], _Hist] = {}     # (task, component) -> histogram, for collect()
+        self._latency_of: dict[str, tuple[_Hist, ...]] = {}  # task -> its COMPONENTS' histograms, in order
         self.served: dict[tuple[str, str, str, str], int] = {}
         self.triton: dict[str, _Triton] = {}
         self.batch: dict[str, _Hist] = {}
@@ -147,20 +148,29 @@ class AgentMetrics(Collector):
 
     # -- the door ------------------------------------------------------------------------------
     def door_ok(self, task: str, tenant: str, slo: SLO, resp: InferResponse) -> None:
-        task, tenant = self._task(task), self._tenant(tenant)
+        task = task if task in self.tasks else OTHER
+        tenant = tenant if tenant in self.tenants else OTHER
         reason = resp.reason if resp.reason in _REASONS else OTHER
-        key = (task, tenant, self._variant(resp.variant), "ok", reason)
+        variant = resp.variant if resp.variant in self.variants else OTHER
+        key = (task, tenant, variant, "ok", reason)
         self.requests[key] = self.requests.get(key, 0) + 1
         t = resp.timing
-        met = t.total_ms <= slo.latency_ms and resp.accuracy >= slo.min_accuracy
-        skey = (tenant, self._slo_class(slo), "met" if met else "missed")
+        total = t.total_ms
+        cls = self._classes.get(slo)
+        if cls is None:
+            cls = self._classes.put(slo, slo_class(slo))
+        skey = (tenant, cls, "met" if total <= slo.latency_ms and resp.accuracy >= slo.min_accuracy else "missed")
         self.slo[skey] = self.slo.get(skey, 0) + 1
-        for comp, ms in (("network", t.network_ms), ("queue", t.queue_ms), ("compute", t.compute_ms),
-                         ("total", t.total_ms)):
-            h = self.latency.get((task, comp))
-            if h is None:
-                h = self.latency[(task, comp)] = _Hist(LATENCY_BOUNDS_S)
-            h.observe(ms / 1000.0)
+        hs = self._latency_of.get(task)
+        if hs is None:
+            hs = self._latency_of[task] = tuple(_Hist(LATENCY_BOUNDS_S) for _ in COMPONENTS)
+            for comp, h in zip(COMPONENTS, hs, strict=True):
+                self.latency[(task, comp)] = h
+        # inline _Hist.observe (four per query): seconds into the first bucket whose bound is >= them
+        for h, ms in zip(hs, (t.network_ms, t.queue_ms, t.compute_ms, total), strict=True):
+            v = ms / 1000.0
+            h.counts[bisect_left(LATENCY_BOUNDS_S, v)] += 1
+            h.sum += v
 
     def door_error(self, task: str, tenant: str, code: str, slo: SLO | None = None) -> None:
         tenant = self._tenant(tenant)
