@@ -124,3 +124,32 @@ def test_traceparent_and_sampling() -> None:
         assert parse_traceparent(bad) is None
     assert not any(sampled(0.0) for _ in range(1000))
     assert all(sampled(1.0) for _ in range(100))
+
+
+async def test_scheduler_metrics_and_handler() -> None:
+    from aiohttp import web
+    from aiohttp.test_utils import make_mocked_request
+
+    from core_scheduler.metrics import SchedulerMetrics, metrics_handler
+
+    m = SchedulerMetrics()
+    m.state = lambda: (True, True, 2)
+    m.rounds.inc()
+    m.decided("prewarm")
+    m.decided("something-new")
+    m.duration.observe(0.002)
+    resp = await metrics_handler(m.registry)(make_mocked_request("GET", "/metrics"))
+    assert isinstance(resp, web.Response) and resp.body is not None
+    fams = {f.name: f for f in text_string_to_metric_families(bytes(resp.body).decode())}  # type: ignore[arg-type]
+    assert fams["tiermesh_scheduler_leader"].samples[0].value == 1.0
+    assert fams["tiermesh_scheduler_terms"].samples[0].value == 2
+    decided = {s.labels["action"]: s.value for s in fams["tiermesh_scheduler_decisions"].samples
+               if s.name.endswith("_total")}
+    assert decided["prewarm"] == 1 and decided["other"] == 1 and decided["load"] == 0
+    assert "tiermesh_scheduler_decision_seconds" in fams and "tiermesh_etcd_connected" in fams
+
+    def deny(request: web.Request) -> None:
+        raise web.HTTPForbidden()
+
+    with pytest.raises(web.HTTPForbidden):
+        await metrics_handler(m.registry, authorize=deny)(make_mocked_request("GET", "/metrics"))
