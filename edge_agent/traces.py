@@ -68,7 +68,7 @@ class HopTrace:
         """The last decision's attempt failed (it will be re-decided, or the query fails)."""
         if self.records:
             rec = self.records[-1]
-            if rec["choice"] is not None:
+            if rec["choice"] is not None and " failed: " not in rec["choice"]["reason"]:  # marked once
                 rec["choice"]["reason"] += f" failed: {code}"
             rec["timings_ms"]["total"] = round((time.time() - rec["at_unix"]) * 1000.0, 3)
 

@@ -110,6 +110,7 @@ def test_failed_attempt_is_marked_on_its_record() -> None:
     hop = HopTrace("edge", "edge")
     hop.serving("mlp", "forward")
     hop.failed("peer_down")
+    hop.failed("peer_down")  # the attempt's failure, then the query's: one mark
     assert hop.records[0]["choice"]["reason"] == "forward failed: peer_down"
 
 
