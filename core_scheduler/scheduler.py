@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from core_scheduler.metrics import SchedulerMetrics
 from core_scheduler.policy.floor import floor_placement
 from core_scheduler.policy.forecast import DemandForecaster
 from core_scheduler.policy.modes import placer_for
@@ -71,6 +72,9 @@ class Scheduler(Service):
         self._last_used: dict[tuple[str, str], float] = {}
         self._loaded_since: dict[tuple[str, str], float] = {}
         self._served: dict[tuple[str, str], int] = {}
+        # Prometheus metrics (the console mounts core_scheduler.metrics.metrics_handler(self.metrics.registry))
+        self.metrics = SchedulerMetrics()
+        self.metrics.state = lambda: (self.is_leader, self.view.connected, self.terms)
 
     @property
     def is_leader(self) -> bool:
@@ -176,12 +180,15 @@ class Scheduler(Service):
         """One placement round; returns how many placement keys changed."""
         assert self.election is not None
         self.rounds += 1
+        self.metrics.rounds.inc()
+        started = time.perf_counter()
         snap = build_snapshot(self.view)
         if snap is None:
             return 0
         now = time.monotonic()
         self._observe(snap, now)
         per_site, events = self.plan(snap, now)
+        self.metrics.duration.observe(time.perf_counter() - started)
         ops: list[Any] = []
         changed: list[str] = []
         for site, vids in sorted(per_site.items()):
@@ -212,11 +219,14 @@ class Scheduler(Service):
         res = await self.store.txn([CreateRevision(self.election.key, "==", self.election.leader_revision)], ops)
         if not res.succeeded:
             self.refused += 1
+            self.metrics.refused.inc()
             log.warning("placement write refused: no longer leader", extra=kv(event="stale_leader"))
             self.election.lost.set()
             return 0
         self.writes += 1
+        self.metrics.written.inc()
         for e in events:
+            self.metrics.decided(e["action"])
             log.info("placement %s %s at %s: %s", e["action"], e["variant_id"], e["site"], e["reason"],
                      extra=kv(site=e["site"], variant=e["variant_id"], event=e["action"], reason=e["reason"]))
         return len(changed)

@@ -26,9 +26,12 @@ from edge_agent.demand import DemandMeter
 from edge_agent.host import VariantHost
 from edge_agent.http_api import DEFAULT_MAX_BODY, EdgeHttpServer
 from edge_agent.liveness import Liveness
+from edge_agent.metrics import AgentMetrics, Gauges
 from edge_agent.mtls import EdgeTls
+from edge_agent.observe import Observe
 from edge_agent.quota import DoorQuotas, limits_from_view
 from edge_agent.site_dataplane import SiteDataPlane
+from edge_agent.traces import TraceStore
 from mesh import clock
 from mesh.addresses import DEFAULT_BIND, advertised_host, tcp_endpoint
 from mesh.errors import ConfigError, MeshError, PkiError
@@ -84,6 +87,10 @@ class AgentConfig:
     # an explicit one: an error). ``insecure`` turns CURVE off whatever is there (with a warning).
     pki_dir: Path | None = None
     insecure: bool = False
+    # decision traces: the share of queries traced without asking (0: only those that ask, with
+    # parameters.trace), and how many traces this door keeps for GET /v2/traces/{request_id}
+    trace_sample_rate: float = 0.01
+    trace_buffer: int = 1000
 
 
 class Agent(Service):
@@ -110,6 +117,13 @@ class Agent(Service):
         self._rekeying: asyncio.Task[None] | None = None  # taking our own re-issued CURVE key
         # refused here, before anything starts, when nobody could dial what we would advertise
         self.advertise_host = advertised_host(cfg.bind, cfg.advertise)
+        if not 0.0 <= cfg.trace_sample_rate <= 1.0:
+            raise ConfigError(f"trace sample rate must be in [0, 1], got {cfg.trace_sample_rate}")
+        if cfg.trace_buffer < 1:
+            raise ConfigError(f"trace buffer must hold at least 1 trace, got {cfg.trace_buffer}")
+        self.metrics = AgentMetrics(cfg.site)
+        self.metrics.gauges = self._gauges
+        self.traces = TraceStore(cfg.trace_buffer)
         self.hardware_class = local_hardware_class()
         self.gpu_ok, self.gpu_note = gpu_available()
 
@@ -129,18 +143,23 @@ class Agent(Service):
         cache.mkdir(parents=True, exist_ok=True)
         self.host = VariantHost(self.site, cache, hardware_class=self.hardware_class,
                                 memory_budget_bytes=budget, threads=min(2, me.hardware.cpu_cores))
+        metrics = self.metrics
+        self.host.on_load = lambda vid, prewarm: metrics.cold_start(vid, prewarm=prewarm)
+        self.host.on_batch = metrics.batch_ran
         self.curve = await self._open_curve()
         self.zmq_client = ZmqClient(security=self.curve, server_key_for=self._server_key)
         self.dataplane = SiteDataPlane(self.site, self.view, self.host, self.zmq_client,
                                        table=lambda: self.table, peer_endpoint=self._peer_endpoint,
-                                       demand=self.demand, quota=self.quota)
+                                       demand=self.demand, quota=self.quota, metrics=self.metrics,
+                                       traces=self.traces, trace_sample_rate=cfg.trace_sample_rate)
         self.dataplane.secured = self.curve is not None
         self.zmq_server = ZmqServer(self.dataplane.infer_from_peer, bind=tcp_endpoint(cfg.bind, cfg.zmq_port),
                                     max_bytes=cfg.max_body_bytes, security=self.curve)
         await self.zmq_server.start()
+        tls = EdgeTls(self._pki_paths(), self.site) if cfg.tls else None
         self.http = EdgeHttpServer(self.dataplane, host=cfg.bind, port=cfg.http_port,
                                    advertise=self.advertise_host, max_body_bytes=cfg.max_body_bytes,
-                                   tls=EdgeTls(self._pki_paths(), self.site) if cfg.tls else None)
+                                   tls=tls, observe=Observe(self.metrics, self.traces, tls))
         await self.http.start()
         # blobs from an https:// variant store: with the site's own (reloading) client certificate
         self.host.blob_ssl = self.http.tls.credentials.client_context() if self.http.tls is not None else None
@@ -318,6 +337,9 @@ class Agent(Service):
         svc = self.view.services.get("variant-store")
         self.host.blob_url = self.cfg.peer_map.get(BLOB_PEER) or (svc.get("url") if isinstance(svc, dict) else None)
         topo = self.view.topology
+        self.metrics.known(tasks=self.view.signatures, tenants=topo.tenants if topo else (),
+                           variants=(vid for vs in self.view.variants.values() for vid in vs),
+                           sites=topo.sites if topo else ())
         # this door's share of each tenant's quota follows the heartbeats (core_scheduler.policy.quota)
         self.quota.update(limits_from_view(self.site, {t.name: t.quotas for t in topo.tenants.values()}
                                            if topo else {}, self.view.live))
@@ -339,6 +361,16 @@ class Agent(Service):
         self.table = make_router(self.cfg.routing_mode, snap, self.site)
         self.table_version = snap.version
         self._reconcile.set()
+
+    def _gauges(self) -> Gauges:
+        """What ``/metrics`` reports as gauges, read when it is scraped."""
+        host, dp, view = self.host, self.dataplane, self.view
+        loaded = {vid: (lv.runtime.memory_bytes, lv.batcher.queued_rows)
+                  for vid, lv in host.loaded.items()} if host is not None else {}
+        down = dp.unreachable if dp is not None else frozenset()
+        peers = {s: s not in down for s in view.live if s != self.site} if view is not None else {}
+        return Gauges(loaded=loaded, peers=peers, etcd_connected=bool(view and view.connected),
+                      inflight=dp.inflight if dp is not None else 0)
 
     def _local_load(self) -> Heartbeat | None:
         return self._live_record() if self.host is not None else None
@@ -394,7 +426,7 @@ class Agent(Service):
             if meta is None or vid in self.host.loaded:
                 continue
             try:
-                await self.host.ensure(meta)
+                await self.host.ensure(meta, prewarm=True)
             except MeshError as exc:
                 log.warning("cannot load %s: %s", vid, exc, extra=kv(site=self.site, variant=vid))
         wanted = {vid for _, vid in desired}

@@ -99,8 +99,10 @@ class Batcher:
 
     def __init__(self, variant_id: str, infer: InferFn, *, executor: Executor | None,
                  compute_ms: Callable[[int], float], max_batch: int = 32, max_window_ms: float = 4.0,
-                 max_queue_rows: int = 4096, site: str = "", inline_max_ms: float = INLINE_MAX_MS) -> None:
+                 max_queue_rows: int = 4096, site: str = "", inline_max_ms: float = INLINE_MAX_MS,
+                 on_batch: Callable[[str, int], None] | None = None) -> None:
         self.variant_id = variant_id
+        self.on_batch = on_batch  # (variant, rows) of every executed batch (metrics)
         self._infer = infer
         self._executor = executor
         self._profile_ms = compute_ms
@@ -245,6 +247,8 @@ class Batcher:
         self._learn(took_ms, done, profile_ms, overhead_ms)
         self.inline_runs += 1
         self.served += rows
+        if self.on_batch is not None:
+            self.on_batch(self.variant_id, rows)
         return BatchResult(outputs, 0.0, took_ms, rows)
 
     def _inline_stalled(self, took_ms: float, now: float) -> None:
@@ -339,6 +343,8 @@ class Batcher:
         done = time.monotonic()
         compute_ms = (done - started) * 1000.0
         self._learn(compute_ms, done, self._profile_ms(rows), self._overhead_at(done))
+        if self.on_batch is not None:
+            self.on_batch(self.variant_id, rows)
         offset = 0
         for it in batch:
             part = {k: v[offset:offset + it.rows] for k, v in outputs.items()}

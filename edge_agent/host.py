@@ -56,6 +56,9 @@ class VariantHost:
         self.cold_starts = 0
         self.bases: dict[str, Runtime] = {}       # shared backbones by blob digest
         self.base_refs: dict[str, int] = {}
+        # metrics hooks: (variant, prewarm?) of every load; (variant, rows) of every executed batch
+        self.on_load: Callable[[str, bool], None] | None = None
+        self.on_batch: Callable[[str, int], None] | None = None
 
     @property
     def memory_used_bytes(self) -> int:
@@ -68,8 +71,9 @@ class VariantHost:
             return (lambda n: 1.0 + 0.1 * n), 1.0
         return prof.compute_ms, prof.load_ms
 
-    async def ensure(self, meta: VariantMeta) -> LoadedVariant:
-        """The loaded variant, loading it first if needed (a cold start)."""
+    async def ensure(self, meta: VariantMeta, *, prewarm: bool = False) -> LoadedVariant:
+        """The loaded variant, loading it first if needed (a cold start; ``prewarm``: a load placement asked
+        for ahead of any query)."""
         lv = self.loaded.get(meta.variant_id)
         if lv is not None:
             return lv
@@ -80,6 +84,8 @@ class VariantHost:
         self._loading[meta.variant_id] = fut
         try:
             lv = await self._load(meta)
+            if self.on_load is not None:
+                self.on_load(meta.variant_id, prewarm)
             fut.set_result(lv)
             return lv
         except BaseException as exc:
@@ -108,7 +114,8 @@ class VariantHost:
         compute, _ = self._compute_fn(meta)
         max_batch = max(meta.batch_sizes) if meta.batch_sizes else 32
         batcher = Batcher(meta.variant_id, infer, executor=self.executor, compute_ms=compute,
-                          max_batch=max_batch, max_window_ms=self.max_window_ms, site=self.site)
+                          max_batch=max_batch, max_window_ms=self.max_window_ms, site=self.site,
+                          on_batch=self.on_batch)
         batcher.start()
         now = time.monotonic()
         lv = LoadedVariant(meta, runtime, batcher, loaded_at=now, load_ms=(now - started) * 1000.0,

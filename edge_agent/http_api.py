@@ -15,6 +15,11 @@ Who calls: ``identify(request)`` names the tenant of a query (and of metadata re
 identity. With ``tls`` (:class:`edge_agent.mtls.EdgeTls`) the server speaks HTTPS with client
 certificates and both come from the certificate; without it (``--insecure``, development only) the
 tenant is the ``X-Tiermesh-Tenant`` header and anyone may call. A 401 closes the connection.
+
+With ``observe`` (:class:`edge_agent.observe.Observe`) the app also serves ``/metrics`` and the decision
+traces, and queries refused here, before the data plane, are counted too. ``parameters.trace: true``
+asks for a query's decision trace (a W3C ``traceparent`` header supplies its trace id, if valid); the
+reply's ``parameters.trace_id`` says the query was traced, and under which id.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from multidict import CIMultiDict
 
 from edge_agent.dataplane import DataPlane
 from edge_agent.mtls import EdgeTls
+from edge_agent.observe import Observe
 from mesh.addresses import DEFAULT_BIND, advertised_host, http_url, normalise_host
 from mesh.errors import (
     BadTensor,
@@ -40,6 +46,7 @@ from mesh.errors import (
 )
 from mesh.lifecycle import Service
 from mesh.log import get_logger, kv
+from mesh.tracecontext import new_traceparent, parse_traceparent, trace_id_of
 from mesh.types import DEFAULT_TENANT, InferRequest
 from mesh.v2 import codec as codec
 from mesh.v2.params import parse_slo, response_parameters, signature_to_metadata
@@ -142,9 +149,21 @@ def _header_length(raw: str | None) -> int | None:
         raise RequestError(f"{HEADER_LENGTH} must be an integer, got {raw!r}") from exc
 
 
+def _traceparent(request: web.Request, asked: object) -> str | None:
+    """The ``traceparent`` of a query that asks for its trace (the caller's trace id if it sent a valid one)."""
+    if asked is None or asked is False:
+        return None
+    if asked is not True:
+        raise RequestError(f"parameter trace must be true or false, got {asked!r}")
+    parsed = parse_traceparent(request.headers.get("traceparent"))
+    return new_traceparent(parsed[0] if parsed else None)
+
+
 class _Handlers:
-    def __init__(self, dp: DataPlane, max_body: int, who: Identify, anyone: Authenticate) -> None:
+    def __init__(self, dp: DataPlane, max_body: int, who: Identify, anyone: Authenticate,
+                 rejected: Callable[[str, str, str], None] | None = None) -> None:
         self.dp, self.max_body, self.who, self.anyone = dp, max_body, who, anyone
+        self.rejected = rejected  # (task, tenant, code) of a query refused before the data plane
 
     async def live(self, request: web.Request) -> web.Response:
         self.anyone(request)
@@ -177,6 +196,7 @@ class _Handlers:
         # path costs each query a micro-second or more.
         started = time.perf_counter()
         task, tenant = request.match_info["task"], "?"
+        req: InferRequest | None = None
         try:
             tenant = self.who(request)
             sig = self.dp.task_signature(task)
@@ -202,7 +222,9 @@ class _Handlers:
                 raise BadTensor(f"task {task} has no output(s) {unknown}")
             # the query enters the mesh here: its id and deadline are set once; its inputs are
             # checked at the data plane's door
+            traced = _traceparent(request, params.get("trace")) if "trace" in params else None
             req = InferRequest.entering(task, dec.inputs, slo, tenant, dec.request_id)
+            req.traceparent = traced
             rid = req.request_id
             resp = await self.dp.infer(req)
             outputs = resp.outputs
@@ -211,10 +233,15 @@ class _Handlers:
                 outputs, binary = {n: outputs[n] for n in wanted if n in outputs}, wanted
             if resp.timing.total_ms == 0.0:
                 resp.timing.total_ms = (time.perf_counter() - started) * 1000.0
-            out, hlen = codec.encode_infer_response(task, rid, outputs, response_parameters(resp), binary)
+            rparams = response_parameters(resp)
+            if req.traceparent is not None:  # asked for, or sampled at the door
+                rparams["trace_id"] = trace_id_of(req.traceparent)
+            out, hlen = codec.encode_infer_response(task, rid, outputs, rparams, binary)
         except MeshError as exc:
             log.info("infer rejected: %s", exc.message,
                      extra=kv(event="http_error", reason=exc.code, tenant=tenant, task=task))
+            if req is None and self.rejected is not None:
+                self.rejected(task, tenant, exc.code)
             return _mesh_error(exc)
         except Exception:
             log.exception("unhandled error serving %s %s", request.method, request.path)
@@ -228,11 +255,13 @@ class _Handlers:
 
 
 def make_app(dp: DataPlane, *, max_body_bytes: int = DEFAULT_MAX_BODY,
-             identify: Identify = identify, authenticate: Authenticate = _anyone) -> web.Application:
+             identify: Identify = identify, authenticate: Authenticate = _anyone,
+             observe: Observe | None = None) -> web.Application:
     """The V2 application over ``dp``. ``max_body_bytes`` bounds every request body and each
     declared binary tensor; ``identify`` maps a request to its tenant; ``authenticate`` admits (or
-    raises for) callers of the health and server-metadata endpoints."""
-    h = _Handlers(dp, max_body_bytes, identify, authenticate)
+    raises for) callers of the health and server-metadata endpoints; ``observe`` adds the metrics and
+    trace endpoints (they authorise their callers themselves)."""
+    h = _Handlers(dp, max_body_bytes, identify, authenticate, observe.rejected if observe is not None else None)
     app = web.Application(client_max_size=max_body_bytes)
     prefixes = ("/v2/models/{task}", "/v2/models/{task}/versions/{version}")
     # Versions are accepted and ignored: the mesh, not the caller, picks the variant. The infer
@@ -245,6 +274,8 @@ def make_app(dp: DataPlane, *, max_body_bytes: int = DEFAULT_MAX_BODY,
     for prefix in prefixes:
         app.router.add_get(prefix, _guarded(h.model_metadata))
         app.router.add_get(prefix + "/ready", _guarded(h.model_ready))
+    for method, path, handler in observe.routes() if observe is not None else ():
+        app.router.add_route(method, path, _guarded(handler))
     app.router.add_route("*", "/{path:.*}", _unrouted)
     return app
 
@@ -258,13 +289,13 @@ class EdgeHttpServer(Service):
     def __init__(self, dp: DataPlane, host: str = DEFAULT_BIND, port: int = 0, *,
                  advertise: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY,
                  identify: Identify = identify, tls: EdgeTls | None = None,
-                 shutdown_timeout: float = 5.0) -> None:
+                 observe: Observe | None = None, shutdown_timeout: float = 5.0) -> None:
         self.host, self.port = normalise_host(host, "bind address"), port
         self.advertise = advertised_host(self.host, advertise)
         self.tls = tls
         who, anyone = (tls.tenant, tls.peer) if tls is not None else (identify, _anyone)
         # Built here, not in start(), so a caller may add middlewares before the app freezes.
-        self.app = make_app(dp, max_body_bytes=max_body_bytes, identify=who, authenticate=anyone)
+        self.app = make_app(dp, max_body_bytes=max_body_bytes, identify=who, authenticate=anyone, observe=observe)
         self._runner = web.AppRunner(self.app, shutdown_timeout=shutdown_timeout)
 
     def _url(self, host: str) -> str:

@@ -14,6 +14,12 @@ deadline allows, never past it and never twice to the same site, else answered w
 time. A reply served after a failed attempt says so: its reason gets ``+retried`` appended
 (``forward+retried``). Failed and timed-out forwards feed the learnt path overhead as successes
 do (``paths.PathEstimates``).
+
+Observability. The door counts every query it answers once (``edge_agent.metrics``: outcome, routing
+reason, SLO met or missed, latency by component); the site that runs it counts it as served. A traced
+query (``traceparent`` set, by the caller's request or the door's sample) records each decision with
+its candidates (``edge_agent.traces``) and returns each hop's records with the reply; the door keeps
+the whole trace. Nothing of this is built for an untraced query.
 """
 
 from __future__ import annotations
@@ -27,10 +33,13 @@ from core_scheduler.policy.routing import Decision, Query
 from core_scheduler.state.view import MeshView
 from edge_agent.demand import DemandMeter
 from edge_agent.host import VariantHost
+from edge_agent.metrics import AgentMetrics
 from edge_agent.paths import PathEstimates, attempt_ms
 from edge_agent.quota import DoorQuotas
+from edge_agent.traces import HopTrace, TraceStore, clean_hops, sampled
 from mesh.errors import (
     DeadlineExceeded,
+    MeshError,
     NoRoute,
     Overloaded,
     PeerUnavailable,
@@ -41,6 +50,7 @@ from mesh.errors import (
     UnknownTenant,
 )
 from mesh.log import get_logger, kv
+from mesh.tracecontext import child_traceparent, new_traceparent, trace_id_of
 from mesh.types import DEFAULT_TENANT, InferRequest, InferResponse, TaskSignature, Timing, check_inputs
 from mesh.zmq.client import ZmqClient
 from mesh.zmq.server import current_peer
@@ -76,7 +86,8 @@ def check_sender(req: InferRequest, peer: str | None, *, secured: bool) -> None:
 class SiteDataPlane:
     def __init__(self, site: str, view: MeshView, host: VariantHost, zmq: ZmqClient, *,
                  table: Callable[[], Router | None], peer_endpoint: Callable[[str], str | None],
-                 demand: DemandMeter, quota: DoorQuotas | None = None) -> None:
+                 demand: DemandMeter, quota: DoorQuotas | None = None, metrics: AgentMetrics | None = None,
+                 traces: TraceStore | None = None, trace_sample_rate: float = 0.0) -> None:
         self.site = site
         self.view = view
         self.host = host
@@ -102,6 +113,10 @@ class SiteDataPlane:
         # measured network round trip per destination (ms, moving average): half of it is kept
         # back from the budget a forward carries
         self.net_rtt_ms: dict[str, float] = {}
+        self.metrics = metrics if metrics is not None else AgentMetrics(site)
+        self.traces = traces if traces is not None else TraceStore()
+        # share of queries traced without asking (drawn at the door; 0: only those that ask)
+        self.trace_sample_rate = trace_sample_rate
 
     # -- DataPlane protocol ----------------------------------------------------------------
     def ready(self) -> bool:
@@ -121,26 +136,60 @@ class SiteDataPlane:
         mesh (``InferRequest.entering``) and checked on arrival by its transport; its SLO checked
         itself. Its inputs are checked here, once per hop: later stages trust them."""
         received = time.monotonic()
-        self._check_tenant(req.tenant)
-        sig = self.task_signature(req.task)
-        req.inputs = check_inputs(sig.inputs, req.inputs)
-        if self.site in req.hops:
-            raise ProtocolError(f"routing loop: {self.site} already in hops {req.hops}")
         door = not req.hops
-        if door:
-            self.quota.admit(req.tenant)  # raises QuotaExceeded
-        req.hops = [*req.hops, self.site]
-        self.inflight += 1
+        hop: HopTrace | None = None
+        if req.traceparent is not None or (door and self.trace_sample_rate > 0.0
+                                           and sampled(self.trace_sample_rate)):
+            hop = self._trace_hop(req, door)
         try:
-            if req.target_site == self.site and req.target_variant:
-                return await self._serve_local(req, req.target_variant, "forwarded", False, received)
-            if len(req.hops) == 1:
-                self.demand.record(req.task, req.slo, time.monotonic(), req.tenant)
-            return await self._route(req, received)
-        finally:
-            self.inflight -= 1
+            self._check_tenant(req.tenant)
+            sig = self.task_signature(req.task)
+            req.inputs = check_inputs(sig.inputs, req.inputs)
+            if self.site in req.hops:
+                raise ProtocolError(f"routing loop: {self.site} already in hops {req.hops}")
             if door:
-                self.quota.release(req.tenant)
+                self.quota.admit(req.tenant)  # raises QuotaExceeded
+            req.hops = [*req.hops, self.site]
+            self.inflight += 1
+            try:
+                if req.target_site == self.site and req.target_variant:
+                    resp = await self._serve_local(req, req.target_variant, "forwarded", False, received, hop)
+                else:
+                    if len(req.hops) == 1:
+                        self.demand.record(req.task, req.slo, time.monotonic(), req.tenant)
+                    resp = await self._route(req, received, hop)
+            finally:
+                self.inflight -= 1
+                if door:
+                    self.quota.release(req.tenant)
+        except Exception as exc:
+            if door:
+                self._door_failed(req, exc, hop)
+            raise
+        if hop is not None:
+            hop.timed(resp.timing)
+            resp.trace = [*hop.records, *clean_hops(resp.trace)]
+        if door:
+            self.metrics.door_ok(req.task, req.tenant, req.slo, resp)
+            if hop is not None:
+                self.traces.add(req.request_id, trace_id_of(req.traceparent or ""), req.tenant, req.task, "ok",
+                                resp.trace or [])
+        return resp
+
+    def _trace_hop(self, req: InferRequest, door: bool) -> HopTrace:
+        if req.traceparent is None:
+            req.traceparent = new_traceparent()
+        if door:
+            return HopTrace(self.site, "edge")
+        return HopTrace(self.site, "serve" if req.target_site == self.site and req.target_variant else "forward")
+
+    def _door_failed(self, req: InferRequest, exc: Exception, hop: HopTrace | None) -> None:
+        code = exc.code if isinstance(exc, MeshError) else "internal"
+        self.metrics.door_error(req.task, req.tenant, code, req.slo)
+        if hop is not None:
+            hop.failed(code)
+            self.traces.add(req.request_id, trace_id_of(req.traceparent or ""), req.tenant, req.task, code,
+                            hop.records)
 
     async def infer_from_peer(self, req: InferRequest) -> InferResponse:
         """The ZeroMQ server's handler: :meth:`infer` for a query another site forwarded."""
@@ -166,7 +215,7 @@ class SiteDataPlane:
                 "unreachable" if down else "reachable again", sorted(self.unreachable),
                 extra=kv(site=self.site, event="reachability"))
 
-    async def _route(self, req: InferRequest, received: float) -> InferResponse:
+    async def _route(self, req: InferRequest, received: float, hop: HopTrace | None = None) -> InferResponse:
         table = self._table()
         if table is None:
             raise NoRoute(f"{self.site} has no routing state yet")
@@ -178,16 +227,21 @@ class SiteDataPlane:
             if remaining <= 0:
                 break
             down = self.unreachable
-            decision = table.decide(Query.from_slo(req.task, req.tenant, req.slo, remaining, nbytes,
-                                                   frozenset(excluded | down) if down else frozenset(excluded)))
+            query = Query.from_slo(req.task, req.tenant, req.slo, remaining, nbytes,
+                                   frozenset(excluded | down) if down else frozenset(excluded))
+            decision = table.decide(query)
+            if hop is not None:
+                hop.decided(table, query, decision)
             try:
                 if decision.site == self.site:
                     resp = await self._serve_local(req, decision.variant_id, decision.reason,
-                                                   decision.best_effort, received)
+                                                   decision.best_effort, received, None)
                 else:
                     resp = await self._forward(req, decision, received, remaining)
             except _RETRYABLE as exc:
                 last_error = exc
+                if hop is not None:
+                    hop.failed(exc.code)
                 excluded.add(decision.site)
                 log.info("retrying without %s: %s", decision.site, exc,
                          extra=kv(site=self.site, request_id=req.request_id, tenant=req.tenant,
@@ -206,17 +260,29 @@ class SiteDataPlane:
         return self.paths.correction(time.monotonic() if now is None else now)
 
     async def _serve_local(self, req: InferRequest, variant_id: str, reason: str, best_effort: bool,
-                           received: float) -> InferResponse:
+                           received: float, hop: HopTrace | None = None) -> InferResponse:
+        """Run ``req`` here on ``variant_id``. ``hop``: a traced query's record at a hop that serves what an
+        earlier hop decided (a hop that decided itself has recorded its decision already)."""
+        if hop is not None:
+            hop.serving(variant_id, reason)
         meta = self.view.variant(req.task, variant_id)
         if meta is None:
             raise NoRoute(f"{self.site}: variant {variant_id} of {req.task} not in catalog")
         if meta.owner not in (DEFAULT_TENANT, req.tenant):
             raise UnknownTask(f"task {req.task!r} has no variant {variant_id!r} for tenant {req.tenant!r}")
-        lv = await self.host.ensure(meta)
-        lv.last_used = time.monotonic()
-        result = await lv.batcher.submit(req.inputs, req.deadline)
+        try:
+            lv = await self.host.ensure(meta)
+            lv.last_used = time.monotonic()
+            result = await lv.batcher.submit(req.inputs, req.deadline)
+        except MeshError as exc:
+            self.metrics.served_failed(variant_id, exc.code)
+            raise
         self.served += 1
         total = (time.monotonic() - received) * 1000.0
+        first = next(iter(req.inputs.values()), None)
+        rows = int(first.shape[0]) if first is not None and first.ndim else 1
+        self.metrics.served_ok(req.task, req.tenant, variant_id, "forwarded" if reason == "forwarded" else "local",
+                               result.queue_ms, result.compute_ms, total, rows)
         return InferResponse(
             request_id=req.request_id, outputs=result.outputs, site=self.site, variant=variant_id,
             accuracy=meta.accuracy, reason=reason, best_effort=best_effort, tenant=req.tenant,
@@ -233,8 +299,10 @@ class SiteDataPlane:
         sent = time.monotonic()
         fwd = InferRequest(task=req.task, inputs=req.inputs, slo=req.slo, tenant=req.tenant,
                            request_id=req.request_id, deadline=min(req.deadline, sent + limit / 1000.0),
-                           hops=req.hops, target_site=d.site, target_variant=d.variant_id)
+                           hops=req.hops, target_site=d.site, target_variant=d.variant_id,
+                           traceparent=None if req.traceparent is None else child_traceparent(req.traceparent))
         self.forwarded += 1
+        self.metrics.forwarded(d.site)
         try:
             # keep back half the round trip measured to that peer: the forward transit, which the
             # peer cannot see (its deadline is its arrival plus the budget sent; mesh.zmq.protocol)

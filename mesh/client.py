@@ -64,6 +64,9 @@ class InferResult:
     timing: Timing
     hops: list[str] = field(default_factory=list)
     request_id: str = ""
+    # set when the query was traced (asked with trace=True, or sampled): look it up at the edge's
+    # GET /v2/traces/{request_id}
+    trace_id: str = ""
 
     def output(self, name: str | None = None) -> np.ndarray:
         """The output called ``name``; with no name, the only output (``KeyError`` if several)."""
@@ -245,8 +248,9 @@ class AsyncClient:
 
     async def infer(self, task: str, inputs: Inputs, *, latency_ms: float, min_accuracy: float = 0.0,
                     max_cost: float | None = None, prefer: str = DEFAULT_PREFER,
-                    request_id: str | None = None) -> InferResult:
-        """Run ``task`` on ``inputs`` within the SLO. A bare array feeds the task's single input."""
+                    request_id: str | None = None, trace: bool = False) -> InferResult:
+        """Run ``task`` on ``inputs`` within the SLO. A bare array feeds the task's single input.
+        ``trace``: ask the mesh to record its decisions for this query (``InferResult.trace_id``)."""
         self._open()
         if isinstance(inputs, np.ndarray):
             sig = self._signatures.get(task) or await self.task_metadata(task)
@@ -259,7 +263,7 @@ class AsyncClient:
             shape_key = tuple((k, v.dtype, v.shape) for k, v in tensors.items())
         # types are part of the key: 20 == 20.0 but they are written differently
         key: tuple[Any, ...] = (task, shape_key, latency_ms, type(latency_ms), min_accuracy,
-                                type(min_accuracy), max_cost, type(max_cost), prefer, self.tenant, self.timeout)
+                                type(min_accuracy), max_cost, type(max_cost), prefer, self.tenant, self.timeout, trace)
         plan = None
         if request_id is None and self.binary:
             try:
@@ -269,7 +273,8 @@ class AsyncClient:
         if plan is not None:
             body = b"".join([plan.header, *tensor_data(tensors)])
         else:
-            plan, body = self._plan(key, task, tensors, latency_ms, min_accuracy, max_cost, prefer, request_id)
+            plan, body = self._plan(key, task, tensors, latency_ms, min_accuracy, max_cost, prefer, request_id,
+                                    trace)
         # The edge answers by the query's deadline (or with an error); plan.bound only protects
         # the caller from an agent that hangs: the SLO budget plus a grace for the loopback/LAN hop.
         try:
@@ -284,15 +289,19 @@ class AsyncClient:
             raise _error_from(status, rb, rh)
         raw_len = _header(rh, HEADER_LENGTH)
         dec = codec.decode_infer_response(rb, int(raw_len) if raw_len is not None else None)
-        return InferResult(dec.outputs, *result_values(dec.parameters), request_id=dec.request_id)
+        trace_id = dec.parameters.get("trace_id")
+        return InferResult(dec.outputs, *result_values(dec.parameters), request_id=dec.request_id,
+                           trace_id=trace_id if type(trace_id) is str else "")
 
     def _plan(self, key: tuple[Any, ...], task: str, tensors: dict[str, np.ndarray], latency_ms: float,
               min_accuracy: float, max_cost: float | None, prefer: str,
-              request_id: str | None) -> tuple[_Plan, bytes]:
+              request_id: str | None, trace: bool = False) -> tuple[_Plan, bytes]:
         """Encode a request in full; keep its plan for the next one with the same ``key``."""
         params: dict[str, Any] = {"latency_ms": latency_ms, "min_accuracy": min_accuracy, "prefer": prefer}
         if max_cost is not None:
             params["max_cost"] = max_cost
+        if trace:
+            params["trace"] = True
         body, hlen = codec.encode_infer_request(tensors, params, request_id=request_id, binary=self.binary)
         headers = dict(self._tenant_headers)
         if hlen is None:
@@ -371,9 +380,9 @@ class Client:
 
     def infer(self, task: str, inputs: Inputs, *, latency_ms: float, min_accuracy: float = 0.0,
               max_cost: float | None = None, prefer: str = DEFAULT_PREFER,
-              request_id: str | None = None) -> InferResult:
+              request_id: str | None = None, trace: bool = False) -> InferResult:
         return self._call(self._async.infer(task, inputs, latency_ms=latency_ms, min_accuracy=min_accuracy,
-                                            max_cost=max_cost, prefer=prefer, request_id=request_id))
+                                            max_cost=max_cost, prefer=prefer, request_id=request_id, trace=trace))
 
     def task_metadata(self, task: str) -> TaskSignature:
         return self._call(self._async.task_metadata(task))

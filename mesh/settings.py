@@ -37,6 +37,12 @@ class MeshSettings(BaseSettings):
     agent_demand_window_s: float = Field(default=10.0,
                                          description="Window over which an agent measures the demand it reports "
                                                      "per task and SLO class (queries/s).")
+    agent_trace_sample_rate: float = Field(default=0.01, ge=0.0, le=1.0,
+                                           description="Share of queries an agent traces without being asked "
+                                                       "(decision traces at GET /v2/traces/ID); 0: only queries "
+                                                       "that ask with parameters.trace.")
+    agent_trace_buffer: int = Field(default=1000, ge=1,
+                                    description="How many traces an agent keeps (the oldest goes first).")
     max_body_bytes: int = Field(default=16 * 1024 * 1024, description="Largest HTTP / wire request accepted.")
     bind: str = Field(default=DEFAULT_BIND,
                       description="Address servers listen on (agent HTTP + ZeroMQ, variant store): an interface "

@@ -222,7 +222,8 @@ class InferRequest:
     monotonic clock (``mesh.clock.monotonic``), meaningless elsewhere: a query entering the mesh
     gets it from :meth:`entering`; one arriving over the wire from the budget its sender had left
     (the decoder sets it). ``sent_at`` is the previous hop's wall-clock send time as it reported
-    it (0.0: the query did not arrive over the wire): for diagnostics only, never compared."""
+    it (0.0: the query did not arrive over the wire): for diagnostics only, never compared.
+    ``traceparent`` is set only on a query whose decisions are traced."""
 
     task: str
     inputs: dict[str, np.ndarray]
@@ -235,6 +236,8 @@ class InferRequest:
     target_site: str | None = None
     target_variant: str | None = None
     sent_at: float = 0.0
+    # W3C traceparent of a traced query (``mesh.tracecontext``); None: not traced (the common case)
+    traceparent: str | None = None
 
     @classmethod
     def entering(cls, task: str, inputs: dict[str, np.ndarray], slo: SLO, tenant: str = DEFAULT_TENANT,
@@ -271,3 +274,6 @@ class InferResponse:
     tenant: str = DEFAULT_TENANT
     timing: Timing = field(default_factory=Timing)
     hops: list[str] = field(default_factory=list)
+    # a traced query's hop records from this hop inwards (JSON-able maps, ``edge_agent.traces``);
+    # None when not traced
+    trace: list[dict[str, Any]] | None = None

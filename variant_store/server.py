@@ -3,6 +3,7 @@
     GET|HEAD /blobs/<digest>   the blob; ETag is the digest, If-None-Match -> 304, Range -> 206
     GET      /catalog[?task=]  {"variants": [VariantMeta JSON, ...]}
     GET      /healthz          {"ok": true, ...}
+    GET      /metrics          Prometheus text (``variant_store.metrics``); with TLS only for admin or scheduler
 
 A blob whose bytes no longer hash to its name is never served (502 with a JSON error body). Each
 blob is verified on its first serve and the verdict cached by the file's (inode, mtime, size), so
@@ -39,6 +40,7 @@ from mesh.pki.identity import Identity
 from variant_store.access import Serves, StoreTls, blob_readable, may_read
 from variant_store.blobs import CHUNK, BlobStore, is_digest
 from variant_store.catalog import Catalog
+from variant_store.metrics import CONTENT_TYPE, StoreMetrics
 
 __all__ = ["IDENTITY", "TENANT_HEADER", "Authenticator", "VariantStoreServer", "header_identity"]
 
@@ -85,6 +87,7 @@ class VariantStoreServer(Service):
         self._lease: Lease | None = None
         self._announcer: asyncio.Task[None] | None = None
         self._url: str | None = None
+        self.metrics = StoreMetrics()
 
     @property
     def url(self) -> str:
@@ -97,6 +100,7 @@ class VariantStoreServer(Service):
         app.router.add_get("/blobs/{digest}", self._blob)  # aiohttp adds HEAD for GET routes
         app.router.add_get("/catalog", self._catalog)
         app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/metrics", self._metrics)
         return app
 
     async def _start(self) -> None:
@@ -168,11 +172,20 @@ class VariantStoreServer(Service):
                 request[IDENTITY] = str(peer)
             else:
                 request[IDENTITY] = await self.authenticate(request)
-            return await handler(request)
+            resp = await handler(request)
         except MeshError as exc:
             log.warning("%s %s -> %s: %s", request.method, request.path, exc.http_status, exc,
                         extra=kv(tenant=request.get(IDENTITY, "?"), event="blob_request_failed", reason=exc.code))
-            return web.json_response(exc.to_dict(), status=exc.http_status)
+            resp = web.json_response(exc.to_dict(), status=exc.http_status)
+        self.metrics.answered(request.path, resp.status)
+        return resp
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        peer = request.get(PEER)
+        if peer is not None and peer.kind not in ("admin", "scheduler"):
+            raise PermissionDenied(f"{peer} may not read metrics: an admin or scheduler identity may",
+                                   reason="wrong_kind")
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def _healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "url": self._url})
@@ -235,6 +248,7 @@ class VariantStoreServer(Service):
                     break
                 await resp.write(chunk)
                 left -= len(chunk)
+                self.metrics.blob_bytes.inc(len(chunk))
         finally:
             await loop.run_in_executor(None, f.close)
 
@@ -246,6 +260,7 @@ class VariantStoreServer(Service):
                 verdict: str | None = None
             except BlobError as exc:
                 verdict = exc.message
+                self.metrics.corrupt.inc()
                 log.error("refusing corrupt blob: %s", exc, extra=kv(event="blob_corrupt"))
             self._verified[digest] = (stamp, verdict)
             cached = self._verified[digest]

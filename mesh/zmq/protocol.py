@@ -5,7 +5,11 @@ Request header (``kind == "req"``)::
 
     {v: 2, kind, id, tenant, task, slo: {latency_ms, min_accuracy, max_cost, prefer},
      budget_ms, sent_at, hops: [site, ...], target_site, target_variant,
-     tensors: [{name, dtype, shape}, ...]}
+     tensors: [{name, dtype, shape}, ...], traceparent?}
+
+``traceparent`` (W3C, ``mesh.tracecontext``) is present only on a traced query, and ``trace`` (a list
+of hop records, maps) only on the reply to one: both optional fields within version 2, which a peer
+that predates them ignores, so no version bump was needed.
 
 Deadlines travel as durations (version 2; version 1 carried an absolute wall-clock ``deadline``,
 which only worked while every site's clock agreed, and is refused as an unsupported version).
@@ -20,7 +24,7 @@ clock at encode, for diagnostics (logs of a late arrival) only: it is never comp
 receiver's clock.
 
 Reply header: ``{v, kind: "rep", id, site, variant, accuracy, reason, best_effort, tenant,
-timing: {network_ms, queue_ms, compute_ms, total_ms}, hops, tensors}`` or
+timing: {network_ms, queue_ms, compute_ms, total_ms}, hops, tensors, trace?}`` or
 ``{v, kind: "err", id, code, error}`` where ``code`` is a ``mesh.errors`` code.
 
 Tensor bytes are little-endian, C-order, never copied on encode (frames are views of the arrays)
@@ -66,6 +70,7 @@ from mesh.zmq.protocol_check import (
     check_request,
     read_id,
     read_slo,
+    read_traceparent,
     unpack_header,
 )
 
@@ -161,6 +166,8 @@ def encode_request(req: InferRequest, *, now: float | None = None, reserve_ms: f
         "target_variant": req.target_variant,
         "tensors": descs,
     }
+    if req.traceparent is not None:
+        header["traceparent"] = req.traceparent
     return [_pack(header), *frames]
 
 
@@ -187,6 +194,8 @@ def encode_response(resp: InferResponse) -> Frames:
         "hops": list(resp.hops),
         "tensors": descs,
     }
+    if resp.trace is not None:
+        header["trace"] = resp.trace
     return [_pack(header), *frames]
 
 
@@ -255,9 +264,10 @@ def _fast_request(h: dict[str, Any], frames: Sequence[object], max_bytes: int, n
     tensors = _fast_tensors(h.get("tensors"), frames[1:], max_bytes)
     if tensors is None:
         return None
-    # the one SLO parser, as on the checked path: a bad SLO is a ProtocolError on either
+    tp = h.get("traceparent")
+    # the one SLO parser, as on the checked path: a bad SLO is a ProtocolError on either; so for a traceparent
     return InferRequest(task, tensors, read_slo(slo), tenant, h["id"], now + budget / 1000.0, hops, site, variant,
-                        sent_at)
+                        sent_at, None if tp is None else read_traceparent(tp))
 
 
 def _fast_response(h: dict[str, Any], rid: str, frames: Sequence[object], max_bytes: int) -> InferResponse | None:
@@ -271,11 +281,14 @@ def _fast_response(h: dict[str, Any], rid: str, frames: Sequence[object], max_by
         timing.get("total_ms")
     if not (_finite(network) and _finite(queue) and _finite(compute) and _finite(total)):
         return None
+    trace = h.get("trace")
+    if trace is not None and (type(trace) is not list or not all(type(x) is dict for x in trace)):
+        return None
     tensors = _fast_tensors(h.get("tensors"), frames[1:], max_bytes)
     if tensors is None:
         return None
     return InferResponse(rid, tensors, site, variant, accuracy, reason, best_effort, tenant,
-                         Timing(network, queue, compute, total), hops)
+                         Timing(network, queue, compute, total), hops, trace)
 
 
 # ---------------------------------------------------------------- decode

@@ -18,6 +18,7 @@ import numpy as np
 import zmq
 
 from mesh.errors import MeshError, PayloadTooLarge, ProtocolError, RequestError, error_from_code
+from mesh.tracecontext import parse_traceparent
 from mesh.types import SLO, InferRequest, InferResponse, Timing
 
 __all__ = [
@@ -34,6 +35,8 @@ __all__ = [
     "check_request",
     "read_id",
     "read_slo",
+    "read_trace",
+    "read_traceparent",
     "unpack_header",
 ]
 
@@ -133,6 +136,22 @@ def read_slo(slo: Mapping[str, Any]) -> SLO:
         raise ProtocolError(f"header field 'slo': {exc.message}") from exc
 
 
+def read_traceparent(value: object) -> str:
+    """A request header's ``traceparent`` (present: a valid W3C version-00 value); both decoders call this."""
+    if parse_traceparent(value) is None:
+        raise ProtocolError(f"header field 'traceparent' is not a W3C traceparent: {str(value)[:64]!r}")
+    return value  # type: ignore[return-value]  # parse_traceparent accepts only str
+
+
+def read_trace(h: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    """A reply header's optional ``trace``: a list of maps (hop records; their fields are checked where
+    they are kept, ``edge_agent.traces``)."""
+    trace: list[Any] | None = _field(h, "trace", list, optional=True)
+    if trace is not None and not all(isinstance(x, dict) for x in trace):
+        raise ProtocolError("header field 'trace' must be a list of maps")
+    return trace
+
+
 def _str_list(h: Mapping[str, Any], key: str) -> list[str]:
     val: list[str] = _field(h, key, list)
     if not all(isinstance(x, str) for x in val):
@@ -207,6 +226,7 @@ def check_request(h: Mapping[str, Any], frames: Sequence[object], max_bytes: int
         target_site=_field(h, "target_site", str, optional=True),
         target_variant=_field(h, "target_variant", str, optional=True),
         sent_at=_num(h, "sent_at"),
+        traceparent=None if h.get("traceparent") is None else read_traceparent(h["traceparent"]),
     )
 
 
@@ -232,6 +252,7 @@ def check_reply(h: Mapping[str, Any], rid: str, frames: Sequence[object],
             timing=Timing(**{k: _num(timing, k)
                              for k in ("network_ms", "queue_ms", "compute_ms", "total_ms")}),
             hops=_str_list(h, "hops"),
+            trace=read_trace(h),
         )
     except DECODE_ERRORS as exc:
         return exc

@@ -173,3 +173,29 @@ async def test_sites_marked_unreachable_are_routed_around_until_probed_back() ->
     zmq.calls.clear()
     await dp._route(query(500.0), time.monotonic())
     assert [s for s, _ in zmq.calls] == ["mid"]
+
+
+async def test_a_traced_retry_records_each_attempt_and_forwards_the_trace_context() -> None:
+    from edge_agent.traces import HopTrace
+    from mesh.tracecontext import new_traceparent, trace_id_of
+
+    dp, zmq = plane({"mid": "dead"})
+    req = query(500.0)
+    req.traceparent = new_traceparent()
+    hop = HopTrace("edge-b", "edge")
+    seen: list[str | None] = []
+    real = zmq.request
+
+    async def spy(endpoint: str, fwd: InferRequest, *, reserve_ms: float = 0.0) -> InferResponse:
+        seen.append(fwd.traceparent)
+        return await real(endpoint, fwd, reserve_ms=reserve_ms)
+
+    zmq.request = spy  # type: ignore[method-assign]
+    resp = await dp._route(req, time.monotonic(), hop)
+    first, second = hop.records
+    assert first["choice"]["site"] == "mid" and first["choice"]["reason"].endswith("failed: peer_down")
+    assert second["choice"]["site"] == resp.site and "failed" not in second["choice"]["reason"]
+    assert any(c["why_not"] == "excluded" and c["site"] == "mid" for c in second["candidates"])
+    # each forward carries the same trace, with this hop's own span as the parent
+    assert len(seen) == 2 and all(tp and trace_id_of(tp) == trace_id_of(req.traceparent) for tp in seen)
+    assert seen[0] != req.traceparent

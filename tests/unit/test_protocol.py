@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from mesh.errors import BadTensor, MeshError, PayloadTooLarge, ProtocolError, UnknownTask
+from mesh.tracecontext import new_traceparent
 from mesh.types import PREFERS, SLO, InferRequest, InferResponse, Timing
 from mesh.zmq import protocol as p
 from mesh.zmq.protocol_check import ALLOWED_DTYPES, DECODE_ERRORS, MAX_HEADER_BYTES, MAX_ID_LEN
@@ -35,11 +36,14 @@ requests = st.builds(
     InferRequest, task=names, inputs=tensors, slo=slos, tenant=names,
     request_id=st.text(min_size=1, max_size=40), deadline=st.floats(min_value=-1e9, max_value=1e9),
     hops=st.lists(names, max_size=5), target_site=st.none() | names, target_variant=st.none() | names,
+    traceparent=st.none() | st.builds(new_traceparent),
 )
 responses = st.builds(
     InferResponse, request_id=st.text(min_size=1, max_size=40), outputs=tensors, site=st.text(),
     variant=st.text(), accuracy=finite, reason=st.text(max_size=20), best_effort=st.booleans(),
     tenant=names, timing=st.builds(Timing, finite, finite, finite, finite), hops=st.lists(names, max_size=5),
+    trace=st.none() | st.lists(st.dictionaries(st.text(max_size=8), st.none() | finite | st.text(max_size=8),
+                                               max_size=4), max_size=3),
 )
 
 
@@ -89,6 +93,7 @@ def test_request_round_trip(req: InferRequest) -> None:
         # the budget left at send (deadline - 0) becomes the receiver's deadline from arrival (0)
         assert got.slo == req.slo and got.deadline == pytest.approx(req.deadline, rel=1e-12, abs=1e-9)
         assert (got.target_site, got.target_variant) == (req.target_site, req.target_variant)
+        assert got.traceparent == req.traceparent
         _same_tensors(req.inputs, got.inputs)
 
 
@@ -98,7 +103,7 @@ def test_response_round_trip(resp: InferResponse) -> None:
     got = p.decode_response(_wire(p.encode_response(resp)))
     assert (got.request_id, got.site, got.variant, got.reason, got.best_effort, got.tenant, got.hops) == (
         resp.request_id, resp.site, resp.variant, resp.reason, resp.best_effort, resp.tenant, resp.hops)
-    assert got.accuracy == resp.accuracy and got.timing == resp.timing
+    assert got.accuracy == resp.accuracy and got.timing == resp.timing and got.trace == resp.trace
     _same_tensors(resp.outputs, got.outputs)
 
 
@@ -184,6 +189,9 @@ _DROP = object()
     ({"sent_at": _DROP}, "'sent_at' missing"),
     ({"hops": ["a", 3]}, "hops"),
     ({"target_site": 5}, "target_site"),
+    ({"traceparent": "00-abc-def-01"}, "traceparent"),
+    ({"traceparent": 7}, "traceparent"),
+    ({"traceparent": "00-" + "0" * 32 + "-" + "1" * 16 + "-01"}, "traceparent"),
     ({"tensors": "x"}, "tensors"),
     ({"tensors": [{"name": "x", "dtype": "float32", "shape": [3, 4]}]}, "2 tensor frames"),
     ({"tensors": [{"name": "x", "dtype": "object", "shape": [12]}, {"name": "m", "dtype": "bool",
@@ -200,6 +208,25 @@ def test_hostile_header_is_protocol_error(changes: dict[str, Any], pattern: str)
     frames[0] = msgpack.packb(_header(**changes))
     with pytest.raises(ProtocolError, match=pattern):
         p.decode_request(frames)
+
+
+def test_a_peer_that_predates_traces_is_understood_both_ways() -> None:
+    # the optional fields are absent from an untraced message, so an older v2 peer's messages decode
+    # as before and ours carry nothing it would not know
+    assert "traceparent" not in msgpack.unpackb(_valid_frames()[0])
+    got = p.decode_request(_valid_frames())
+    assert got.traceparent is None
+    resp = InferResponse("r", {}, "s", "v", 0.9, "local")
+    assert "trace" not in msgpack.unpackb(p.encode_response(resp)[0])
+    frames = _valid_frames()
+    h = msgpack.unpackb(frames[0])
+    h["kind"], h["site"], h["variant"], h["accuracy"], h["reason"] = "rep", "s", "v", 0.5, "local"
+    h["best_effort"], h["timing"] = False, {k: 0.0 for k in ("network_ms", "queue_ms", "compute_ms", "total_ms")}
+    for trace, ok in ([{"site": "s"}], True), ([1, 2], False), ("x", False):
+        h["trace"] = trace
+        frames[0] = msgpack.packb(h)
+        _, out = p.decode_reply(frames)
+        assert isinstance(out, InferResponse) == ok and (not ok or out.trace == trace), out
 
 
 def test_huge_declared_size_is_payload_too_large() -> None:

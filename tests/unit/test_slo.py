@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from mesh.errors import ProtocolError, RequestError
+from mesh.tracecontext import new_traceparent
 from mesh.types import PREFERS, SLO, TIER_RANK, TIERS, InferRequest
 from mesh.v2 import params as v2_params
 from mesh.zmq import protocol as fast
@@ -85,7 +86,7 @@ requests = st.builds(
     InferRequest, task=names, inputs=st.dictionaries(names, arrays, max_size=3), slo=valid_slos, tenant=names,
     request_id=st.text(min_size=1, max_size=20), deadline=st.floats(min_value=-1e9, max_value=1e9),
     hops=st.lists(names, max_size=3), target_site=st.none() | names, target_variant=st.none() | names,
-    sent_at=finite)
+    sent_at=finite, traceparent=st.none() | st.builds(new_traceparent))
 # what a peer might put in an SLO field: every kind of number, and things that are not numbers
 slo_numbers = (st.floats() | st.integers(-(2**63), 2**64 - 1) | st.sampled_from([0.0, -0.0, 1.0, -5.0, 1.5])
                | st.booleans() | st.none() | st.text(max_size=4))

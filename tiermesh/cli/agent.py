@@ -90,6 +90,8 @@ def agent_config(args: argparse.Namespace, settings: MeshSettings) -> AgentConfi
                        lease_ttl_s=args.lease_ttl, routing_mode=args.routing_mode,
                        idle_unload_s=settings.agent_idle_unload_s,
                        demand_window_s=settings.agent_demand_window_s, max_body_bytes=settings.max_body_bytes,
+                       trace_sample_rate=settings.agent_trace_sample_rate,
+                       trace_buffer=settings.agent_trace_buffer,
                        tls=not (getattr(args, "insecure", False) or getattr(args, "no_edge_tls", False)),
                        pki_dir=getattr(args, "pki_dir", None), insecure=bool(getattr(args, "insecure", False)))
 

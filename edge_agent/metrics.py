@@ -1,0 +1,321 @@
+"""An agent's Prometheus metrics: what its door answered, what it served, and its state at scrape time.
+
+Cheap on the query path: a query adds to plain Python counters and histogram buckets keyed by a label
+tuple (a dict lookup and an add, all on the event loop's thread), and they are turned into Prometheus
+families only when ``/metrics`` is scraped (:meth:`AgentMetrics.collect`; each agent has its own
+``CollectorRegistry``, so several agents can share a process). Gauges (loaded variants, memory, queues,
+peers, etcd) are read from the agent at scrape time, not kept up to date per query.
+
+Counted once per query, at the door that received it (HTTP, SDK, a ZeroMQ caller):
+``tiermesh_requests_total{task,tenant,site,variant,outcome,reason}`` (outcome ``ok`` or the error code;
+reason the routing reason code, ``none`` for an error), ``tiermesh_slo_total{tenant,slo_class,result}``
+and ``tiermesh_request_latency_seconds{task,component}``. Counted where a query runs (its door or the
+site it was forwarded to): ``tiermesh_served_total{task,tenant,site,variant,role}`` and the
+Triton-compatible ``nv_inference_*`` counters (model = variant, version ``1``), written as Triton writes
+them (no ``_total`` suffix), so existing dashboards work.
+
+Cardinality is bounded: tasks, tenants, sites and variants are those of the mesh's view (anything else
+is ``other``), outcomes are error codes, reasons routing's codes; no request ids.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from core_scheduler.policy.routing import REASONS
+from edge_agent.demand import slo_class
+from mesh.cache import BoundedCache
+from mesh.errors import MeshError
+from mesh.types import SLO, InferResponse
+
+__all__ = ["CONTENT_TYPE", "OTHER", "AgentMetrics", "Gauges", "error_codes"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+OTHER = "other"
+LATENCY_BOUNDS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0, 10.0)
+BATCH_BOUNDS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0)
+COMPONENTS = ("network", "queue", "compute", "total")
+
+
+def error_codes() -> frozenset[str]:
+    """Every code of the ``mesh.errors`` tree (the outcome label's values besides ``ok``)."""
+    seen: set[str] = set()
+    todo: list[type[MeshError]] = [MeshError]
+    while todo:
+        cls = todo.pop()
+        seen.add(cls.code)
+        todo.extend(cls.__subclasses__())
+    return frozenset(seen)
+
+
+_CODES = error_codes()
+# errors that mean the mesh failed the query's SLO (the caller's own mistakes do not count)
+_SLO_FAILURES = frozenset({"deadline", "overloaded", "no_route", "peer_down", "impossible_slo", "internal",
+                           "runtime_load", "blob", "protocol"})
+_REASONS = frozenset({*REASONS, *(r + "+retried" for r in REASONS), "forwarded", "none"})
+
+
+class _Hist:
+    """Bucket counts (the last is +Inf) and a sum; rendered cumulative at scrape time."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, v: float) -> None:
+        self.counts[bisect_left(self.bounds, v)] += 1  # le is inclusive: the first bound >= v
+        self.sum += v
+
+    def buckets(self) -> list[tuple[str, float]]:
+        out, acc = [], 0
+        for bound, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            acc += n
+            out.append(("+Inf" if bound == float("inf") else repr(bound), float(acc)))
+        return out
+
+
+@dataclass(slots=True)
+class _Triton:
+    success: int = 0
+    count: int = 0            # inferences (rows), as Triton counts a batch's items
+    queue_us: float = 0.0
+    compute_us: float = 0.0
+    request_us: float = 0.0
+    failure: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Gauges:
+    """What the agent holds right now (read at scrape time)."""
+
+    loaded: dict[str, tuple[int, int]] = field(default_factory=dict)  # variant -> (memory bytes, queued rows)
+    peers: dict[str, bool] = field(default_factory=dict)              # live peer site -> reachable
+    etcd_connected: bool = False
+    inflight: int = 0
+
+
+class AgentMetrics(Collector):
+    def __init__(self, site: str) -> None:
+        self.site = site
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+        self.gauges: Callable[[], Gauges] = Gauges
+        self.tasks: frozenset[str] = frozenset()
+        self.tenants: frozenset[str] = frozenset({"public"})
+        self.variants: frozenset[str] = frozenset()
+        self.sites: frozenset[str] = frozenset({site})
+        self.requests: dict[tuple[str, str, str, str, str], int] = {}
+        self.slo: dict[tuple[str, str, str], int] = {}
+        self.latency: dict[tuple[str, str], _Hist] = {}     # (task, component) -> histogram, for collect()
+        self._latency_of: dict[str, tuple[_Hist, ...]] = {}  # task -> its COMPONENTS' histograms, in order
+        self.served: dict[tuple[str, str, str, str], int] = {}
+        self.triton: dict[str, _Triton] = {}
+        self.batch: dict[str, _Hist] = {}
+        self.cold_starts: dict[str, int] = {}
+        self.prewarms: dict[str, int] = {}
+        self.forwards: dict[str, int] = {}
+        self.quota_rejections: dict[str, int] = {}
+        self._classes: BoundedCache[SLO, str] = BoundedCache(256)
+
+    # -- bounded labels ----------------------------------------------------------------------
+    def known(self, *, tasks: Iterable[str], tenants: Iterable[str], variants: Iterable[str],
+              sites: Iterable[str]) -> None:
+        """The label values the mesh's view names (on every view change); others become ``other``."""
+        self.tasks, self.variants = frozenset(tasks), frozenset(variants)
+        self.tenants, self.sites = frozenset({"public", *tenants}), frozenset({self.site, *sites})
+
+    def _task(self, task: str) -> str:
+        return task if task in self.tasks else OTHER
+
+    def _tenant(self, tenant: str) -> str:
+        return tenant if tenant in self.tenants else OTHER
+
+    def _variant(self, variant: str) -> str:
+        return variant if variant in self.variants else OTHER
+
+    def _slo_class(self, slo: SLO) -> str:
+        cls = self._classes.get(slo)
+        return cls if cls is not None else self._classes.put(slo, slo_class(slo))
+
+    # -- the door ------------------------------------------------------------------------------
+    def door_ok(self, task: str, tenant: str, slo: SLO, resp: InferResponse) -> None:
+        task = task if task in self.tasks else OTHER
+        tenant = tenant if tenant in self.tenants else OTHER
+        reason = resp.reason if resp.reason in _REASONS else OTHER
+        variant = resp.variant if resp.variant in self.variants else OTHER
+        key = (task, tenant, variant, "ok", reason)
+        self.requests[key] = self.requests.get(key, 0) + 1
+        t = resp.timing
+        total = t.total_ms
+        cls = self._classes.get(slo)
+        if cls is None:
+            cls = self._classes.put(slo, slo_class(slo))
+        skey = (tenant, cls, "met" if total <= slo.latency_ms and resp.accuracy >= slo.min_accuracy else "missed")
+        self.slo[skey] = self.slo.get(skey, 0) + 1
+        hs = self._latency_of.get(task)
+        if hs is None:
+            hs = self._latency_of[task] = tuple(_Hist(LATENCY_BOUNDS_S) for _ in COMPONENTS)
+            for comp, h in zip(COMPONENTS, hs, strict=True):
+                self.latency[(task, comp)] = h
+        # inline _Hist.observe (four per query): seconds into the first bucket whose bound is >= them
+        for h, ms in zip(hs, (t.network_ms, t.queue_ms, t.compute_ms, total), strict=True):
+            v = ms / 1000.0
+            h.counts[bisect_left(LATENCY_BOUNDS_S, v)] += 1
+            h.sum += v
+
+    def door_error(self, task: str, tenant: str, code: str, slo: SLO | None = None) -> None:
+        tenant = self._tenant(tenant)
+        key = (self._task(task), tenant, "none", code if code in _CODES else OTHER, "none")
+        self.requests[key] = self.requests.get(key, 0) + 1
+        if code == "quota_exceeded":
+            self.quota_rejections[tenant] = self.quota_rejections.get(tenant, 0) + 1
+        if slo is not None and code in _SLO_FAILURES:
+            skey = (tenant, self._slo_class(slo), "missed")
+            self.slo[skey] = self.slo.get(skey, 0) + 1
+
+    # -- where queries run ---------------------------------------------------------------------
+    def served_ok(self, task: str, tenant: str, variant: str, role: str, queue_ms: float, compute_ms: float,
+                  total_ms: float, rows: int) -> None:
+        variant = self._variant(variant)
+        key = (self._task(task), self._tenant(tenant), variant, role)
+        self.served[key] = self.served.get(key, 0) + 1
+        tr = self.triton.get(variant)
+        if tr is None:
+            tr = self.triton[variant] = _Triton()
+        tr.success += 1
+        tr.count += rows
+        tr.queue_us += queue_ms * 1000.0
+        tr.compute_us += compute_ms * 1000.0
+        tr.request_us += total_ms * 1000.0
+
+    def served_failed(self, variant: str, code: str) -> None:
+        variant = self._variant(variant)
+        tr = self.triton.get(variant)
+        if tr is None:
+            tr = self.triton[variant] = _Triton()
+        code = code if code in _CODES else OTHER
+        tr.failure[code] = tr.failure.get(code, 0) + 1
+
+    def batch_ran(self, variant: str, rows: int) -> None:
+        variant = self._variant(variant)
+        h = self.batch.get(variant)
+        if h is None:
+            h = self.batch[variant] = _Hist(BATCH_BOUNDS)
+        h.observe(float(rows))
+
+    def cold_start(self, variant: str, *, prewarm: bool) -> None:
+        """A variant loaded: on a query's demand (a cold start) or ahead of it, by placement (a prewarm)."""
+        counts = self.prewarms if prewarm else self.cold_starts
+        variant = self._variant(variant)
+        counts[variant] = counts.get(variant, 0) + 1
+
+    def forwarded(self, destination: str) -> None:
+        dest = destination if destination in self.sites else OTHER
+        self.forwards[dest] = self.forwards.get(dest, 0) + 1
+
+    # -- scrape --------------------------------------------------------------------------------
+    def collect(self) -> Iterator[Metric]:
+        site = self.site
+        fam = CounterMetricFamily("tiermesh_requests", "Queries answered at this door, by outcome and routing reason",
+                                  labels=["task", "tenant", "site", "variant", "outcome", "reason"])
+        for (task, tenant, variant, outcome, reason), n in sorted(self.requests.items()):
+            fam.add_metric([task, tenant, site, variant, outcome, reason], n)
+        yield fam
+        fam = CounterMetricFamily("tiermesh_slo", "Queries answered at this door within their SLO (met) or not",
+                                  labels=["tenant", "slo_class", "result"])
+        for key, n in sorted(self.slo.items()):
+            fam.add_metric(list(key), n)
+        yield fam
+        hist = HistogramMetricFamily("tiermesh_request_latency_seconds",
+                                     "Latency of queries answered at this door, by component",
+                                     labels=["task", "component"])
+        for (task, comp), h in sorted(self.latency.items()):
+            hist.add_metric([task, comp], h.buckets(), h.sum)
+        yield hist
+        fam = CounterMetricFamily("tiermesh_served", "Queries run at this site (role: local or forwarded here)",
+                                  labels=["task", "tenant", "site", "variant", "role"])
+        for (task, tenant, variant, role), n in sorted(self.served.items()):
+            fam.add_metric([task, tenant, site, variant, role], n)
+        yield fam
+        hist = HistogramMetricFamily("tiermesh_batch_size", "Rows per executed batch", labels=["variant"])
+        for variant, h in sorted(self.batch.items()):
+            hist.add_metric([variant], h.buckets(), h.sum)
+        yield hist
+        for name, doc, counts, label in (
+                ("tiermesh_cold_starts", "Variant loads a query waited for", self.cold_starts, "variant"),
+                ("tiermesh_prewarms", "Variant loads placement asked for ahead of demand", self.prewarms, "variant"),
+                ("tiermesh_forwards", "Queries forwarded from this site, by destination", self.forwards,
+                 "destination"),
+                ("tiermesh_quota_rejections", "Queries refused at this door over the tenant's quota",
+                 self.quota_rejections, "tenant")):
+            fam = CounterMetricFamily(name, doc, labels=[label])
+            for value, n in sorted(counts.items()):
+                fam.add_metric([value], n)
+            yield fam
+        yield from self._gauges()
+
+    def _gauges(self) -> Iterator[Metric]:
+        g = self.gauges()
+        yield GaugeMetricFamily("tiermesh_loaded_variants", "Variants loaded at this site", value=len(g.loaded))
+        mem = GaugeMetricFamily("tiermesh_variant_memory_bytes", "Memory a loaded variant's runtime holds",
+                                labels=["variant"])
+        depth = GaugeMetricFamily("tiermesh_queue_depth", "Rows queued for a loaded variant", labels=["variant"])
+        for variant, (nbytes, rows) in sorted(g.loaded.items()):
+            mem.add_metric([self._variant(variant)], nbytes)
+            depth.add_metric([self._variant(variant)], rows)
+        yield mem
+        yield depth
+        peers = GaugeMetricFamily("tiermesh_peer_reachable", "1 if the transport reaches a live peer site",
+                                  labels=["peer"])
+        for peer, ok in sorted(g.peers.items()):
+            peers.add_metric([peer if peer in self.sites else OTHER], 1.0 if ok else 0.0)
+        yield peers
+        yield GaugeMetricFamily("tiermesh_etcd_connected", "1 while this agent's view follows etcd",
+                                value=1.0 if g.etcd_connected else 0.0)
+        yield GaugeMetricFamily("tiermesh_inflight", "Queries in flight at this site", value=g.inflight)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition: the registry's families, then Triton's, as Triton writes them."""
+        return generate_latest(self.registry) + self._triton_text().encode()
+
+    def _triton_text(self) -> str:
+        rows: dict[str, list[str]] = {k: [] for k in _TRITON}
+        for variant, tr in sorted(self.triton.items()):
+            labels = f'model="{_escape(variant)}",version="1"'
+            for name, value in (("nv_inference_request_success", tr.success),
+                                ("nv_inference_count", tr.count),
+                                ("nv_inference_queue_duration_us", tr.queue_us),
+                                ("nv_inference_compute_infer_duration_us", tr.compute_us),
+                                ("nv_inference_request_duration_us", tr.request_us)):
+                rows[name].append(f"{name}{{{labels}}} {float(value)!r}\n")
+            for reason, n in sorted(tr.failure.items()):
+                rows["nv_inference_request_failure"].append(
+                    f'nv_inference_request_failure{{{labels},reason="{_escape(reason)}"}} {float(n)!r}\n')
+        out = []
+        for name, doc in _TRITON.items():
+            out.append(f"# HELP {name} {doc}\n# TYPE {name} counter\n")
+            out.extend(rows[name])
+        return "".join(out)
+
+
+_TRITON = {
+    "nv_inference_request_success": "Number of successful inference requests, all batch sizes",
+    "nv_inference_request_failure": "Number of failed inference requests, all batch sizes",
+    "nv_inference_count": "Number of inferences performed (a batch of n counts n)",
+    "nv_inference_queue_duration_us": "Cumulative inference queuing duration in microseconds",
+    "nv_inference_compute_infer_duration_us": "Cumulative compute inference duration in microseconds",
+    "nv_inference_request_duration_us": "Cumulative inference request duration in microseconds",
+}
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

@@ -1,0 +1,92 @@
+"""What an agent shows of itself over its edge HTTP API: Prometheus metrics and decision traces.
+
+    GET /metrics                  Prometheus text (``edge_agent.metrics``)
+    GET /v2/traces/{request_id}   one trace this door answered (shape in ``edge_agent.traces``)
+    GET /v2/traces?limit=N        the newest N trace summaries {request_id, tenant, task, outcome, at_unix}
+
+Who may read, with edge TLS on (the identity from the client certificate, ``edge_agent.mtls``):
+
+    caller                 /metrics   traces
+    admin, scheduler       200        every tenant's
+    tenant                 403        its own only (another tenant's request id is a 404, as an unknown one)
+    site                   403        403
+
+With ``--insecure`` (no TLS) anyone may read the metrics; traces are everyone's, unless the request names a
+tenant in the ``X-Tiermesh-Tenant`` header, which then sees only its own (as with a certificate).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from edge_agent.metrics import CONTENT_TYPE, AgentMetrics
+from edge_agent.mtls import EdgeTls
+from edge_agent.traces import TraceStore
+from mesh.errors import MeshError, PermissionDenied, RequestError
+from mesh.v2.codec import TENANT_HEADER
+
+__all__ = ["MAX_LIST", "Observe", "Route"]
+
+MAX_LIST = 1000
+_READERS = ("admin", "scheduler")
+Route = tuple[str, str, Callable[[web.Request], Awaitable[web.Response]]]
+
+
+class _NotFound(MeshError):
+    code = "not_found"
+    http_status = 404
+
+
+class Observe:
+    """The handlers of :mod:`edge_agent.observe` over one agent's metrics and traces."""
+
+    def __init__(self, metrics: AgentMetrics, traces: TraceStore, tls: EdgeTls | None = None) -> None:
+        self.metrics, self.traces, self.tls = metrics, traces, tls
+
+    def routes(self) -> list[Route]:
+        return [("GET", "/metrics", self.metrics_page), ("GET", "/v2/traces", self.trace_list),
+                ("GET", "/v2/traces/{request_id}", self.trace)]
+
+    def rejected(self, task: str, tenant: str, code: str) -> None:
+        """A query the HTTP front refused before it reached the data plane (counted like any other)."""
+        self.metrics.door_error(task, tenant, code)
+
+    def _trace_reader(self, request: web.Request) -> str | None:
+        """None: may read every trace; a tenant: only its own."""
+        if self.tls is None:
+            return request.headers.get(TENANT_HEADER, "").strip() or None
+        who = self.tls.peer(request)
+        if who.kind in _READERS:
+            return None
+        if who.kind == "tenant":
+            return who.name
+        raise PermissionDenied(f"{who} may not read traces", reason="wrong_kind")
+
+    async def metrics_page(self, request: web.Request) -> web.Response:
+        if self.tls is not None:
+            who = self.tls.peer(request)
+            if who.kind not in _READERS:
+                raise PermissionDenied(f"{who} may not read metrics: an admin or scheduler identity may",
+                                       reason="wrong_kind")
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def trace(self, request: web.Request) -> web.Response:
+        reader = self._trace_reader(request)
+        rid = request.match_info["request_id"]
+        found = self.traces.get(rid)
+        if found is None or (reader is not None and found["tenant"] != reader):
+            raise _NotFound(f"no trace of request {rid!r} here")
+        return web.json_response(found)
+
+    async def trace_list(self, request: web.Request) -> web.Response:
+        reader = self._trace_reader(request)
+        raw = request.query.get("limit", "50")
+        try:
+            limit = int(raw)
+        except ValueError as exc:
+            raise RequestError(f"limit must be an integer, got {raw!r}") from exc
+        if not 1 <= limit <= MAX_LIST:
+            raise RequestError(f"limit must be 1 to {MAX_LIST}, got {limit}")
+        return web.json_response({"traces": self.traces.recent(limit, reader)})
