@@ -21,7 +21,7 @@ from pathlib import Path
 
 from bench.common import REPO_ROOT
 
-__all__ = ["WHEEL_CACHE", "SdkVenv", "build_wheel", "make_sdk_venv"]
+__all__ = ["WHEEL_CACHE", "SdkVenv", "build_wheel", "clean_env", "make_sdk_venv"]
 
 WHEEL_CACHE = Path(os.environ.get("TIERMESH_WHEEL_CACHE", REPO_ROOT / ".whl"))
 
@@ -48,14 +48,21 @@ class SdkVenv:
                 "            pass\n"
                 "    out[d.metadata['Name']] = out.get(d.metadata['Name'], 0) + total\n"
                 "print(json.dumps(out))\n")
-        res = subprocess.run([str(self.python), "-c", code], capture_output=True, text=True, timeout=120, check=True)
+        res = subprocess.run([str(self.python), "-c", code], capture_output=True, text=True, timeout=120, check=True,
+                             env=clean_env(), cwd=self.root)
         sizes: dict[str, int] = json.loads(res.stdout)
         return sizes
 
 
+def clean_env() -> dict[str, str]:
+    """This environment without PYTHONPATH: a development tree on it (and the ``tiermesh.egg-info`` a wheel build
+    leaves there) would make the venv's interpreter see this tree instead of its own install."""
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
 def _pip(*args: str | Path, timeout: float) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, env=clean_env())
 
 
 def build_wheel(out_dir: Path, *, timeout: float = 300.0) -> Path:
