@@ -10,7 +10,7 @@ DEMO_SECONDS ?= 30
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[all,dev]'
 	@touch $(STAMP)
 
 venv: $(STAMP)

@@ -1,1 +1,5 @@
-"""edge_agent"""
+"""edge_agent: the site agent (any tier). Needs the ``agent`` extra (``pip install 'tiermesh[agent]'``)."""
+
+from mesh.extras import require
+
+require("agent", "aetcd", "grpc", "zmq", "msgpack", "onnxruntime")

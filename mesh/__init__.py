@@ -4,9 +4,17 @@
     with Client("https://127.0.0.1:8000", cert="acme.pem", key="acme-key.pem", ca="ca.pem") as c:
         r = c.infer("digit-classification", x, latency_ms=20, min_accuracy=0.97)
         r.output(), r.site, r.variant, r.accuracy, r.reason, r.timing
+
+The client and the types are imported on first use (PEP 562): a server process that imports ``mesh.errors`` or
+``mesh.etcd`` runs this file first, and must not pay for the SDK's HTTP client (aiohttp's client, TLS context,
+numpy) unless it uses it.
 """
 
-from mesh.client import AsyncClient, Client, InferResult
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from mesh.errors import (
     BadTensor,
     DeadlineExceeded,
@@ -23,7 +31,13 @@ from mesh.errors import (
     UnknownTask,
     UnknownTenant,
 )
-from mesh.types import SLO, Timing
+
+if TYPE_CHECKING:
+    from mesh.client import AsyncClient, Client, InferResult
+    from mesh.types import SLO, Timing
+
+_LAZY = {"AsyncClient": "mesh.client", "Client": "mesh.client", "InferResult": "mesh.client", "SLO": "mesh.types",
+         "Timing": "mesh.types"}
 
 __all__ = [
     "SLO",
@@ -47,3 +61,16 @@ __all__ = [
     "UnknownTenant",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mesh' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

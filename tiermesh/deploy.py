@@ -51,7 +51,7 @@ __all__ = [
 
 NAMESPACE: Final = "tiermesh"
 IMAGE: Final = "tiermesh:0.1.0"  # built from deploy/Containerfile; push it to your registry and edit
-GPU_IMAGE: Final = "tiermesh:0.1.0-gpu"  # the same recipe with --build-arg EXTRAS=gpu
+GPU_IMAGE: Final = "tiermesh:0.1.0-gpu"  # the same recipe with --build-arg EXTRAS=all,gpu
 HTTP_PORT: Final = 8000  # Open Inference Protocol (KServe V2) HTTP API of every agent
 ZMQ_PORT: Final = 5555  # site-to-site ZeroMQ; peers dial the pod IP each agent advertises in etcd
 METRICS_PORT: Final = 9100  # Prometheus; served once the metrics issue lands (declared now so Services exist)

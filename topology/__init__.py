@@ -3,21 +3,38 @@
 ``loader`` turns YAML into typed ``schema`` objects (or one precise ``TopologyError``),
 ``paths`` is the mesh's one shortest-path computation over it (latency, bottleneck, jitter),
 ``store_io`` diffs and applies it to etcd. ``tiermesh topology ...`` lives in ``tiermesh/cli``.
+
+Names are imported on first use (PEP 562): an agent reads ``topology.paths`` and ``topology.schema`` and must not
+pay for the YAML parser (``loader``) or the etcd I/O (``store_io``) it never calls.
 """
 
-from topology.loader import load_topology_file, parse_topology
-from topology.paths import LinkSpec, PathTables, shortest_paths, topology_paths
-from topology.schema import (
-    SCHEMA_VERSION,
-    Gpu,
-    Hardware,
-    Isolation,
-    Link,
-    Site,
-    Tenant,
-    Topology,
-)
-from topology.store_io import Diff, apply, desired_state, diff, load_topology
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from topology.loader import load_topology_file, parse_topology
+    from topology.paths import LinkSpec, PathTables, shortest_paths, topology_paths
+    from topology.schema import (
+        SCHEMA_VERSION,
+        Gpu,
+        Hardware,
+        Isolation,
+        Link,
+        Site,
+        Tenant,
+        Topology,
+    )
+    from topology.store_io import Diff, apply, desired_state, diff, load_topology
+
+_LAZY = {
+    **dict.fromkeys(("load_topology_file", "parse_topology"), "topology.loader"),
+    **dict.fromkeys(("LinkSpec", "PathTables", "shortest_paths", "topology_paths"), "topology.paths"),
+    **dict.fromkeys(("SCHEMA_VERSION", "Gpu", "Hardware", "Isolation", "Link", "Site", "Tenant", "Topology"),
+                    "topology.schema"),
+    **dict.fromkeys(("Diff", "apply", "desired_state", "diff", "load_topology"), "topology.store_io"),
+}
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -40,3 +57,16 @@ __all__ = [
     "shortest_paths",
     "topology_paths",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'topology' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

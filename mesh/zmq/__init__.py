@@ -26,3 +26,7 @@ The parts:
     mesh.zmq.protocol                              the wire codec (fast path)
     mesh.zmq.protocol_check                        the checked decoder the fast path falls back to
 """
+
+from mesh.extras import require
+
+require("agent", "zmq", "msgpack")

