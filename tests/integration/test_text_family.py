@@ -30,7 +30,7 @@ def test_encoder_matches_the_published_model(family: Path) -> None:
     rt.load_sync()
     try:
         assert rt.input_specs == [TensorSpec("text", "object", (-1,))]
-        texts = np.array([b"This is an example sentence", "Each sentence is converted".encode()], dtype=object)
+        texts = np.array([b"This is an example sentence", b"Each sentence is converted"], dtype=object)
         emb = rt.infer_sync({"text": texts})["embedding"]
     finally:
         rt.unload_sync()

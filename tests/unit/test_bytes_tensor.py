@@ -14,9 +14,9 @@ from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 
 from mesh.bytes_tensor import as_bytes_tensor, deserialize_bytes, serialize_bytes
 from mesh.errors import BadTensor
+from mesh.types import TaskSignature, TensorSpec
 from mesh.v2 import codec
 from mesh.v2.params import datatype_of, dtype_of, metadata_to_signature, signature_to_metadata
-from mesh.types import TaskSignature, TensorSpec
 
 pytestmark = pytest.mark.unit
 
@@ -54,7 +54,8 @@ def test_malformed_wire_is_a_clear_error(wire: bytes, shape: tuple[int, ...], fr
 
 def test_datatype_names() -> None:
     assert datatype_of(np.dtype(object)) == "BYTES" and dtype_of("BYTES") == np.dtype(object)
-    sig = TaskSignature("text-topic", (TensorSpec("text", "object", (-1,)),), (TensorSpec("logits", "float32", (-1, 10)),))
+    sig = TaskSignature("text-topic", (TensorSpec("text", "object", (-1,)),),
+                        (TensorSpec("logits", "float32", (-1, 10)),))
     meta = signature_to_metadata(sig)
     assert meta["inputs"] == [{"name": "text", "datatype": "BYTES", "shape": [-1]}]
     assert metadata_to_signature(meta) == sig

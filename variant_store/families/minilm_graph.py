@@ -19,6 +19,7 @@ import json
 import math
 import struct
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -85,7 +86,7 @@ class _Graph:
         self.inits.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))
         return name
 
-    def op(self, op_type: str, inputs: list[str], **attrs: object) -> str:
+    def op(self, op_type: str, inputs: list[str], **attrs: Any) -> str:
         self._n += 1
         out = f"{op_type.lower()}_{self._n}"
         self.nodes.append(helper.make_node(op_type, inputs, [out], name=f"n{self._n}", **attrs))

@@ -166,8 +166,8 @@ def build(out: Path, *, backbones: list[str] | None = None, log: Any = print) ->
         path = out / f"{name}.onnx"
         _write_backbone(weights, tokenizer, layers, precision, path)
         written = time.perf_counter() - t0
-        train = _embed(path, corpus.train_text)
-        val = _embed(path, corpus.val_text)
+        train_x = _embed(path, corpus.train_text)
+        val_x = _embed(path, corpus.val_text)
         log(f"{name}: written in {written:.1f} s, {len(corpus.train_text) + len(corpus.val_text)} rows "
             f"embedded in {time.perf_counter() - t0 - written:.1f} s, {path.stat().st_size / 2**20:.1f} MiB")
         models.append({"file": path.name, "family": name, "task": "text-embedding", "role": "backbone",
@@ -175,8 +175,8 @@ def build(out: Path, *, backbones: list[str] | None = None, log: Any = print) ->
                        "size_bytes": path.stat().st_size})
         for task, (owner, classes) in HEAD_TASKS.items():
             head = out / f"{_HEAD_PREFIX[task]}-{name}.onnx"
-            _fit_head(train, _labels(task, corpus.train_y), len(classes), head)
-            acc = _top1(head, val[hold], _labels(task, corpus.val_y)[hold])
+            _fit_head(train_x, _labels(task, corpus.train_y), len(classes), head)
+            acc = _top1(head, val_x[hold], _labels(task, corpus.val_y)[hold])
             log(f"  {task} head on {name}: held-out top-1 {acc:.4f}")
             models.append({"file": head.name, "family": f"{_HEAD_PREFIX[task]}-{name}", "task": task,
                            "role": "head", "owner": owner, "backbone": path.name, "metric": "top1",

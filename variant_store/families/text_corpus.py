@@ -59,6 +59,12 @@ class Corpus:
     val_text: list[str]        # calibration rows first (``CALIB_COUNT``), then held-out rows
     val_y: np.ndarray
 
+    def holdout(self) -> tuple[np.ndarray, np.ndarray]:
+        """The held-out rows (after the calibration rows) as a BYTES tensor and section labels."""
+        x = np.empty(len(self.val_text) - CALIB_COUNT, dtype=object)
+        x[:] = [t.encode() for t in self.val_text[CALIB_COUNT:]]
+        return x, self.val_y[CALIB_COUNT:]
+
     @staticmethod
     def group_of(y: np.ndarray) -> np.ndarray:
         """Section indices -> group indices (in :data:`GROUPS` order)."""
