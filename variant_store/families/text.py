@@ -36,7 +36,7 @@ import numpy as np
 from mesh.errors import VariantBuildError
 from variant_store.families.text_corpus import CALIB_COUNT, GROUPS, SECTIONS, Corpus, load_corpus
 
-__all__ = ["BACKBONES", "BUILD_VERSION", "HEAD_TASKS", "MAX_LENGTH", "build", "main"]
+__all__ = ["BACKBONES", "BUILD_VERSION", "HEAD_TASKS", "MAX_LENGTH", "build", "main", "measure"]
 
 # bump when the files this writes change, so caches keyed by it rebuild
 BUILD_VERSION = 1
@@ -192,12 +192,55 @@ def build(out: Path, *, backbones: list[str] | None = None, log: Any = print) ->
     return manifest
 
 
+def measure(root: Path, rows: int = 200) -> list[dict[str, Any]]:
+    """Per backbone in a built family: file size, resident memory once loaded, p50 latency of one
+    description and of a batch of 8 (encoder + topic head, one intra-op thread), and both heads'
+    held-out top-1 from the manifest. What the README's variant table shows."""
+    from variant_store.runtimes import open_runtime
+
+    manifest = json.loads((root / "manifest.json").read_text())
+    x, _ = load_corpus().holdout()
+    out = []
+    for m in (m for m in manifest["models"] if m["role"] == "backbone"):
+        heads = {h["task"]: h for h in manifest["models"] if h.get("backbone") == m["file"]}
+        enc = open_runtime("onnx", root / m["file"], intra_op_threads=1)
+        head = open_runtime("onnx", root / heads["text-topic"]["file"], intra_op_threads=1)
+        enc.load_sync()
+        head.load_sync()
+        try:
+            lat = {}
+            for bs in (1, 8):
+                times = []
+                for i in range(0, min(rows, len(x) - bs), bs):
+                    t0 = time.perf_counter()
+                    head.infer_sync({"embedding": enc.infer_sync({"text": x[i:i + bs]})["embedding"]})
+                    times.append((time.perf_counter() - t0) * 1000.0)
+                lat[bs] = float(np.percentile(times, 50))
+            out.append({"backbone": m["family"], "layers": m["layers"], "precision": m["precision"],
+                        "size_mib": m["size_bytes"] / 2**20, "memory_mib": enc.memory_bytes / 2**20,
+                        "p50_ms_b1": lat[1], "p50_ms_b8": lat[8],
+                        "topic_top1": heads["text-topic"]["accuracy"], "group_top1": heads["text-group"]["accuracy"]})
+        finally:
+            enc.unload_sync()
+            head.unload_sync()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m variant_store.families.text", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="output directory (~150 MB, not committed)")
     parser.add_argument("--backbone", action="append", choices=list(BACKBONES), help="only these backbones")
+    parser.add_argument("--measure", action="store_true", help="measure a family already built in --out")
     args = parser.parse_args(argv)
+    if args.measure:
+        print(f"{'backbone':16} {'layers':>6} {'prec':>5} {'size MiB':>9} {'RSS MiB':>8} {'p50 b1 ms':>10} "
+              f"{'p50 b8 ms':>10} {'topic top1':>11} {'group top1':>11}")
+        for r in measure(args.out):
+            print(f"{r['backbone']:16} {r['layers']:>6} {r['precision']:>5} {r['size_mib']:>9.1f} "
+                  f"{r['memory_mib']:>8.1f} {r['p50_ms_b1']:>10.2f} {r['p50_ms_b8']:>10.2f} "
+                  f"{r['topic_top1']:>11.4f} {r['group_top1']:>11.4f}")
+        return 0
     started = time.perf_counter()
     try:
         with tempfile.TemporaryDirectory(dir=args.out.parent if args.out.parent.exists() else None) as tmp:
