@@ -28,7 +28,7 @@ from mesh.types import TaskSignature, TensorSpec
 from variant_store.blobs import BlobStore
 from variant_store.catalog import Catalog, RegisteredModel
 from variant_store.meta import Format, Precision, Profile, VariantMeta
-from variant_store.profiler import add_base_latency
+from variant_store.profiler import add_base_latency, run_first_output
 from variant_store.runtimes.text import TEXT_SPEC, TOKENIZER_KEY
 
 __all__ = [
@@ -125,20 +125,6 @@ async def _off_loop(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     return out
 
 
-def _run_onnx(path: Path, x: np.ndarray) -> np.ndarray:
-    """The first output of the ONNX model at ``path`` for inputs ``x`` (through the serving runtime, so a
-    text model tokenizes as it does when served)."""
-    from variant_store.runtimes import open_runtime
-
-    rt = open_runtime("onnx", path, intra_op_threads=2)
-    rt.load_sync()
-    try:
-        name, out = rt.input_specs[0].name, rt.output_specs[0].name
-        return np.concatenate([rt.infer_sync({name: x[i:i + 256]})[out] for i in range(0, len(x), 256)])
-    finally:
-        rt.unload_sync()
-
-
 # register ---------------------------------------------------------------------------------------
 
 async def register_model(catalog: Catalog, blobs: BlobStore, onnx_path: Path | str, val_npz: Path | str,
@@ -215,13 +201,13 @@ async def _build_model(catalog: Catalog, blobs: BlobStore, model: RegisteredMode
     if base_digest:
         # a head eats backbone features: measure it on the backbone's output for the same rows
         await _off_loop(blobs.verify, base_digest)
-        feats = await _off_loop(_run_onnx, blobs.path(base_digest), x)
+        feats = await _off_loop(run_first_output, blobs.path(base_digest), x)
         x_calib, x_hold = feats[:calib], feats[calib:]
     else:
         x_calib = x[:calib]
     reference = None
     if model.metric == "cosine":
-        reference = await _off_loop(_run_onnx, parent_path, x_hold)
+        reference = await _off_loop(run_first_output, parent_path, x_hold)
     if model.role == "model":
         generated, skipped = await _off_loop(generate_variants, parent_path, x_calib, work,
                                                  kinds=list(kinds) if kinds is not None else None)
@@ -326,10 +312,10 @@ async def reprofile(catalog: Catalog, blobs: BlobStore, task: str, variant_id: s
     x, y, calib = load_validation(blobs.path(model.validation_digest))
     x_hold, y_hold = x[calib:], (y[calib:] if y is not None else None)
     if meta.shared_base_digest:
-        x_hold = (await _off_loop(_run_onnx, blobs.path(meta.shared_base_digest), x))[calib:]
+        x_hold = (await _off_loop(run_first_output, blobs.path(meta.shared_base_digest), x))[calib:]
     reference = None
     if meta.metric == "cosine":
-        reference = await _off_loop(_run_onnx, blobs.path(model.parent_digest), x_hold)
+        reference = await _off_loop(run_first_output, blobs.path(model.parent_digest), x_hold)
     from variant_store.generate import GeneratedVariant
 
     gen = GeneratedVariant(variant_id, meta.format, meta.precision, blobs.path(meta.blob_digest),

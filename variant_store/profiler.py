@@ -21,7 +21,7 @@ from variant_store.hardware import hardware_class_for
 from variant_store.meta import LatencyStats, Profile
 from variant_store.runtimes import open_runtime, rss_bytes
 
-__all__ = ["ProfileResult", "add_base_latency", "measure_accuracy", "profile_variant"]
+__all__ = ["ProfileResult", "add_base_latency", "measure_accuracy", "profile_variant", "run_first_output"]
 
 
 @dataclass(slots=True)
@@ -140,3 +140,15 @@ def add_base_latency(result: ProfileResult, base_path: Path, x_holdout: np.ndarr
     finally:
         rt.unload_sync()
     return result
+
+
+def run_first_output(path: Path, x: np.ndarray) -> np.ndarray:
+    """The first output of the ONNX model at ``path`` for ``x`` fed to its first input, through the
+    serving runtime (so a text model tokenizes as it does when served), 256 rows at a time."""
+    rt = open_runtime("onnx", Path(path), intra_op_threads=2)
+    rt.load_sync()
+    try:
+        name, out = rt.input_specs[0].name, rt.output_specs[0].name
+        return np.concatenate([rt.infer_sync({name: x[i:i + 256]})[out] for i in range(0, len(x), 256)])
+    finally:
+        rt.unload_sync()
