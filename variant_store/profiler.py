@@ -8,6 +8,7 @@ size gets at most ``repeats`` runs and at most ``time_budget_s`` seconds, after 
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -16,12 +17,13 @@ from typing import Any
 
 import numpy as np
 
+from mesh.cache import BoundedCache
 from mesh.errors import ConfigError
 from variant_store.hardware import hardware_class_for
 from variant_store.meta import LatencyStats, Profile
 from variant_store.runtimes import open_runtime, rss_bytes
 
-__all__ = ["ProfileResult", "measure_accuracy", "profile_variant"]
+__all__ = ["ProfileResult", "add_base_latency", "measure_accuracy", "profile_variant", "run_first_output"]
 
 
 @dataclass(slots=True)
@@ -109,3 +111,68 @@ def profile_variant(runtime_format: str, path: Path, x_holdout: np.ndarray, y_ho
             device_memory_bytes=rt.device_memory_bytes())
     finally:
         rt.unload_sync()
+
+
+def add_base_latency(result: ProfileResult, base_path: Path, x_holdout: np.ndarray,
+                     batch_sizes: tuple[int, ...], repeats: int, *, time_budget_s: float = 1.0) -> ProfileResult:
+    """``result`` (a head's profile) with its backbone's load time and latency at each batch size added:
+    a head is served behind its backbone, and the backbone is most of the cost (a text encoder is
+    milliseconds, its linear head microseconds). Percentiles add as an upper bound."""
+    rt = open_runtime("onnx", Path(base_path), intra_op_threads=1)
+    rt.load_sync()
+    try:
+        name = rt.input_specs[0].name
+        for bs in batch_sizes:
+            batch = np.resize(x_holdout, (bs, *x_holdout.shape[1:]))
+            rt.infer_sync({name: batch})  # warm-up
+            times: list[float] = []
+            deadline = time.perf_counter() + time_budget_s
+            for _ in range(max(1, repeats)):
+                t0 = time.perf_counter()
+                rt.infer_sync({name: batch})
+                times.append((time.perf_counter() - t0) * 1000.0)
+                if time.perf_counter() > deadline:
+                    break
+            head = result.latency.get(bs, LatencyStats(p50_ms=0.0, p99_ms=0.0))
+            arr = np.asarray(times)
+            result.latency[bs] = LatencyStats(p50_ms=head.p50_ms + float(np.percentile(arr, 50)),
+                                              p99_ms=head.p99_ms + float(np.percentile(arr, 99)))
+        result.load_ms += rt.load_ms
+        result.peak_memory_bytes += rt.memory_bytes
+    finally:
+        rt.unload_sync()
+    return result
+
+
+# Every head on one backbone is measured on the backbone's features of the same rows (a text encoder
+# takes seconds over them, a head microseconds): computed once per (model bytes, rows) and reused.
+_FEATURES: BoundedCache[tuple[str, str], np.ndarray] = BoundedCache(8)
+
+
+def _rows_digest(x: np.ndarray) -> str:
+    h = hashlib.sha256(f"{x.dtype.str}{x.shape}".encode())
+    if x.dtype.hasobject:
+        for item in x.reshape(-1).tolist():
+            h.update(len(item).to_bytes(4, "little") + item)
+    else:
+        h.update(np.ascontiguousarray(x).tobytes())
+    return h.hexdigest()
+
+
+def run_first_output(path: Path, x: np.ndarray) -> np.ndarray:
+    """The first output of the ONNX model at ``path`` for ``x`` fed to its first input, through the
+    serving runtime (so a text model tokenizes as it does when served), 256 rows at a time. Callers
+    must not write to the result (it may be shared with the next caller asking for the same rows)."""
+    key = (hashlib.sha256(Path(path).read_bytes()).hexdigest(), _rows_digest(x))
+    hit = _FEATURES.get(key)
+    if hit is not None:
+        return hit
+    rt = open_runtime("onnx", Path(path), intra_op_threads=2)
+    rt.load_sync()
+    try:
+        name, out = rt.input_specs[0].name, rt.output_specs[0].name
+        feats = np.concatenate([rt.infer_sync({name: x[i:i + 256]})[out] for i in range(0, len(x), 256)])
+    finally:
+        rt.unload_sync()
+    feats.flags.writeable = False
+    return _FEATURES.put(key, feats)
