@@ -1,6 +1,10 @@
 """The variants a site holds: fetch (verified), load into a runtime, batch, unload.
 
-Loads are deduplicated per variant (concurrent callers share one load) and run off the event loop.
+Loads are deduplicated per variant (concurrent callers share one load) and run off the event loop;
+blob downloads per digest and backbone sessions per base digest likewise: variants that share a
+blob (a backbone placed on its own and a tenant head built on it) once fetched it into one
+``.part`` file at the same time, and one download then lost its file to the other's rename, a
+``runtime_load`` failure.
 Memory accounting is what the runtimes report, checked against the site's budget before a load.
 """
 
@@ -10,10 +14,11 @@ import asyncio
 import contextlib
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -28,6 +33,25 @@ from variant_store.runtimes.base import Runtime
 __all__ = ["LoadedVariant", "VariantHost"]
 
 log = get_logger(__name__)
+T = TypeVar("T")
+
+
+async def _single_flight(pending: dict[str, asyncio.Future[T]], key: str, make: Callable[[], Awaitable[T]]) -> T:
+    """``await make()``, shared by every caller that asks for ``key`` while it runs."""
+    fut = pending.get(key)
+    if fut is not None:
+        return await asyncio.shield(fut)
+    fut = pending[key] = asyncio.get_running_loop().create_future()
+    try:
+        result = await make()
+        fut.set_result(result)
+        return result
+    except BaseException as exc:
+        fut.set_exception(exc if isinstance(exc, Exception) else RuntimeLoadError("load cancelled"))
+        fut.exception()  # mark retrieved: other waiters re-raise it themselves
+        raise
+    finally:
+        pending.pop(key, None)
 
 
 @dataclass(slots=True)
@@ -51,6 +75,8 @@ class VariantHost:
         self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"infer-{site}")
         self.loaded: dict[str, LoadedVariant] = {}
         self._loading: dict[str, asyncio.Future[LoadedVariant]] = {}
+        self._fetching: dict[str, asyncio.Future[Path]] = {}  # by blob digest
+        self._opening_base: dict[str, asyncio.Future[Runtime]] = {}  # by base digest
         self.blob_url: str | None = None
         self.blob_ssl: ssl.SSLContext | None = None  # this site's client certificate, for an https:// store
         self.cold_starts = 0
@@ -77,23 +103,14 @@ class VariantHost:
         lv = self.loaded.get(meta.variant_id)
         if lv is not None:
             return lv
-        pending = self._loading.get(meta.variant_id)
-        if pending is not None:
-            return await asyncio.shield(pending)
-        fut: asyncio.Future[LoadedVariant] = asyncio.get_running_loop().create_future()
-        self._loading[meta.variant_id] = fut
-        try:
+
+        async def load() -> LoadedVariant:
             lv = await self._load(meta)
             if self.on_load is not None:
                 self.on_load(meta.variant_id, prewarm)
-            fut.set_result(lv)
             return lv
-        except BaseException as exc:
-            fut.set_exception(exc if isinstance(exc, Exception) else RuntimeLoadError("load cancelled"))
-            fut.exception()  # mark retrieved: other waiters re-raise it themselves
-            raise
-        finally:
-            self._loading.pop(meta.variant_id, None)
+
+        return await _single_flight(self._loading, meta.variant_id, load)
 
     async def _load(self, meta: VariantMeta) -> LoadedVariant:
         started = time.monotonic()
@@ -130,7 +147,8 @@ class VariantHost:
         assert self.blob_url is not None
         suffix = ".tflite" if fmt == "tflite" else ".onnx"
         path = self.cache_dir / f"{digest}{suffix}"
-        await fetch_blob(self.blob_url, digest, path, ssl=self.blob_ssl)
+        blob_url = self.blob_url
+        await _single_flight(self._fetching, digest, lambda: fetch_blob(blob_url, digest, path, ssl=self.blob_ssl))
         runtime = open_runtime(fmt, path, intra_op_threads=1)
         await runtime.load()
         return runtime
@@ -140,8 +158,10 @@ class VariantHost:
         (one session; ``run()`` is thread-safe), which is what makes shared base layers cheap."""
         base = self.bases.get(base_digest)
         if base is None:
-            base = self.bases[base_digest] = await self._open(base_digest, "onnx")
-            self.base_refs[base_digest] = 0
+            base = await _single_flight(self._opening_base, base_digest, lambda: self._open(base_digest, "onnx"))
+            if base_digest not in self.bases:  # the first of the heads that waited for it
+                self.bases[base_digest] = base
+                self.base_refs[base_digest] = 0
         self.base_refs[base_digest] += 1
         feature_out = base.output_specs[0].name
         head_in = head.input_specs[0].name

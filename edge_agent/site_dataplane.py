@@ -34,7 +34,7 @@ from core_scheduler.state.view import MeshView
 from edge_agent.demand import DemandMeter
 from edge_agent.host import VariantHost
 from edge_agent.metrics import AgentMetrics
-from edge_agent.paths import PathEstimates, attempt_ms
+from edge_agent.paths import BEST_EFFORT_GRACE_MS, PathEstimates, attempt_ms
 from edge_agent.quota import DoorQuotas
 from edge_agent.traces import HopTrace, TraceStore, clean_hops, sampled
 from mesh.errors import (
@@ -222,7 +222,7 @@ class SiteDataPlane:
         excluded: set[str] = set()
         nbytes = sum(a.nbytes for a in req.inputs.values())
         last_error: Exception | None = None
-        for _attempt in range(MAX_RETRIES + 1):
+        for attempt in range(MAX_RETRIES + 1):
             remaining = req.remaining_ms()
             if remaining <= 0:
                 break
@@ -230,6 +230,12 @@ class SiteDataPlane:
             query = Query.from_slo(req.task, req.tenant, req.slo, remaining, nbytes,
                                    frozenset(excluded | down) if down else frozenset(excluded))
             decision = table.decide(query)
+            if decision.best_effort and not attempt:
+                # nothing could meet the SLO: served late rather than not at all (edge_agent.paths);
+                # the forward carries the extended budget, so the serving hop keeps it too. A retry
+                # that turned best effort for want of time is not: retries never pass the deadline
+                req.deadline += BEST_EFFORT_GRACE_MS / 1000.0
+                remaining += BEST_EFFORT_GRACE_MS
             if hop is not None:
                 hop.decided(table, query, decision)
             try:
