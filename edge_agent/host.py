@@ -23,8 +23,10 @@ from typing import TypeVar
 import numpy as np
 
 from edge_agent.batching import Batcher, InferFn
+from edge_agent.blobs import PEER_FETCH_TIMEOUT_S
 from mesh.errors import MeshError, Overloaded, RuntimeLoadError
 from mesh.log import get_logger, kv
+from variant_store.blobs import sha256_file
 from variant_store.fetch import fetch_blob
 from variant_store.meta import VariantMeta
 from variant_store.runtimes import open_runtime
@@ -64,6 +66,10 @@ class LoadedVariant:
     last_used: float
 
 
+def _cached(path: Path, digest: str) -> bool:
+    return path.is_file() and sha256_file(path) == digest
+
+
 class VariantHost:
     def __init__(self, site: str, cache_dir: Path, *, hardware_class: str, memory_budget_bytes: int,
                  threads: int = 2, max_window_ms: float = 4.0) -> None:
@@ -79,6 +85,8 @@ class VariantHost:
         self._opening_base: dict[str, asyncio.Future[Runtime]] = {}  # by base digest
         self.blob_url: str | None = None
         self.blob_ssl: ssl.SSLContext | None = None  # this site's client certificate, for an https:// store
+        # peers' base URLs that hold a blob (digest -> nearest first), tried before the store (edge_agent.blobs)
+        self.peer_sources: Callable[[str], list[str]] | None = None
         self.cold_starts = 0
         self.bases: dict[str, Runtime] = {}       # shared backbones by blob digest
         self.base_refs: dict[str, int] = {}
@@ -117,8 +125,6 @@ class VariantHost:
         if self.memory_used_bytes + meta.size_bytes > self.memory_budget_bytes:
             raise Overloaded(f"{self.site}: no memory for {meta.variant_id} "
                              f"({self.memory_used_bytes + meta.size_bytes} > {self.memory_budget_bytes} bytes)")
-        if self.blob_url is None:
-            raise RuntimeLoadError(f"{self.site}: variant store not announced, cannot fetch {meta.variant_id}")
         try:
             runtime = await self._open(meta.blob_digest, meta.format)
             infer: InferFn = runtime.run_checked_sync
@@ -144,14 +150,27 @@ class VariantHost:
         return lv
 
     async def _open(self, digest: str, fmt: str) -> Runtime:
-        assert self.blob_url is not None
         suffix = ".tflite" if fmt == "tflite" else ".onnx"
         path = self.cache_dir / f"{digest}{suffix}"
-        blob_url = self.blob_url
-        await _single_flight(self._fetching, digest, lambda: fetch_blob(blob_url, digest, path, ssl=self.blob_ssl))
+        await _single_flight(self._fetching, digest, lambda: self._fetch(digest, path))
         runtime = open_runtime(fmt, path, intra_op_threads=1)
         await runtime.load()
         return runtime
+
+    async def _fetch(self, digest: str, path: Path) -> Path:
+        """From this site's cache, else the nearest peer holding it, else the variant store; verified on
+        arrival either way."""
+        if await asyncio.get_running_loop().run_in_executor(None, _cached, path, digest):
+            return path
+        for url in self.peer_sources(digest) if self.peer_sources is not None else ():
+            try:
+                return await fetch_blob(url, digest, path, ssl=self.blob_ssl, timeout=PEER_FETCH_TIMEOUT_S)
+            except MeshError as exc:  # gone, refused, or bytes that did not verify: the next source
+                log.info("blob %s from peer %s failed: %s", digest[:12], url, exc,
+                         extra=kv(site=self.site, event="blob_peer_failed"))
+        if self.blob_url is None:
+            raise RuntimeLoadError(f"{self.site}: variant store not announced and no peer holds blob {digest}")
+        return await fetch_blob(self.blob_url, digest, path, ssl=self.blob_ssl)
 
     async def _compose(self, base_digest: str, head: Runtime) -> InferFn:
         """Backbone + head: the backbone is loaded once per site and shared by every head on it

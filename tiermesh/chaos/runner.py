@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import shutil
 import socket
@@ -39,6 +40,7 @@ __all__ = ["ChaosResult", "Profile", "run_chaos"]
 log = get_logger(__name__)
 TASK = "digit-classification"
 BURST = 300          # concurrent queries of a burst (the small topology's public tenant admits 128 in flight)
+BURST_CLIENTS = 20
 OVERSIZED_ROWS = 4097  # one more than a batch queue holds
 BURST_CLASS = SloClass("burst", latency_ms=300, min_accuracy=0.9, share=0.0)
 
@@ -129,23 +131,28 @@ def _ports(mesh: LocalMesh) -> set[tuple[str, int]]:
 
 
 async def _burst(url: str, x: np.ndarray, y: np.ndarray, t0: float, tag: str) -> list[QueryRecord]:
-    """``BURST`` queries at once at one edge, plus one larger than any batch queue: past every cap."""
-    async with AsyncClient(url, timeout=10) as client:
-        jobs = [infer_one(client, BURST_CLASS, "burst", x[i % len(x)], int(y[i % len(y)]), t0, f"{tag}-{i}")
-                for i in range(BURST)]
+    """``BURST`` queries at once at one edge (from ``BURST_CLIENTS`` clients: one client keeps at most 16
+    connections), plus one larger than any batch queue: past every cap."""
+    clients = [AsyncClient(url, timeout=10) for _ in range(BURST_CLIENTS)]
+    try:
+        jobs = [infer_one(clients[i % BURST_CLIENTS], BURST_CLASS, "burst", x[i % len(x)], int(y[i % len(y)]), t0,
+                          f"{tag}-{i}") for i in range(BURST)]
         recs = list(await asyncio.gather(*jobs))
         big = np.repeat(x[:1], OVERSIZED_ROWS, axis=0)
         start = time.perf_counter()
+        rec = QueryRecord("burst", "burst", BURST_CLASS.latency_ms, -1, False, 0.0, t=start - t0, min_accuracy=0.9,
+                          request_id=f"{tag}-big")
         try:
-            await client.infer(TASK, big, latency_ms=BURST_CLASS.latency_ms, min_accuracy=BURST_CLASS.min_accuracy,
-                               request_id=f"{tag}-big")
-            rec = QueryRecord("burst", "burst", BURST_CLASS.latency_ms, -1, True, 0.0, request_id=f"{tag}-big",
-                              reply_id=f"{tag}-big", error="", t=start - t0, min_accuracy=0.9, best_effort=True)
+            res = await clients[0].infer(TASK, big, latency_ms=BURST_CLASS.latency_ms,
+                                         min_accuracy=BURST_CLASS.min_accuracy, request_id=f"{tag}-big")
+            rec.ok, rec.reply_id, rec.accuracy, rec.best_effort = True, res.request_id, res.accuracy, res.best_effort
         except MeshError as exc:
-            rec = QueryRecord("burst", "burst", BURST_CLASS.latency_ms, -1, False, 0.0, error=exc.code,
-                              t=start - t0, min_accuracy=0.9, request_id=f"{tag}-big")
+            rec.error = exc.code
         rec.client_ms = (time.perf_counter() - start) * 1000.0
         recs.append(rec)
+    finally:
+        for c in clients:
+            await c.aclose()
     return recs
 
 
@@ -255,6 +262,7 @@ def _count(codes: Any) -> dict[str, int]:
 def _leaks(children_before: set[int], sockets_before: set[str], ports: set[tuple[str, int]],
            home: Path | None) -> list[str]:
     leaks = []
+    gc.collect()
     deadline = time.monotonic() + 5.0
     left = _children() - children_before
     while left and time.monotonic() < deadline:
@@ -265,9 +273,11 @@ def _leaks(children_before: set[int], sockets_before: set[str], ports: set[tuple
     listening = sorted(p for p in ports if _listening(*p))
     if listening:
         leaks.append(f"still listening: {listening}")
-    extra = _sockets() - sockets_before
+    # anonymous unix sockets are left out: grpc's asyncio engine keeps a socket pair for its poller for as
+    # long as the engine lives (process-wide, not per channel); both ends are ours, nothing reaches out
+    extra = [d for d in _describe_sockets(_sockets() - sockets_before) if d.strip() != "unix"]
     if extra:
-        leaks.append(f"sockets opened by the run and still open: {_describe_sockets(extra)}")
+        leaks.append(f"sockets opened by the run and still open: {extra}")
     cgroups = [p.name for p in Path("/sys/fs/cgroup/cpu").glob("tiermesh-chaos-*")]
     if cgroups:
         leaks.append(f"cgroups left: {cgroups}")
