@@ -24,7 +24,7 @@ import numpy as np
 
 from edge_agent.batching import Batcher, InferFn
 from edge_agent.blobs import PEER_FETCH_TIMEOUT_S
-from mesh.errors import MeshError, Overloaded, RuntimeLoadError
+from mesh.errors import DeadlineExceeded, MeshError, Overloaded, RuntimeLoadError
 from mesh.log import get_logger, kv
 from variant_store.blobs import sha256_file
 from variant_store.fetch import fetch_blob
@@ -64,6 +64,12 @@ class LoadedVariant:
     loaded_at: float
     load_ms: float
     last_used: float
+
+
+def _retrieve(task: asyncio.Future[LoadedVariant]) -> None:
+    """A load no query waits for any more may fail: its error is read here, not reported as unretrieved."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _cached(path: Path, digest: str) -> bool:
@@ -119,6 +125,19 @@ class VariantHost:
             return lv
 
         return await _single_flight(self._loading, meta.variant_id, load)
+
+    async def ensure_by(self, meta: VariantMeta, deadline: float) -> LoadedVariant:
+        """``ensure``, waited for until ``deadline`` (a ``time.monotonic`` instant) at most: a query does not
+        outlive its budget waiting for a slow load, which goes on for the queries after it."""
+        lv = self.loaded.get(meta.variant_id)
+        if lv is not None:
+            return lv
+        task = asyncio.ensure_future(self.ensure(meta))
+        task.add_done_callback(_retrieve)
+        try:
+            return await asyncio.wait_for(asyncio.shield(task), max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise DeadlineExceeded(f"{self.site}: {meta.variant_id} still loading at the query's deadline") from None
 
     async def _load(self, meta: VariantMeta) -> LoadedVariant:
         started = time.monotonic()

@@ -61,6 +61,7 @@ from mesh.types import InferRequest, InferResponse, Timing
 from mesh.zmq.protocol_check import (
     ALLOWED_DTYPES,
     DEFAULT_MAX_BYTES,
+    MAX_DIM,
     MAX_ID_LEN,
     MAX_NDIM,
     MAX_TENSORS,
@@ -234,7 +235,7 @@ def _fast_tensors(descs: object, frames: Sequence[object], max_bytes: int) -> di
             return None
         count = 1
         for dim in shape:
-            if type(dim) is not int or dim < 0:
+            if type(dim) is not int or dim < 0 or dim >= MAX_DIM:
                 return None
             count *= dim
         nbytes = count * dtype.itemsize

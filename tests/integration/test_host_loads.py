@@ -16,6 +16,7 @@ import pytest
 from aiohttp import web
 
 from edge_agent.host import VariantHost
+from mesh.errors import DeadlineExceeded
 from variant_store.meta import VariantMeta
 
 pytestmark = pytest.mark.integration
@@ -82,5 +83,21 @@ async def test_variants_sharing_a_blob_load_together(tmp_path: Path, slow_store:
             out = await lv.batcher.submit(x, time.monotonic() + 5)
             assert next(iter(out.outputs.values())).shape[0] == 2
         assert not list((tmp_path / "blobs").glob("*.part"))
+    finally:
+        await host.close()
+
+
+async def test_a_query_waits_for_a_slow_load_only_until_its_deadline(tmp_path: Path, slow_store: str) -> None:
+    backbone = _meta("backbone.onnx.fp32", DIGITS / "backbone.onnx")  # ~50 KiB at 4 KiB per 2 ms: ~30 ms
+    host = VariantHost("edge-test", tmp_path / "blobs", hardware_class="cpu", memory_budget_bytes=1 << 30)
+    host.blob_url = slow_store
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(DeadlineExceeded):
+            await host.ensure_by(backbone, time.monotonic() + 0.005)
+        assert time.monotonic() - t0 < 1.0
+        # the load went on: a later query finds it loaded (or joins it)
+        lv = await asyncio.wait_for(host.ensure_by(backbone, time.monotonic() + 30), 30)
+        assert lv.meta.variant_id == backbone.variant_id and host.cold_starts == 1
     finally:
         await host.close()

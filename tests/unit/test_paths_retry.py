@@ -16,7 +16,7 @@ from core_scheduler.policy import RoutingTable
 from edge_agent.demand import DemandMeter
 from edge_agent.paths import ATTEMPT_SLACK_MS, BEST_EFFORT_GRACE_MS, MIN_RETRY_MS, PathEstimates, attempt_ms
 from edge_agent.site_dataplane import RETRIED, SiteDataPlane
-from mesh.errors import DeadlineExceeded, NoRoute, PayloadTooLarge, PeerUnavailable
+from mesh.errors import DeadlineExceeded, NoRoute, PayloadTooLarge, PeerUnavailable, RuntimeLoadError
 from mesh.types import SLO, InferRequest, InferResponse, Timing
 from tests.unit.test_routing import ALL, snap
 
@@ -93,6 +93,8 @@ class FakeZmq:
         what = self.behaviour.get(site, "ok")
         if what == "dead":
             raise PeerUnavailable(f"{endpoint}: disconnected")
+        if what == "load_fails":
+            raise RuntimeLoadError(f"{endpoint}: loading {req.target_variant} failed: disk full")
         if what == "too_large":
             raise PayloadTooLarge(f"{endpoint}: 1 row exceeds the queue")
         if what == "silent":
@@ -222,3 +224,10 @@ async def test_a_best_effort_query_carries_its_grace_past_the_budget(prefer: str
     assert 20.0 < budget <= 20.0 + BEST_EFFORT_GRACE_MS
     if prefer == "accuracy":
         assert site == "mid"  # the most accurate reachable in 20 ms, not the big model at core
+
+
+async def test_a_site_that_cannot_load_the_variant_is_retried_elsewhere() -> None:
+    dp, zmq = plane({"mid": "load_fails"})
+    resp = await dp._route(query(500.0), time.monotonic())
+    first, second = (s for s, _ in zmq.calls)
+    assert first == "mid" and second != "mid" and resp.site == second and resp.reason.endswith(RETRIED)

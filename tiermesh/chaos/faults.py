@@ -18,8 +18,9 @@ Kinds (``Fault.kind``; ``target`` is a site, a link ``A-B``, or empty where ther
                     compacted past its watch revision; heal: SIGCONT (it must re-read, not replay)
     topology_link   ``tiermesh topology apply`` of the topology with link A-B's latency doubled;
                     heal: apply the original
-    corrupt_blob    the store's blob of a variant the site holds is corrupted and the site's agent
-                    restarted with an empty cache: its load fails (digest check); heal: restore blob
+    corrupt_blob    every copy (the store's, other sites' caches) of each blob the site holds is
+                    corrupted and the site's agent restarted with an empty cache: its loads fail the
+                    digest check, wherever they fetch from; heal: restore every copy
     load_error      the site's agent restarted with the cache path of each blob it needs occupied (a
                     directory in the way): loads fail with ``runtime_load``; heal: paths freed
     burst           ``BURST`` concurrent queries at one edge (past the tenant's in-flight quota and the
@@ -245,13 +246,16 @@ class ChaosMesh:
         m = self.mesh
         assert m.blobs is not None
         loaded, blobs = await self._held_digests(site)
-        for digest, _ in blobs:
-            path = m.blobs.path(digest)
-            if path not in self.corrupted:
-                good = path.read_bytes()
-                self.corrupted[path] = good
-                os.chmod(path, 0o644)
-                path.write_bytes(bytes([good[0] ^ 0xFF]) + good[1:])
+        for digest, fmt in blobs:
+            # every copy: the store's and each other site's cache (peers serve theirs, edge_agent.blobs)
+            copies = [m.blobs.path(digest), *(m.opts.home / "sites" / s / "blobs" / f"{digest}.{fmt}"
+                                              for s in m.sites if s != site)]
+            for path in copies:
+                if path.is_file() and path not in self.corrupted:
+                    good = path.read_bytes()
+                    self.corrupted[path] = good
+                    os.chmod(path, 0o644)
+                    path.write_bytes(bytes([good[0] ^ 0xFF]) + good[1:])
         await m.kill_site(site)
         shutil.rmtree(m.opts.home / "sites" / site / "blobs", ignore_errors=True)
         await m.start_site(site)
@@ -270,7 +274,7 @@ class ChaosMesh:
         live = await m.store.get(live_key(site))
         loaded = sorted((live.value.get("loaded") or {}) if live is not None else {})
         blobs: set[tuple[str, str]] = set()
-        for meta in await m.catalog.list_variants("digit-classification"):
+        for meta in await m.catalog.list_variants():
             if meta.variant_id in loaded:
                 blobs.add((meta.blob_digest, meta.format))
                 if meta.shared_base_digest:

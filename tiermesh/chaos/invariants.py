@@ -40,7 +40,8 @@ class FaultWindow:
     label: str
     start_s: float
     end_s: float                      # when its heal finished
-    down_edge: str | None = None      # an edge whose agent was down from start to end (queries to it excluded)
+    down_edge: str | None = None      # an edge whose agent was down (not running) from start_s ...
+    down_until_s: float | None = None  # ... to this (default end_s): queries sent to it then are excluded
 
 
 @dataclass(slots=True)
@@ -71,7 +72,8 @@ def _typed(code: str) -> bool:
 
 
 def _excluded(r: QueryRecord, faults: Sequence[FaultWindow]) -> bool:
-    return any(f.down_edge == r.edge and f.start_s <= r.t <= f.end_s + 1.0 for f in faults)
+    return any(f.down_edge == r.edge and f.start_s <= r.t <= (f.end_s if f.down_until_s is None else f.down_until_s)
+               + 1.0 for f in faults)
 
 
 def timeline(records: Sequence[QueryRecord], faults: Sequence[FaultWindow], end_s: float,

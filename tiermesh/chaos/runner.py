@@ -196,18 +196,22 @@ async def run_chaos(profile: Profile, *, topology: Path, home: Path | None = Non
         async def schedule() -> None:
             for k, f in enumerate(profile.faults):
                 await asyncio.sleep(max(0.0, t0 + f.at_s - time.perf_counter()))
-                start = time.perf_counter() - t0
+                start = injected_at = time.perf_counter() - t0
                 if f.kind == "burst":
                     bursts.extend(await _burst(edges[f.target], x, y, t0, f"burst{k}"))
                     info: dict[str, Any] = {"queries": BURST + 1}
                 else:
                     info = await chaos.inject(f)
+                    injected_at = time.perf_counter() - t0
                     await asyncio.sleep(f.duration_s)
                     await chaos.heal(f)
                 end = time.perf_counter() - t0
-                down = f.target if (f.kind in ("agent_kill", "corrupt_blob", "load_error")
-                                    and f.target in edges) else None
-                windows.append(FaultWindow(f.label, round(start, 3), round(end, 3), down))
+                # an edge's agent not running: killed until healed, restarted (corrupt_blob, load_error) until
+                # the restart is done; the queries sent to it meanwhile cannot be served by it
+                restarts = f.kind in ("agent_kill", "corrupt_blob", "load_error")
+                down = f.target if f.target in edges and restarts else None
+                until = None if f.kind == "agent_kill" or down is None else round(injected_at, 3)
+                windows.append(FaultWindow(f.label, round(start, 3), round(end, 3), down, until))
                 injected.append({**asdict(f), "start_s": round(start, 3), "end_s": round(end, 3), "info": info})
                 log.warning("chaos: %s from %.1f s to %.1f s", f.label, start, end, extra=kv(event="chaos_fault"))
 
@@ -243,6 +247,8 @@ async def run_chaos(profile: Profile, *, topology: Path, home: Path | None = Non
                    "recovery_bound_s": profile.recovery_bound_s},
         "faults": injected, "verdict": verdict.as_dict(), "leaks": leaks,
         "errors": dict(sorted(_count(r.error for r in [*records, *bursts] if not r.ok).items())),
+        # when they happened: per error code, the count per 5 s of the workload (by the second each bin starts)
+        "errors_over_time": _errors_over_time([*records, *bursts]),
         "classes": summarise(records, {n: s.tier for n, s in mesh.topology.sites.items()}),
         "timeline": [{"t": t, "attainment": a, "queries": n} for t, a, n in line],
     }
@@ -250,6 +256,16 @@ async def run_chaos(profile: Profile, *, topology: Path, home: Path | None = Non
         from tiermesh.chaos.report import write_report
         write_report(report, out_dir / f"chaos-{profile.name}")
     return ChaosResult(profile.name, verdict, leaks, report, records)
+
+
+def _errors_over_time(records: Sequence[QueryRecord], bin_s: float = 5.0) -> dict[str, dict[int, int]]:
+    out: dict[str, dict[int, int]] = {}
+    for r in records:
+        if not r.ok:
+            b = int(r.t // bin_s * bin_s)
+            per = out.setdefault(r.error, {})
+            per[b] = per.get(b, 0) + 1
+    return {code: dict(sorted(bins.items())) for code, bins in sorted(out.items())}
 
 
 def _count(codes: Any) -> dict[str, int]:
