@@ -25,6 +25,7 @@ import numpy as np
 from edge_agent.batching import Batcher, InferFn
 from edge_agent.blobs import PEER_FETCH_TIMEOUT_S
 from mesh.errors import DeadlineExceeded, MeshError, Overloaded, RuntimeLoadError
+from mesh.lifecycle import cancel_and_wait
 from mesh.log import get_logger, kv
 from variant_store.blobs import sha256_file
 from variant_store.fetch import fetch_blob
@@ -89,6 +90,7 @@ class VariantHost:
         self._loading: dict[str, asyncio.Future[LoadedVariant]] = {}
         self._fetching: dict[str, asyncio.Future[Path]] = {}  # by blob digest
         self._opening_base: dict[str, asyncio.Future[Runtime]] = {}  # by base digest
+        self._background: set[asyncio.Task[LoadedVariant]] = set()  # loads queries stopped waiting for
         self.blob_url: str | None = None
         self.blob_ssl: ssl.SSLContext | None = None  # this site's client certificate, for an https:// store
         # peers' base URLs that hold a blob (digest -> nearest first), tried before the store (edge_agent.blobs)
@@ -133,6 +135,9 @@ class VariantHost:
         if lv is not None:
             return lv
         task = asyncio.ensure_future(self.ensure(meta))
+        # owned here until it ends (close() cancels what is left), so a query that stops waiting loses nothing
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
         task.add_done_callback(_retrieve)
         try:
             return await asyncio.wait_for(asyncio.shield(task), max(0.0, deadline - time.monotonic()))
@@ -225,6 +230,7 @@ class VariantHost:
         log.info("unloaded %s", variant_id, extra=kv(site=self.site, variant=variant_id, event="evict"))
 
     async def close(self) -> None:
+        await cancel_and_wait(*self._background)
         for vid in list(self.loaded):
             with contextlib.suppress(Exception):
                 await self.unload(vid)
