@@ -14,7 +14,8 @@ serves what it can rather than answer ``504`` (``core_scheduler.policy.routing``
 variant reachable within the budget, else the most accurate one loaded where the query is), and
 that answer may still need a few ms more than the budget. The grace is given once, to a query
 whose first decision was best effort (at the hop that decides; a retry that turned best effort for
-want of time gets none), and stays well inside the SDK's own 1 s beyond the budget.
+want of time gets none), and stays inside the SDK's own wait beyond the budget
+(``mesh.client.DEADLINE_GRACE_S``, 0.8 s).
 
 ``attempt_ms`` is how long one forward attempt may run before it is abandoned for another site:
 a generous multiple of what routing expected, so a dead path not yet noticed by heartbeats
