@@ -27,7 +27,6 @@ class CpuCap:
         self.share = share
         self._v1, self._v2 = v1_root, v2_root
         self.group: Path | None = None
-        self._root_procs: Path | None = None
         self._pid: int | None = None
         self._bursts: asyncio.Task[None] | None = None
 
@@ -45,7 +44,6 @@ class CpuCap:
                 setup(group)
                 # every thread: cgroup.procs moves the whole process
                 (group / "cgroup.procs").write_text(str(pid))
-                self._root_procs = root / "cgroup.procs"
                 return how
             except OSError as exc:
                 log.info("cannot cap through %s: %s", group, exc, extra=kv(event="cpu_cap"))
