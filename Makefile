@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 DEMO_SECONDS ?= 30
 
-.PHONY: venv sysdeps demo test test-fast lint bench bench-quick clean models
+.PHONY: venv sysdeps demo test test-fast lint bench bench-quick chaos clean models
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,9 @@ test-fast: venv
 
 demo: venv
 	$(VENV)/bin/tiermesh up --duration $(DEMO_SECONDS) --report .tiermesh/demo-report.json
+
+chaos: venv  ## the long chaos profile: JSON + plot of attainment over time under .tiermesh/chaos/
+	$(PY) -m tiermesh.chaos --profile long --out .tiermesh/chaos
 
 bench-quick: venv
 	$(PY) -m bench --quick

@@ -22,6 +22,7 @@ from core_scheduler.policy.modes import Router, make_router
 from core_scheduler.state.heartbeat import Heartbeat, LoadedVariant
 from core_scheduler.state.snapshot import build_snapshot
 from core_scheduler.state.view import MeshView
+from edge_agent.blobs import blob_routes, peer_sources
 from edge_agent.demand import DemandMeter
 from edge_agent.host import VariantHost
 from edge_agent.http_api import DEFAULT_MAX_BODY, EdgeHttpServer
@@ -44,6 +45,7 @@ from mesh.pki.identity import Identity
 from mesh.zmq.client import ZmqClient
 from mesh.zmq.curve import CurveSecurity, SiteKeys
 from mesh.zmq.server import ZmqServer
+from topology.paths import topology_paths
 from variant_store.hardware import gpu_available, local_hardware_class
 
 __all__ = ["BLOB_PEER", "Agent", "AgentConfig"]
@@ -146,6 +148,7 @@ class Agent(Service):
         metrics = self.metrics
         self.host.on_load = lambda vid, prewarm: metrics.cold_start(vid, prewarm=prewarm)
         self.host.on_batch = metrics.batch_ran
+        self.host.peer_sources = self._blob_peers
         self.curve = await self._open_curve()
         self.zmq_client = ZmqClient(security=self.curve, server_key_for=self._server_key)
         self.dataplane = SiteDataPlane(self.site, self.view, self.host, self.zmq_client,
@@ -159,7 +162,8 @@ class Agent(Service):
         tls = EdgeTls(self._pki_paths(), self.site) if cfg.tls else None
         self.http = EdgeHttpServer(self.dataplane, host=cfg.bind, port=cfg.http_port,
                                    advertise=self.advertise_host, max_body_bytes=cfg.max_body_bytes,
-                                   tls=tls, observe=Observe(self.metrics, self.traces, tls))
+                                   tls=tls, observe=Observe(self.metrics, self.traces, tls),
+                                   routes=tuple(blob_routes(cache, tls)))
         await self.http.start()
         # blobs from an https:// variant store: with the site's own (reloading) client certificate
         self.host.blob_ssl = self.http.tls.credentials.client_context() if self.http.tls is not None else None
@@ -331,6 +335,22 @@ class Agent(Service):
                 continue
             if adopted:
                 log.info("revocation list from etcd adopted by %s", what, extra=kv(site=self.site, event="crl"))
+
+    def _blob_peers(self, digest: str) -> list[str]:
+        """Where a blob can be fetched from before the variant store: live peers holding it, nearest first."""
+        view = self.view
+        topo = view.topology if view is not None else None
+        if view is None or topo is None:
+            return []
+        paths = topology_paths(topo)
+        here = paths.index.get(self.site)
+
+        def rtt(site: str) -> float:
+            there = paths.index.get(site)
+            return float(paths.rtt_ms[here, there]) if here is not None and there is not None else float("inf")
+
+        by_id = {vid: meta for vs in view.variants.values() for vid, meta in vs.items()}
+        return peer_sources(digest, self.site, view.live, rtt, by_id.get)
 
     def _on_view_change(self) -> None:
         assert self.view is not None and self.host is not None and self.zmq_client is not None

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mesh.errors import DeadlineExceeded, MeshError, Overloaded
+from mesh.errors import DeadlineExceeded, MeshError, Overloaded, PayloadTooLarge
 from mesh.lifecycle import cancel_and_wait
 from mesh.log import get_logger, kv
 
@@ -181,6 +181,11 @@ class Batcher:
         remaining_ms = (deadline - now) * 1000.0
         if remaining_ms <= 0:
             raise DeadlineExceeded(f"deadline passed before queueing on {self.variant_id}")
+        if rows > self.max_queue_rows:
+            # no queue here or at any peer (same cap) would ever take it: the caller's error, not
+            # a retryable overload to try elsewhere
+            raise PayloadTooLarge(f"{rows} rows exceed the {self.max_queue_rows}-row queue of {self.variant_id}",
+                                  rows=rows, limit=self.max_queue_rows)
         if self._queued_rows + rows > self.max_queue_rows:
             raise Overloaded(f"queue of {self.variant_id} full ({self._queued_rows} rows)")
         if self._task is None:

@@ -1,6 +1,10 @@
 """The variants a site holds: fetch (verified), load into a runtime, batch, unload.
 
-Loads are deduplicated per variant (concurrent callers share one load) and run off the event loop.
+Loads are deduplicated per variant (concurrent callers share one load) and run off the event loop;
+blob downloads per digest and backbone sessions per base digest likewise: variants that share a
+blob (a backbone placed on its own and a tenant head built on it) once fetched it into one
+``.part`` file at the same time, and one download then lost its file to the other's rename, a
+``runtime_load`` failure.
 Memory accounting is what the runtimes report, checked against the site's budget before a load.
 """
 
@@ -10,16 +14,20 @@ import asyncio
 import contextlib
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
 from edge_agent.batching import Batcher, InferFn
-from mesh.errors import MeshError, Overloaded, RuntimeLoadError
+from edge_agent.blobs import PEER_FETCH_TIMEOUT_S
+from mesh.errors import DeadlineExceeded, MeshError, Overloaded, RuntimeLoadError
+from mesh.lifecycle import cancel_and_wait
 from mesh.log import get_logger, kv
+from variant_store.blobs import sha256_file
 from variant_store.fetch import fetch_blob
 from variant_store.meta import VariantMeta
 from variant_store.runtimes import open_runtime
@@ -28,6 +36,25 @@ from variant_store.runtimes.base import Runtime
 __all__ = ["LoadedVariant", "VariantHost"]
 
 log = get_logger(__name__)
+T = TypeVar("T")
+
+
+async def _single_flight(pending: dict[str, asyncio.Future[T]], key: str, make: Callable[[], Awaitable[T]]) -> T:
+    """``await make()``, shared by every caller that asks for ``key`` while it runs."""
+    fut = pending.get(key)
+    if fut is not None:
+        return await asyncio.shield(fut)
+    fut = pending[key] = asyncio.get_running_loop().create_future()
+    try:
+        result = await make()
+        fut.set_result(result)
+        return result
+    except BaseException as exc:
+        fut.set_exception(exc if isinstance(exc, Exception) else RuntimeLoadError("load cancelled"))
+        fut.exception()  # mark retrieved: other waiters re-raise it themselves
+        raise
+    finally:
+        pending.pop(key, None)
 
 
 @dataclass(slots=True)
@@ -38,6 +65,16 @@ class LoadedVariant:
     loaded_at: float
     load_ms: float
     last_used: float
+
+
+def _retrieve(task: asyncio.Future[LoadedVariant]) -> None:
+    """A load no query waits for any more may fail: its error is read here, not reported as unretrieved."""
+    if not task.cancelled():
+        task.exception()
+
+
+def _cached(path: Path, digest: str) -> bool:
+    return path.is_file() and sha256_file(path) == digest
 
 
 class VariantHost:
@@ -51,8 +88,13 @@ class VariantHost:
         self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"infer-{site}")
         self.loaded: dict[str, LoadedVariant] = {}
         self._loading: dict[str, asyncio.Future[LoadedVariant]] = {}
+        self._fetching: dict[str, asyncio.Future[Path]] = {}  # by blob digest
+        self._opening_base: dict[str, asyncio.Future[Runtime]] = {}  # by base digest
+        self._background: set[asyncio.Task[LoadedVariant]] = set()  # loads queries stopped waiting for
         self.blob_url: str | None = None
         self.blob_ssl: ssl.SSLContext | None = None  # this site's client certificate, for an https:// store
+        # peers' base URLs that hold a blob (digest -> nearest first), tried before the store (edge_agent.blobs)
+        self.peer_sources: Callable[[str], list[str]] | None = None
         self.cold_starts = 0
         self.bases: dict[str, Runtime] = {}       # shared backbones by blob digest
         self.base_refs: dict[str, int] = {}
@@ -77,31 +119,36 @@ class VariantHost:
         lv = self.loaded.get(meta.variant_id)
         if lv is not None:
             return lv
-        pending = self._loading.get(meta.variant_id)
-        if pending is not None:
-            return await asyncio.shield(pending)
-        fut: asyncio.Future[LoadedVariant] = asyncio.get_running_loop().create_future()
-        self._loading[meta.variant_id] = fut
-        try:
+
+        async def load() -> LoadedVariant:
             lv = await self._load(meta)
             if self.on_load is not None:
                 self.on_load(meta.variant_id, prewarm)
-            fut.set_result(lv)
             return lv
-        except BaseException as exc:
-            fut.set_exception(exc if isinstance(exc, Exception) else RuntimeLoadError("load cancelled"))
-            fut.exception()  # mark retrieved: other waiters re-raise it themselves
-            raise
-        finally:
-            self._loading.pop(meta.variant_id, None)
+
+        return await _single_flight(self._loading, meta.variant_id, load)
+
+    async def ensure_by(self, meta: VariantMeta, deadline: float) -> LoadedVariant:
+        """``ensure``, waited for until ``deadline`` (a ``time.monotonic`` instant) at most: a query does not
+        outlive its budget waiting for a slow load, which goes on for the queries after it."""
+        lv = self.loaded.get(meta.variant_id)
+        if lv is not None:
+            return lv
+        task = asyncio.ensure_future(self.ensure(meta))
+        # owned here until it ends (close() cancels what is left), so a query that stops waiting loses nothing
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        task.add_done_callback(_retrieve)
+        try:
+            return await asyncio.wait_for(asyncio.shield(task), max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise DeadlineExceeded(f"{self.site}: {meta.variant_id} still loading at the query's deadline") from None
 
     async def _load(self, meta: VariantMeta) -> LoadedVariant:
         started = time.monotonic()
         if self.memory_used_bytes + meta.size_bytes > self.memory_budget_bytes:
             raise Overloaded(f"{self.site}: no memory for {meta.variant_id} "
                              f"({self.memory_used_bytes + meta.size_bytes} > {self.memory_budget_bytes} bytes)")
-        if self.blob_url is None:
-            raise RuntimeLoadError(f"{self.site}: variant store not announced, cannot fetch {meta.variant_id}")
         try:
             runtime = await self._open(meta.blob_digest, meta.format)
             infer: InferFn = runtime.run_checked_sync
@@ -127,21 +174,37 @@ class VariantHost:
         return lv
 
     async def _open(self, digest: str, fmt: str) -> Runtime:
-        assert self.blob_url is not None
         suffix = ".tflite" if fmt == "tflite" else ".onnx"
         path = self.cache_dir / f"{digest}{suffix}"
-        await fetch_blob(self.blob_url, digest, path, ssl=self.blob_ssl)
+        await _single_flight(self._fetching, digest, lambda: self._fetch(digest, path))
         runtime = open_runtime(fmt, path, intra_op_threads=1)
         await runtime.load()
         return runtime
+
+    async def _fetch(self, digest: str, path: Path) -> Path:
+        """From this site's cache, else the nearest peer holding it, else the variant store; verified on
+        arrival either way."""
+        if await asyncio.get_running_loop().run_in_executor(None, _cached, path, digest):
+            return path
+        for url in self.peer_sources(digest) if self.peer_sources is not None else ():
+            try:
+                return await fetch_blob(url, digest, path, ssl=self.blob_ssl, timeout=PEER_FETCH_TIMEOUT_S)
+            except MeshError as exc:  # gone, refused, or bytes that did not verify: the next source
+                log.info("blob %s from peer %s failed: %s", digest[:12], url, exc,
+                         extra=kv(site=self.site, event="blob_peer_failed"))
+        if self.blob_url is None:
+            raise RuntimeLoadError(f"{self.site}: variant store not announced and no peer holds blob {digest}")
+        return await fetch_blob(self.blob_url, digest, path, ssl=self.blob_ssl)
 
     async def _compose(self, base_digest: str, head: Runtime) -> InferFn:
         """Backbone + head: the backbone is loaded once per site and shared by every head on it
         (one session; ``run()`` is thread-safe), which is what makes shared base layers cheap."""
         base = self.bases.get(base_digest)
         if base is None:
-            base = self.bases[base_digest] = await self._open(base_digest, "onnx")
-            self.base_refs[base_digest] = 0
+            base = await _single_flight(self._opening_base, base_digest, lambda: self._open(base_digest, "onnx"))
+            if base_digest not in self.bases:  # the first of the heads that waited for it
+                self.bases[base_digest] = base
+                self.base_refs[base_digest] = 0
         self.base_refs[base_digest] += 1
         feature_out = base.output_specs[0].name
         head_in = head.input_specs[0].name
@@ -167,6 +230,7 @@ class VariantHost:
         log.info("unloaded %s", variant_id, extra=kv(site=self.site, variant=variant_id, event="evict"))
 
     async def close(self) -> None:
+        await cancel_and_wait(*self._background)
         for vid in list(self.loaded):
             with contextlib.suppress(Exception):
                 await self.unload(vid)

@@ -33,7 +33,7 @@ from multidict import CIMultiDict
 
 from edge_agent.dataplane import DataPlane
 from edge_agent.mtls import EdgeTls
-from edge_agent.observe import Observe
+from edge_agent.observe import Observe, Route
 from mesh.addresses import DEFAULT_BIND, advertised_host, http_url, normalise_host
 from mesh.errors import (
     BadTensor,
@@ -256,11 +256,11 @@ class _Handlers:
 
 def make_app(dp: DataPlane, *, max_body_bytes: int = DEFAULT_MAX_BODY,
              identify: Identify = identify, authenticate: Authenticate = _anyone,
-             observe: Observe | None = None) -> web.Application:
+             observe: Observe | None = None, routes: tuple[Route, ...] = ()) -> web.Application:
     """The V2 application over ``dp``. ``max_body_bytes`` bounds every request body and each
     declared binary tensor; ``identify`` maps a request to its tenant; ``authenticate`` admits (or
     raises for) callers of the health and server-metadata endpoints; ``observe`` adds the metrics and
-    trace endpoints (they authorise their callers themselves)."""
+    trace endpoints (they authorise their callers themselves), ``routes`` more such (``edge_agent.blobs``)."""
     h = _Handlers(dp, max_body_bytes, identify, authenticate, observe.rejected if observe is not None else None)
     app = web.Application(client_max_size=max_body_bytes)
     prefixes = ("/v2/models/{task}", "/v2/models/{task}/versions/{version}")
@@ -274,7 +274,7 @@ def make_app(dp: DataPlane, *, max_body_bytes: int = DEFAULT_MAX_BODY,
     for prefix in prefixes:
         app.router.add_get(prefix, _guarded(h.model_metadata))
         app.router.add_get(prefix + "/ready", _guarded(h.model_ready))
-    for method, path, handler in observe.routes() if observe is not None else ():
+    for method, path, handler in [*(observe.routes() if observe is not None else ()), *routes]:
         app.router.add_route(method, path, _guarded(handler))
     app.router.add_route("*", "/{path:.*}", _unrouted)
     return app
@@ -289,13 +289,15 @@ class EdgeHttpServer(Service):
     def __init__(self, dp: DataPlane, host: str = DEFAULT_BIND, port: int = 0, *,
                  advertise: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY,
                  identify: Identify = identify, tls: EdgeTls | None = None,
-                 observe: Observe | None = None, shutdown_timeout: float = 5.0) -> None:
+                 observe: Observe | None = None, routes: tuple[Route, ...] = (),
+                 shutdown_timeout: float = 5.0) -> None:
         self.host, self.port = normalise_host(host, "bind address"), port
         self.advertise = advertised_host(self.host, advertise)
         self.tls = tls
         who, anyone = (tls.tenant, tls.peer) if tls is not None else (identify, _anyone)
         # Built here, not in start(), so a caller may add middlewares before the app freezes.
-        self.app = make_app(dp, max_body_bytes=max_body_bytes, identify=who, authenticate=anyone, observe=observe)
+        self.app = make_app(dp, max_body_bytes=max_body_bytes, identify=who, authenticate=anyone, observe=observe,
+                            routes=routes)
         self._runner = web.AppRunner(self.app, shutdown_timeout=shutdown_timeout)
 
     def _url(self, host: str) -> str:

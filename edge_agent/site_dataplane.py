@@ -6,7 +6,9 @@ serves it rather than re-routing; a hop that finds itself in the hop list refuse
 
 Failures. Sites whose ZeroMQ endpoint the transport has marked unreachable (heartbeats gone
 silent, :mod:`mesh.zmq.client`) are left out of every decision until a probe brings them back:
-the routing policy gets them as ``Query.exclude_sites``. A forward attempt may run for
+the routing policy gets them as ``Query.exclude_sites``. A variant that fails to load (its blob, the
+site's disk or runtime) is retried at another site as a failed forward is; a load still running when
+the query's deadline comes does not hold the query past it. A forward attempt may run for
 ``paths.attempt_ms`` (a multiple of what routing expected), not the whole budget, so that a path
 which went dark before the heartbeats noticed costs only part of it. When an attempt fails (peer
 gone, overloaded, abandoned at its limit) the query is re-decided without that site while its
@@ -34,10 +36,11 @@ from core_scheduler.state.view import MeshView
 from edge_agent.demand import DemandMeter
 from edge_agent.host import VariantHost
 from edge_agent.metrics import AgentMetrics
-from edge_agent.paths import PathEstimates, attempt_ms
+from edge_agent.paths import BEST_EFFORT_GRACE_MS, PathEstimates, attempt_ms
 from edge_agent.quota import DoorQuotas
 from edge_agent.traces import HopTrace, TraceStore, clean_hops, sampled
 from mesh.errors import (
+    BlobError,
     DeadlineExceeded,
     MeshError,
     NoRoute,
@@ -45,6 +48,7 @@ from mesh.errors import (
     PeerUnavailable,
     PermissionDenied,
     ProtocolError,
+    RuntimeLoadError,
     Unauthenticated,
     UnknownTask,
     UnknownTenant,
@@ -66,7 +70,8 @@ class AttemptTimedOut(DeadlineExceeded):
     """A forward abandoned at its attempt limit while the query still has budget: retryable."""
 
 
-_RETRYABLE = (PeerUnavailable, Overloaded, AttemptTimedOut)
+# a load that failed at one site (its blob, its disk, its runtime) says nothing about the others
+_RETRYABLE = (PeerUnavailable, Overloaded, AttemptTimedOut, RuntimeLoadError, BlobError)
 
 
 def check_sender(req: InferRequest, peer: str | None, *, secured: bool) -> None:
@@ -222,7 +227,7 @@ class SiteDataPlane:
         excluded: set[str] = set()
         nbytes = sum(a.nbytes for a in req.inputs.values())
         last_error: Exception | None = None
-        for _attempt in range(MAX_RETRIES + 1):
+        for attempt in range(MAX_RETRIES + 1):
             remaining = req.remaining_ms()
             if remaining <= 0:
                 break
@@ -230,6 +235,12 @@ class SiteDataPlane:
             query = Query.from_slo(req.task, req.tenant, req.slo, remaining, nbytes,
                                    frozenset(excluded | down) if down else frozenset(excluded))
             decision = table.decide(query)
+            if decision.best_effort and not attempt:
+                # nothing could meet the SLO: served late rather than not at all (edge_agent.paths);
+                # the forward carries the extended budget, so the serving hop keeps it too. A retry
+                # that turned best effort for want of time is not: retries never pass the deadline
+                req.deadline += BEST_EFFORT_GRACE_MS / 1000.0
+                remaining += BEST_EFFORT_GRACE_MS
             if hop is not None:
                 hop.decided(table, query, decision)
             try:
@@ -271,7 +282,7 @@ class SiteDataPlane:
         if meta.owner not in (DEFAULT_TENANT, req.tenant):
             raise UnknownTask(f"task {req.task!r} has no variant {variant_id!r} for tenant {req.tenant!r}")
         try:
-            lv = await self.host.ensure(meta)
+            lv = self.host.loaded.get(meta.variant_id) or await self.host.ensure_by(meta, req.deadline)
             lv.last_used = time.monotonic()
             result = await lv.batcher.submit(req.inputs, req.deadline)
         except MeshError as exc:

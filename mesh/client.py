@@ -47,7 +47,10 @@ from mesh.v2.tensors import HEADER_LENGTH, tensor_data
 __all__ = ["AsyncClient", "Client", "InferResult"]
 
 T = TypeVar("T")
-DEADLINE_GRACE_S = 1.0
+# how long past a query's budget the SDK waits for its answer before raising DeadlineExceeded itself (an agent
+# that hangs, a frozen edge): room for a best-effort answer's grace (edge_agent.paths.BEST_EFFORT_GRACE_MS,
+# 0.5 s) and the loopback/LAN hop, and so that every query is answered or failed within budget + 1 s
+DEADLINE_GRACE_S = 0.8
 Inputs = np.ndarray | Mapping[str, np.ndarray] | Sequence[str]  # texts: a BYTES tensor
 
 

@@ -474,6 +474,8 @@ class LocalMesh(Service):
                "--routing-mode", self.opts.mode, "--bind", self._address(name)]
         if sp.peer_map_path is not None:
             cmd += ["--peer-map", str(sp.peer_map_path)]
+        if sp.http:  # a restart keeps the site's address: its callers' URLs stay good
+            cmd += ["--http-port", str(urlsplit(sp.http).port)]
         if self.opts.tls or self.opts.curve:
             cmd += ["--pki-dir", str(LocalPki.under(self.opts.home).paths.root)]
         if self.creds is not None:

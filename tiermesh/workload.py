@@ -28,7 +28,8 @@ from mesh.client import AsyncClient
 from mesh.errors import MeshError
 from mesh.types import DEFAULT_PREFER
 
-__all__ = ["DEFAULT_CLASSES", "TEXT_CLASS", "QueryRecord", "SloClass", "render_table", "run_workload", "summarise"]
+__all__ = ["DEFAULT_CLASSES", "TEXT_CLASS", "QueryRecord", "SloClass", "infer_one", "render_table", "run_workload",
+           "summarise"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +70,9 @@ class QueryRecord:
     reason: str = ""
     error: str = ""
     t: float = 0.0
+    min_accuracy: float = 0.0     # the class's accuracy floor
+    request_id: str = ""          # what the query was sent as ...
+    reply_id: str = ""            # ... and what its answer said it answered ("" when it failed)
 
 
 @dataclass(slots=True)
@@ -77,20 +81,24 @@ class WorkloadResult:
     duration_s: float = 0.0
 
 
-async def _one(client: AsyncClient, cls: SloClass, edge: str, x: np.ndarray, label: int, t0: float
-               ) -> QueryRecord:
+async def infer_one(client: AsyncClient, cls: SloClass, edge: str, x: Any, label: int, t0: float,
+                    request_id: str | None = None) -> QueryRecord:
+    """One query of ``cls`` (``x``: a batch of one row — digits, or one text) and what became of it."""
     start = time.perf_counter()
+    rid = request_id or ""
     try:
         res = await client.infer(cls.task, x, latency_ms=cls.latency_ms,
-                                 min_accuracy=cls.min_accuracy, prefer=cls.prefer)
+                                 min_accuracy=cls.min_accuracy, prefer=cls.prefer, request_id=request_id)
     except MeshError as exc:
         return QueryRecord(cls.name, edge, cls.latency_ms, label, False,
-                           (time.perf_counter() - start) * 1000, error=exc.code, t=start - t0)
+                           (time.perf_counter() - start) * 1000, error=exc.code, t=start - t0,
+                           min_accuracy=cls.min_accuracy, request_id=rid)
     out = res.output()
     return QueryRecord(cls.name, edge, cls.latency_ms, label, True, (time.perf_counter() - start) * 1000,
                        total_ms=res.timing.total_ms, site=res.site, variant=res.variant,
                        accuracy=res.accuracy, predicted=int(np.argmax(out[0])), best_effort=res.best_effort,
-                       reason=res.reason, t=start - t0)
+                       reason=res.reason, t=start - t0, min_accuracy=cls.min_accuracy, request_id=rid,
+                       reply_id=res.request_id)
 
 
 def _client(url: str, tenant: str, credentials: Callable[[str], Mapping[str, Path]] | None) -> AsyncClient:
@@ -104,9 +112,12 @@ async def run_workload(edges: dict[str, str], x: np.ndarray, y: np.ndarray, *, d
                        qps: float, classes: tuple[SloClass, ...] = DEFAULT_CLASSES, seed: int = 7,
                        max_queries: int = 20_000, max_inflight: int = 64, on_tick: Any = None,
                        credentials: Callable[[str], Mapping[str, Path]] | None = None,
-                       data: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None) -> WorkloadResult:
+                       data: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None,
+                       request_ids: bool = False) -> WorkloadResult:
     """Open-loop arrivals at ``qps`` spread over ``edges`` for ``duration_s`` (bounded by ``max_queries``).
-    ``x``, ``y`` are the digits rows; ``data`` gives other tasks' labelled rows (``task -> (x, y)``)."""
+    ``x``, ``y`` are the digits rows; ``data`` gives other tasks' labelled rows (``task -> (x, y)``).
+    ``request_ids``: send each query under an id of its own (``w<seed>-<n>``) and record the id its answer
+    names, so that an answer to the wrong query shows (the SDK then encodes each request in full)."""
     rows = {"digit-classification": (x, y), **(data or {})}
     missing = sorted({c.task for c in classes} - set(rows))
     if missing:
@@ -120,11 +131,12 @@ async def run_workload(edges: dict[str, str], x: np.ndarray, y: np.ndarray, *, d
     tasks: set[asyncio.Task[None]] = set()
     t0 = time.perf_counter()
 
-    async def fire(cls: SloClass, edge: str, i: int) -> None:
+    async def fire(cls: SloClass, edge: str, i: int, n: int) -> None:
         async with sem:
             cx, cy = rows[cls.task]
             j = i % len(cx)
-            rec = await _one(clients[(edge, cls.tenant)], cls, edge, cx[j:j + 1], int(cy[j]), t0)
+            rec = await infer_one(clients[(edge, cls.tenant)], cls, edge, cx[j:j + 1], int(cy[j]), t0,
+                                  f"w{seed}-{n}" if request_ids else None)
             result.records.append(rec)
 
     try:
@@ -137,7 +149,7 @@ async def run_workload(edges: dict[str, str], x: np.ndarray, y: np.ndarray, *, d
             cls = rng.choices(classes, weights)[0]
             edge = rng.choice(sorted(edges))
             i = rng.randrange(len(x))
-            t = asyncio.create_task(fire(cls, edge, i))
+            t = asyncio.create_task(fire(cls, edge, i, n))
             tasks.add(t)
             t.add_done_callback(tasks.discard)
             n += 1

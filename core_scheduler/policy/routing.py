@@ -17,9 +17,14 @@ degraded), cost <= max_cost.
 
 Choice: least cost among feasible candidates, ties by lower latency, then the local site.
 None feasible: ``prefer="latency"`` takes the lowest-latency candidate meeting the accuracy
-floor (else the lowest latency overall); ``"accuracy"`` the most accurate (ties by latency);
-both prefer sites with capacity and are flagged ``best_effort``; ``"refuse"`` raises
-``ImpossibleSLO`` naming the best latency and accuracy on offer.
+floor (else the lowest latency overall); ``"accuracy"`` the most accurate candidate whose expected
+latency fits the remaining budget (ties by latency), else, when nothing fits it, the most accurate
+variant loaded at this site (no network, no cold start), else the lowest-latency candidate. A
+variant that cannot arrive in time is no answer at all: the most accurate one anywhere, chosen
+regardless of its latency, came back ``504 deadline`` from across the WAN. Both prefer sites with
+capacity and are flagged ``best_effort``; the data plane gives a best-effort query a bounded grace
+past its deadline (``edge_agent.paths.BEST_EFFORT_GRACE_MS``). ``"refuse"`` raises ``ImpossibleSLO``
+naming the best latency and accuracy on offer.
 
 Reason codes (``Decision.reason``):
 
@@ -192,7 +197,8 @@ class RoutingTable:
         return self._best_effort(t, q)
 
     def _best_effort(self, t: TaskTable, q: Query) -> Decision:
-        if q.exclude_sites or q.prefer == "refuse":
+        if q.exclude_sites or q.prefer != "latency":
+            # "accuracy" depends on the budget (what fits it), so it is not cached per pool
             return self._best_effort_full(t, q)
         # without exclusions the chosen pool depends on (tenant, accuracy floor, prefer) only:
         # cache it as a masked base so a query costs one transfer term and an argmin
@@ -213,8 +219,8 @@ class RoutingTable:
         return _decision(a.site[i], a.variant_id[i], reason, latency, t.cost[i], t.accuracy[i], True, 0)
 
     def _best_effort_pool(self, t: TaskTable, q: Query) -> tuple[NDArray[np.float64], str]:
-        """``base_ms`` masked to the best-effort pool of ``q`` (no exclusions, not refuse)."""
-        choose, reason = self._best_effort_choice(t, q, self._pool(t, q))
+        """``base_ms`` masked to the best-effort pool of a ``prefer="latency"`` ``q`` (no exclusions)."""
+        choose, reason = self._latency_choice(t, q, self._pool(t, q))
         return np.where(choose, t.arr.base_ms, _INF), reason
 
     def _pool(self, t: TaskTable, q: Query) -> NDArray[np.bool_]:
@@ -231,13 +237,21 @@ class RoutingTable:
         return pool if any_true(pool) else hard
 
     @staticmethod
-    def _best_effort_choice(t: TaskTable, q: Query, pool: NDArray[np.bool_]) -> tuple[NDArray[np.bool_], str]:
-        a = t.arr
-        if q.prefer == "accuracy":
-            best_acc = a.accuracy[pool].max()
-            return pool & (a.accuracy >= best_acc), "best_effort_accuracy"
-        choose = pool & (a.accuracy >= q.min_accuracy)
+    def _latency_choice(t: TaskTable, q: Query, pool: NDArray[np.bool_]) -> tuple[NDArray[np.bool_], str]:
+        choose = pool & (t.arr.accuracy >= q.min_accuracy)
         return (choose if any_true(choose) else pool), "best_effort_latency"
+
+    def _accuracy_choice(self, t: TaskTable, q: Query, pool: NDArray[np.bool_],
+                         lat: NDArray[np.float64]) -> NDArray[np.bool_]:
+        """The most accurate of ``pool`` reachable within the budget; else the most accurate loaded
+        here; else all of ``pool`` (the caller takes the lowest latency of what is returned)."""
+        a = t.arr
+        within = pool & (lat <= min(q.budget_ms, 1e300))
+        if not any_true(within):
+            within = pool & a.loaded & (a.site_idx == self._site_pos[self.here])
+            if not any_true(within):
+                return pool
+        return within & (a.accuracy >= a.accuracy[within].max())
 
     def _best_effort_full(self, t: TaskTable, q: Query) -> Decision:
         a = t.arr
@@ -251,7 +265,10 @@ class RoutingTable:
                 f"{q.min_accuracy:.3f}: best latency {lat[i_lat]:.1f} ms (accuracy "
                 f"{a.accuracy[i_lat]:.3f}), best accuracy {best_acc:.3f}",
                 task=q.task, best_latency_ms=float(lat[i_lat]), best_accuracy=best_acc)
-        choose, reason = self._best_effort_choice(t, q, pool)
+        if q.prefer == "accuracy":
+            choose, reason = self._accuracy_choice(t, q, pool, lat), "best_effort_accuracy"
+        else:
+            choose, reason = self._latency_choice(t, q, pool)
         i = int(np.where(choose, lat, _INF).argmin())
         return _decision(a.site[i], a.variant_id[i], reason, lat.item(i), t.cost[i], t.accuracy[i], True, 0)
 

@@ -12,8 +12,9 @@ Per candidate (site ``s``, variant ``v`` of the task), in milliseconds::
             + compute(v, hw(s), b)         # profiled p50 of the batch it will likely join:
                                            # b = 1 + queue // compute(batch 1), capped at max_batch
             + load_ms(v, hw(s))            # only when v is not loaded at s: cold start is a cost,
-            + fetch(s, v)                  # and so is fetching its blob from the variant store's
-                                           # site first (round trip + size / bandwidth)
+            + fetch(s, v)                  # and so is fetching its blob first, from the nearest of
+                                           # the variant store's site and the live sites holding v
+                                           # (round trip + size / bandwidth)
 
     cost    = (compute(1) + load_ms) / 1000 s x price_per_hour(s) / 3600 / slots(s)
               # dollars per query: the resource-seconds of one slot (one GPU, else one core) of
@@ -173,6 +174,7 @@ def build_candidates(snap: MeshSnapshot, here: str, variants: tuple[VariantInfo,
     h = snap.site_index[here]
     names = sorted(snap.site_index, key=lambda s: (s != here, s))
     rows: list[tuple[object, ...]] = []
+    holders = {v.variant_id: snap.holders(v.variant_id) for v in variants} if snap.store_site else {}
     for s in names:
         info = snap.sites[s]
         j = snap.site_index[s]
@@ -195,7 +197,7 @@ def build_candidates(snap: MeshSnapshot, here: str, variants: tuple[VariantInfo,
             compute = resolve_compute(v.compute_at(hw, batch))
             runs = v.runs_on(hw)
             load_ms = 0.0 if loaded else v.load_at(hw)
-            fetch = 0.0 if loaded or not snap.store_site else snap.fetch_ms(s, v.size_bytes)
+            fetch = 0.0 if loaded or not snap.store_site else snap.fetch_ms(s, v.size_bytes, holders[v.variant_id])
             fits = loaded or (load is not None and v.memory_bytes <= load.memory_free_bytes)
             hard = bool(alive and reachable and runs and fits)
             if runs:

@@ -14,7 +14,9 @@ Units and conventions (one place, so no two modules disagree):
   to ``j`` on top of the round trip (see :func:`tail_margin_ms`); ``0`` on the diagonal and
   wherever the snapshot was built without link jitter.
 * ``MeshSnapshot.store_site`` is where the variant store serves blobs from (``None``: unknown or
-  local to every site); a cold start elsewhere fetches the variant's blob over that path first.
+  local to every site); a cold start elsewhere fetches the variant's blob first, from the nearest of
+  that site and the live sites that hold the variant loaded (agents serve their cached blobs to
+  peers, ``edge_agent.blobs``).
 * ``MeshSnapshot.bandwidth_mbps[i, j]`` is the bottleneck bandwidth (megabit/s) of that path;
   ``inf`` on the diagonal (no transfer to oneself), ``0`` when unreachable.
 * Variant ids are unique mesh-wide (the catalog builder prefixes them with the task if needed),
@@ -188,16 +190,26 @@ class MeshSnapshot:
     def rtt(self, a: str, b: str) -> float:
         return float(self.rtt_ms[self.site_index[a], self.site_index[b]])
 
-    def fetch_ms(self, site: str, nbytes: int) -> float:
-        """Time for ``site`` to fetch an ``nbytes`` blob from the variant store: a round trip for
-        the request plus the transfer over the path's bottleneck (0 at the store's own site)."""
+    def fetch_ms(self, site: str, nbytes: int, holders: Iterable[str] = ()) -> float:
+        """Time for ``site`` to fetch an ``nbytes`` blob from the nearest source: the variant store's
+        site or one of ``holders`` (live sites holding it): a round trip for the request plus the
+        transfer over the path's bottleneck (0 at a source itself; 0 with no store site known)."""
         if self.store_site is None or site == self.store_site:
             return 0.0
-        i, j = self.site_index[site], self.site_index[self.store_site]
-        bw = float(self.bandwidth_mbps[i, j])
-        if bw <= 0:
-            return float("inf")
-        return float(self.rtt_ms[i, j]) + nbytes * 8.0 / (bw * 1000.0)
+        i = self.site_index[site]
+        best = float("inf")
+        for src in (self.store_site, *holders):
+            if src == site:
+                return 0.0
+            j = self.site_index[src]
+            bw = float(self.bandwidth_mbps[i, j])
+            if bw > 0:
+                best = min(best, float(self.rtt_ms[i, j]) + nbytes * 8.0 / (bw * 1000.0))
+        return best
+
+    def holders(self, variant_id: str) -> tuple[str, ...]:
+        """Live sites whose heartbeat says they hold ``variant_id`` loaded (and so its blob cached)."""
+        return tuple(s for s, ld in self.loads.items() if variant_id in ld.loaded and self.is_alive(s))
 
     def placed(self, site: str) -> frozenset[str]:
         """The desired placement of ``site``, or what its heartbeat says is loaded when none."""

@@ -26,11 +26,17 @@ __all__ = ["DESCS", "HEADER_LENGTH", "JSON_OPTS", "Spec", "arrays_at", "assemble
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 
+# no dimension of a tensor anyone sends is this long; numpy refuses some far shorter shapes of zero
+# elements (a dimension count it cannot index), which must be the caller's 400, not our 500
+MAX_DIM = 1 << 31
+
+
 def _shape(value: object, where: str) -> tuple[int, ...]:
     if not isinstance(value, list) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value
+        isinstance(d, int) and not isinstance(d, bool) and 0 <= d < MAX_DIM for d in value
     ):
-        raise BadTensor(f"{where}: shape must be a list of non-negative integers, got {value!r}")
+        raise BadTensor(f"{where}: shape must be a list of non-negative integers below {MAX_DIM}, "
+                        f"got {str(value)[:200]}")
     return tuple(value)
 
 
@@ -50,6 +56,13 @@ def _flat_strings(data: list[Any], where: str) -> list[bytes]:
     return out
 
 
+def _reshape(arr: np.ndarray, shape: tuple[int, ...], where: str) -> np.ndarray:
+    try:
+        return arr.reshape(shape)
+    except ValueError as exc:  # e.g. more dimensions than numpy holds
+        raise BadTensor(f"{where}: shape {list(shape)[:40]} is not a tensor numpy can hold: {exc}") from exc
+
+
 def _tensor_from_json(t: Mapping[str, Any], data: Any, where: str) -> np.ndarray:
     dt = dtype_of(t.get("datatype"))
     shape = _shape(t.get("shape"), where)
@@ -64,12 +77,13 @@ def _tensor_from_json(t: Mapping[str, Any], data: Any, where: str) -> np.ndarray
         arr[:] = items
         return arr.reshape(shape)
     try:
-        arr = np.asarray(data, dtype=dt).reshape(-1)
-    except (TypeError, ValueError, OverflowError) as exc:
+        with np.errstate(over="raise"):  # 1e39 is no FP32: the caller's error, not an inf
+            arr = np.asarray(data, dtype=dt).reshape(-1)
+    except (TypeError, ValueError, OverflowError, FloatingPointError) as exc:
         raise BadTensor(f"{where}: data is not {t.get('datatype')}: {exc}") from exc
     if arr.size != want:
-        raise BadTensor(f"{where}: data has {arr.size} elements but shape {list(shape)} needs {want}")
-    return arr.reshape(shape)
+        raise BadTensor(f"{where}: data has {arr.size} elements but shape {list(shape)[:40]} needs {want}")
+    return _reshape(arr, shape, where)
 
 
 def _tensor_from_bytes(t: Mapping[str, Any], raw: bytes | memoryview, where: str, copy: bool) -> np.ndarray:
@@ -82,7 +96,7 @@ def _tensor_from_bytes(t: Mapping[str, Any], raw: bytes | memoryview, where: str
     if len(raw) != want:
         raise BadTensor(f"{where}: binary_data_size is {len(raw)} bytes but shape {list(shape)} "
                         f"of {datatype} needs {want}")
-    return np.frombuffer(raw, dtype=dt).reshape(shape).astype(NATIVE[cast(str, datatype)], copy=copy)
+    return _reshape(np.frombuffer(raw, dtype=dt), shape, where).astype(NATIVE[cast(str, datatype)], copy=copy)
 
 
 def _binary_size(t: Mapping[str, Any], where: str) -> int | None:

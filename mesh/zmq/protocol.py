@@ -63,6 +63,7 @@ from mesh.zmq.protocol_check import (
     ALLOWED_DTYPES,
     BYTES_WIRE,
     DEFAULT_MAX_BYTES,
+    MAX_DIM,
     MAX_ID_LEN,
     MAX_NDIM,
     MAX_TENSORS,
@@ -240,7 +241,7 @@ def _fast_tensors(descs: object, frames: Sequence[object], max_bytes: int) -> di
             return None
         count = 1
         for dim in shape:
-            if type(dim) is not int or dim < 0:
+            if type(dim) is not int or dim < 0 or dim >= MAX_DIM:
                 return None
             count *= dim
         if dtype is None:  # BYTES: the frame's length, not the shape, says how big it is

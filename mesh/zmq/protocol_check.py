@@ -27,6 +27,7 @@ __all__ = [
     "BYTES_WIRE",
     "DECODE_ERRORS",
     "DEFAULT_MAX_BYTES",
+    "MAX_DIM",
     "MAX_HEADER_BYTES",
     "MAX_ID_LEN",
     "MAX_NDIM",
@@ -48,6 +49,8 @@ DEFAULT_MAX_BYTES: Final = 64 * 1024 * 1024
 MAX_HEADER_BYTES: Final = 256 * 1024
 MAX_TENSORS: Final = 256
 MAX_NDIM: Final = 32
+# no dimension of a real tensor is this long; numpy cannot hold some zero-element shapes with longer ones
+MAX_DIM: Final = 1 << 31
 MAX_ID_LEN: Final = 256
 ALLOWED_DTYPES: Final = frozenset(
     {"float32", "float16", "float64", "int8", "uint8", "int32", "int64", "bool"}
@@ -185,11 +188,13 @@ def _tensors(h: Mapping[str, Any], frames: Sequence[object], max_bytes: int) -> 
         if len(shape) > MAX_NDIM:
             raise ProtocolError(f"tensor {name!r}: {len(shape)} dimensions, at most {MAX_NDIM}")
         if not all(type(s) is int and s >= 0 for s in shape):
-            raise ProtocolError(f"tensor {name!r}: shape must be non-negative integers, got {shape!r}")
+            raise ProtocolError(f"tensor {name!r}: shape must be non-negative integers, got {str(shape)[:200]}")
         # Python ints: a hostile shape cannot overflow; a BYTES element takes at least its 4-byte length
         total += math.prod(shape) * (dtype.itemsize if dtype is not None else 4)
         if total > max_bytes:
             raise PayloadTooLarge(f"tensors declare {total} bytes, limit is {max_bytes}")
+        if any(s >= MAX_DIM for s in shape):  # zero elements, yet more than numpy can index
+            raise ProtocolError(f"tensor {name!r}: a dimension of {MAX_DIM} or more, in {str(shape)[:200]}")
         parsed.append((name, dtype, tuple(shape)))
     if len({p[0] for p in parsed}) != len(parsed):
         raise ProtocolError("duplicate tensor names")

@@ -28,7 +28,7 @@ import zmq
 import zmq.asyncio
 
 from mesh import clock
-from mesh.errors import DeadlineExceeded, MeshError, Overloaded, Unauthenticated
+from mesh.errors import DeadlineExceeded, MeshError, Overloaded, ProtocolError, Unauthenticated
 from mesh.lifecycle import Service
 from mesh.log import get_logger, kv
 from mesh.types import InferRequest, InferResponse
@@ -197,12 +197,15 @@ class ZmqServer(Service):
                 return
         try:
             req = wire.decode_request(frames, max_bytes=self._max_bytes, now=now)
-        except DECODE_ERRORS as exc:
+        except Exception as exc:  # hostile bytes: whatever a decoder raises is garbage
+            # a decoder error other than a ProtocolError is a decoder bug; still the sender's bad input, and
+            # logged at the garbage's rate, not once per message
+            err = exc if isinstance(exc, DECODE_ERRORS) else ProtocolError(f"undecodable request: {exc!r}")
             rid = wire.peek_request_id(frames)
             self.garbage.warn(peer or _who(frames[0] if frames else ident), "bad request frames: %s",
-                              exc.message, request_id=rid, reason=exc.code)
+                              err.message, request_id=rid, reason=err.code)
             if rid is not None:
-                self._reply(ident, wire.encode_error(rid, exc))
+                self._reply(ident, wire.encode_error(rid, err))
             return
         if req.deadline <= now:
             # the wall times are for whoever reads the log: skew and transit are not told apart

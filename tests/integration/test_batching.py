@@ -15,7 +15,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from edge_agent.batching import Batcher
-from mesh.errors import Overloaded
+from mesh.errors import Overloaded, PayloadTooLarge
 
 pytestmark = pytest.mark.integration
 
@@ -136,3 +136,20 @@ async def test_submit_to_a_stopped_batcher_is_refused_not_left_hanging() -> None
         await b.stop()
         with pytest.raises(Overloaded, match="not running"):
             await asyncio.wait_for(b.submit({"x": np.ones((1, 64), np.float32)}, time.monotonic() + 5), 2.0)
+
+
+async def test_a_request_larger_than_the_queue_is_the_callers_error_not_an_overload() -> None:
+    def fast(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"logits": inputs["x"][:, :10]}
+
+    with ThreadPoolExecutor(1) as pool:
+        b = Batcher("small", fast, executor=pool, compute_ms=lambda n: 0.01, max_batch=4, max_queue_rows=8)
+        b.start()
+        try:
+            with pytest.raises(PayloadTooLarge) as err:
+                await b.submit({"x": np.ones((9, 64), np.float32)}, time.monotonic() + 5)
+            assert err.value.http_status == 413 and not isinstance(err.value, Overloaded)
+            ok = await b.submit({"x": np.ones((8, 64), np.float32)}, time.monotonic() + 5)
+            assert ok.outputs["logits"].shape == (8, 10)
+        finally:
+            await b.stop()

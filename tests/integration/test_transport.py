@@ -353,3 +353,29 @@ async def test_no_leaks_after_close(ctx: zmq.asyncio.Context) -> None:
     await server.stop()
     assert open_sockets(ctx) == []
     assert asyncio.all_tasks() == before
+
+
+async def test_a_decoder_bug_on_hostile_input_is_answered_as_garbage_not_logged_per_message(
+        serve: ServerFactory, client: ZmqClient, raw: Callable[[str], zmq.asyncio.Socket],
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Whatever a decoder raises on a peer's bytes is that peer's garbage: an error reply where an id can be
+    read, counted and logged at the garbage rate (once per peer every 10 s), not an error log per message."""
+    server = await serve()
+    real = p.decode_request
+
+    def broken(frames: Any, **kw: Any) -> InferRequest:
+        if bytes(frames[0]).find(b"poison") >= 0:
+            raise ValueError("a decoder bug")
+        return real(frames, **kw)
+
+    monkeypatch.setattr(p, "decode_request", broken)
+    sock = raw(server.endpoint)
+    for i in range(20):
+        await sock.send_multipart(p.encode_request(_with_id(make_req(1.0), f"poison-{i}")))
+    for _ in range(20):
+        _, err = p.decode_reply(await asyncio.wait_for(sock.recv_multipart(), 5))
+        assert isinstance(err, ProtocolError) and "a decoder bug" in err.message
+    assert server.garbage.total == 20 and server.garbage.logged == 1
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+    resp = await client.request(server.endpoint, make_req(5.0))
+    assert resp.outputs["x"][0] == 5.0

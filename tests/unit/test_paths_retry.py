@@ -14,9 +14,9 @@ import pytest
 
 from core_scheduler.policy import RoutingTable
 from edge_agent.demand import DemandMeter
-from edge_agent.paths import ATTEMPT_SLACK_MS, MIN_RETRY_MS, PathEstimates, attempt_ms
+from edge_agent.paths import ATTEMPT_SLACK_MS, BEST_EFFORT_GRACE_MS, MIN_RETRY_MS, PathEstimates, attempt_ms
 from edge_agent.site_dataplane import RETRIED, SiteDataPlane
-from mesh.errors import DeadlineExceeded, NoRoute, PeerUnavailable
+from mesh.errors import DeadlineExceeded, NoRoute, PayloadTooLarge, PeerUnavailable, RuntimeLoadError
 from mesh.types import SLO, InferRequest, InferResponse, Timing
 from tests.unit.test_routing import ALL, snap
 
@@ -93,6 +93,10 @@ class FakeZmq:
         what = self.behaviour.get(site, "ok")
         if what == "dead":
             raise PeerUnavailable(f"{endpoint}: disconnected")
+        if what == "load_fails":
+            raise RuntimeLoadError(f"{endpoint}: loading {req.target_variant} failed: disk full")
+        if what == "too_large":
+            raise PayloadTooLarge(f"{endpoint}: 1 row exceeds the queue")
         if what == "silent":
             await asyncio.sleep(max(0.0, req.deadline - time.monotonic()))
             raise DeadlineExceeded(f"no reply from {endpoint} before the deadline")
@@ -111,8 +115,9 @@ def plane(behaviour: dict[str, str]) -> tuple[SiteDataPlane, FakeZmq]:
     return dp, zmq
 
 
-def query(budget_ms: float, min_accuracy: float = 0.98) -> InferRequest:
-    req = InferRequest.entering("digits", {"x": np.zeros((1, 4), np.float32)}, SLO(budget_ms, min_accuracy))
+def query(budget_ms: float, min_accuracy: float = 0.98, prefer: str = "latency") -> InferRequest:
+    req = InferRequest.entering("digits", {"x": np.zeros((1, 4), np.float32)},
+                                SLO(budget_ms, min_accuracy, prefer=prefer))  # type: ignore[arg-type]
     req.hops = ["edge-b"]
     return req
 
@@ -199,3 +204,30 @@ async def test_a_traced_retry_records_each_attempt_and_forwards_the_trace_contex
     # each forward carries the same trace, with this hop's own span as the parent
     assert len(seen) == 2 and all(tp and trace_id_of(tp) == trace_id_of(req.traceparent) for tp in seen)
     assert seen[0] != req.traceparent
+
+
+async def test_a_request_too_large_for_any_queue_is_not_retried_elsewhere() -> None:
+    dp, zmq = plane({"mid": "too_large", "core": "too_large", "edge-a": "too_large"})
+    with pytest.raises(PayloadTooLarge):
+        await dp._route(query(500.0), time.monotonic())
+    assert len(zmq.calls) == 1 and dp.retried == 0  # a 4xx of the caller's, not an overload
+
+
+@pytest.mark.parametrize("prefer", ["accuracy", "latency"])
+async def test_a_best_effort_query_carries_its_grace_past_the_budget(prefer: str) -> None:
+    """Nothing meets 0.999 within 20 ms: best effort is served, and the hop serving it gets the
+    query's budget plus the grace, so an answer a little late is not cut into a 504."""
+    dp, zmq = plane({})
+    resp = await dp._route(query(20.0, 0.999, prefer), time.monotonic())
+    assert resp.best_effort and resp.reason == f"best_effort_{prefer}"
+    (site, budget), = zmq.calls
+    assert 20.0 < budget <= 20.0 + BEST_EFFORT_GRACE_MS
+    if prefer == "accuracy":
+        assert site == "mid"  # the most accurate reachable in 20 ms, not the big model at core
+
+
+async def test_a_site_that_cannot_load_the_variant_is_retried_elsewhere() -> None:
+    dp, zmq = plane({"mid": "load_fails"})
+    resp = await dp._route(query(500.0), time.monotonic())
+    first, second = (s for s, _ in zmq.calls)
+    assert first == "mid" and second != "mid" and resp.site == second and resp.reason.endswith(RETRIED)

@@ -218,6 +218,9 @@ _DROP = object()
                                                                          "shape": [2]}]}, "non-negative"),
     ({"tensors": [{"name": "x", "dtype": "float32", "shape": [4, 4]}, {"name": "m", "dtype": "bool",
                                                                        "shape": [2]}]}, "expected 64"),
+    # zero elements, but more than numpy can index (was a ValueError out of the decoder)
+    ({"tensors": [{"name": "x", "dtype": "float32", "shape": [2**40, 2**40, 2**40, 0]},
+                  {"name": "m", "dtype": "bool", "shape": [2]}]}, "a dimension of"),
     ({"tensors": [{"name": "x", "dtype": "float32", "shape": [12]}, {"name": "x", "dtype": "bool",
                                                                      "shape": [2]}]}, "duplicate"),
 ])

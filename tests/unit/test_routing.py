@@ -201,14 +201,26 @@ def test_equal_cost_ties_break_by_latency_including_transfer(bw1: float, nbytes:
     assert d2.site == winner
 
 
-@pytest.mark.parametrize("prefer,site,variant,reason", [
-    ("latency", "edge-a", "tiny.int8", "best_effort_latency"),
-    ("accuracy", "core", "big.fp32", "best_effort_accuracy"),
+@pytest.mark.parametrize("prefer,budget,site,variant,reason", [
+    ("latency", 0.5, "edge-a", "tiny.int8", "best_effort_latency"),
+    # nothing arrives within 0.5 ms: the most accurate variant loaded here
+    ("accuracy", 0.5, "edge-a", "tiny.int8", "best_effort_accuracy"),
+    # the most accurate variant reachable within the budget: the cnn at mid (13 ms), not the big
+    # one at core (~50 ms away), which would only come back 504
+    ("accuracy", 30.0, "mid", "cnn.fp32", "best_effort_accuracy"),
+    ("accuracy", 200.0, "core", "big.fp32", "best_effort_accuracy"),
 ])
-def test_best_effort_modes(prefer: str, site: str, variant: str, reason: str) -> None:
+def test_best_effort_modes(prefer: str, budget: float, site: str, variant: str, reason: str) -> None:
     table = RoutingTable.build(snap(ALL), "edge-a")
-    d = table.decide(Query("digits", "t1", 0.5, 0.999, prefer=prefer))  # type: ignore[arg-type]
+    d = table.decide(Query("digits", "t1", budget, 0.999, prefer=prefer))  # type: ignore[arg-type]
     assert (d.site, d.variant_id, d.reason, d.best_effort) == (site, variant, reason, True)
+    assert prefer == "latency" or budget < 1.0 or d.expected_latency_ms <= budget
+
+
+def test_best_effort_accuracy_without_anything_loaded_here_takes_the_fastest() -> None:
+    table = RoutingTable.build(snap({"mid": {"cnn.fp32"}, "core": {"big.fp32"}}), "edge-a")
+    d = table.decide(Query("digits", "t1", 0.5, 0.999, prefer="accuracy"))
+    assert (d.site, d.variant_id, d.best_effort) == ("mid", "cnn.fp32", True)
 
 
 def test_best_effort_latency_prefers_meeting_accuracy() -> None:
@@ -299,7 +311,14 @@ def _reference(table: RoutingTable, q: Query) -> tuple[object, ...]:
     if q.prefer == "refuse":
         raise ImpossibleSLO("refused")
     if q.prefer == "accuracy":
-        choose, reason = pool & (a.accuracy >= a.accuracy[pool].max()), "best_effort_accuracy"
+        within = pool & (lat <= min(q.budget_ms, 1e300))
+        if not within.any():
+            within = pool & a.loaded & np.array([s == table.here for s in a.site], dtype=bool)
+        if within.any():
+            choose = within & (a.accuracy >= a.accuracy[within].max())
+        else:
+            choose = pool  # the fastest of all
+        reason = "best_effort_accuracy"
     else:
         meets = pool & (a.accuracy >= q.min_accuracy)
         choose, reason = (meets if meets.any() else pool), "best_effort_latency"

@@ -7,6 +7,7 @@ import pytest
 
 from core_scheduler.policy import MeshSnapshot, Query, RoutingTable
 from core_scheduler.policy.snapshot import TAIL_FRAC, TAIL_MIN_MS, path_jitter_ms, path_tables, tail_margin_ms
+from mesh.errors import ImpossibleSLO
 from tests.unit.test_routing import ALL, LINKS, sites, variants
 from topology.loader import load_topology_file
 
@@ -127,3 +128,27 @@ def test_cold_start_elsewhere_pays_the_blob_fetch_from_the_store_site() -> None:
 def test_unknown_store_site_is_ignored() -> None:
     snap = MeshSnapshot.from_parts(sites(), variants(), (), LINKS, store_site="nowhere", placement=ALL, version=1)
     assert snap.store_site is None
+
+
+def test_a_cold_start_fetches_from_the_nearest_site_holding_the_blob() -> None:
+    """A refuse-SLO query at edge-a within 125 ms at accuracy 0.95 before any placement reached the
+    edge: the tiny variant (1 MiB over a 100 Mbit/s uplink, 20 ms to load) can be loaded there in time
+    only if its blob comes from mid (10 ms away), which holds it, not from the store at core (50 ms
+    away). Before peers served blobs: 422."""
+    none = {"edge-a": set(), "edge-b": set(), "core": set()}
+    tiny = next(v for v in variants() if v.variant_id == "tiny.int8")
+    transfer = tiny.size_bytes * 8.0 / (100.0 * 1000.0)
+    for held_at_mid, feasible in ((set(), False), ({"tiny.int8"}, True)):
+        snap = MeshSnapshot.from_parts(sites(), variants(), (), LINKS, store_site="core",
+                                       placement={**none, "mid": held_at_mid}, version=1)
+        assert snap.fetch_ms("edge-a", tiny.size_bytes, snap.holders("tiny.int8")) == pytest.approx(
+            (10.0 if feasible else 50.0) + transfer)
+        table = RoutingTable.build(snap, "edge-a")
+        # neither mid nor core may serve it (say they are busy): the edge must load it itself, or refuse
+        q = Query("digits", "t1", 125.0, 0.95, prefer="refuse", exclude_sites=frozenset({"mid", "core"}))
+        if feasible:
+            d = table.decide(q)
+            assert (d.site, d.variant_id, d.reason) == ("edge-a", "tiny.int8", "cold_start")
+        else:
+            with pytest.raises(ImpossibleSLO):
+                table.decide(q)

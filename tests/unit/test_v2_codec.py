@@ -135,6 +135,12 @@ def _bin_body(shape: list[int], raw: bytes, declared: int | None = None, datatyp
      BadTensor, "after the declared"),
     (lambda: _bin_body([1], b"", declared=1 << 30), PayloadTooLarge, "exceeds"),
     (lambda: (b"{}", 10), RequestError, "Inference-Header-Content-Length"),
+    # found by the fuzz test (tests/integration/test_agent_fuzz.py): each was a 500
+    (lambda: (_req([{"name": "x", "shape": [2**40, 2**40, 2**40, 0], "datatype": "FP32", "data": []}]), None),
+     BadTensor, "below"),
+    (lambda: _bin_body([2**40, 2**40, 2**40, 0], b""), BadTensor, "below"),
+    (lambda: (_req([{"name": "x", "shape": [2], "datatype": "FP32", "data": [1e39, 1]}]), None),
+     BadTensor, "overflow"),
 ])
 def test_malformed_requests_are_rejected(make: Any, err: type[Exception], fragment: str) -> None:
     body, hlen = make()
