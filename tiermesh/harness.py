@@ -15,6 +15,10 @@ With ``tls`` the edge APIs speak HTTPS with client certificates: the harness mak
 under ``home/pki``, issues a certificate per site (naming the address callers dial) and one per tenant of
 the topology (and ``public``), and :meth:`tenant_files` hands a tenant's files to SDK clients. Without it
 the agents run ``--insecure`` (plain HTTP, tenant from a header), as the tests and benchmarks expect.
+
+With ``console`` the admin console runs beside the scheduler (:class:`console.ConsoleServer`): with ``tls`` over
+HTTPS as ``scheduler/console``, scraping the agents as ``admin/console``, and an ``admin/admin`` certificate
+(PEM and PKCS#12, :meth:`admin_files`) for the person at the browser; without, over HTTP with a token.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from console import ConsoleConfig, ConsoleServer, new_token
 from core_scheduler.scheduler import Scheduler, SchedulerConfig
 from edge_agent.agent import BLOB_PEER
 from mesh.errors import ConfigError, MeshError, StoreError
@@ -40,6 +45,7 @@ from mesh.etcd.server import EmbeddedEtcd
 from mesh.etcd.store import Store
 from mesh.lifecycle import Service
 from mesh.log import get_logger, kv
+from mesh.pki.files import write_file
 from mesh.pki.identity import Identity
 from mesh.pki.local import LocalPki
 from mesh.types import DEFAULT_TENANT
@@ -111,6 +117,8 @@ class MeshOptions:
     tls: bool = False                # edge APIs over mutual TLS, certificates issued into home/pki
     # CURVE between sites: a CA in <home>/pki (made if missing) and a certificate + CURVE key per site
     curve: bool = False
+    console: bool = False            # the admin console beside the scheduler (not with netns yet)
+    console_port: int = 0            # 0: any free port (LocalMesh.console.url says which)
 
     def scheduler_config(self, candidate_id: str) -> SchedulerConfig:
         cfg = SchedulerConfig(candidate_id=candidate_id, mode=self.mode, proactive=self.proactive)
@@ -152,6 +160,7 @@ class LocalMesh(Service):
         self.lab: NetnsLab | None = None
         self.store_url: str | None = None          # the variant store's advertised URL
         self.control: ControlProcesses | None = None  # variant store + scheduler in the ctl namespace
+        self.console: ConsoleServer | None = None
         # in a namespace of its own etcd has its ports to itself
         self.pki = LocalPki.under(opts.home) if opts.tls else None
         self.etcd_port = 2379 if opts.netns else _free_port()
@@ -186,7 +195,8 @@ class LocalMesh(Service):
             self.proxies = ProxyPool(self.lab.root_address, (self.lab.subnet,))
         await self.start_etcd()
         assert self.store is not None
-        diff = await apply_topology(self.store, self.topology)
+        diff = await apply_topology(self.store, self.topology,
+                                    source=self.opts.topology.read_text(encoding="utf-8", errors="replace"))
         log.info("topology applied: %s", diff.summary() if hasattr(diff, "summary") else diff,
                  extra=kv(event="topology_apply"))
         self.blobs = BlobStore(home / "blobs")
@@ -205,6 +215,8 @@ class LocalMesh(Service):
             self._issue_certificates(names)
         elif self.opts.curve:
             self._issue_site_credentials(names)
+        if self.opts.console:
+            await self._start_console()
         for name in names:
             # port 0: each agent binds its own (reserving ports here and releasing them raced with
             # the proxies' own listening ports); the proxies learn the real port when it is ready
@@ -218,13 +230,14 @@ class LocalMesh(Service):
             with contextlib.suppress(Exception):
                 await self.kill_site(name, graceful=True)
         await self.proxies.stop()
-        for step in (self.scheduler.stop if self.scheduler else None,
+        for step in (self.console.stop if self.console else None, self.scheduler.stop if self.scheduler else None,
                      self.variant_server.stop if self.variant_server else None):
             if step is not None:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(step(), 10)
         self.scheduler = None
         self.variant_server = None
+        self.console = None
         try:
             if self.control is not None:
                 await self.control.stop()
@@ -250,6 +263,15 @@ class LocalMesh(Service):
         await self.control.start()
         self.store_url = self.control.store_url
 
+    async def _start_console(self) -> None:
+        assert self.store is not None
+        if self.lab is not None:
+            raise ConfigError("the console with netns is not built yet (the scheduler runs in the ctl namespace)")
+        pki_dir = self.pki.paths.root if self.pki is not None else None
+        self.console = ConsoleServer(self.store, ConsoleConfig(port=self.opts.console_port, pki_dir=pki_dir,
+                                                               token=None if pki_dir else new_token()))
+        await self.console.start()
+
     # -- identities ------------------------------------------------------------------------
     def tenants(self) -> list[str]:
         """Every tenant a caller may be: the topology's, and the default ``public``."""
@@ -266,6 +288,14 @@ class LocalMesh(Service):
             self.pki.issue(Identity("site", name), addresses=[self._address(name)])
         for tenant in self.tenants():
             self.pki.issue(Identity("tenant", tenant))
+        if self.opts.console:  # the console's server and scrape identities, and one for a person's browser
+            self.pki.issue(Identity("scheduler", "console"), addresses=["127.0.0.1", "localhost"])
+            for admin in ("console", "admin"):
+                self.pki.issue(Identity("admin", admin))
+            password = new_token()
+            self.pki.export_pkcs12(Identity("admin", "admin"), password)
+            write_file(self.pki.paths.cert(Identity("admin", "admin")).with_suffix(".p12.password"),
+                       password.encode() + b"\n", private=True)
 
     def tenant_files(self, tenant: str) -> dict[str, Path]:
         """``cert``, ``key`` and ``ca`` for an SDK client of ``tenant`` (``AsyncClient(url, **files)``)."""
@@ -274,11 +304,21 @@ class LocalMesh(Service):
         who = Identity("tenant", tenant)
         return {"cert": self.pki.paths.cert(who), "key": self.pki.paths.key(who), "ca": self.pki.paths.ca_cert}
 
+    def admin_files(self, name: str = "admin") -> dict[str, Path]:
+        """``cert``, ``key``, ``ca``, ``p12`` and ``p12_password`` (a file) of an admin, for the console."""
+        if self.pki is None:
+            raise ConfigError("this mesh runs without TLS (MeshOptions.tls is off): the console takes a token")
+        who = Identity("admin", name)
+        cert = self.pki.paths.cert(who)
+        return {"cert": cert, "key": self.pki.paths.key(who), "ca": self.pki.paths.ca_cert,
+                "p12": cert.with_suffix(".p12"), "p12_password": cert.with_suffix(".p12.password")}
+
     def addresses(self) -> dict[str, Any]:
         """What each participant listens on (for the report): per site its host address, HTTP URL
         and ZeroMQ endpoint (and namespace), plus etcd, the variant store and the proxies' address."""
         ns = (lambda role: self.lab.host(role).netns) if self.lab is not None else (lambda role: None)
         return {"etcd": self.etcd_url, "variant_store": self.store_url,
+                "console": self.console.url if self.console is not None else None,
                 "proxies": self.proxies.listen_host if self.opts.wan else None,
                 "sites": {n: {"address": self._address(n), "http": sp.http, "zmq": sp.zmq, "netns": ns(n)}
                           for n, sp in sorted(self.sites.items())}}
