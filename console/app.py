@@ -25,7 +25,7 @@ import orjson
 from aiohttp import web
 from ruamel.yaml import YAML
 
-from console.auth import AdminGate
+from console.auth import ADMIN, AdminGate
 from console.scrape import Scraper
 from console.state import ConsoleState
 
@@ -53,7 +53,7 @@ async def _state(request: web.Request) -> web.Response:
 
 
 async def _whoami(request: web.Request) -> web.Response:
-    return _json({"admin": request.get("admin")})
+    return _json({"admin": request[ADMIN]})
 
 
 async def _stream(request: web.Request) -> web.StreamResponse:

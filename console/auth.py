@@ -26,9 +26,10 @@ from mesh.errors import MeshError, PermissionDenied, Unauthenticated
 from mesh.pki.identity import Identity
 from mesh.pki.peers import TlsPeers
 
-__all__ = ["COOKIE", "AdminGate"]
+__all__ = ["ADMIN", "COOKIE", "AdminGate"]
 
 COOKIE = "tiermesh_console"
+ADMIN: web.RequestKey[str] = web.RequestKey("admin", str)  # the admitted admin's name, for handlers
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -67,7 +68,7 @@ class AdminGate:
             resp.set_cookie(COOKIE, self.token, httponly=True, samesite="Strict", path="/")
             return resp
         try:
-            request["admin"] = self.admin(request)
+            request[ADMIN] = self.admin(request)
         except (Unauthenticated, PermissionDenied) as exc:
             return _refuse(exc, request)
         return await handler(request)

@@ -99,9 +99,9 @@ class ConsoleServer(Service):
                 await svc.start()
         await self.scraper.start()
         await self.model.start()
-        self._runner = web.AppRunner(self.app, access_log=None)
+        self._runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=2.0)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.cfg.bind, self.cfg.port, shutdown_timeout=2.0,
+        site = web.TCPSite(self._runner, self.cfg.bind, self.cfg.port,
                            ssl_context=self.tls.ssl_context if self.tls else None)
         await site.start()
         server = site._server  # the bound socket says which port 0 became

@@ -48,43 +48,88 @@ function projectionFor(sites) {
   return proj.fitExtent([[40, 40], [920, 500]], box);
 }
 
+// Sites of one metro (an edge beside its core) project onto nearly one point: push apart any two closer than
+// MIN_GAP pixels, a few rounds, so each stays clickable. Links follow the displaced positions.
+const MIN_GAP = 26;
+function spread(at) {
+  const names = Object.keys(at).sort();
+  for (let round = 0; round < 30; round++) {
+    let moved = false;
+    for (let i = 0; i < names.length; i++) for (let j = i + 1; j < names.length; j++) {
+      const a = at[names[i]], b = at[names[j]];
+      let dx = b[0] - a[0], dy = b[1] - a[1];
+      let d = Math.hypot(dx, dy);
+      if (d >= MIN_GAP) continue;
+      if (d < 0.01) { dx = 1; dy = 0.5; d = Math.hypot(dx, dy); }
+      const push = (MIN_GAP - d) / 2 + 0.5;
+      a[0] -= (dx / d) * push; a[1] -= (dy / d) * push; b[0] += (dx / d) * push; b[1] += (dy / d) * push;
+      moved = true;
+    }
+    if (!moved) break;
+  }
+  return at;
+}
+
+function linkLabel(l) {
+  const rtt = `RTT ${fmt(l.declared_rtt_ms, 0)} ms` + (l.measured_rtt_ms !== null ? ` (meas ${fmt(l.measured_rtt_ms, 1)})` : "");
+  return rtt + (l.traffic_qps ? ` · ${fmt(l.traffic_qps, 1)} q/s` : "");
+}
+
+// The map is drawn once per set of sites and links (the shape), then updated in place every snapshot, so a
+// click or a hover is never lost to a redraw.
 function renderMap() {
   const svg = $("#map");
   const snap = S.snap;
-  svg.replaceChildren();
   if (!snap) return;
-  const proj = projectionFor(snap.sites);
-  const path = d3.geoPath(proj);
-  svg.append(el("path", { class: "graticule", d: path(d3.geoGraticule10()) }));
-  if (S.land) svg.append(el("path", { class: "land", d: path(S.land) }));
-  const at = {};
-  for (const s of snap.sites) at[s.name] = proj([s.lon, s.lat]);
-  const gl = el("g", { id: "links" });
+  const shape = JSON.stringify([snap.sites.map((s) => [s.name, s.lat, s.lon]), snap.links.map((l) => [l.a, l.b]), !!S.land]);
+  if (shape !== S.mapShape) {
+    S.mapShape = shape;
+    svg.replaceChildren();
+    const proj = projectionFor(snap.sites);
+    const path = d3.geoPath(proj);
+    svg.append(el("path", { class: "graticule", d: path(d3.geoGraticule10()) }));
+    if (S.land) svg.append(el("path", { class: "land", d: path(S.land) }));
+    const at = {};
+    for (const s of snap.sites) at[s.name] = proj([s.lon, s.lat]);
+    spread(at);
+    const gl = el("g", { id: "links" });
+    for (const l of snap.links) {
+      const a = at[l.a], b = at[l.b];
+      if (!a || !b) continue;
+      gl.append(el("line", { class: "link", x1: a[0], y1: a[1], x2: b[0], y2: b[1], "data-link": `${l.a}|${l.b}` }, el("title")),
+                el("text", { class: "link-label", x: (a[0] + b[0]) / 2, y: (a[1] + b[1]) / 2 - 3, "text-anchor": "middle",
+                             "data-link-label": `${l.a}|${l.b}` }));
+    }
+    svg.append(gl);
+    const gs = el("g", { id: "sites" });
+    for (const s of snap.sites) {
+      const p = at[s.name];
+      gs.append(el("g", { class: "site", "data-site": s.name, transform: `translate(${p[0]},${p[1]})`,
+                          on: { click: () => { S.selected = s.name; render(); } } },
+        el("circle", { r: 7 }), el("title"), el("text", { x: 12, y: 4, text: s.name })));
+    }
+    svg.append(gs);
+  }
   for (const l of snap.links) {
-    const a = at[l.a], b = at[l.b];
-    if (!a || !b) continue;
-    const w = 1 + Math.min(6, Math.log2(1 + (l.traffic_qps || 0)));
-    const rtt = `RTT ${fmt(l.declared_rtt_ms, 0)} ms` + (l.measured_rtt_ms !== null ? ` (meas ${fmt(l.measured_rtt_ms, 1)})` : "");
-    const label = rtt + (l.traffic_qps ? ` · ${fmt(l.traffic_qps, 1)} q/s` : "");
-    gl.append(el("line", { class: "link", x1: a[0], y1: a[1], x2: b[0], y2: b[1], "stroke-width": w,
-                           "data-link": `${l.a}|${l.b}` }, el("title", { text: `${l.a} – ${l.b}: ${label}` })));
-    gl.append(el("text", { class: "link-label", x: (a[0] + b[0]) / 2, y: (a[1] + b[1]) / 2 - 3, "text-anchor": "middle",
-                           text: label }));
+    const key = `${l.a}|${l.b}`;
+    const line = svg.querySelector(`line[data-link="${CSS.escape(key)}"]`);
+    const label = svg.querySelector(`text[data-link-label="${CSS.escape(key)}"]`);
+    if (!line || !label) continue;
+    line.setAttribute("stroke-width", 1 + Math.min(6, Math.log2(1 + (l.traffic_qps || 0))));
+    line.firstChild.textContent = `${l.a} – ${l.b}: ${linkLabel(l)}`;
+    label.textContent = linkLabel(l);
   }
-  svg.append(gl);
-  const gs = el("g", { id: "sites" });
   for (const s of snap.sites) {
-    const p = at[s.name];
-    if (!p) continue;
+    const g = svg.querySelector(`g.site[data-site="${CSS.escape(s.name)}"]`);
+    if (!g) continue;
     const r = 7 + 11 * Math.min(1, s.load || 0);
-    gs.append(el("g", { class: `site health-${s.health}` + (S.selected === s.name ? " selected" : ""),
-                        "data-site": s.name, "data-health": s.health, transform: `translate(${p[0]},${p[1]})`,
-                        on: { click: () => { S.selected = s.name; render(); } } },
-      el("circle", { r, class: `health-${s.health}` }),
-      el("title", { text: `${s.name} (${s.tier}): ${s.health}${s.why ? " — " + s.why : ""}` }),
-      el("text", { x: r + 3, y: 4, text: s.name })));
+    g.setAttribute("class", `site health-${s.health}` + (S.selected === s.name ? " selected" : ""));
+    g.dataset.health = s.health;
+    g.querySelector("circle").setAttribute("r", r);
+    g.querySelector("circle").setAttribute("class", `health-${s.health}`);
+    g.querySelector("title").textContent = `${s.name} (${s.tier}): ${s.health}${s.why ? " — " + s.why : ""}`;
+    g.querySelector("text").setAttribute("x", r + 3);
   }
-  svg.append(gs);
   renderSitePanel();
 }
 
@@ -92,7 +137,7 @@ function renderSitePanel() {
   const panel = $("#site-panel");
   const s = S.snap && S.snap.sites.find((x) => x.name === S.selected);
   if (!s) return;
-  const variants = el("table", { class: "grid" },
+  const variants = el("table", { class: "grid compact" },
     el("thead", {}, el("tr", {}, ["variant", "task", "queue", "wait ms", "memory"].map((h) => el("th", { text: h })))),
     el("tbody", {}, (s.variants || []).map((v) => el("tr", { "data-variant": v.id },
       el("td", { text: v.id }), el("td", { text: v.task }),
@@ -104,7 +149,7 @@ function renderSitePanel() {
     return el("div", {}, `${task}: p99 `, el("b", { class: cls, text: `${fmt(ms, 1)} ms` }),
               slo !== undefined ? ` vs SLO ${fmt(slo, 0)} ms` : "");
   });
-  panel.replaceChildren(
+  panel.replaceChildren(...[
     el("h3", { text: s.name }),
     el("div", {}, el("span", { class: `badge health-${s.health}`, text: s.health }), ` ${s.tier} · ${s.region} · ${s.real_hardware_class || s.hardware_class}`),
     s.why ? el("div", { class: "warn", text: s.why }) : null,
@@ -112,7 +157,7 @@ function renderSitePanel() {
     el("div", { text: `model memory ${mib(s.memory_used_bytes)} of ${mib(s.memory_budget_bytes)}` }),
     el("h4", { text: "variants loaded" }), variants,
     el("h4", { text: "latency" }), p99.length ? p99 : el("div", { class: "muted", text: "no data (no /metrics yet)" }),
-    s.metrics_error ? el("div", { class: "muted", text: `metrics: ${s.metrics_error}` }) : null);
+    s.metrics_error ? el("div", { class: "muted", text: `metrics: ${s.metrics_error}` }) : null].flat().filter((n) => n));
 }
 
 // -- placements and events -------------------------------------------------------------------------
