@@ -64,7 +64,7 @@ class AdminGate:
             # the address `tiermesh up` prints: swap the token for a cookie and drop it from the address bar
             if not hmac.compare_digest(request.query["token"].encode(), self.token.encode()):
                 return _refuse(Unauthenticated("wrong console token", reason="bad_token"), request)
-            resp = web.HTTPFound("/")
+            resp = web.Response(status=302, headers={"Location": "/"})
             resp.set_cookie(COOKIE, self.token, httponly=True, samesite="Strict", path="/")
             return resp
         try:
