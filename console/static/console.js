@@ -36,21 +36,19 @@ window.addEventListener("hashchange", () => showTab((location.hash || "#map").sl
 
 // -- map -------------------------------------------------------------------------------------
 function projectionFor(sites) {
-  const pts = sites.map((s) => [s.lon, s.lat]);
   const proj = d3.geoNaturalEarth1();
-  if (!pts.length) return proj.fitSize([960, 540], { type: "Sphere" });
-  // frame the sites with a margin of a few degrees, so that sites of one metro do not sit on one pixel
-  const lons = pts.map((p) => p[0]), lats = pts.map((p) => p[1]);
-  const pad = 8;
-  const box = { type: "MultiPoint", coordinates: [
-    [Math.max(-180, Math.min(...lons) - pad), Math.max(-85, Math.min(...lats) - pad)],
-    [Math.min(180, Math.max(...lons) + pad), Math.min(85, Math.max(...lats) + pad)]] };
-  return proj.fitExtent([[40, 40], [920, 500]], box);
+  if (!sites.length) return proj.fitSize([960, 540], { type: "Sphere" });
+  // frame the sites with a margin of a few degrees around each (every corner, so a curved projection keeps
+  // them all inside), so that sites of one metro do not sit on one pixel and none falls off the edge
+  const pad = 8, pts = [];
+  for (const s of sites) for (const [dx, dy] of [[-pad, -pad], [pad, -pad], [-pad, pad], [pad, pad]])
+    pts.push([Math.max(-180, Math.min(180, s.lon + dx)), Math.max(-85, Math.min(85, s.lat + dy))]);
+  return proj.fitExtent([[30, 30], [930, 510]], { type: "MultiPoint", coordinates: pts });
 }
 
 // Sites of one metro (an edge beside its core) project onto nearly one point: push apart any two closer than
 // MIN_GAP pixels, a few rounds, so each stays clickable. Links follow the displaced positions.
-const MIN_GAP = 26;
+const MIN_GAP = 40;
 function spread(at) {
   const names = Object.keys(at).sort();
   for (let round = 0; round < 30; round++) {
@@ -96,17 +94,25 @@ function renderMap() {
     for (const l of snap.links) {
       const a = at[l.a], b = at[l.b];
       if (!a || !b) continue;
+      const long = Math.hypot(b[0] - a[0], b[1] - a[1]) > 110;  // short links: the label is in the hover title
       gl.append(el("line", { class: "link", x1: a[0], y1: a[1], x2: b[0], y2: b[1], "data-link": `${l.a}|${l.b}` }, el("title")),
                 el("text", { class: "link-label", x: (a[0] + b[0]) / 2, y: (a[1] + b[1]) / 2 - 3, "text-anchor": "middle",
-                             "data-link-label": `${l.a}|${l.b}` }));
+                             "data-link-label": `${l.a}|${l.b}`, visibility: long ? "visible" : "hidden" }));
     }
     svg.append(gl);
     const gs = el("g", { id: "sites" });
     for (const s of snap.sites) {
       const p = at[s.name];
+      // the label goes on the side away from the nearest other site
+      let near = null, best = Infinity;
+      for (const o of snap.sites) {
+        const d = o.name === s.name ? Infinity : Math.hypot(at[o.name][0] - p[0], at[o.name][1] - p[1]);
+        if (d < best) { best = d; near = at[o.name]; }
+      }
+      const left = near && best < 140 && near[0] > p[0];
       gs.append(el("g", { class: "site", "data-site": s.name, transform: `translate(${p[0]},${p[1]})`,
-                          on: { click: () => { S.selected = s.name; render(); } } },
-        el("circle", { r: 7 }), el("title"), el("text", { x: 12, y: 4, text: s.name })));
+                          "data-label-side": left ? "left" : "right", on: { click: () => { S.selected = s.name; render(); } } },
+        el("circle", { r: 7 }), el("title"), el("text", { x: 12, y: 4, "text-anchor": left ? "end" : "start", text: s.name })));
     }
     svg.append(gs);
   }
@@ -128,7 +134,7 @@ function renderMap() {
     g.querySelector("circle").setAttribute("r", r);
     g.querySelector("circle").setAttribute("class", `health-${s.health}`);
     g.querySelector("title").textContent = `${s.name} (${s.tier}): ${s.health}${s.why ? " — " + s.why : ""}`;
-    g.querySelector("text").setAttribute("x", r + 3);
+    g.querySelector("text").setAttribute("x", g.dataset.labelSide === "left" ? -(r + 3) : r + 3);
   }
   renderSitePanel();
 }

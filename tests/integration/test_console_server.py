@@ -33,9 +33,12 @@ TRACE = json.loads((DATA / "agent_trace_sample.json").read_text())
 TOPOLOGY = """
 schema: 1
 sites:
-  - {name: core, tier: core, region: r1, coordinates: {lat: 50.1, lon: 8.7}, hardware: {cpu_cores: 8, memory_mb: 16384, price_per_hour: 2.0}}
-  - {name: mid, tier: middle, region: r1, coordinates: {lat: 52.4, lon: 4.9}, hardware: {cpu_cores: 4, memory_mb: 8192, price_per_hour: 1.0}}
-  - {name: edge-a, tier: edge, region: r1, coordinates: {lat: 48.9, lon: 2.3}, hardware: {cpu_cores: 2, memory_mb: 4096, price_per_hour: 0.5}}
+  - {name: core, tier: core, region: r1, coordinates: {lat: 50.1, lon: 8.7},
+     hardware: {cpu_cores: 8, memory_mb: 16384, price_per_hour: 2.0}}
+  - {name: mid, tier: middle, region: r1, coordinates: {lat: 52.4, lon: 4.9},
+     hardware: {cpu_cores: 4, memory_mb: 8192, price_per_hour: 1.0}}
+  - {name: edge-a, tier: edge, region: r1, coordinates: {lat: 48.9, lon: 2.3},
+     hardware: {cpu_cores: 2, memory_mb: 4096, price_per_hour: 0.5}}
 links:
   - {a: edge-a, b: mid, latency_ms: 5, bandwidth_mbps: 500}
   - {a: mid, b: core, latency_ms: 10, bandwidth_mbps: 1000}

@@ -31,6 +31,7 @@ _GROUPS: tuple[str, ...] = (
     "tiermesh.cli.scheduler",
     "tiermesh.cli.up",
     "tiermesh.cli.pki",
+    "tiermesh.cli.console",
 )
 
 DESCRIPTION = """\
