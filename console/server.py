@@ -75,7 +75,8 @@ class ConsoleServer(Service):
             gate = AdminGate(token=self.token)
         scrape_ctx = self.scrape_credentials.client_context() if self.scrape_credentials else None
         self.scraper = Scraper(scrape_ctx)
-        self.model = ConsoleState(store, self.scraper, tick_s=cfg.tick_s)
+        self.model = ConsoleState(store, self.scraper, tick_s=cfg.tick_s,
+                                  crl_sink=self.tls.load_crl if self.tls is not None else None)
         self._closing = asyncio.Event()
         self.app = make_app(self.model, self.scraper, gate, self._closing, extra_routes)
         self._runner: web.AppRunner | None = None

@@ -28,7 +28,7 @@ from typing import Any
 from console.digest import SiteMetrics, attainment, rate
 from console.scrape import Scrape, Scraper
 from core_scheduler.state.view import MeshView
-from mesh.errors import StoreError
+from mesh.errors import PkiError, StoreError
 from mesh.etcd.keys import EVENTS_PLACEMENT, TOPOLOGY_LAST_APPLY
 from mesh.etcd.store import Store
 from mesh.lifecycle import Service, cancel_and_wait
@@ -45,8 +45,11 @@ MAX_EVENTS = 100
 
 
 class ConsoleState(Service):
-    def __init__(self, store: Store, scraper: Scraper, *, tick_s: float = 1.0) -> None:
+    def __init__(self, store: Store, scraper: Scraper, *, tick_s: float = 1.0,
+                 crl_sink: Callable[[bytes], bool] | None = None) -> None:
         self.store = store
+        self.crl_sink = crl_sink  # the console's TLS adopts a newer revocation list published at pki/crl
+        self._crl_seen: bytes | None = None
         self.scraper = scraper
         self.tick_s = tick_s
         self.view = MeshView(store, "console")
@@ -108,6 +111,7 @@ class ConsoleState(Service):
                 self._events = [e for e in events.value.get("events", []) if isinstance(e, dict)][-MAX_EVENTS:]
             self.last_apply = last_apply.value if last_apply is not None and isinstance(last_apply.value, dict) \
                 else None
+        self._adopt_crl()
         urls = self.live_urls()
         scrapes = await asyncio.gather(*(self.scraper.metrics(n, u) for n, u in sorted(urls.items())))
         self._scrapes = {s.site: s for s in scrapes}
@@ -119,6 +123,17 @@ class ConsoleState(Service):
             self.version += 1
             self.snapshot = {**snap, "version": self.version}
             self._changed.notify_all()
+
+    def _adopt_crl(self) -> None:
+        pem = self.view.crl
+        if self.crl_sink is None or pem is None or pem == self._crl_seen:
+            return
+        self._crl_seen = pem
+        try:
+            if self.crl_sink(pem):
+                log.info("revocation list from etcd adopted by the console")
+        except PkiError as exc:
+            log.warning("revocation list from etcd not adopted by the console: %s", exc)
 
     def _fold(self, s: Scrape) -> None:
         if s.metrics is None:
