@@ -62,18 +62,29 @@ async def _stream(request: web.Request) -> web.StreamResponse:
                                        "X-Accel-Buffering": "no"})
     await resp.prepare(request)
     version = -1
-    # ends when the client goes (a failed write) or the server closes; each wait is bounded by KEEPALIVE_S
-    while not closing.is_set():
-        snap = await state.wait_newer(version, KEEPALIVE_S)
-        try:
-            if snap["version"] > version:
-                version = snap["version"]
-                await resp.write(b"event: state\ndata: " + orjson.dumps(snap, option=orjson.OPT_NON_STR_KEYS)
-                                 + b"\n\n")
-            else:
-                await resp.write(b": keep-alive\n\n")
-        except (ConnectionResetError, RuntimeError):
-            break
+    closed = asyncio.ensure_future(closing.wait())
+    # ends when the client goes (a failed write) or the server closes (at once: the wait races `closed`)
+    try:
+        while not closing.is_set():
+            newer = asyncio.ensure_future(state.wait_newer(version, KEEPALIVE_S))
+            await asyncio.wait({newer, closed}, return_when=asyncio.FIRST_COMPLETED)
+            if not newer.done():
+                newer.cancel()
+                await asyncio.gather(newer, return_exceptions=True)
+                break
+            snap = newer.result()
+            try:
+                if snap["version"] > version:
+                    version = snap["version"]
+                    await resp.write(b"event: state\ndata: " + orjson.dumps(snap, option=orjson.OPT_NON_STR_KEYS)
+                                     + b"\n\n")
+                else:
+                    await resp.write(b": keep-alive\n\n")
+            except (ConnectionResetError, RuntimeError):
+                break
+    finally:
+        closed.cancel()
+        await asyncio.gather(closed, return_exceptions=True)
     return resp
 
 

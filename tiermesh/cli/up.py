@@ -134,7 +134,7 @@ async def run_up(args: argparse.Namespace) -> int:
             await stop.wait()
             return 0
         rc = await _drive(mesh, args, console, kill, drills, stop)
-        print_console(mesh, console)
+        print_console(mesh, console, serving=args.then_serve)
         if args.then_serve and rc == 0 and not stop.is_set():
             console.print("serving; Ctrl-C to stop")
             await stop.wait()
@@ -145,7 +145,7 @@ async def run_up(args: argparse.Namespace) -> int:
             await mesh.stop()
 
 
-def print_console(mesh: LocalMesh, console: Console) -> None:
+def print_console(mesh: LocalMesh, console: Console, *, serving: bool = True) -> None:
     """Where the admin console is and how to get in (certificate files, or the token in the address)."""
     if mesh.console is None:
         if mesh.opts.netns:
@@ -155,7 +155,8 @@ def print_console(mesh: LocalMesh, console: Console) -> None:
         files = mesh.admin_files()
         console.print(f"admin certificate {files['cert']} (key {files['key']}, CA {files['ca']}); for a browser "
                       f"import {files['p12']} (password in {files['p12_password']})", markup=False, soft_wrap=True)
-    console.print(f"[bold]console[/] {mesh.console.login_url}", soft_wrap=True)
+    note = "" if serving else "  (stops with this run: --then-serve, or `make demo SERVE=1`, keeps it up)"
+    console.print(f"[bold]console[/] {mesh.console.login_url}{note}", soft_wrap=True)
 
 
 async def _drive(mesh: LocalMesh, args: argparse.Namespace, console: Console, kill: tuple[str, float] | None,
