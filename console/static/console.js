@@ -320,11 +320,12 @@ function connect() {
 
 async function main() {
   $("#trace-form").addEventListener("submit", (ev) => { ev.preventDefault(); const id = $("#trace-id").value.trim(); if (id) lookupTrace(id); });
+  showTab((location.hash || "#map").slice(1));
+  connect();
   try {
     const topo = await (await fetch("/static/vendor/land-110m.json")).json();
     S.land = topojson.feature(topo, topo.objects.land);
+    render();
   } catch (e) { S.land = null; }
-  showTab((location.hash || "#map").slice(1));
-  connect();
 }
 main();

@@ -54,7 +54,8 @@ async def test_map_shows_every_site(console_mesh: LocalMesh, browser: Any, tmp_p
         assert set(health) == {"up"}, dict(zip(shown, health, strict=True))
         links = await page.eval_on_selector_all("#links line", "els => els.map(e => e.dataset.link)")
         assert len(links) == len(console_mesh.topology.links)
-        assert await page.locator("path.land").count() == 1  # the vendored world outline, no network
+        await page.wait_for_selector("#map path.land", timeout=10_000)  # the vendored world outline, no network
+        assert await page.locator("#map path.land").count() == 1
         core = next(n for n, s in console_mesh.topology.sites.items() if s.tier == "core")
         await page.click(f"#sites g.site[data-site='{core}'] circle")
         await page.wait_for_selector(f"#site-panel h3:text('{core}')", timeout=5_000)
@@ -69,6 +70,7 @@ async def test_tenant_page_shows_attainment_for_each_tenant(console_mesh: LocalM
                                                             tmp_path: Path) -> None:
     ctx, page = await _admin_page(browser, console_mesh, "#tenants")
     try:
+        await page.wait_for_selector("#tab-tenants:not([hidden]) #tenant-table tr[data-tenant]", timeout=15_000)
         await page.screenshot(path=str(tmp_path / "tenants-start.png"))
         for tenant in console_mesh.tenants():  # every tenant the workload ran as
             await page.wait_for_selector(f"#tenant-table tr[data-tenant='{tenant}'] b[data-attainment]:not("
@@ -108,6 +110,7 @@ async def test_traced_request_shows_hops_and_rejected_candidates(console_mesh: L
     request_id = await _traced_query(console_mesh)
     ctx, page = await _admin_page(browser, console_mesh, "#traces")
     try:
+        await page.wait_for_selector("#tab-traces:not([hidden])", timeout=15_000)
         await page.fill("#trace-id", request_id)
         await page.click("#trace-form button")
         await page.wait_for_selector("#trace-result .hop", timeout=10_000)
