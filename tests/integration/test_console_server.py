@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -202,3 +205,37 @@ async def test_last_apply_is_recorded_with_its_diff_and_source(console: ConsoleS
             if body["last_apply"]["summary"] == "0 added, 1 changed, 0 removed":
                 break
             await asyncio.sleep(0.1)
+
+
+async def test_a_scheduler_replica_serves_the_console(etcd_server: Any, store: Store, tmp_path: Path) -> None:
+    """``tiermesh scheduler --console-port 0 --insecure`` (a replica, as deployed): prints the address with its
+    token and serves the page; stopped with SIGTERM. Under the test store's prefix, removed after."""
+    env = {**os.environ, "TIERMESH_CONSOLE_TOKEN": TOKEN, "TIERMESH_LOG_LEVEL": "WARNING"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tiermesh", "scheduler", "--etcd", etcd_server.url, "--prefix", store.prefix, "--home",
+        str(tmp_path), "--console-port", "0", "--insecure", "--id", "replica-1",
+        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, env=env)
+    try:
+        assert proc.stderr is not None
+        url = ""
+        async with asyncio.timeout(60):
+            while not url:
+                line = (await proc.stderr.readline()).decode()
+                assert line, "the scheduler exited before serving the console"
+                if line.startswith("console "):
+                    url = line.split()[1]
+        assert url.startswith("http://127.0.0.1:") and url.endswith(f"/?token={TOKEN}")
+        status, _, resp = await _get(url)
+        assert status == 302 and resp.cookies["tiermesh_console"].value == TOKEN
+        base = url.split("/?", 1)[0]
+        status, snap, _ = await _get(base + "/api/state", headers={"Authorization": f"Bearer {TOKEN}"})
+        assert status == 200 and "version" in snap
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), 20)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+    assert proc.returncode == 0
