@@ -252,7 +252,7 @@ async function lookupTrace(id) {
         return el("tr", { class: isChoice ? "chosen" : (c.feasible ? "feasible" : "rejected"), "data-feasible": String(!!c.feasible) },
           el("td", { text: c.site }), el("td", { text: c.variant }), el("td", { text: fmt(c.network_ms, 1) }),
           el("td", { text: fmt(c.queue_ms, 1) }), el("td", { text: fmt(c.compute_ms, 1) }), el("td", { text: fmt(c.load_ms, 1) }),
-          el("td", { text: fmt(c.cost, 6) }), el("td", { text: c.feasible ? (isChoice ? "chosen" : "feasible") : (c.why_not || "rejected") }));
+          el("td", { text: c.cost === null || c.cost === undefined ? "–" : (Math.abs(c.cost) < 0.01 && c.cost !== 0 ? Number(c.cost).toExponential(2) : fmt(c.cost, 4)) }), el("td", { text: c.feasible ? (isChoice ? "chosen" : "feasible") : (c.why_not || "rejected") }));
       });
       const tm = h.timings_ms || {};
       return el("div", { class: "hop", "data-hop": i, "data-site": h.site },
@@ -291,7 +291,7 @@ async function loadTopology() {
   $("#last-apply").replaceChildren(...(la ? [
     el("div", { text: `${new Date(la.ts * 1000).toLocaleString()}: ${la.summary} (digest ${String(la.digest).slice(0, 12)})` }),
     diffList("added", "diff-added", la.added), diffList("changed", "diff-changed", la.changed),
-    diffList("removed", "diff-removed", la.removed)] : [el("span", { text: "no apply recorded" })]));
+    diffList("removed", "diff-removed", la.removed)] : [el("span", { text: "no apply recorded" })]).filter((n) => n));
   $("#topology-yaml").textContent = (la && la.source) || body.yaml || "no topology applied";
 }
 

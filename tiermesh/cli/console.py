@@ -65,7 +65,7 @@ async def screenshot(mesh: LocalMesh, out: Path, *, tab: str = "map", select: st
                                             viewport={"width": width, "height": height})
             page = await ctx.new_page()
             await page.goto(f"{mesh.console.login_url}#{tab}")
-            await page.wait_for_selector("#sites g.site", timeout=20_000)
+            await page.wait_for_selector("body[data-version]", state="attached", timeout=20_000)  # a first snapshot
             if tab == "map" and select:
                 await page.click(f"#sites g.site[data-site='{select}'] circle")
             await page.wait_for_timeout(2500)  # a few snapshots, so rates and charts have points
