@@ -35,6 +35,7 @@ from mesh.errors import ConfigError, MeshError, PkiError
 from mesh.etcd.store import Store
 from mesh.lifecycle import Service, cancel_and_wait
 from mesh.log import get_logger, kv
+from mesh.pki.curve import CurveKeyPair
 from mesh.pki.files import PkiPaths, read_curve
 from mesh.pki.identity import Identity
 from mesh.zmq.client import ZmqClient
@@ -106,6 +107,7 @@ class Agent(Service):
         self._tasks: list[asyncio.Task[None]] = []
         self._reconcile = asyncio.Event()
         self._crl_seen: bytes | None = None  # the pki/crl PEM last handed to the trust stores
+        self._rekeying: asyncio.Task[None] | None = None  # taking our own re-issued CURVE key
         # refused here, before anything starts, when nobody could dial what we would advertise
         self.advertise_host = advertised_host(cfg.bind, cfg.advertise)
         self.hardware_class = local_hardware_class()
@@ -140,6 +142,8 @@ class Agent(Service):
                                    advertise=self.advertise_host, max_body_bytes=cfg.max_body_bytes,
                                    tls=EdgeTls(self._pki_paths(), self.site) if cfg.tls else None)
         await self.http.start()
+        # blobs from an https:// variant store: with the site's own (reloading) client certificate
+        self.host.blob_ssl = self.http.tls.credentials.client_context() if self.http.tls is not None else None
         self.view.on_change(self._on_view_change)
         self.view.on_change(self._adopt_crl)
         self._adopt_crl()
@@ -155,7 +159,7 @@ class Agent(Service):
 
     async def _stop(self) -> None:
         tasks, self._tasks = self._tasks, []
-        await cancel_and_wait(*tasks)
+        await cancel_and_wait(*tasks, self._rekeying)
         steps: list[Any] = [self.liveness.stop if self.liveness else None,
                             self.http.stop if self.http else None,
                             self.zmq_server.stop if self.zmq_server else None,
@@ -216,7 +220,40 @@ class Agent(Service):
         sites.trust.verify(paths.cert(me).read_bytes(), use="server", kinds=(me.kind,), curve_public=keys.public)
         await sites.start()
         log.info("CURVE on: %d site keys admitted", len(sites.sites()), extra=kv(site=self.site, event="curve"))
+        sites.on_change.append(self._check_own_key)
         return CurveSecurity(keys, sites)
+
+    def _check_own_key(self) -> None:
+        """Our certificate was re-issued with a new CURVE key (rotation): take the new pair without a restart.
+        Only once the key file on disk holds the pair the valid certificate binds (files are replaced one by
+        one)."""
+        if self.curve is None or self._rekeying is not None:
+            return
+        bound = self.curve.sites.key_of(self.site)
+        if bound is None or bound == self.curve.keys.public:
+            return
+        try:
+            keys = read_curve(self._pki_paths().curve(Identity("site", self.site)))
+        except (MeshError, OSError) as exc:
+            log.warning("re-issued CURVE key not readable yet: %s", exc, extra=kv(site=self.site, event="rekey"))
+            return
+        if keys.public != bound:
+            return  # the key file is not the certificate's yet: the next refresh looks again
+        self._rekeying = asyncio.create_task(self._rekey(keys), name=f"rekey:{self.site}")
+
+    async def _rekey(self, keys: CurveKeyPair) -> None:
+        assert self.curve is not None and self.zmq_server is not None and self.zmq_client is not None
+        try:
+            self.curve.keys = keys             # new sockets (server and client) use the new pair ...
+            await self.zmq_server.rebind()     # ... and the listener now, so that peers dialling the key our
+            self.zmq_client.drop_idle()        # certificate binds get through; idle client sockets reopen
+            if self.liveness is not None:      # say so at once: peers dial the key our live record publishes
+                await self.liveness.beat()
+            log.info("CURVE key rotated without a restart", extra=kv(site=self.site, event="rekey"))
+        except Exception:
+            log.exception("CURVE key rotation failed", extra=kv(site=self.site, event="rekey"))
+        finally:
+            self._rekeying = None
 
     def _server_key(self, endpoint: str) -> bytes | None:
         """``ZmqClient``'s ``server_key_for``: :meth:`_lookup_key`, remembered for :meth:`_redial_rotated`."""
@@ -232,12 +269,18 @@ class Agent(Service):
             if self._peer_endpoint(site) != endpoint:
                 continue
             bound = self.curve.sites.key_of(site)
+            if bound is None and self.curve.sites.refuses(site):
+                return None  # its certificate is here and refused (revoked, expired): never dialled
             published = hb.curve_key.encode() if hb.curve_key else None
-            if bound is not None and published is not None and bound != published:
-                log.warning("%s publishes a CURVE key its certificate does not bind: not dialled", site,
-                            extra=kv(site=self.site, peer=site, event="curve_mismatch"))
-                return None
-            return bound or published
+            if bound is None or published is None:
+                return bound or published
+            # the key it serves with: the one its certificate binds, or the one before a re-issue (it takes
+            # the new one within a second or so, and says so in its live record)
+            if published in (bound, self.curve.sites.previous_key(site)):
+                return published
+            log.warning("%s publishes a CURVE key its certificate does not bind: not dialled", site,
+                        extra=kv(site=self.site, peer=site, event="curve_mismatch"))
+            return None
         return None
 
     def _redial_rotated(self) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -51,6 +52,7 @@ class VariantHost:
         self.loaded: dict[str, LoadedVariant] = {}
         self._loading: dict[str, asyncio.Future[LoadedVariant]] = {}
         self.blob_url: str | None = None
+        self.blob_ssl: ssl.SSLContext | None = None  # this site's client certificate, for an https:// store
         self.cold_starts = 0
         self.bases: dict[str, Runtime] = {}       # shared backbones by blob digest
         self.base_refs: dict[str, int] = {}
@@ -121,7 +123,7 @@ class VariantHost:
         assert self.blob_url is not None
         suffix = ".tflite" if fmt == "tflite" else ".onnx"
         path = self.cache_dir / f"{digest}{suffix}"
-        await fetch_blob(self.blob_url, digest, path)
+        await fetch_blob(self.blob_url, digest, path, ssl=self.blob_ssl)
         runtime = open_runtime(fmt, path, intra_op_threads=1)
         await runtime.load()
         return runtime

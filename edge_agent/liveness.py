@@ -65,6 +65,10 @@ class Liveness(Service):
             except Exception:
                 log.exception("heartbeat error", extra=kv(site=self.site))
 
+    async def beat(self) -> None:
+        """Write the live record now (something in it changed that peers should not wait a beat for)."""
+        await self._beat()
+
     def degraded_seconds(self, now: float | None = None) -> float:
         """Seconds spent degraded so far, the current episode included."""
         current = 0.0

@@ -35,7 +35,7 @@ from urllib.parse import quote
 import numpy as np
 
 from mesh.cache import BoundedCache
-from mesh.errors import BadTensor, ConfigError, DeadlineExceeded, MeshError, error_from_code
+from mesh.errors import BadTensor, ConfigError, DeadlineExceeded, MeshError, QuotaExceeded, error_from_code
 from mesh.pki.reload import ReloadingCredentials
 from mesh.sdk_transport import AiohttpTransport, Transport
 from mesh.types import DEFAULT_PREFER, DEFAULT_TENANT, TaskSignature, Timing
@@ -92,13 +92,25 @@ def _header(headers: Mapping[str, str], name: str) -> str | None:
     return None
 
 
-def _error_from(status: int, body: bytes) -> MeshError:
+def _retry_after(headers: Mapping[str, str] | None) -> int | None:
+    """RFC 9110 ``Retry-After`` in whole seconds (the delay form; a date or garbage: None)."""
+    raw = _header(headers, "Retry-After") if headers is not None else None
+    if raw is None or not raw.strip().isdigit():
+        return None
+    return int(raw.strip())
+
+
+def _error_from(status: int, body: bytes, headers: Mapping[str, str] | None = None) -> MeshError:
     try:
         data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError):
         data = None
     if isinstance(data, dict) and isinstance(data.get("code"), str) and isinstance(data.get("error"), str):
-        return error_from_code(data["code"], data["error"])
+        err = error_from_code(data["code"], data["error"])
+        wait = _retry_after(headers)
+        if isinstance(err, QuotaExceeded) and wait is not None:  # the server's word, not the default
+            err = QuotaExceeded(data["error"], retry_after_s=wait)
+        return err
     return MeshError(f"HTTP {status}: {body[:200]!r}")
 
 
@@ -208,7 +220,7 @@ class AsyncClient:
                        body: bytes = b"") -> tuple[Mapping[str, str], bytes]:
         status, rh, rb = await self._send(method, path, headers, body)
         if status >= 400:
-            raise _error_from(status, rb)
+            raise _error_from(status, rb, rh)
         return rh, rb
 
     async def task_metadata(self, task: str) -> TaskSignature:
@@ -269,7 +281,7 @@ class AsyncClient:
         except (TimeoutError, DeadlineExceeded) as exc:
             raise DeadlineExceeded(f"{task}: no answer within {plan.bound:.3f} s (budget {latency_ms} ms)") from exc
         if status >= 400:
-            raise _error_from(status, rb)
+            raise _error_from(status, rb, rh)
         raw_len = _header(rh, HEADER_LENGTH)
         dec = codec.decode_infer_response(rb, int(raw_len) if raw_len is not None else None)
         return InferResult(dec.outputs, *result_values(dec.parameters), request_id=dec.request_id)

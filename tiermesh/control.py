@@ -68,6 +68,8 @@ class ControlOptions:
     proactive: bool = True
     env: dict[str, str] = field(default_factory=dict)
     startup_timeout_s: float = 90.0
+    store_args: list[str] = field(default_factory=list)      # the variant store's etcd and HTTPS credentials
+    scheduler_args: list[str] = field(default_factory=list)  # the scheduler's etcd credentials
 
 
 class ControlProcesses(Service):
@@ -80,7 +82,8 @@ class ControlProcesses(Service):
     async def _start(self) -> None:
         o = self.opts
         common = ["--etcd", o.etcd_url, "--prefix", o.prefix, "--home", str(o.home), "--bind", o.bind]
-        serve = ["variants", "serve", *common, "--port", "0"] + (["--site", o.store_site] if o.store_site else [])
+        serve = ["variants", "serve", *common, "--port", "0", *o.store_args]
+        serve += ["--site", o.store_site] if o.store_site else []
         proc = await self._spawn("variant-store", serve)
         deadline = time.monotonic() + o.startup_timeout_s
         while (rec := await self.store.get(blobs_key())) is None or rec.value.get("pid") != proc.pid:
@@ -89,7 +92,8 @@ class ControlProcesses(Service):
             await asyncio.sleep(0.1)
         self.store_url = str(rec.value["url"])
         if o.scheduler:
-            sched = ["scheduler", *common, "--id", o.scheduler_id or f"up-{os.getpid()}", "--mode", o.mode]
+            sched = ["scheduler", *common, *o.scheduler_args, "--id", o.scheduler_id or f"up-{os.getpid()}",
+                     "--mode", o.mode]
             sched += ["--interval", str(o.interval_s)] if o.interval_s is not None else []
             sched += [] if o.proactive else ["--reactive"]
             await self._spawn("scheduler", sched)

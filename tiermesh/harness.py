@@ -11,10 +11,13 @@ cuts or black-holes a link with packet filters inside the namespaces.
 a site, cut and heal a link, and stop and restart etcd on cue. Everything it starts it stops,
 in reverse order, even when a step fails.
 
-With ``tls`` the edge APIs speak HTTPS with client certificates: the harness makes (or reuses) the mesh CA
-under ``home/pki``, issues a certificate per site (naming the address callers dial) and one per tenant of
-the topology (and ``public``), and :meth:`tenant_files` hands a tenant's files to SDK clients. Without it
-the agents run ``--insecure`` (plain HTTP, tenant from a header), as the tests and benchmarks expect.
+With ``tls`` the whole mesh is secured (:mod:`tiermesh.secure`): the harness makes (or reuses) the mesh CA
+under ``home/pki`` and issues a certificate per site (naming the address callers dial), per tenant of the
+topology (and ``public``), for the operator, the scheduler and etcd; the edge APIs speak HTTPS with client
+certificates, sites talk CURVE, etcd runs with TLS, client-certificate auth and RBAC per role, and the variant
+store serves HTTPS with per-tenant authorization. :meth:`tenant_files` hands a tenant's files to SDK clients.
+Without it the agents run ``--insecure`` (plain HTTP, tenant from a header), as most tests and benchmarks
+expect.
 
 With ``console`` the admin console runs beside the scheduler (:class:`console.ConsoleServer`): with ``tls`` over
 HTTPS as ``scheduler/console``, scraping the agents as ``admin/console``, and an ``admin/admin`` certificate
@@ -39,6 +42,7 @@ from console import ConsoleConfig, ConsoleServer, new_token
 from core_scheduler.scheduler import Scheduler, SchedulerConfig
 from edge_agent.agent import BLOB_PEER
 from mesh.errors import ConfigError, MeshError, StoreError
+from mesh.etcd import rbac
 from mesh.etcd.cluster import EtcdCluster
 from mesh.etcd.keys import live_key
 from mesh.etcd.server import EmbeddedEtcd
@@ -53,10 +57,12 @@ from tiermesh.control import ControlOptions, ControlProcesses, PrefixedEtcd, ter
 from tiermesh.delayproxy import LinkShape, ProxyPool
 from tiermesh.drills import crosses_link
 from tiermesh.netns import DrillKind, NetnsLab
+from tiermesh.secure import OPERATOR, SCHEDULER, MeshCredentials, rbac_plan
 from topology.loader import load_topology_file
 from topology.paths import topology_paths
 from topology.schema import Topology
 from topology.store_io import apply as apply_topology
+from variant_store.access import StoreTls
 from variant_store.blobs import BlobStore
 from variant_store.build import ensure_digits_family
 from variant_store.catalog import Catalog
@@ -65,6 +71,11 @@ from variant_store.server import VariantStoreServer
 __all__ = ["LocalMesh", "MeshOptions", "SiteProcess", "path_shape"]
 
 log = get_logger(__name__)
+# the console's identities in a local mesh: it serves as CONSOLE_SERVER, scrapes the agents as CONSOLE_SCRAPER,
+# and CONSOLE_ADMIN (PEM and PKCS#12) is for the person at the browser
+CONSOLE_SERVER = Identity("scheduler", "console")
+CONSOLE_SCRAPER = Identity("admin", "console")
+CONSOLE_ADMIN = Identity("admin", "admin")
 
 
 def _free_port() -> int:
@@ -163,6 +174,8 @@ class LocalMesh(Service):
         self.console: ConsoleServer | None = None
         # in a namespace of its own etcd has its ports to itself
         self.pki = LocalPki.under(opts.home) if opts.tls else None
+        self.creds = MeshCredentials(self.pki) if self.pki is not None else None
+        self._sched_store: Store | None = None     # the in-process scheduler's own etcd identity (with tls)
         self.etcd_port = 2379 if opts.netns else _free_port()
         self.etcd_peer_port = 2380 if opts.netns else _free_port()
 
@@ -171,7 +184,8 @@ class LocalMesh(Service):
         """Every etcd member's URL, comma-separated (one URL without a cluster)."""
         if isinstance(self.etcd, EtcdCluster) and self.etcd.members:
             return self.etcd.url
-        return f"http://{self._address('etcd')}:{self.etcd_port}"
+        scheme = "https" if self.creds is not None else "http"
+        return f"{scheme}://{self._address('etcd')}:{self.etcd_port}"
 
     def _address(self, role: str) -> str:
         """Where ``role`` (a site, ``etcd`` or ``ctl``) listens: its namespace's address, or loopback."""
@@ -193,6 +207,10 @@ class LocalMesh(Service):
             await self.lab.start()
             assert self.lab.subnet is not None
             self.proxies = ProxyPool(self.lab.root_address, (self.lab.subnet,))
+        if self.opts.tls:
+            self._issue_certificates(names)
+        elif self.opts.curve:
+            self._issue_site_credentials(names)
         await self.start_etcd()
         assert self.store is not None
         diff = await apply_topology(self.store, self.topology,
@@ -205,16 +223,17 @@ class LocalMesh(Service):
         if self.lab is not None:
             await self._start_control()
         else:
-            self.variant_server = VariantStoreServer(self.blobs, self.catalog, site=self._store_site())
+            store_site = self._store_site()
+            tls = StoreTls(self.creds.pki.paths, Identity("site", self._store_identity())) if self.creds else None
+            self.variant_server = VariantStoreServer(self.blobs, self.catalog, site=store_site, tls=tls)
             await self.variant_server.start()
             self.store_url = self.variant_server.url
             if self.opts.scheduler:
-                self.scheduler = Scheduler(self.store, self.opts.scheduler_config(f"up-{os.getpid()}"))
+                sched_store = self.store
+                if self.creds is not None:  # as its own etcd identity, so RBAC holds it to its role
+                    sched_store = self._sched_store = await self._connect_as(SCHEDULER)
+                self.scheduler = Scheduler(sched_store, self.opts.scheduler_config(f"up-{os.getpid()}"))
                 await self.scheduler.start()
-        if self.opts.tls:
-            self._issue_certificates(names)
-        elif self.opts.curve:
-            self._issue_site_credentials(names)
         if self.opts.console:
             await self._start_console()
         for name in names:
@@ -238,6 +257,10 @@ class LocalMesh(Service):
         self.scheduler = None
         self.variant_server = None
         self.console = None
+        if self._sched_store is not None:
+            with contextlib.suppress(Exception):
+                await self._sched_store.close()
+            self._sched_store = None
         try:
             if self.control is not None:
                 await self.control.stop()
@@ -256,6 +279,9 @@ class LocalMesh(Service):
                               "and proactive can be set")
         self.control = ControlProcesses(ControlOptions(
             etcd_url=self.etcd_url, prefix=o.prefix, home=o.home, bind=self._address("ctl"),
+            store_args=([*self.creds.etcd_args(OPERATOR), "--pki-dir", str(self.creds.root),
+                         "--site", self._store_identity()] if self.creds else []),
+            scheduler_args=self.creds.etcd_args(SCHEDULER) if self.creds else [],
             exec_prefix=self._exec_prefix("ctl"), store_site=self._store_site(), scheduler=o.scheduler,
             scheduler_id=f"up-{os.getpid()}", mode=o.mode, interval_s=o.interval_s, proactive=o.proactive,
             env={"TIERMESH_LOG_LEVEL": o.agent_log_level, **o.agent_env}, startup_timeout_s=o.startup_timeout_s),
@@ -268,8 +294,12 @@ class LocalMesh(Service):
         if self.lab is not None:
             raise ConfigError("the console with netns is not built yet (the scheduler runs in the ctl namespace)")
         pki_dir = self.pki.paths.root if self.pki is not None else None
-        self.console = ConsoleServer(self.store, ConsoleConfig(port=self.opts.console_port, pki_dir=pki_dir,
-                                                               token=None if pki_dir else new_token()))
+        # it runs in the scheduler's process: with RBAC, it reads etcd as the scheduler does
+        store = self._sched_store or self.store
+        self.console = ConsoleServer(store, ConsoleConfig(port=self.opts.console_port, pki_dir=pki_dir,
+                                                          server_name=CONSOLE_SERVER.name,
+                                                          scrape_admin=CONSOLE_SCRAPER.name,
+                                                          token=None if pki_dir else new_token()))
         await self.console.start()
 
     # -- identities ------------------------------------------------------------------------
@@ -278,24 +308,29 @@ class LocalMesh(Service):
         return sorted({DEFAULT_TENANT, *self.topology.tenants})
 
     def _issue_certificates(self, names: list[str]) -> None:
-        """With ``tls``: the CA (kept if the home has one), a fresh certificate per site naming the address
-        callers dial, and one per tenant. Re-issuing is rotation: running processes reload the files."""
-        if self.pki is None:
+        """With ``tls``: the CA (kept if the home has one) and a fresh certificate for every identity of
+        :mod:`tiermesh.secure`. Re-issuing is rotation: running processes reload the files."""
+        if self.creds is None:
             return
-        if not self.pki.exists():
-            self.pki.init()
-        for name in names:
-            self.pki.issue(Identity("site", name), addresses=[self._address(name)])
-        for tenant in self.tenants():
-            self.pki.issue(Identity("tenant", tenant))
+        sites = {n: self._address(n) for n in names}
+        sites.setdefault(self._store_identity(), self._address("ctl"))
+        self.creds.issue(sites, self.tenants(), etcd_address=self._address("etcd"))
         if self.opts.console:  # the console's server and scrape identities, and one for a person's browser
-            self.pki.issue(Identity("scheduler", "console"), addresses=["127.0.0.1", "localhost"])
-            for admin in ("console", "admin"):
-                self.pki.issue(Identity("admin", admin))
+            pki = self.creds.pki
+            pki.issue(CONSOLE_SERVER, addresses=["127.0.0.1", "localhost"])
+            for admin in (CONSOLE_SCRAPER, CONSOLE_ADMIN):
+                pki.issue(admin)
             password = new_token()
-            self.pki.export_pkcs12(Identity("admin", "admin"), password)
-            write_file(self.pki.paths.cert(Identity("admin", "admin")).with_suffix(".p12.password"),
-                       password.encode() + b"\n", private=True)
+            pki.export_pkcs12(CONSOLE_ADMIN, password)
+            write_file(pki.paths.cert(CONSOLE_ADMIN).with_suffix(".p12.password"), password.encode() + b"\n",
+                       private=True)
+
+    def rotate_certificates(self) -> None:
+        """Re-issue every certificate (and every site's CURVE key) in place, as an operator rotating would;
+        running processes pick them up from the files, none restarts."""
+        if self.creds is None:
+            raise ConfigError("this mesh runs without TLS (MeshOptions.tls is off): there are no certificates")
+        self._issue_certificates(sorted(self.sites))
 
     def tenant_files(self, tenant: str) -> dict[str, Path]:
         """``cert``, ``key`` and ``ca`` for an SDK client of ``tenant`` (``AsyncClient(url, **files)``)."""
@@ -304,7 +339,7 @@ class LocalMesh(Service):
         who = Identity("tenant", tenant)
         return {"cert": self.pki.paths.cert(who), "key": self.pki.paths.key(who), "ca": self.pki.paths.ca_cert}
 
-    def admin_files(self, name: str = "admin") -> dict[str, Path]:
+    def admin_files(self, name: str = CONSOLE_ADMIN.name) -> dict[str, Path]:
         """``cert``, ``key``, ``ca``, ``p12`` and ``p12_password`` (a file) of an admin, for the console."""
         if self.pki is None:
             raise ConfigError("this mesh runs without TLS (MeshOptions.tls is off): the console takes a token")
@@ -337,15 +372,19 @@ class LocalMesh(Service):
         if self.etcd is None and self.opts.etcd_members > 1:
             if self.lab is not None:
                 raise ConfigError("an etcd cluster (etcd_members > 1) in network namespaces is not built yet")
-            self.etcd = EtcdCluster(self.opts.home / "etcd", size=self.opts.etcd_members)
+            self.etcd = EtcdCluster(self.opts.home / "etcd", size=self.opts.etcd_members,
+                                    tls=self.creds.etcd_server() if self.creds else None)
         elif self.etcd is None:
             kw: dict[str, Any] = {"data_dir": self.opts.home / "etcd", "host": self._address("etcd"),
-                                  "client_port": self.etcd_port, "peer_port": self.etcd_peer_port}
+                                  "client_port": self.etcd_port, "peer_port": self.etcd_peer_port,
+                                  "tls": self.creds.etcd_server() if self.creds else None}
             self.etcd = PrefixedEtcd(self._exec_prefix("etcd"), **kw) if self.lab else EmbeddedEtcd(**kw)
         await self.check_dial(self.etcd_url)
         await self.etcd.start()
         if self.store is None:
-            self.store = await Store.connect(self.etcd_url, self.opts.prefix)
+            self.store = await self._connect_as(OPERATOR)
+            if self.creds is not None:  # idempotent: a kept home's etcd has it already
+                await rbac.apply(self.store, rbac_plan(self.opts.prefix, self.topology.sites))
             return
         deadline = time.monotonic() + 15.0
         while True:
@@ -386,6 +425,17 @@ class LocalMesh(Service):
             path.write_text(json.dumps(peer_map, indent=1))
             self.sites[src].peer_map_path = path
 
+    async def _connect_as(self, who: Identity) -> Store:
+        """A Store on this mesh's etcd, with ``who``'s client certificate when the mesh is secured."""
+        if self.creds is None:
+            return await Store.connect(self.etcd_url, self.opts.prefix)
+        f = self.creds.files(who)
+        return await Store.connect(self.etcd_url, self.opts.prefix, ca=f["ca"], cert=f["cert"], key=f["key"])
+
+    def _store_identity(self) -> str:
+        """The site whose certificate the variant store serves HTTPS with: the site it runs at, else the first."""
+        return self._store_site() or sorted(self.topology.sites)[0]
+
     def _store_site(self) -> str | None:
         if self.opts.store_site is not None:
             if self.opts.store_site not in self.topology.sites:
@@ -404,7 +454,7 @@ class LocalMesh(Service):
             return None
         shape = path_shape(self.topology, src, home_site, jitter=False)
         proxy = await self.proxies.add(src, BLOB_PEER, (url.hostname, url.port), shape)
-        return f"http://{proxy.listen_host}:{proxy.port}"
+        return f"{url.scheme}://{proxy.listen_host}:{proxy.port}"  # TLS goes through the TCP proxy
 
     def pairs_over(self, a: str, b: str) -> list[tuple[str, str]]:
         """The directed proxies (src, dst) whose planned path crosses the link ``a``-``b`` (a blob
@@ -470,6 +520,8 @@ class LocalMesh(Service):
             cmd += ["--peer-map", str(sp.peer_map_path)]
         if self.opts.tls or self.opts.curve:
             cmd += ["--pki-dir", str(LocalPki.under(self.opts.home).paths.root)]
+        if self.creds is not None:
+            cmd += self.creds.etcd_args(Identity("site", name))
         if not self.opts.tls:
             cmd.append("--no-edge-tls" if self.opts.curve else "--insecure")
         env = {**os.environ, "TIERMESH_LOG_LEVEL": self.opts.agent_log_level, **self.opts.agent_env,

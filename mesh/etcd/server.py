@@ -28,9 +28,8 @@ from mesh.errors import EtcdServerError
 from mesh.lifecycle import Service, pid_alive
 from mesh.log import get_logger, kv
 
-__all__ = ["EmbeddedEtcd", "ServerTLS", "clear_record", "etcd_binary", "find_running", "free_port", "healthy",
-           "http_json", "port_free",
-           "write_record"]
+__all__ = ["EmbeddedEtcd", "RunningEtcd", "ServerTLS", "clear_record", "etcd_binary", "find_running", "free_port",
+           "healthy", "http_json", "port_free", "running_record", "write_record"]
 
 log = get_logger(__name__)
 
@@ -101,12 +100,34 @@ def healthy(url: str, timeout: float = 1.0, context: ssl.SSLContext | None = Non
     return str(body.get("health")).lower() == "true"
 
 
-def write_record(home: Path | str, pid: int, url: str) -> Path:
-    """Record a foreground etcd in ``<home>/etcd.json`` so other commands can find it."""
+@dataclass(frozen=True, slots=True)
+class RunningEtcd:
+    """An etcd recorded in ``<home>/etcd.json``: its URL(s) and, when it demands client certificates, the
+    files of the identity that recorded it (the local operator of ``tiermesh up``)."""
+
+    url: str
+    ca: Path | None = None
+    cert: Path | None = None
+    key: Path | None = None
+
+    def context(self) -> ssl.SSLContext | None:
+        if self.ca is None:
+            return None
+        ctx = ssl.create_default_context(cafile=str(self.ca))
+        if self.cert is not None and self.key is not None:
+            ctx.load_cert_chain(str(self.cert), str(self.key))
+        return ctx
+
+
+def write_record(home: Path | str, pid: int, url: str, *, ca: Path | None = None, cert: Path | None = None,
+                 key: Path | None = None) -> Path:
+    """Record a foreground etcd in ``<home>/etcd.json`` so other commands can find it (with the CA and client
+    certificate they may use when it speaks TLS with client-certificate auth)."""
     path = Path(home) / RECORD_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"pid": pid, "url": url}))
+    files = {k: str(v) for k, v in (("ca", ca), ("cert", cert), ("key", key)) if v is not None}
+    tmp.write_text(json.dumps({"pid": pid, "url": url, **files}))
     tmp.replace(path)
     return path
 
@@ -116,17 +137,30 @@ def clear_record(home: Path | str) -> None:
         (Path(home) / RECORD_FILE).unlink()
 
 
-def find_running(home: Path | str) -> str | None:
-    """URL(s) of the etcd recorded in ``<home>/etcd.json`` if its process is alive and a member is
-    healthy (a cluster is recorded as comma-separated URLs)."""
+def running_record(home: Path | str) -> RunningEtcd | None:
+    """The etcd recorded in ``<home>/etcd.json`` if its process is alive and a member is healthy (a cluster is
+    recorded as comma-separated URLs)."""
     try:
         rec = json.loads((Path(home) / RECORD_FILE).read_text())
-        pid, url = int(rec["pid"]), str(rec["url"])
+        pid = int(rec["pid"])
+        found = RunningEtcd(str(rec["url"]), *(Path(rec[k]) if rec.get(k) else None for k in ("ca", "cert", "key")))
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if not pid_alive(pid) or not any(healthy(u, timeout=1.0) for u in url.split(",")):
+    if not pid_alive(pid):
         return None
-    return url
+    try:
+        ctx = found.context()
+    except (OSError, ssl.SSLError):
+        return None  # its credentials are gone: not usable from here
+    if not any(healthy(u, timeout=1.0, context=ctx) for u in found.url.split(",")):
+        return None
+    return found
+
+
+def find_running(home: Path | str) -> str | None:
+    """URL(s) of the etcd :func:`running_record` finds."""
+    rec = running_record(home)
+    return rec.url if rec is not None else None
 
 
 class EmbeddedEtcd(Service):

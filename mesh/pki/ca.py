@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from mesh.errors import ConfigError
-from mesh.pki.curve import curve_key_extension
+from mesh.pki.curve import curve_key_attribute
 from mesh.pki.identity import Identity
 from mesh.pki.policy import CA_LIFETIME, CLOCK_SKEW, EKUS, LIFETIMES, USE_EKU
 
@@ -112,9 +112,12 @@ class CertificateAuthority:
             raise ConfigError("the CA has expired: run `tiermesh pki init --force` to make a new one")
         names: list[x509.GeneralName] = [x509.UniformResourceIdentifier(identity.uri)]
         names += [san_for_address(a) for a in dict.fromkeys(addresses)]
+        subject = [x509.NameAttribute(NameOID.ORGANIZATION_NAME, "tiermesh")]
+        if curve_public is not None:
+            subject.append(curve_key_attribute(curve_public))
+        subject.append(x509.NameAttribute(NameOID.COMMON_NAME, identity.common_name))
         builder = (x509.CertificateBuilder()
-                   .subject_name(x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "tiermesh"),
-                                            x509.NameAttribute(NameOID.COMMON_NAME, identity.common_name)]))
+                   .subject_name(x509.Name(subject))
                    .issuer_name(self.cert.subject).public_key(key.public_key())
                    .serial_number(x509.random_serial_number())
                    .not_valid_before(max(start - CLOCK_SKEW, self.cert.not_valid_before_utc))
@@ -130,6 +133,4 @@ class CertificateAuthority:
                    .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
                    .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(self.key.public_key()),
                                   critical=False))
-        if curve_public is not None:
-            builder = builder.add_extension(curve_key_extension(curve_public), critical=False)
         return IssuedCertificate(builder.sign(self.key, _SIG), key)

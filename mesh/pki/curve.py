@@ -2,8 +2,11 @@
 
 ZeroMQ's CURVE is Curve25519 (X25519) with keys written in Z85 (ZeroMQ RFC 32): 32 raw bytes become 40
 printable characters, which is what pyzmq's ``curve_keypair()`` returns and its ``CURVE_*KEY`` socket options
-take. A site's public key is bound to its certificate by :data:`mesh.pki.policy.CURVE_KEY_OID`
-(see :func:`curve_key_extension`), so a ZAP handler can admit exactly the keys of valid site certificates.
+take. A site's public key is bound to its certificate by one subject attribute (see :func:`curve_key_attribute`),
+so a ZAP handler can admit exactly the keys of valid site certificates. It is a standard attribute type with a
+UTF8String value, not a private extension: etcd (Go) parses every extension of a client certificate, and Go
+refuses the arcs of a registration-free UUID OID (2.25.<uuid>, above 2**31-1), so a private extension made every
+site certificate unusable for etcd client auth.
 """
 
 from __future__ import annotations
@@ -13,17 +16,26 @@ from dataclasses import dataclass
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from cryptography.x509.oid import NameOID
 
 from mesh.errors import ConfigError
-from mesh.pki.policy import CURVE_KEY_OID
 
-__all__ = ["CurveKeyPair", "curve_key_extension", "curve_key_from_extension", "raw_curve_key", "z85_decode",
-           "z85_encode"]
+__all__ = [
+    "CURVE_KEY_PREFIX",
+    "CurveKeyPair",
+    "curve_key_attribute",
+    "curve_key_from_certificate",
+    "raw_curve_key",
+    "z85_decode",
+    "z85_encode",
+]
 
 _Z85 = b"0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#"
 _Z85_INDEX = {c: i for i, c in enumerate(_Z85)}
 _KEY_BYTES, _KEY_Z85 = 32, 40
-_DER_OCTET_STRING_32 = b"\x04\x20"
+# The binding: subject organizationalUnitName "curve25519:<Z85 public key>" (11 + 40 characters, under the
+# attribute's upper bound of 64).
+CURVE_KEY_PREFIX = "curve25519:"
 
 
 def z85_encode(raw: bytes) -> bytes:
@@ -91,19 +103,23 @@ class CurveKeyPair:
         return cls(public=z85_encode(public), secret=z85_encode(raw))
 
 
-def curve_key_extension(public: bytes | str) -> x509.UnrecognizedExtension:
-    """The non-critical certificate extension that binds a CURVE public key to the certificate."""
-    return x509.UnrecognizedExtension(CURVE_KEY_OID, _DER_OCTET_STRING_32 + raw_curve_key(public))
+def curve_key_attribute(public: bytes | str) -> x509.NameAttribute:
+    """The subject attribute that binds a CURVE public key to a site certificate."""
+    value = CURVE_KEY_PREFIX + z85_encode(raw_curve_key(public)).decode()
+    return x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, value)
 
 
-def curve_key_from_extension(cert: x509.Certificate) -> bytes | None:
-    """The Z85 CURVE public key bound to ``cert``; None if it binds none. A malformed binding is a
+def curve_key_from_certificate(cert: x509.Certificate) -> bytes | None:
+    """The Z85 CURVE public key bound to ``cert``; None if it binds none. A malformed binding, or two, is a
     ``ConfigError`` (the verifier turns it into ``Unauthenticated``)."""
-    try:
-        ext = cert.extensions.get_extension_for_oid(CURVE_KEY_OID)
-    except x509.ExtensionNotFound:
+    bound = [str(a.value) for a in cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)
+             if str(a.value).startswith(CURVE_KEY_PREFIX)]
+    if not bound:
         return None
-    value = ext.value.value if isinstance(ext.value, x509.UnrecognizedExtension) else b""
-    if len(value) != 2 + _KEY_BYTES or not value.startswith(_DER_OCTET_STRING_32):
-        raise ConfigError("malformed CURVE key binding in certificate")
-    return z85_encode(value[2:])
+    if len(bound) > 1:
+        raise ConfigError("certificate binds more than one CURVE key")
+    try:
+        raw = raw_curve_key(bound[0][len(CURVE_KEY_PREFIX):])
+    except ConfigError as exc:
+        raise ConfigError("malformed CURVE key binding in certificate") from exc
+    return z85_encode(raw)

@@ -17,7 +17,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from mesh.pki.identity import Kind
 
-__all__ = ["CA_LIFETIME", "CLOCK_SKEW", "CURVE_KEY_OID", "EKUS", "LIFETIMES", "REVOKED_IDENTITY_OID", "USE_EKU",
+__all__ = ["CA_LIFETIME", "CLOCK_SKEW", "EKUS", "LIFETIMES", "REVOKED_IDENTITY_OID", "USE_EKU",
            "Use", "lifetimes_text"]
 
 CA_LIFETIME = timedelta(days=30)
@@ -45,10 +45,10 @@ EKUS: Mapping[Kind, tuple[Use, ...]] = MappingProxyType({
 })
 
 # tiermesh's private OID arc: a UUID OID (ITU-T X.667, 2.25.<uuid>) needs no registration, and its owner
-# allocates beneath it.
+# allocates beneath it. Go's ASN.1 parser refuses its arcs (above 2**31-1), so it is used only where no Go program
+# reads: the CRL (Python readers only). Certificates carry no private extension (etcd parses client certificates;
+# the CURVE key binding is a subject attribute, see mesh.pki.curve).
 _ARC = "2.25.104453098811647246352016318826609560993"
-# Non-critical certificate extension: the site's CURVE (Curve25519) public key, DER OCTET STRING of 32 bytes.
-CURVE_KEY_OID = x509.ObjectIdentifier(_ARC + ".1")
 # Non-critical CRL entry extension: the identity URI of the revoked certificate, DER UTF8String.
 REVOKED_IDENTITY_OID = x509.ObjectIdentifier(_ARC + ".2")
 

@@ -28,7 +28,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from mesh.errors import ConfigError, PermissionDenied, Unauthenticated
 from mesh.pki.crl import RevocationList
-from mesh.pki.curve import curve_key_from_extension, raw_curve_key
+from mesh.pki.curve import curve_key_from_certificate, raw_curve_key
 from mesh.pki.identity import KINDS, Identity, Kind
 from mesh.pki.policy import CLOCK_SKEW, USE_EKU, Use
 
@@ -108,7 +108,7 @@ def _check_use(cert: x509.Certificate, use: Use) -> None:
 
 def _check_curve(cert: x509.Certificate, presented: bytes | str) -> None:
     try:
-        bound = curve_key_from_extension(cert)
+        bound = curve_key_from_certificate(cert)
         presented_raw = raw_curve_key(presented)
     except ConfigError as exc:
         raise _fail("curve_binding", str(exc)) from exc

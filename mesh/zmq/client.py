@@ -192,6 +192,14 @@ class ZmqClient(Service):
             self._notify(endpoint, False)
         return failed
 
+    def drop_idle(self) -> int:
+        """Drop the sockets of peers with nothing pending (security settings changed: the next request opens
+        a fresh one with them); busy ones are left to finish. Returns how many were dropped."""
+        idle = [p for p in self._peers.values() if not p.pending]
+        for peer in idle:
+            self._drop_peer(peer, "security settings changed")
+        return len(idle)
+
     async def close(self) -> None:
         await self.stop()
 

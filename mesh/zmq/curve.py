@@ -12,14 +12,20 @@
 The ZAP handler is a ROUTER on ``inproc://zeromq.zap.01`` of the server's own context (libzmq asks it once
 per handshake), driven by the same :class:`mesh.zmq.pump.Pump` as the data sockets: a refused peer finishes no
 handshake and gets nothing, not even an error (its own client sees ``handshake failed (authentication)``,
-callers see ``PeerUnavailable`` or their deadline). A site revoked while connected keeps its connection but
-:meth:`CurveSecurity.peer` stops naming it within one refresh (1 s by default), so its requests are refused.
+callers see ``PeerUnavailable`` or their deadline). A site revoked while connected stops being named by
+:meth:`CurveSecurity.peer` within one refresh (1 s by default), so its requests are refused, and its open
+connections are shut down then (:meth:`CurveSecurity.close_connections`: libzmq cannot drop one ROUTER peer, so
+the TCP connection a site's frames came from — ``ZMQ_SRCFD`` — is shut down under it; its reconnect meets ZAP).
+A site re-issued a certificate (rotation) is not revoked: its connections stay.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,18 +33,19 @@ import zmq
 
 from mesh.errors import ConfigError, MeshError, PeerUnavailable
 from mesh.log import get_logger, kv
-from mesh.pki.curve import CurveKeyPair, curve_key_from_extension, raw_curve_key, z85_encode
+from mesh.pki.curve import CurveKeyPair, curve_key_from_certificate, raw_curve_key, z85_encode
 from mesh.pki.files import PkiPaths, read_cert
 from mesh.pki.identity import Kind
 from mesh.pki.reload import Poller, TrustStore
 from mesh.zmq.pump import Pump, io_socket
 
-__all__ = ["ZAP_ENDPOINT", "CurveSecurity", "RateLimitedLog", "SiteKeys"]
+__all__ = ["ROTATION_GRACE_S", "ZAP_ENDPOINT", "CurveSecurity", "RateLimitedLog", "SiteKeys"]
 
 log = get_logger("mesh.zmq")
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by ZeroMQ RFC 27
 _SITE: tuple[Kind, ...] = ("site",)
 _RECHECK_S = 30.0  # re-verify unchanged certificates this often anyway: they expire without changing
+ROTATION_GRACE_S = 60.0  # a re-issued site's previous CURVE key stays admitted this long
 
 
 class RateLimitedLog:
@@ -75,19 +82,39 @@ class SiteKeys(Poller):
     them when a certificate, the CA or the revocation list changed (and every 30 s regardless); started as a
     ``Service`` it does so every ``interval_s``."""
 
-    def __init__(self, paths: PkiPaths, trust: TrustStore | None = None, *, interval_s: float = 1.0) -> None:
-        self.paths, self.interval_s = paths, interval_s
+    def __init__(self, paths: PkiPaths, trust: TrustStore | None = None, *, interval_s: float = 1.0,
+                 rotation_grace_s: float = ROTATION_GRACE_S) -> None:
+        self.paths, self.interval_s, self.rotation_grace_s = paths, interval_s, rotation_grace_s
         self.trust = trust or TrustStore.under(paths, interval_s=interval_s)
         self._by_key: dict[bytes, str] = {}
         self._by_site: dict[str, bytes] = {}
         self._stamp: tuple[Any, ...] | None = None
         self._checked = 0.0
         self._refused: dict[str, str] = {}
+        self._previous_by_key: dict[bytes, tuple[str, float]] = {}  # rotated-away key -> (site, grace end)
+        # called with the sites no longer admitted (revoked, expired, removed) after each refresh that drops any
+        self.on_revoked: list[Callable[[set[str]], object]] = []
+        # called after every refresh that re-read the keys (a site re-issued, revoked, added)
+        self.on_change: list[Callable[[], object]] = []
         self.refresh(force=True)
 
     def site_of(self, public: bytes) -> str | None:
-        """The site whose certificate binds ``public`` (32 raw bytes, as ZAP gives it), or None."""
-        return self._by_key.get(public)
+        """The site whose certificate binds ``public`` (32 raw bytes, as ZAP gives it), or None. A site's key
+        from before its certificate was re-issued still counts for ``ROTATION_GRACE_S``, so its connections
+        and its peers' get through while it takes the new key (it is rotated, not revoked)."""
+        site = self._by_key.get(public)
+        if site is None:
+            prev = self._previous_by_key.get(public)
+            if prev is not None and prev[1] > time.monotonic() and prev[0] in self._by_site:
+                return prev[0]
+        return site
+
+    def previous_key(self, site: str) -> bytes | None:
+        """The Z85 key ``site``'s certificate bound before it was re-issued, within ``ROTATION_GRACE_S``."""
+        for raw, (owner, until) in self._previous_by_key.items():
+            if owner == site and until > time.monotonic():
+                return z85_encode(raw)
+        return None
 
     def key_of(self, site: str) -> bytes | None:
         """The Z85 CURVE public key ``site``'s valid certificate binds, or None."""
@@ -98,6 +125,10 @@ class SiteKeys(Poller):
 
     def admits(self, site: str) -> bool:
         return site in self._by_site
+
+    def refuses(self, site: str) -> bool:
+        """Whether ``site`` has a certificate here that is refused (revoked, expired, not binding a key)."""
+        return f"{site}.pem" in self._refused
 
     def _files(self) -> list[Path]:
         return sorted(p for p in (self.paths.root / "sites").glob("*.pem") if not p.name.endswith("-key.pem"))
@@ -125,7 +156,7 @@ class SiteKeys(Poller):
                 site = self.trust.verify(cert, use="client", kinds=_SITE).name
                 if site != path.name[:-4]:
                     raise ConfigError(f"{path} holds the certificate of {site}")
-                key = curve_key_from_extension(cert)
+                key = curve_key_from_certificate(cert)
                 if key is None:
                     raise ConfigError("the certificate binds no CURVE key")
             except (MeshError, OSError) as exc:
@@ -139,9 +170,20 @@ class SiteKeys(Poller):
         gone = set(self._by_site) - set(by_key.values())
         if gone:
             log.warning("CURVE keys of %s no longer admitted", sorted(gone), extra=kv(event="curve_revoked"))
+        for raw, site in self._by_key.items():  # re-issued (still valid under a new key): a grace period
+            if site in by_key.values() and raw not in by_key:
+                self._previous_by_key[raw] = (site, now + self.rotation_grace_s)
+        self._previous_by_key = {k: v for k, v in self._previous_by_key.items()
+                                 if v[1] > now and v[0] not in gone and k not in by_key}
         self._by_key = by_key
         self._by_site = {site: z85_encode(raw) for raw, site in by_key.items()}
         self._refused, self._stamp, self._checked = refused, stamp, now
+        calls = [lambda f=f: f(gone) for f in self.on_revoked] if gone else []
+        for call in [*calls, *self.on_change]:
+            try:
+                call()
+            except Exception:
+                log.exception("a site-keys listener failed")
         return True
 
 
@@ -151,6 +193,28 @@ def _stat(path: Path) -> tuple[int, int]:
     except OSError:  # gone between the listing and now: the next refresh sees it gone
         return (0, -1)
     return (st.st_mtime_ns, st.st_size)
+
+
+_MAX_CONNECTIONS = 4096
+
+
+def _sockname(fd: int) -> Any:
+    try:
+        with socket.socket(fileno=os.dup(fd)) as s:
+            return s.getsockname()
+    except OSError:
+        return None
+
+
+def _shutdown(fd: int, local: Any) -> bool:
+    try:
+        with socket.socket(fileno=os.dup(fd)) as s:
+            if s.getsockname() != local:
+                return False
+            s.shutdown(socket.SHUT_RDWR)  # the duplicate and libzmq's descriptor share one connection
+            return True
+    except OSError:
+        return False
 
 
 class _ZapHandler:
@@ -202,6 +266,10 @@ class CurveSecurity:
         self.keys, self.sites, self.domain = keys, sites, domain
         self.refusals = RateLimitedLog()
         self._zap: dict[int, _ZapHandler] = {}
+        # the TCP connections admitted sites' frames came from: fd -> (site, our local address), at most
+        # _MAX_CONNECTIONS (the oldest forgotten), for close_connections
+        self._conns: OrderedDict[int, tuple[str, Any]] = OrderedDict()
+        sites.on_revoked.append(self.close_connections)
 
     @property
     def public_key(self) -> str:
@@ -239,4 +307,39 @@ class CurveSecurity:
             user = frame.get("User-Id")
         except zmq.ZMQError:
             return None
-        return user if isinstance(user, str) and self.sites.admits(user) else None
+        if not isinstance(user, str) or not self.sites.admits(user):
+            return None
+        self._note_connection(frame, user)
+        return user
+
+    def _note_connection(self, frame: zmq.Frame, site: str) -> None:
+        try:
+            fd = frame.get(zmq.SRCFD)
+        except (zmq.ZMQError, AttributeError):
+            return
+        known = self._conns.get(fd)
+        if known is not None and known[0] == site:
+            return  # the hot path: one dict lookup
+        local = _sockname(fd)
+        if local is None:
+            return
+        self._conns[fd] = (site, local)
+        self._conns.move_to_end(fd)
+        while len(self._conns) > _MAX_CONNECTIONS:
+            self._conns.popitem(last=False)
+
+    def close_connections(self, sites: set[str]) -> int:
+        """Shut down the open connections whose frames came from ``sites`` (revoked): the peer's next handshake
+        goes through ZAP again, which refuses it. A descriptor is shut down only if it is still a socket on the
+        same local address (not reused by something else of this process). Returns how many were closed."""
+        closed = 0
+        for fd, (site, local) in list(self._conns.items()):
+            if site not in sites:
+                continue
+            del self._conns[fd]
+            if _shutdown(fd, local):
+                closed += 1
+        if closed:
+            log.warning("closed %d ZeroMQ connection(s) of %s (no longer admitted)", closed, sorted(sites),
+                        extra=kv(event="curve_closed"))
+        return closed

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Self, cast
 
@@ -91,6 +92,49 @@ class ZmqServer(Service):
     async def _start(self) -> None:
         if self._ctx is None:
             self._ctx = open_context(self._security)
+        try:
+            sock = self._open_socket(self._bind)
+        except Exception:
+            self._release_context()
+            raise
+        self._sock = sock
+        self._endpoint = cast(bytes, sock.getsockopt(zmq.LAST_ENDPOINT)).decode()
+        self._pump = Pump(io_socket(sock), self._dispatch, f"zmq server {self._endpoint}")
+        log.info("zmq server listening on %s", self._endpoint)
+
+    async def rebind(self, *, drain_s: float = 1.0, retry_s: float = 3.0) -> None:
+        """Open the listening socket again on the same endpoint, so that changed security settings (a site's
+        re-issued CURVE key) hold for every connection: waits up to ``drain_s`` for the requests in flight to
+        be answered, then closes the socket (its peers reconnect) and binds anew (retried for ``retry_s``
+        while the old listener lets go of the port)."""
+        self._require_running("rebind")
+        assert self._ctx is not None and self._sock is not None and self._pump is not None
+        if self._inflight:
+            await asyncio.wait(list(self._inflight), timeout=drain_s)
+        old, old_pump = self._sock, self._pump
+        old_pump.close()
+        old.close(linger=0)
+        self._sock = self._pump = None  # until the new one is bound (a failed rebind leaves it stopped)
+        give_up = time.monotonic() + retry_s
+        try:
+            while True:  # bounded: retry_s
+                try:
+                    sock = self._open_socket(self._endpoint)
+                    break
+                except zmq.ZMQError as exc:
+                    if exc.errno != zmq.EADDRINUSE or time.monotonic() > give_up:
+                        raise
+                    await asyncio.sleep(0.02)
+        finally:
+            # only now: the new socket already holds the context's ZAP handler, which must not be torn down
+            if self._security is not None:
+                self._security.release_server(old)
+        self._sock = sock
+        self._pump = Pump(io_socket(sock), self._dispatch, f"zmq server {self._endpoint}")
+        log.info("zmq server re-bound on %s", self._endpoint)
+
+    def _open_socket(self, endpoint: str) -> zmq.Socket[Any]:
+        assert self._ctx is not None
         sock: zmq.Socket[Any] | None = None
         try:
             sock = self._ctx.socket(zmq.ROUTER)
@@ -102,18 +146,14 @@ class ZmqServer(Service):
             self._heartbeat.apply(sock, client=False)
             if self._security is not None:
                 self._security.apply_server(sock)
-            sock.bind(self._bind)
+            sock.bind(endpoint)
         except Exception:
             if sock is not None:
                 if self._security is not None:
                     self._security.release_server(sock)
                 sock.close(linger=0)
-            self._release_context()
             raise
-        self._sock = sock
-        self._endpoint = cast(bytes, sock.getsockopt(zmq.LAST_ENDPOINT)).decode()
-        self._pump = Pump(io_socket(sock), self._dispatch, f"zmq server {self._endpoint}")
-        log.info("zmq server listening on %s", self._endpoint)
+        return sock
 
     async def _stop(self) -> None:
         if self._pump is not None:

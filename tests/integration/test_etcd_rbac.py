@@ -139,10 +139,6 @@ async def test_roles_are_enforced(mesh_etcd: tuple[EmbeddedEtcd, LocalPki], tmp_
     assert issubclass(StorePermissionDenied, StoreError)
 
 
-@pytest.mark.xfail(strict=True, reason="etcd (Go) cannot parse the CURVE key extension's 2.25.<uuid> OID in a "
-                                       "site certificate (asn1: base 128 integer too large): mesh/pki must move "
-                                       "it to an OID with arcs of at most 2**31-1 before agents can use their "
-                                       "certificates with etcd")
 async def test_a_site_certificate_from_pki_issue_is_accepted_by_etcd(
         mesh_etcd: tuple[EmbeddedEtcd, LocalPki]) -> None:
     srv, pki = mesh_etcd

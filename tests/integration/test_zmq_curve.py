@@ -118,16 +118,33 @@ async def test_a_revoked_site_is_refused_within_5_s(mesh: Mesh) -> None:
         while time.monotonic() - t0 < 5.0 and refused is None:
             try:
                 await client.request(mesh.server.endpoint, make_req())
-            except Unauthenticated as exc:  # its open connection: refused per request
+            except (Unauthenticated, PeerUnavailable) as exc:  # refused per request, or its connection closed
                 refused = exc
             await asyncio.sleep(0.1)
-        assert isinstance(refused, Unauthenticated), "revoked site still served 5 s after the CRL changed"
+        assert refused is not None, "revoked site still served 5 s after the CRL changed"
     async with mesh.client(mesh.pki.curve(EDGE)) as fresh:  # and a new connection fails its handshake
         await assert_refused(fresh, mesh.server.endpoint)
     assert not mesh.keys.admits("edge-a") and mesh.keys.admits("core")
 
 
+async def test_a_revoked_sites_open_connection_is_closed_within_5_s(mesh: Mesh) -> None:
+    """Idle, it sends nothing after the revocation: the server shuts its connection down, and its reconnect
+    fails the handshake (its client marks the server unreachable), while another site's connection stays."""
+    other = Identity("site", "edge-b")
+    mesh.pki.issue(other)
+    mesh.keys.refresh()
+    async with mesh.client(mesh.pki.curve(EDGE)) as revoked, mesh.client(mesh.pki.curve(other)) as kept:
+        assert (await revoked.request(mesh.server.endpoint, make_req(deadline_s=5.0))).variant == "edge-a"
+        assert (await kept.request(mesh.server.endpoint, make_req(deadline_s=5.0))).variant == "edge-b"
+        mesh.pki.revoke(EDGE)
+        await wait_for(lambda: mesh.server.endpoint in revoked.unreachable(), 5.0)
+        assert mesh.server.endpoint in revoked.unreachable(), "the revoked site's connection is still open"
+        assert mesh.server.endpoint not in kept.unreachable()
+        assert (await kept.request(mesh.server.endpoint, make_req(deadline_s=5.0))).variant == "edge-b"
+
+
 async def test_a_re_issued_site_is_admitted_with_its_new_key(mesh: Mesh) -> None:
+    mesh.keys.rotation_grace_s = 1.0
     old = mesh.pki.curve(EDGE)
     mesh.pki.issue(EDGE)
     new = mesh.pki.curve(EDGE)
@@ -135,8 +152,38 @@ async def test_a_re_issued_site_is_admitted_with_its_new_key(mesh: Mesh) -> None
     mesh.keys.refresh()
     async with mesh.client(new) as client:
         assert (await client.request(mesh.server.endpoint, make_req(deadline_s=5.0))).variant == "edge-a"
+    # rotated, not revoked: the previous key still gets through for the grace period (while the site takes
+    # its new key) ...
+    assert mesh.keys.previous_key("edge-a") == old.public
+    async with mesh.client(old) as during:
+        assert (await during.request(mesh.server.endpoint, make_req(deadline_s=5.0))).variant == "edge-a"
+    # ... and not after it
+    await asyncio.sleep(1.1)
+    mesh.keys.refresh(force=True)
+    assert mesh.keys.previous_key("edge-a") is None
     async with mesh.client(old) as stale:
         await assert_refused(stale, mesh.server.endpoint)
+    async with mesh.client(new) as client:
+        assert (await client.request(mesh.server.endpoint, make_req(deadline_s=5.0))).variant == "edge-a"
+
+
+async def test_a_server_rebinds_with_its_re_issued_key(mesh: Mesh) -> None:
+    """The site's own certificate re-issued: the server takes the new pair on the same endpoint (no restart);
+    peers dialling the new key are served, the old key no longer answers."""
+    endpoint = mesh.server.endpoint
+    old = mesh.pki.curve(CORE)
+    mesh.pki.issue(CORE)
+    new = mesh.pki.curve(CORE)
+    mesh.keys.refresh()
+    mesh.security.keys = new
+    await mesh.server.rebind()
+    assert mesh.server.endpoint == endpoint
+    client = ZmqClient(security=CurveSecurity(mesh.pki.curve(EDGE), mesh.keys), server_key_for=lambda _ep: new.public)
+    async with client:
+        assert (await client.request(endpoint, make_req(deadline_s=5.0))).variant == "edge-a"
+    stale = ZmqClient(security=CurveSecurity(mesh.pki.curve(EDGE), mesh.keys), server_key_for=lambda _ep: old.public)
+    async with stale:
+        await assert_refused(stale, endpoint)
 
 
 async def test_a_flood_of_garbage_gets_bounded_warnings(mesh: Mesh, caplog: pytest.LogCaptureFixture) -> None:

@@ -89,7 +89,8 @@ async def wait_warm(mesh: LocalMesh, x: np.ndarray, *, timeout_s: float = 90.0) 
     deadline = time.monotonic() + timeout_s
     names = list(mesh.sites)
     edges = mesh.edge_urls()
-    clients = [AsyncClient(url, timeout=5.0) for url in edges.values()]
+    files = mesh.tenant_files("public") if mesh.pki is not None else {}
+    clients = [AsyncClient(url, timeout=5.0, **files) for url in edges.values()]
     try:
         rounds = 0
         while time.monotonic() < deadline:

@@ -80,6 +80,10 @@ async def test_tiermesh_up_demo_writes_a_report() -> None:
     assert data["schema"] == 1 and data["queries"] > 100, data
     # secured by default: mutual TLS at every edge, https addresses, the workload through tenant certificates
     assert data["tls"] is True and all(s["http"].startswith("https://") for s in data["addresses"]["sites"].values())
+    # ... etcd with TLS and client certificates (RBAC per role), the variant store over HTTPS: agents fetched
+    # their blobs from it with their site certificates, or nothing would have been served
+    assert data["addresses"]["etcd"].startswith("https://"), data["addresses"]
+    assert data["addresses"]["variant_store"].startswith("https://"), data["addresses"]
     assert set(data["classes"]) == {c.name for c in DEFAULT_CLASSES}, data["classes"].keys()
     for name, s in data["classes"].items():
         served = sum(s["served_at_tier"].values())

@@ -213,3 +213,22 @@ async def test_infer_is_bounded_by_its_budget_not_only_the_client_timeout() -> N
             assert time.perf_counter() - t0 < 5
     finally:
         client_mod.DEADLINE_GRACE_S = old
+
+
+@pytest.mark.parametrize(("header", "expected"), [("7", 7), ("  12 ", 12), ("Wed, 21 Oct 2026 07:28:00 GMT", 1),
+                                                  (None, 1)])
+async def test_quota_exceeded_carries_the_servers_retry_after(header: str | None, expected: int) -> None:
+    """A 429's ``Retry-After`` (delay seconds) reaches ``QuotaExceeded.retry_after_s``; a date form or none
+    leaves the 1 s floor."""
+    server = Server()
+
+    def over_quota(method: str, path: str, headers: dict[str, str], body: bytes) -> Response:
+        if path.endswith("/infer"):
+            extra = {"Retry-After": header} if header is not None else {}
+            return 429, extra, json.dumps({"error": "acme over 5 q/s", "code": "quota_exceeded"}).encode()
+        return server(method, path, headers, body)
+
+    async with AsyncClient("http://edge", tenant="acme", transport=MockTransport(over_quota)) as c:
+        with pytest.raises(errors.QuotaExceeded) as info:
+            await c.infer("digit-classification", np.zeros((1, 64), np.float32), latency_ms=20)
+    assert info.value.retry_after_s == expected and info.value.http_status == 429

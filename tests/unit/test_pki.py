@@ -8,14 +8,14 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
-from cryptography.x509.oid import ExtendedKeyUsageOID
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from mesh.errors import ConfigError, PermissionDenied, PkiError, Unauthenticated
 from mesh.pki.ca import CertificateAuthority
 from mesh.pki.crl import Revocation, RevocationList
-from mesh.pki.curve import CurveKeyPair, curve_key_from_extension, z85_decode, z85_encode
+from mesh.pki.curve import CURVE_KEY_PREFIX, CurveKeyPair, curve_key_from_certificate, z85_decode, z85_encode
 from mesh.pki.identity import KINDS, Identity
-from mesh.pki.policy import CLOCK_SKEW, CURVE_KEY_OID, EKUS, LIFETIMES, USE_EKU
+from mesh.pki.policy import CLOCK_SKEW, EKUS, LIFETIMES, USE_EKU
 from mesh.pki.verify import verify_certificate
 from tests.helpers.pki_certs import CLIENT, SERVER, odd_leaf
 
@@ -245,19 +245,26 @@ def test_curve_key_with_a_certificate_that_binds_none(ca: CertificateAuthority, 
              curve_public=CurveKeyPair.generate().public)
 
 
-def test_curve_binding_is_a_non_critical_extension(ca: CertificateAuthority) -> None:
+def test_curve_binding_is_a_subject_attribute_and_no_private_extension(ca: CertificateAuthority) -> None:
     pair = CurveKeyPair.generate()
     cert = ca.issue(SITE, curve_public=pair.public).cert
-    assert not cert.extensions.get_extension_for_oid(CURVE_KEY_OID).critical
-    assert curve_key_from_extension(cert) == pair.public
-    assert curve_key_from_extension(ca.issue(SITE).cert) is None
+    assert curve_key_from_certificate(cert) == pair.public
+    assert curve_key_from_certificate(ca.issue(SITE).cert) is None
+    # every extension OID fits Go's ASN.1 parser (arcs <= 2**31-1): etcd parses client certificates
+    for ext in cert.extensions:
+        assert all(int(arc) < 2**31 for arc in ext.oid.dotted_string.split(".")), ext.oid
 
 
 def test_malformed_curve_binding(ca: CertificateAuthority, crl: RevocationList) -> None:
     pair = CurveKeyPair.generate()
-    short = x509.UnrecognizedExtension(CURVE_KEY_OID, b"\x04\x10" + z85_decode(pair.public)[:16])
-    cert = odd_leaf(ca, uris=[SITE.uri], ekus=[SERVER], extra=[short]).cert
+    short = x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, CURVE_KEY_PREFIX + pair.public.decode()[:20])
+    cert = odd_leaf(ca, uris=[SITE.uri], ekus=[SERVER], extra_subject=[short]).cert
     _refused("curve_binding", cert, ca, crl, use="server", curve_public=pair.public)
+    other = CurveKeyPair.generate()
+    two = odd_leaf(ca, uris=[SITE.uri], ekus=[SERVER], curve_public=pair.public,
+                   extra_subject=[x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME,
+                                                     CURVE_KEY_PREFIX + other.public.decode())]).cert
+    _refused("curve_binding", two, ca, crl, use="server", curve_public=pair.public)
 
 
 def test_not_a_certificate(ca: CertificateAuthority, crl: RevocationList) -> None:

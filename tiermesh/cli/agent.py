@@ -69,12 +69,17 @@ def agent_config(args: argparse.Namespace, settings: MeshSettings) -> AgentConfi
     endpoints = etcd_endpoints(args.etcd, ca, cert, key, settings)  # ConfigError for bad URLs or files
     etcd = str(endpoints) if endpoints is not None else None
     if not etcd:
-        from mesh.etcd.server import find_running
+        from mesh.etcd.server import running_record
 
         home = Path(args.home) if args.home else settings.home
-        etcd = find_running(home)
-        if etcd is None:
+        running = running_record(home)
+        if running is None:
             raise ConfigError("no etcd: pass --etcd URL or start one with `tiermesh etcd` / `tiermesh up`")
+        etcd = running.url
+        if running.ca is not None and cert is None:  # a secured local etcd: as this site, from its PKI dir
+            paths = PkiPaths(args.pki_dir) if getattr(args, "pki_dir", None) else PkiPaths.under(home)
+            me = Identity("site", args.site)
+            ca, cert, key = paths.ca_cert, paths.cert(me), paths.key(me)
     bind, advertise = getattr(args, "bind", None), getattr(args, "advertise", None)
     return AgentConfig(site=args.site, etcd=etcd, etcd_ca=ca, etcd_cert=cert, etcd_key=key,
                        prefix=args.prefix or settings.prefix,

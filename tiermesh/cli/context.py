@@ -13,7 +13,7 @@ from typing import Any
 
 from mesh.errors import ConfigError
 from mesh.etcd.endpoints import EtcdEndpoints, parse_endpoints, split_urls
-from mesh.etcd.server import EmbeddedEtcd, find_running
+from mesh.etcd.server import EmbeddedEtcd, running_record
 from mesh.etcd.store import Store
 from mesh.log import get_logger, kv
 from mesh.settings import MeshSettings
@@ -46,10 +46,14 @@ async def open_store(etcd: str | Sequence[str] | None = None, home: Path | str |
     home_dir = Path(home) if home is not None else settings.home
     key_prefix = prefix or settings.prefix
     target: EtcdEndpoints | str | None = etcd_endpoints(etcd, etcd_ca, etcd_cert, etcd_key, settings)
-    if target is None:
-        target = await asyncio.to_thread(find_running, home_dir)  # a short HTTP health probe
     if target is not None:
         async with await Store.connect(target, key_prefix) as store:
+            yield store
+        return
+    running = await asyncio.to_thread(running_record, home_dir)  # a short HTTP health probe
+    if running is not None:  # with the recorded operator certificate when it demands one (`tiermesh up`)
+        async with await Store.connect(running.url, key_prefix, ca=running.ca, cert=running.cert,
+                                       key=running.key) as store:
             yield store
         return
     # Nothing running: etcd lives only as long as this command; its data stays on disk.

@@ -40,6 +40,7 @@ from tiermesh.cli.agent import INSECURE_WARNING
 from tiermesh.drills import LinkDrill, crosses_link, drill_report, parse_kill, parse_link_drill
 from tiermesh.harness import LocalMesh, MeshOptions
 from tiermesh.netns import require_netns
+from tiermesh.secure import OPERATOR
 from tiermesh.workload import render_table, run_workload, summarise
 
 __all__ = ["print_console", "register", "run_up"]
@@ -117,7 +118,9 @@ async def run_up(args: argparse.Namespace) -> int:
     with console.status("starting mesh: etcd, topology, variant store, scheduler, agents..."):
         await mesh.start()
     try:
-        write_record(home, os.getpid(), mesh.etcd_url)
+        # other commands on this home (`tiermesh topology apply`, ...) find it, as the local operator
+        files = mesh.creds.files(OPERATOR) if mesh.creds is not None else {}
+        write_record(home, os.getpid(), mesh.etcd_url, **files)
         with console.status("waiting for placement to warm the sites..."):
             await mesh.wait_placed(timeout=60)
         console.print(f"[bold green]mesh up[/] in {time.perf_counter() - t_start:.1f} s — etcd {mesh.etcd_url}")
@@ -128,6 +131,8 @@ async def run_up(args: argparse.Namespace) -> int:
             paths = mesh.pki.paths
             console.print(f"mutual TLS: CA {paths.ca_cert}; tenant certificates ({', '.join(mesh.tenants())}) in "
                           f"{paths.root / 'tenants'}; e.g. Client(URL, cert=..., key=..., ca={str(paths.ca_cert)!r})")
+            console.print(f"etcd: TLS, client certificates and RBAC per role; variant store {mesh.store_url} (HTTPS, "
+                          f"tenant-private variants to their tenant only); operator identity {paths.root / 'admins'}")
         if args.duration is None:
             print_console(mesh, console)
             console.print("serving; Ctrl-C to stop")

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from mesh.errors import ConfigError
 from tiermesh.cli.main import EXIT_OK, add_addresses, add_common
 from variant_store.blobs import BlobStore
 from variant_store.catalog import Catalog
@@ -84,6 +85,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     sv.add_argument("--site", default=None,
                     help="topology site this store runs at: routing charges a cold start elsewhere the "
                          "fetch over that site's path (default: none, fetches count as free)")
+    sv.add_argument("--pki-dir", type=Path, default=None,
+                    help="serve HTTPS with client certificates from this mesh PKI directory, as the --site's "
+                         "identity (pki/sites/SITE.pem); a tenant-private variant then goes only to its tenant, "
+                         "to sites and to admins. Without it: plain HTTP that serves anyone (development only)")
     sv.set_defaults(func=_serve)
 
     for sp in (r, b, d, pr, ls, sh, sv):
@@ -181,9 +186,21 @@ async def _serve(args: argparse.Namespace) -> int:
     settings = MeshSettings()
     bind = args.bind or settings.bind
     advertise = settings.advertised_host(args.bind, args.advertise)  # refuses a wildcard without one
+    tls = None
+    if args.pki_dir is not None:
+        from mesh.pki.files import PkiPaths
+        from mesh.pki.identity import Identity
+        from variant_store.access import StoreTls
+
+        if not args.site:
+            raise ConfigError("--pki-dir serves HTTPS as a site's identity: name it with --site")
+        tls = StoreTls(PkiPaths(args.pki_dir), Identity("site", args.site))
+    else:
+        print("WARNING: the variant store serves plain HTTP: anyone who reaches it reads every variant, "
+              "tenant-private ones included (pass --pki-dir for HTTPS)", file=sys.stderr, flush=True)
     async with open_store(**store_args(args)) as store, \
             VariantStoreServer(BlobStore(blob_root(args)), Catalog(store), bind, args.port,
-                               advertise=advertise, site=args.site) as server:
+                               advertise=advertise, site=args.site, tls=tls) as server:
         print(f"variant store serving at {server.url}", flush=True)
         if args.duration is None:
             await asyncio.Event().wait()  # until interrupted

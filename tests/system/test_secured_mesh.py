@@ -1,0 +1,125 @@
+"""A secured local mesh (``tiermesh up``'s default, :mod:`tiermesh.secure`) holds every role to its own: etcd
+speaks TLS with client certificates and RBAC, so an agent's certificate writes only its own live key and a tenant's
+reads nothing; the variant store speaks HTTPS and hands a tenant-private variant only to its tenant (and sites);
+agents fetch their blobs from it with their site certificates, or nothing would be served."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import ssl
+import sys
+import time
+
+import aiohttp
+import pytest
+
+from mesh.client import AsyncClient
+from mesh.errors import MeshError
+from mesh.etcd.channels import StorePermissionDenied
+from mesh.etcd.keys import live_key, placement_key, tenant_key
+from mesh.etcd.server import clear_record, write_record
+from mesh.etcd.store import Store
+from mesh.pki.identity import Identity
+from tests.system.conftest import SMALL_TOPOLOGY, TASK, Holdout, mesh_running
+from tiermesh.harness import LocalMesh
+from tiermesh.secure import OPERATOR
+
+pytestmark = [pytest.mark.system, pytest.mark.slow]
+EDGE, CORE = "edge-fra-1", "core-eu"
+
+
+def _context(mesh: LocalMesh, who: Identity | None) -> ssl.SSLContext:
+    assert mesh.creds is not None
+    ctx = ssl.create_default_context(cafile=str(mesh.creds.pki.paths.ca_cert))
+    ctx.check_hostname = False
+    if who is not None:
+        ctx.load_cert_chain(mesh.creds.pki.paths.cert(who), mesh.creds.pki.paths.key(who))
+    return ctx
+
+
+async def _connect_as(mesh: LocalMesh, who: Identity) -> Store:
+    assert mesh.creds is not None
+    f = mesh.creds.files(who)
+    return await Store.connect(mesh.etcd_url, mesh.opts.prefix, ca=f["ca"], cert=f["cert"], key=f["key"], timeout=5)
+
+
+async def _status(session: aiohttp.ClientSession, url: str, ctx: ssl.SSLContext) -> int:
+    async with session.get(url, ssl=ctx, timeout=aiohttp.ClientTimeout(total=15)) as resp:
+        await resp.read()
+        return resp.status
+
+
+async def _catalog_ids(session: aiohttp.ClientSession, url: str, ctx: ssl.SSLContext) -> set[str]:
+    async with session.get(f"{url}/catalog", ssl=ctx, timeout=aiohttp.ClientTimeout(total=15)) as resp:
+        assert resp.status == 200, await resp.text()
+        return {v["variant_id"] for v in (await resp.json())["variants"]}
+
+
+async def test_a_secured_mesh_holds_every_role_to_its_own(holdout: Holdout) -> None:
+    async with mesh_running(tls=True) as mesh:
+        assert mesh.etcd_url.startswith("https://") and (mesh.store_url or "").startswith("https://")
+
+        # served through a tenant certificate: the agents fetched their blobs over HTTPS
+        x = holdout.x[:1]
+        http = mesh.sites[EDGE].http
+        assert http is not None
+        async with AsyncClient(http, **mesh.tenant_files("acme")) as client:
+            deadline, last = time.monotonic() + 90, ""
+            while True:
+                try:
+                    reply = await client.infer(TASK, x, latency_ms=400, min_accuracy=0.9)
+                    break
+                except MeshError as exc:
+                    last = f"{exc.code}: {exc}"
+                if time.monotonic() > deadline:
+                    pytest.fail(f"nothing served in 90 s on the secured mesh: {last}")
+                await asyncio.sleep(0.5)
+        assert reply.outputs
+
+        # etcd: a site reads the mesh and writes only its own live key
+        site = await _connect_as(mesh, Identity("site", EDGE))
+        try:
+            assert await site.get(live_key(EDGE)) is not None
+            for key in (live_key(CORE), placement_key(EDGE), tenant_key("acme")):
+                with pytest.raises(StorePermissionDenied):
+                    await site.put(key, {"forged": True})
+        finally:
+            await site.close()
+        # ... and a tenant has no etcd user at all
+        with pytest.raises(StorePermissionDenied):
+            await _connect_as(mesh, Identity("tenant", "acme"))
+
+        # the variant store: a tenant-private variant goes to its tenant and to sites, not to another tenant
+        assert mesh.catalog is not None and mesh.store_url is not None
+        private = [m for m in await mesh.catalog.list_variants() if m.owner == "acme"]
+        assert private, "the digits family registers acme's private head"
+        blob = f"{mesh.store_url}/blobs/{private[0].blob_digest}"
+        acme, globex = Identity("tenant", "acme"), Identity("tenant", "globex")
+        async with aiohttp.ClientSession() as s:
+            assert await _status(s, blob, _context(mesh, acme)) == 200
+            assert await _status(s, blob, _context(mesh, Identity("site", EDGE))) == 200
+            assert await _status(s, blob, _context(mesh, globex)) == 403
+            assert private[0].variant_id in await _catalog_ids(s, mesh.store_url, _context(mesh, acme))
+            assert private[0].variant_id not in await _catalog_ids(s, mesh.store_url, _context(mesh, globex))
+            # no client certificate: refused at the handshake or with 401, never served
+            try:
+                status = await _status(s, blob, _context(mesh, None))
+            except (aiohttp.ClientError, ssl.SSLError, ConnectionError):
+                status = None
+            assert status in (None, 401)
+
+        # other commands on this home find the secured etcd through `tiermesh up`'s record, as the operator
+        assert mesh.creds is not None
+        write_record(mesh.opts.home, os.getpid(), mesh.etcd_url, **mesh.creds.files(OPERATOR))
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "tiermesh", "topology", "diff", str(SMALL_TOPOLOGY), "--home",
+                str(mesh.opts.home), "--prefix", mesh.opts.prefix, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL,
+                env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+            out, _ = await asyncio.wait_for(proc.communicate(), 60)
+        finally:
+            clear_record(mesh.opts.home)
+        assert proc.returncode == 0 and b"no changes" in out, out.decode(errors="replace")[-2000:]
+

@@ -1,0 +1,89 @@
+"""The credentials of a secured local mesh (``tiermesh up``, secured by default), and who uses which.
+
+One mesh CA under ``<home>/pki`` (kept if the home has one). Issued on every start (re-issuing is rotation:
+running processes re-read the files):
+
+    identity                 used by                                     for
+    site:<S>                 the agent of S                              edge HTTPS, CURVE, etcd client, blob fetches
+    tenant:<T>               SDK / tritonclient callers of tenant T      edge HTTPS client certificate
+    admin:operator           this harness, the variant store's etcd side etcd root (applies RBAC, topology, catalog)
+    scheduler:scheduler      the scheduler                               etcd: placements, events, election
+    site:etcd (no CURVE key, etcd's server certificate (server + client EKU: etcd's own health probe presents it);
+      kept under pki/etcd/)  not in pki/sites, so no ZeroMQ peer admits it and RBAC gives it no etcd user
+
+etcd then runs with TLS and client-certificate auth, and :func:`rbac_plan` gives each identity only what its
+role needs (:mod:`mesh.etcd.rbac`): an agent writes only its own ``live/<site>``; tenants have no etcd user.
+The variant store serves HTTPS as the site it runs at and hands a tenant-private variant only to that tenant,
+to sites and to admins (:mod:`variant_store.access`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from mesh.etcd.rbac import RbacPlan, plan
+from mesh.etcd.server import ServerTLS
+from mesh.pki.files import cert_pem, key_pem, write_file
+from mesh.pki.identity import Identity
+from mesh.pki.local import LocalPki
+
+__all__ = ["ETCD_SERVER", "OPERATOR", "SCHEDULER", "MeshCredentials", "rbac_plan"]
+
+ETCD_SERVER = Identity("site", "etcd")
+OPERATOR = Identity("admin", "operator")
+SCHEDULER = Identity("scheduler", "scheduler")
+
+
+@dataclass(frozen=True, slots=True)
+class MeshCredentials:
+    pki: LocalPki
+
+    @classmethod
+    def under(cls, home: Path) -> MeshCredentials:
+        return cls(LocalPki.under(home))
+
+    @property
+    def root(self) -> Path:
+        return self.pki.paths.root
+
+    def _etcd_files(self) -> tuple[Path, Path]:
+        d = self.root / "etcd"
+        return d / "etcd.pem", d / "etcd-key.pem"
+
+    def issue(self, sites: Mapping[str, str], tenants: Iterable[str], *, etcd_address: str) -> None:
+        """The CA (made if missing), then a fresh certificate for every identity above; ``sites`` maps each
+        site to the address callers dial (named in its certificate)."""
+        if not self.pki.exists():
+            self.pki.init()
+        for name, address in sites.items():
+            self.pki.issue(Identity("site", name), addresses=[address])
+        for tenant in tenants:
+            self.pki.issue(Identity("tenant", tenant))
+        for who in (OPERATOR, SCHEDULER):
+            self.pki.issue(who)
+        issued = self.pki.ca().issue(ETCD_SERVER, addresses=list(dict.fromkeys([etcd_address, "localhost"])))
+        cert, key = self._etcd_files()
+        write_file(key, key_pem(issued.key), private=True)
+        write_file(cert, cert_pem(issued.cert))
+
+    def etcd_server(self) -> ServerTLS:
+        cert, key = self._etcd_files()
+        return ServerTLS(cert, key, self.pki.paths.ca_cert)
+
+    def files(self, who: Identity) -> dict[str, Path]:
+        """``ca``, ``cert`` and ``key`` of ``who`` (``Store.connect(url, prefix, **files)``)."""
+        return {"ca": self.pki.paths.ca_cert, "cert": self.pki.paths.cert(who), "key": self.pki.paths.key(who)}
+
+    def etcd_args(self, who: Identity) -> list[str]:
+        """The ``--etcd-ca/--etcd-cert/--etcd-key`` arguments of a ``tiermesh`` command running as ``who``."""
+        f = self.files(who)
+        return ["--etcd-ca", str(f["ca"]), "--etcd-cert", str(f["cert"]), "--etcd-key", str(f["key"])]
+
+
+def rbac_plan(prefix: str, sites: Iterable[str]) -> RbacPlan:
+    """Who may touch which etcd keys in a local mesh: each site its own live key, the scheduler its keys, the
+    operator (root: this harness and the variant store) everything."""
+    return plan(prefix, sites=sites, schedulers=[SCHEDULER.name], admins=[OPERATOR.name],
+                root_admins=[OPERATOR.name])
