@@ -45,10 +45,12 @@ def _json(data: Any, status: int = 200) -> web.Response:
 
 
 async def _index(request: web.Request) -> web.StreamResponse:
+    request.app[STATE].touch()
     return web.FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-store"})
 
 
 async def _state(request: web.Request) -> web.Response:
+    request.app[STATE].touch()
     return _json(request.app[STATE].snapshot)
 
 
@@ -62,6 +64,8 @@ async def _stream(request: web.Request) -> web.StreamResponse:
                                        "X-Accel-Buffering": "no"})
     await resp.prepare(request)
     version = -1
+    state.touch()
+    state.viewers += 1
     closed = asyncio.ensure_future(closing.wait())
     # ends when the client goes (a failed write) or the server closes (at once: the wait races `closed`)
     try:
@@ -83,6 +87,8 @@ async def _stream(request: web.Request) -> web.StreamResponse:
             except (ConnectionResetError, RuntimeError):
                 break
     finally:
+        state.viewers -= 1
+        state.touch()  # a page reconnecting its stream finds the loop still quick
         closed.cancel()
         await asyncio.gather(closed, return_exceptions=True)
     return resp
@@ -98,6 +104,7 @@ def _yaml(data: Any) -> str:
 
 async def _topology(request: web.Request) -> web.Response:
     state = request.app[STATE]
+    state.touch()
     topo = state.view.topology
     return _json({"yaml": _yaml(topo.to_dict()) if topo is not None else None, "last_apply": state.last_apply})
 

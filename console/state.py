@@ -10,6 +10,10 @@ lease ends):
     degraded      the agent says so (etcd lost), or it reports a peer unreachable
     up            otherwise
 
+With nobody watching (no event stream open, no page or API request in the last ``WATCH_S``) a round runs
+only every ``IDLE_TICK_S``: the attainment history goes on, at a fraction of the cost to the scheduler's
+process and the agents; the first request wakes the loop at once.
+
 Counters from the agents are folded into running totals by their increase since the previous scrape of the
 same site (a restarted agent counts from zero), so totals and the SLO attainment series never go backwards
 when an agent restarts or disappears.
@@ -20,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -42,6 +47,8 @@ HEALTH = ("up", "degraded", "unreachable", "down")
 SERIES_POINTS = 180        # attainment points kept per tenant and class (at tick_s: 3 minutes at 1 s)
 WINDOW_S = 10.0            # an attainment point covers the queries of the last WINDOW_S
 MAX_EVENTS = 100
+IDLE_TICK_S = 5.0
+WATCH_S = 30.0
 
 
 class ConsoleState(Service):
@@ -65,6 +72,10 @@ class ConsoleState(Service):
             maxlen=SERIES_POINTS + int(WINDOW_S / max(tick_s, 0.1)) + 1)
         self._events: list[dict[str, Any]] = []
         self._changed = asyncio.Condition()
+        self.viewers = 0                         # open event streams
+        self._seen_at = -math.inf                # monotonic time of the last page or API request
+        self._wake = asyncio.Event()
+        self._paths: tuple[object, Any] | None = None  # (topology, its path tables): rebuilt when it changes
         self._task: asyncio.Task[None] | None = None
         self._listeners: list[Callable[[dict[str, Any]], None]] = []
 
@@ -88,16 +99,30 @@ class ConsoleState(Service):
         return {n: hb.http for n, hb in self.view.live.items() if hb.http}
 
     # -- the loop ----------------------------------------------------------------------------
+    def touch(self) -> None:
+        """Someone looks: rounds every ``tick_s`` from now (waking an idle loop at once)."""
+        idle = not self.watching
+        self._seen_at = time.monotonic()
+        if idle:
+            self._wake.set()
+
+    @property
+    def watching(self) -> bool:
+        return self.viewers > 0 or time.monotonic() - self._seen_at < WATCH_S
+
     async def _loop(self) -> None:
         while True:
             started = time.monotonic()
+            self._wake.clear()
             try:
                 await self.refresh()
             except asyncio.CancelledError:
                 raise
             except Exception:
                 log.exception("console refresh failed; the last snapshot stays")
-            await asyncio.sleep(max(0.05, self.tick_s - (time.monotonic() - started)))
+            period = self.tick_s if self.watching else max(self.tick_s, IDLE_TICK_S)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), max(0.05, period - (time.monotonic() - started)))
 
     async def refresh(self) -> None:
         """One round: read events and the last apply, scrape every live agent, rebuild the snapshot."""
@@ -222,7 +247,9 @@ class ConsoleState(Service):
         topo = self.view.topology
         if topo is None:
             return []
-        paths = topology_paths(topo)
+        if self._paths is None or self._paths[0] is not topo:
+            self._paths = (topo, topology_paths(topo))
+        paths = self._paths[1]
         traffic: dict[tuple[str, str], float] = {}
         for (src, dst), qps in self._fwd_rates.items():
             if src not in topo.sites or dst not in topo.sites:
