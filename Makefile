@@ -4,6 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 DEMO_SECONDS ?= 30
+SERVE ?=   # `make demo SERVE=1`: keep the mesh and its console up after the report, until Ctrl-C
 
 .PHONY: venv sysdeps demo test test-fast lint bench bench-quick chaos clean models
 
@@ -32,8 +33,8 @@ test: venv sysdeps lint
 test-fast: venv
 	$(PY) -m pytest -q -m "unit" -p no:cacheprovider
 
-demo: venv
-	$(VENV)/bin/tiermesh up --duration $(DEMO_SECONDS) --report .tiermesh/demo-report.json
+demo: venv  ## ends by printing the admin console's address (SERVE=1 keeps it serving)
+	$(VENV)/bin/tiermesh up --duration $(DEMO_SECONDS) --report .tiermesh/demo-report.json $(if $(SERVE),--then-serve)
 
 chaos: venv  ## the long chaos profile: JSON + plot of attainment over time under .tiermesh/chaos/
 	$(PY) -m tiermesh.chaos --profile long --out .tiermesh/chaos

@@ -422,7 +422,8 @@ class Agent(Service):
             cold_starts=self.host.cold_starts,
             demand=tuple(self.demand.snapshot(time.monotonic())),
             degraded=bool(self.liveness and self.liveness.degraded),
-            view_revision=self.view.revision if self.view else 0)
+            view_revision=self.view.revision if self.view else 0,
+            peer_rtt_ms=dict(self.dataplane.net_rtt_ms))
 
     async def _reconcile_loop(self) -> None:
         """Follow ``placement/<site>``: load what is desired, unload what is neither desired nor used."""

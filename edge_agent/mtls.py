@@ -1,155 +1,49 @@
-"""Mutual TLS at the edge: the site's server credentials, and who a caller is from its client certificate.
+"""Mutual TLS at the edge: the site's server credentials, and which tenant a caller is from its client
+certificate.
 
-:class:`EdgeTls` holds the site's :class:`~mesh.pki.reload.ReloadingCredentials` (one server ``SSLContext``
-with ``CERT_REQUIRED``, reloaded in place when ``pki/sites/<site>.pem`` is re-issued: no restart) and a
-:class:`~mesh.pki.reload.TrustStore` (the CA and ``crl.pem``, re-read on change). TLS refuses at the
-handshake a caller with no certificate, one from another CA, or one outside its validity; everything else
-(exactly one URI SAN, not a CA, clientAuth EKU, not revoked) is checked after it, per connection:
+The per-connection checks (handshake, then SAN, EKU, revocation; cached per connection; revoked callers' idle
+connections swept) are :class:`mesh.pki.peers.TlsPeers`, shared with the admin console. What the edge adds is
+its rule of who may call the inference API:
 
     caller                                    answer
     no certificate / another CA / expired     refused at the handshake (TLS 1.3: a reset at its first request)
     revoked / bad SAN / CA:TRUE / wrong EKU   401 unauthenticated, and the connection is closed
     a site, admin or scheduler identity       403 forbidden on the tenant API (health endpoints admit any)
     tenant header or ``tenant`` parameter     403 forbidden when it names another tenant than the certificate
-
-The verdict is cached per connection (its ``SSLObject``) and recomputed when the CA or the revocation list
-changes or the certificate expires, so a keep-alive connection pays the full check once, and a revoked
-tenant is refused on its next request (401, then the connection is closed) after ``crl.pem`` is re-read
-(``interval_s``) or a newer list arrives from etcd ``pki/crl`` (:meth:`EdgeTls.load_crl`, from the agent's view).
-Idle keep-alive connections are not left waiting for that request: when the CA or the list changes,
-:meth:`EdgeTls.sweep` closes every open connection whose certificate is no longer accepted.
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
-import weakref
-from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
 
-from mesh.errors import PermissionDenied, PkiError, Unauthenticated
-from mesh.lifecycle import Service, cancel_and_wait
-from mesh.log import get_logger, kv
-from mesh.pki.crl import RevocationList
+from mesh.errors import PermissionDenied, PkiError
 from mesh.pki.files import PkiPaths
-from mesh.pki.identity import KINDS, Identity
-from mesh.pki.reload import ReloadingCredentials, TrustStore
-from mesh.pki.verify import peer_certificate
+from mesh.pki.identity import Identity
+from mesh.pki.peers import TlsPeers
 from mesh.v2.codec import TENANT_HEADER
 
 __all__ = ["EdgeTls"]
 
-log = get_logger(__name__)
 
-
-@dataclass(frozen=True, slots=True)
-class _Verdict:
-    identity: Identity | None
-    error: Unauthenticated | PermissionDenied | None
-    ca: object
-    crl: RevocationList | None
-    not_after: float  # wall-clock seconds: past it, check again (and refuse)
-
-
-class EdgeTls(Service):
+class EdgeTls(TlsPeers):
     """The edge's mutual-TLS side: ``ssl_context`` for the listener, ``tenant`` / ``peer`` for the handlers."""
 
     def __init__(self, paths: PkiPaths, site: str, *, interval_s: float = 1.0) -> None:
-        self.identity = Identity("site", site)
         try:
-            self.credentials = ReloadingCredentials.for_identity(paths, self.identity, interval_s=interval_s)
-            self.trust = TrustStore.under(paths, interval_s=interval_s)
+            super().__init__(paths, Identity("site", site), interval_s=interval_s)
         except PkiError as exc:
             raise PkiError(f"site {site} cannot serve HTTPS: {exc} (create them with `tiermesh pki init` and "
                            f"`tiermesh pki issue --site {site} --address HOST`, or run with --insecure)") from exc
-        self.ssl_context = self.credentials.server_context()
-        self.interval_s = interval_s
-        self._verdicts: weakref.WeakKeyDictionary[object, _Verdict] = weakref.WeakKeyDictionary()
-        # connections whose caller was admitted, by transport (it holds its SSLObject, not the reverse)
-        self._open: weakref.WeakKeyDictionary[asyncio.BaseTransport, object] = weakref.WeakKeyDictionary()
-        self._swept: tuple[object, object] = (self.trust.ca, self.trust.crl)
-        self._task: asyncio.Task[None] | None = None
 
     @classmethod
     def under(cls, home: Path | str, site: str, *, interval_s: float = 1.0) -> EdgeTls:
         return cls(PkiPaths.under(home), site, interval_s=interval_s)
 
-    async def _start(self) -> None:
-        await self.trust.start()
-        await self.credentials.start()
-        self._task = asyncio.create_task(self._sweep_loop(), name="EdgeTls.sweep")
-
-    async def _stop(self) -> None:
-        await cancel_and_wait(self._task)
-        await self.credentials.stop()
-        await self.trust.stop()
-
-    async def _sweep_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            if self._swept == (self.trust.ca, self.trust.crl):
-                continue
-            try:
-                self.sweep()
-            except Exception:
-                log.exception("closing the connections of revoked callers failed")
-
-    def sweep(self) -> int:
-        """Close every open connection whose client certificate the current CA and revocation list no longer
-        accept (a revoked tenant's idle keep-alive connections). Returns how many were closed."""
-        self._swept = (self.trust.ca, self.trust.crl)
-        closed = 0
-        for transport, ssl_object in list(self._open.items()):
-            if transport.is_closing() or self._current(ssl_object).error is None:
-                continue
-            transport.close()
-            closed += 1
-        if closed:
-            log.info("closed %d connection(s) of callers no longer trusted", closed, extra=kv(event="tls_sweep"))
-        return closed
-
-    def load_crl(self, pem: bytes) -> bool:
-        """Adopt a newer revocation list (etcd ``pki/crl``): every cached verdict is recomputed on its
-        connection's next request, and open connections it revokes are closed now. ``PkiError`` if it does
-        not verify; True if adopted."""
-        if not self.trust.load_crl(pem):
-            return False
-        self.sweep()
-        return True
-
-    def _verify(self, ssl_object: object) -> _Verdict:
-        ca, crl = self.trust.ca, self.trust.crl
-        try:
-            cert = peer_certificate(ssl_object)  # type: ignore[arg-type]  # an SSLObject, or None
-            not_after = cert.not_valid_after_utc.timestamp()
-            identity = self.trust.verify(cert, use="client", kinds=KINDS)
-        except (Unauthenticated, PermissionDenied) as exc:
-            return _Verdict(None, exc, ca, crl, float("inf"))
-        return _Verdict(identity, None, ca, crl, not_after)
-
     def peer(self, request: web.Request) -> Identity:
         """The caller's verified identity, of any kind; ``Unauthenticated`` (401) if it proves none."""
-        transport = request.transport
-        ssl_object = transport.get_extra_info("ssl_object") if transport is not None else None
-        if ssl_object is None:
-            raise Unauthenticated("no TLS connection", reason="no_certificate")
-        v = self._current(ssl_object)
-        if v.error is not None:
-            # a fresh exception each time: re-raising one instance would grow its traceback per request
-            raise type(v.error)(v.error.message, **v.error.details)
-        assert v.identity is not None and transport is not None
-        self._open[transport] = ssl_object
-        return v.identity
-
-    def _current(self, ssl_object: object) -> _Verdict:
-        """The cached verdict on a connection, recomputed when the CA or the list changed or it expired."""
-        v = self._verdicts.get(ssl_object)
-        if v is None or v.ca is not self.trust.ca or v.crl is not self.trust.crl or time.time() > v.not_after:
-            v = self._verdicts[ssl_object] = self._verify(ssl_object)
-        return v
+        return self.identify(request.transport)
 
     def tenant(self, request: web.Request) -> str:
         """The tenant the client certificate names. A site (or admin, scheduler) identity is not a tenant (403);

@@ -50,6 +50,9 @@ class MeshSettings(BaseSettings):
     advertise: str | None = Field(default=None,
                                   description="Address peers should dial, written into the live record and the "
                                               "variant store's announcement. None: the bind address.")
+    console_token: str | None = Field(default=None,
+                                      description="Token the admin console asks for when it runs without TLS "
+                                                  "(`tiermesh scheduler --insecure`). None: a fresh one, printed.")
 
     def advertised_host(self, bind: str | None = None, advertise: str | None = None) -> str:
         """What peers dial: the given values first (a command line), then these settings; a

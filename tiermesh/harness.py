@@ -18,6 +18,10 @@ certificates, sites talk CURVE, etcd runs with TLS, client-certificate auth and 
 store serves HTTPS with per-tenant authorization. :meth:`tenant_files` hands a tenant's files to SDK clients.
 Without it the agents run ``--insecure`` (plain HTTP, tenant from a header), as most tests and benchmarks
 expect.
+
+With ``console`` the admin console runs beside the scheduler (:class:`console.ConsoleServer`): with ``tls`` over
+HTTPS as ``scheduler/console``, scraping the agents as ``admin/console``, and an ``admin/admin`` certificate
+(PEM and PKCS#12, :meth:`admin_files`) for the person at the browser; without, over HTTP with a token.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from console import ConsoleConfig, ConsoleServer, new_token
 from core_scheduler.scheduler import Scheduler, SchedulerConfig
 from edge_agent.agent import BLOB_PEER
 from mesh.errors import ConfigError, MeshError, StoreError
@@ -44,6 +49,7 @@ from mesh.etcd.server import EmbeddedEtcd
 from mesh.etcd.store import Store
 from mesh.lifecycle import Service
 from mesh.log import get_logger, kv
+from mesh.pki.files import write_file
 from mesh.pki.identity import Identity
 from mesh.pki.local import LocalPki
 from mesh.types import DEFAULT_TENANT
@@ -66,6 +72,11 @@ from variant_store.server import VariantStoreServer
 __all__ = ["LocalMesh", "MeshOptions", "SiteProcess", "path_shape"]
 
 log = get_logger(__name__)
+# the console's identities in a local mesh: it serves as CONSOLE_SERVER, scrapes the agents as CONSOLE_SCRAPER,
+# and CONSOLE_ADMIN (PEM and PKCS#12) is for the person at the browser
+CONSOLE_SERVER = Identity("scheduler", "console")
+CONSOLE_SCRAPER = Identity("admin", "console")
+CONSOLE_ADMIN = Identity("admin", "admin")
 
 
 def _free_port() -> int:
@@ -121,6 +132,8 @@ class MeshOptions:
     # the text family's encoders (None: none; else the backbones, [] meaning all): built once into a
     # cache (``variant_store.build_text``), so off by default for tests that serve digits only
     text_backbones: list[str] | None = None
+    console: bool = False            # the admin console beside the scheduler (not with netns yet)
+    console_port: int = 0            # 0: any free port (LocalMesh.console.url says which)
 
     def scheduler_config(self, candidate_id: str) -> SchedulerConfig:
         cfg = SchedulerConfig(candidate_id=candidate_id, mode=self.mode, proactive=self.proactive)
@@ -162,6 +175,7 @@ class LocalMesh(Service):
         self.lab: NetnsLab | None = None
         self.store_url: str | None = None          # the variant store's advertised URL
         self.control: ControlProcesses | None = None  # variant store + scheduler in the ctl namespace
+        self.console: ConsoleServer | None = None
         # in a namespace of its own etcd has its ports to itself
         self.pki = LocalPki.under(opts.home) if opts.tls else None
         self.creds = MeshCredentials(self.pki) if self.pki is not None else None
@@ -203,7 +217,8 @@ class LocalMesh(Service):
             self._issue_site_credentials(names)
         await self.start_etcd()
         assert self.store is not None
-        diff = await apply_topology(self.store, self.topology)
+        diff = await apply_topology(self.store, self.topology,
+                                    source=self.opts.topology.read_text(encoding="utf-8", errors="replace"))
         log.info("topology applied: %s", diff.summary() if hasattr(diff, "summary") else diff,
                  extra=kv(event="topology_apply"))
         self.blobs = BlobStore(home / "blobs")
@@ -225,6 +240,8 @@ class LocalMesh(Service):
                     sched_store = self._sched_store = await self._connect_as(SCHEDULER)
                 self.scheduler = Scheduler(sched_store, self.opts.scheduler_config(f"up-{os.getpid()}"))
                 await self.scheduler.start()
+        if self.opts.console:
+            await self._start_console()
         for name in names:
             # port 0: each agent binds its own (reserving ports here and releasing them raced with
             # the proxies' own listening ports); the proxies learn the real port when it is ready
@@ -238,13 +255,14 @@ class LocalMesh(Service):
             with contextlib.suppress(Exception):
                 await self.kill_site(name, graceful=True)
         await self.proxies.stop()
-        for step in (self.scheduler.stop if self.scheduler else None,
+        for step in (self.console.stop if self.console else None, self.scheduler.stop if self.scheduler else None,
                      self.variant_server.stop if self.variant_server else None):
             if step is not None:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(step(), 10)
         self.scheduler = None
         self.variant_server = None
+        self.console = None
         if self._sched_store is not None:
             with contextlib.suppress(Exception):
                 await self._sched_store.close()
@@ -277,6 +295,19 @@ class LocalMesh(Service):
         await self.control.start()
         self.store_url = self.control.store_url
 
+    async def _start_console(self) -> None:
+        assert self.store is not None
+        if self.lab is not None:
+            raise ConfigError("the console with netns is not built yet (the scheduler runs in the ctl namespace)")
+        pki_dir = self.pki.paths.root if self.pki is not None else None
+        # it runs in the scheduler's process: with RBAC, it reads etcd as the scheduler does
+        store = self._sched_store or self.store
+        self.console = ConsoleServer(store, ConsoleConfig(port=self.opts.console_port, pki_dir=pki_dir,
+                                                          server_name=CONSOLE_SERVER.name,
+                                                          scrape_admin=CONSOLE_SCRAPER.name,
+                                                          token=None if pki_dir else new_token()))
+        await self.console.start()
+
     # -- identities ------------------------------------------------------------------------
     def tenants(self) -> list[str]:
         """Every tenant a caller may be: the topology's, and the default ``public``."""
@@ -290,6 +321,15 @@ class LocalMesh(Service):
         sites = {n: self._address(n) for n in names}
         sites.setdefault(self._store_identity(), self._address("ctl"))
         self.creds.issue(sites, self.tenants(), etcd_address=self._address("etcd"))
+        if self.opts.console:  # the console's server and scrape identities, and one for a person's browser
+            pki = self.creds.pki
+            pki.issue(CONSOLE_SERVER, addresses=["127.0.0.1", "localhost"])
+            for admin in (CONSOLE_SCRAPER, CONSOLE_ADMIN):
+                pki.issue(admin)
+            password = new_token()
+            pki.export_pkcs12(CONSOLE_ADMIN, password)
+            write_file(pki.paths.cert(CONSOLE_ADMIN).with_suffix(".p12.password"), password.encode() + b"\n",
+                       private=True)
 
     def rotate_certificates(self) -> None:
         """Re-issue every certificate (and every site's CURVE key) in place, as an operator rotating would;
@@ -305,11 +345,21 @@ class LocalMesh(Service):
         who = Identity("tenant", tenant)
         return {"cert": self.pki.paths.cert(who), "key": self.pki.paths.key(who), "ca": self.pki.paths.ca_cert}
 
+    def admin_files(self, name: str = CONSOLE_ADMIN.name) -> dict[str, Path]:
+        """``cert``, ``key``, ``ca``, ``p12`` and ``p12_password`` (a file) of an admin, for the console."""
+        if self.pki is None:
+            raise ConfigError("this mesh runs without TLS (MeshOptions.tls is off): the console takes a token")
+        who = Identity("admin", name)
+        cert = self.pki.paths.cert(who)
+        return {"cert": cert, "key": self.pki.paths.key(who), "ca": self.pki.paths.ca_cert,
+                "p12": cert.with_suffix(".p12"), "p12_password": cert.with_suffix(".p12.password")}
+
     def addresses(self) -> dict[str, Any]:
         """What each participant listens on (for the report): per site its host address, HTTP URL
         and ZeroMQ endpoint (and namespace), plus etcd, the variant store and the proxies' address."""
         ns = (lambda role: self.lab.host(role).netns) if self.lab is not None else (lambda role: None)
         return {"etcd": self.etcd_url, "variant_store": self.store_url,
+                "console": self.console.url if self.console is not None else None,
                 "proxies": self.proxies.listen_host if self.opts.wan else None,
                 "sites": {n: {"address": self._address(n), "http": sp.http, "zmq": sp.zmq, "netns": ns(n)}
                           for n, sp in sorted(self.sites.items())}}

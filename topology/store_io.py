@@ -9,29 +9,34 @@ comments or key order changed is still a no-op.
 ``apply`` is one etcd transaction guarded by the mod revisions it read (``topology/meta`` is
 always compared, so two concurrent applies cannot interleave), retried a few times on conflict.
 It writes only keys whose value changed: re-applying the same topology writes nothing and does
-not move the revision, so watchers (agents, the scheduler) see nothing to do.
+not move the revision, so watchers (agents, the scheduler) see nothing to do. An apply that changes
+something also records, in the same transaction, what it changed at ``topology/last_apply``
+(:func:`last_apply_record`: the diff, when, and the source text if the caller passes it) for the console.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from mesh.errors import ConflictError, StoreError
-from mesh.etcd.keys import LINKS, SITES, TENANTS, TOPOLOGY_META, link_key, site_key, tenant_key
+from mesh.etcd.keys import LINKS, SITES, TENANTS, TOPOLOGY_LAST_APPLY, TOPOLOGY_META, link_key, site_key, tenant_key
 from mesh.etcd.store import KV, Compare, CreateRevision, Delete, ModRevision, Op, Put, Store
 from mesh.log import get_logger, kv
 from topology.schema import SCHEMA_VERSION, Link, Site, Tenant, Topology
 
 __all__ = [
+    "MAX_SOURCE_BYTES",
     "MAX_TXN_OPS",
     "META_KEY",
     "Diff",
     "apply",
     "desired_state",
     "diff",
+    "last_apply_record",
     "load_topology",
     "read_state",
 ]
@@ -41,6 +46,8 @@ log = get_logger(__name__)
 META_KEY = TOPOLOGY_META
 # etcd's default --max-txn-ops; a bigger change would be refused by the server, so say so first.
 MAX_TXN_OPS = 128
+# the source text kept beside the last apply's diff; etcd values stop at ~1.5 MB, a topology is a few KB
+MAX_SOURCE_BYTES = 256 * 1024
 _TOPOLOGY_PREFIX = "topology/"
 
 
@@ -138,8 +145,25 @@ async def load_topology(store: Store) -> Topology | None:
     return Topology(sites=sites, links=tuple(links), tenants=tenants, schema=SCHEMA_VERSION)
 
 
-async def apply(store: Store, topo: Topology, *, attempts: int = 5) -> Diff:
-    """Make etcd hold exactly ``topo``; returns what changed (empty when it already did)."""
+def last_apply_record(d: Diff, topo: Topology, *, source: str | None = None,
+                      now: float | None = None) -> dict[str, Any]:
+    """The ``topology/last_apply`` value: the diff key by key (``changed`` as ``{"old", "new"}``), its summary,
+    the digest applied, the wall-clock time (for people), and ``source`` (the file's text) when given and
+    not larger than ``MAX_SOURCE_BYTES`` (else ``source_omitted`` says why it is missing)."""
+    record: dict[str, Any] = {
+        "schema": SCHEMA_VERSION, "ts": time.time() if now is None else now, "digest": topo.digest(),
+        "summary": d.summary(), "added": d.added, "removed": d.removed,
+        "changed": {k: {"old": old, "new": new} for k, (old, new) in d.changed.items()}, "source": None}
+    if source is not None and len(source.encode()) <= MAX_SOURCE_BYTES:
+        record["source"] = source
+    elif source is not None:
+        record["source_omitted"] = f"source larger than {MAX_SOURCE_BYTES} bytes"
+    return record
+
+
+async def apply(store: Store, topo: Topology, *, attempts: int = 5, source: str | None = None) -> Diff:
+    """Make etcd hold exactly ``topo``; returns what changed (empty when it already did). ``source``: the
+    topology file's text, kept with the record of this apply when it changes something."""
     desired = desired_state(topo)
     meta = _meta(topo)
     for attempt in range(attempts):
@@ -156,6 +180,7 @@ async def apply(store: Store, topo: Topology, *, attempts: int = 5) -> Diff:
         ops += [Put(k, new) for k, (_, new) in d.changed.items()]
         ops += [Delete(k) for k in d.removed]
         ops.append(Put(META_KEY, meta))
+        ops.append(Put(TOPOLOGY_LAST_APPLY, last_apply_record(d, topo, source=source)))
         if len(ops) > MAX_TXN_OPS:
             raise StoreError(f"topology change of {len(ops)} keys exceeds etcd's {MAX_TXN_OPS} operations "
                              f"per transaction; start etcd with a larger --max-txn-ops")

@@ -90,6 +90,9 @@ class Heartbeat:
     degraded_episodes: int = 0
     lease_renewals: int = 0
     view_revision: int = 0
+    # measured network round trip to each peer it forwarded to (EWMA, ms, remote time removed): the console's
+    # link labels; routing keeps its own correction and does not read this
+    peer_rtt_ms: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def memory_free_bytes(self) -> int:
@@ -104,6 +107,7 @@ class Heartbeat:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["loaded"] = {vid: asdict(lv) for vid, lv in self.loaded.items()}
         out["demand"] = [asdict(d) for d in self.demand]
+        out["peer_rtt_ms"] = {k: round(v, 3) for k, v in self.peer_rtt_ms.items()}
         return {"schema": SCHEMA_VERSION, **out}
 
     @classmethod
@@ -125,10 +129,14 @@ class Heartbeat:
         demand = [] if demand is None else demand
         if not isinstance(loaded, Mapping) or not isinstance(demand, list):
             raise TypeError("heartbeat 'loaded' must be an object and 'demand' a list")
-        known = {f.name for f in fields(cls)} - {"loaded", "demand"}
+        rtts = d.get("peer_rtt_ms") or {}
+        if not isinstance(rtts, Mapping):
+            raise TypeError("heartbeat 'peer_rtt_ms' must be an object")
+        known = {f.name for f in fields(cls)} - {"loaded", "demand", "peer_rtt_ms"}
         scalars = {k: v for k, v in d.items() if k in known}
         hb = cls(**scalars, loaded={str(vid): LoadedVariant.from_json(v) for vid, v in loaded.items()},
-                 demand=tuple(DemandSample.from_json(x) for x in demand))
+                 demand=tuple(DemandSample.from_json(x) for x in demand),
+                 peer_rtt_ms={str(k): _num(v, "peer_rtt_ms") for k, v in rtts.items()})
         return replace(hb, capacity=max(1, int(hb.capacity)), inflight=int(hb.inflight),
                        memory_used_bytes=int(hb.memory_used_bytes),
                        model_memory_budget_bytes=int(hb.model_memory_budget_bytes),

@@ -23,6 +23,7 @@ __all__ = [
     "SITES",
     "TASK_NAME",
     "TENANTS",
+    "TOPOLOGY_LAST_APPLY",
     "TOPOLOGY_META",
     "KeyKind",
     "blobs_key",
@@ -49,6 +50,8 @@ SERVICES = "services/"
 PKI = "pki/"
 PKI_CRL = PKI + "crl"  # the CA-signed revocation list (PEM), published by `tiermesh pki revoke`
 TOPOLOGY_META = "topology/meta"
+# what the last topology apply that changed something changed (for the console): written in its txn
+TOPOLOGY_LAST_APPLY = "topology/last_apply"
 ELECTION_SCHEDULER = "election/scheduler"
 EVENTS_PLACEMENT = "events/placement"
 TASK_NAME = "_task"  # catalog/<task>/_task holds the task's signature: never a variant id

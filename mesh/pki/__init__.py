@@ -12,6 +12,7 @@ Ground floor beside ``mesh.v2``: depends only on ``cryptography``, the standard 
     files      the layout under $TIERMESH_HOME/pki/, atomic 0600 writes
     local      LocalPki: init / issue / revoke / listing on a home directory (what the CLI runs)
     reload     ReloadingCredentials (SSLContexts that follow their files), TrustStore (CA + CRL that do)
+    peers      TlsPeers: a mutual-TLS server's credentials and its callers' identities, checked per connection
 """
 
 from mesh.pki.ca import CertificateAuthority, IssuedCertificate
@@ -20,6 +21,7 @@ from mesh.pki.curve import CurveKeyPair
 from mesh.pki.files import PkiPaths
 from mesh.pki.identity import KINDS, Identity, Kind
 from mesh.pki.local import IssuedRecord, LocalPki
+from mesh.pki.peers import TlsPeers
 from mesh.pki.policy import CA_LIFETIME, CLOCK_SKEW, LIFETIMES, Use
 from mesh.pki.reload import ReloadingCredentials, TrustStore
 from mesh.pki.verify import peer_certificate, verify_certificate
@@ -40,6 +42,7 @@ __all__ = [
     "ReloadingCredentials",
     "Revocation",
     "RevocationList",
+    "TlsPeers",
     "TrustStore",
     "Use",
     "peer_certificate",

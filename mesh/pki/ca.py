@@ -98,9 +98,12 @@ class CertificateAuthority:
               curve_public: bytes | str | None = None, now: datetime | None = None,
               key: ec.EllipticCurvePrivateKey | None = None) -> IssuedCertificate:
         """A leaf certificate for ``identity`` (a fresh key unless ``key`` is given). ``addresses`` (DNS names
-        or IPs) and ``curve_public`` (Z85) are for sites only. It never outlives the CA."""
-        if identity.kind != "site" and (addresses or curve_public is not None):
-            raise ConfigError(f"addresses and CURVE keys are for site certificates, not {identity.kind}")
+        or IPs) are for the kinds that serve (a site's edge API, a scheduler's console); ``curve_public`` (Z85)
+        for sites only. It never outlives the CA."""
+        if "server" not in EKUS[identity.kind] and addresses:
+            raise ConfigError(f"addresses are for certificates that serve (site, scheduler), not {identity.kind}")
+        if identity.kind != "site" and curve_public is not None:
+            raise ConfigError(f"CURVE keys are for site certificates, not {identity.kind}")
         key = key or new_key()
         start = _now(now)
         life = _check_lifetime(LIFETIMES[identity.kind] if lifetime is None else lifetime)

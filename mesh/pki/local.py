@@ -17,6 +17,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from cryptography import x509
+from cryptography.hazmat.primitives.serialization import BestAvailableEncryption, pkcs12
 
 from mesh.errors import ConfigError, PkiError
 from mesh.pki.ca import CertificateAuthority, IssuedCertificate
@@ -167,3 +168,15 @@ class LocalPki:
 
     def certificate(self, identity: Identity) -> x509.Certificate:
         return read_cert(self.paths.cert(identity))
+
+    def export_pkcs12(self, identity: Identity, password: str) -> Path:
+        """``identity``'s certificate, key and the CA as one password-protected PKCS#12 file beside its PEM
+        files (``<name>.p12``, 0600): what a browser imports to present an admin certificate."""
+        if not password:
+            raise ConfigError("a PKCS#12 export needs a password (browsers refuse empty ones)")
+        blob = pkcs12.serialize_key_and_certificates(
+            identity.common_name.encode(), read_key(self.paths.key(identity)), read_cert(self.paths.cert(identity)),
+            [read_cert(self.paths.ca_cert)], BestAvailableEncryption(password.encode()))
+        path = self.paths.cert(identity).with_suffix(".p12")
+        write_file(path, blob, private=True)
+        return path

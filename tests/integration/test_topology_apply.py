@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mesh.etcd.keys import link_key, site_key, tenant_key
+from mesh.etcd.keys import TOPOLOGY_LAST_APPLY, link_key, site_key, tenant_key
 from mesh.etcd.store import Store
 from topology.loader import parse_topology
 from topology.paths import topology_paths
@@ -71,7 +71,7 @@ async def test_edit_one_link_rewrites_only_that_key(store: Store) -> None:
     after = await _revisions(store)
     assert set(after) == set(before)
     moved = {k for k in after if after[k] != before[k]}
-    assert moved == {key, META_KEY}  # meta carries the new digest
+    assert moved == {key, META_KEY, TOPOLOGY_LAST_APPLY}  # meta carries the new digest; the record, this diff
     assert after[key] > before[key]
     loaded = await load_topology(store)
     assert loaded is not None and loaded == edited

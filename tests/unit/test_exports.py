@@ -53,7 +53,7 @@ def test_no_reexport_facades() -> None:
     """A module's ``__all__`` lists what it defines; only package ``__init__``s gather names."""
     root = Path(__file__).resolve().parents[2]
     found: dict[str, set[str]] = {}
-    for pkg in ("mesh", "topology", "variant_store", "core_scheduler", "edge_agent", "tiermesh", "bench"):
+    for pkg in ("mesh", "topology", "variant_store", "core_scheduler", "edge_agent", "console", "tiermesh", "bench"):
         for path in sorted((root / pkg).rglob("*.py")):
             if path.name == "__init__.py":
                 continue

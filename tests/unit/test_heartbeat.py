@@ -20,7 +20,8 @@ def _beat() -> Heartbeat:
                      loaded={"mlp-tiny": LoadedVariant(task="digits", queue_ms=1.25, queued_rows=3, served=7)},
                      inflight=2, capacity=16, model_memory_budget_bytes=1000, memory_used_bytes=400,
                      demand=(DemandSample(task="digits", slo_class="tight-lo", tenant="acme", qps=4.0,
-                                          budget_ms=20.0, min_accuracy=0.9),))
+                                          budget_ms=20.0, min_accuracy=0.9),),
+                     peer_rtt_ms={"core-1": 12.5})
 
 
 def test_round_trip_through_json_is_exact() -> None:
@@ -51,6 +52,8 @@ def test_unknown_fields_are_dropped_and_missing_ones_default() -> None:
     {"site": "s", "demand": [{"task": "t", "slo_class": "c", "qps": "many", "budget_ms": 1, "min_accuracy": 0}]},
     {"site": "s", "demand": [{"task": "t", "slo_class": "c", "qps": math.nan, "budget_ms": 1, "min_accuracy": 0}]},
     {"site": "s", "inflight": "lots"},
+    {"site": "s", "peer_rtt_ms": [1.0]},                   # RTTs by peer, not a list
+    {"site": "s", "peer_rtt_ms": {"p": math.inf}},
 ])
 def test_malformed_records_are_refused(bad: object) -> None:
     with pytest.raises((ValueError, TypeError, KeyError)):

@@ -17,7 +17,7 @@ import pytest
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("mesh", "topology", "variant_store", "core_scheduler", "edge_agent", "tiermesh", "bench")
+PACKAGES = ("mesh", "topology", "variant_store", "core_scheduler", "edge_agent", "console", "tiermesh", "bench")
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 
 
@@ -58,6 +58,8 @@ def test_the_contracts_hold_on_this_tree(tmp_path: Path, lint_available: None) -
     ("core_scheduler/state/view.py", "import aetcd", "Only mesh.etcd"),
     ("edge_agent/site_dataplane.py", "import zmq", "Only mesh.zmq"),
     ("mesh/pki/curve.py", "import zmq", "Only mesh.zmq"),  # CURVE keys are made without pyzmq
+    ("console/app.py", "import edge_agent.mtls", "Layers"),  # the console stands beside the agent, not on it
+    ("core_scheduler/scheduler.py", "import console.server", "Layers"),
     ("mesh/zmq/base.py", "from mesh.zmq import sync", "No import loops"),
 ])
 def test_one_upward_import_breaks_a_contract(tmp_path: Path, lint_available: None, module: str, line: str,

@@ -33,6 +33,7 @@ _GROUPS: tuple[str, ...] = (
     "tiermesh.cli.scheduler",
     "tiermesh.cli.up",
     "tiermesh.cli.pki",
+    "tiermesh.cli.console",
 )
 # commands whose module is not tiermesh.cli.<command>
 _COMMAND_MODULE = {"etcd-rbac": "tiermesh.cli.etcd"}

@@ -69,7 +69,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     _home_arg(s)
     _identity_args(s)
     s.add_argument("--address", action="append", default=[], metavar="HOST",
-                   help="(sites only) a DNS name or IP the site is reached at, added as a SAN; repeatable")
+                   help="(sites and schedulers) a DNS name or IP it is reached at (a site's edge API, a scheduler's "
+                        "console), added as a SAN; repeatable")
     s.add_argument("--hours", type=float, default=None, metavar="N", help="lifetime in hours instead of the default")
     s.set_defaults(func=_issue)
 

@@ -1,4 +1,5 @@
-"""``tiermesh scheduler``: run a scheduler replica (one of several; one leads via etcd election)."""
+"""``tiermesh scheduler``: run a scheduler replica (one of several; one leads via etcd election), and with
+``--console-port`` the admin console beside it (every replica can serve it: it reads etcd, not the leader)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,18 @@ import asyncio
 import os
 import signal
 import socket
+import sys
+from pathlib import Path
 
+from console import ConsoleConfig, ConsoleServer
+from console.app import Route
 from core_scheduler.scheduler import Scheduler, SchedulerConfig
+from mesh.errors import ConfigError
 from mesh.log import get_logger, kv
 from mesh.settings import MeshSettings
 from tiermesh.cli.context import open_store, store_args
 
-__all__ = ["register"]
+__all__ = ["register", "scheduler_routes"]
 
 log = get_logger(__name__)
 
@@ -21,9 +27,11 @@ log = get_logger(__name__)
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     from tiermesh.cli.main import add_addresses, add_common
 
-    p = sub.add_parser("scheduler", help="run a scheduler replica (placement control loop)",
+    p = sub.add_parser("scheduler", help="run a scheduler replica (placement control loop) and the admin console",
                        description="Run a scheduler replica. Replicas elect one leader through etcd; the leader "
-                                   "decides which variants each site holds and writes placement/<site>.")
+                                   "decides which variants each site holds and writes placement/<site>. With "
+                                   "--console-port the replica also serves the admin console (HTTPS, admin client "
+                                   "certificates only; --insecure: plain HTTP with a token).")
     add_common(p)
     p.add_argument("--id", default=f"{socket.gethostname()}-{os.getpid()}", help="candidate id")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between placement rounds")
@@ -31,8 +39,40 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--election-ttl", type=float, default=3.0,
                    help="lease TTL of the election key, seconds: a dead leader is replaced within it")
     p.add_argument("--mode", default="tiermesh", help="placement mode (tiermesh or a baseline)")
-    add_addresses(p, "the admin console", note=". Recorded only: the scheduler serves nothing yet")
+    add_addresses(p, "the admin console", aliases=("--console-bind",))
+    p.add_argument("--console-port", type=int, default=None, metavar="PORT",
+                   help="serve the admin console on this port (0: any free one; default: no console)")
+    p.add_argument("--pki-dir", type=Path, default=None,
+                   help="the mesh PKI (default HOME/pki): the console serves as scheduler/NAME (--console-name) "
+                        "and scrapes the agents as admin/NAME (--console-admin)")
+    p.add_argument("--console-name", default="console", help="scheduler identity the console serves as")
+    p.add_argument("--console-admin", default="console", help="admin identity the console scrapes agents as")
+    p.add_argument("--insecure", action="store_true",
+                   help="console over plain HTTP with a token instead of client certificates (development only; "
+                        "the token is $TIERMESH_CONSOLE_TOKEN or a fresh one, printed on stderr)")
     p.set_defaults(func=_run)
+
+
+def scheduler_routes(sched: Scheduler) -> list[Route]:
+    """Routes the console serves for the scheduler process itself, behind the same admin gate.
+
+    HOOK (issue 12, item 1): when ``core_scheduler.metrics`` lands, return
+    ``[("GET", "/metrics", metrics_handler(registry))]`` here with the scheduler's registry."""
+    return []
+
+
+def _console_config(args: argparse.Namespace, settings: MeshSettings) -> ConsoleConfig | None:
+    if args.console_port is None:
+        return None
+    if not 0 <= args.console_port <= 65535:
+        raise ConfigError(f"--console-port {args.console_port}: a port is 0..65535")
+    if args.insecure:
+        token = settings.console_token or None
+        return ConsoleConfig(bind=args.bind, port=args.console_port, advertise=args.advertise, token=token)
+    home = Path(args.home) if args.home else settings.home
+    return ConsoleConfig(bind=args.bind, port=args.console_port, advertise=args.advertise,
+                         pki_dir=args.pki_dir or home / "pki", server_name=args.console_name,
+                         scrape_admin=args.console_admin)
 
 
 async def _run(args: argparse.Namespace) -> int:
@@ -40,8 +80,7 @@ async def _run(args: argparse.Namespace) -> int:
     # checked now (a wildcard without --advertise is refused) so the console inherits valid values
     args.bind = args.bind or settings.bind
     args.advertise = settings.advertised_host(args.bind, args.advertise)
-    log.info("scheduler %s: console address recorded (bind %s, advertise %s); nothing served yet",
-             args.id, args.bind, args.advertise, extra=kv(event="scheduler_addresses"))
+    console_cfg = _console_config(args, settings)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -50,9 +89,16 @@ async def _run(args: argparse.Namespace) -> int:
         sched = Scheduler(store, SchedulerConfig(candidate_id=args.id, interval_s=args.interval,
                                                  election_ttl_s=args.election_ttl, mode=args.mode,
                                                  proactive=not args.reactive))
+        console = ConsoleServer(store, console_cfg, extra_routes=scheduler_routes(sched)) if console_cfg else None
         await sched.start()
         try:
+            if console is not None:
+                await console.start()
+                log.info("scheduler %s: console at %s", args.id, console.url, extra=kv(event="console_up"))
+                print(f"console {console.login_url}", file=sys.stderr, flush=True)
             await stop.wait()
         finally:
+            if console is not None:
+                await console.stop()
             await sched.stop()
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -136,10 +137,15 @@ async def _diff(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _source(path: str) -> str:
+    return Path(path).read_text(encoding="utf-8", errors="replace")
+
+
 async def _apply(args: argparse.Namespace) -> int:
     topo = load_topology_file(args.file)
+    source = _source(args.file)  # kept with the record of this apply (the console shows it)
     async with _store_cm(args) as store:
-        d = await apply(store, topo)
+        d = await apply(store, topo, source=source)
     console = _console()
     if d.empty:
         console.print("no changes")

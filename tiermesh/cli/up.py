@@ -13,6 +13,11 @@ Secured by default: the edge APIs speak HTTPS with client certificates; the run 
 under HOME/pki (or keeps the one there), a certificate per site and one per tenant of the topology, and
 prints where they are. ``--insecure`` (development only, with a warning) serves plain HTTP and takes the
 tenant from the X-Tiermesh-Tenant header.
+
+The admin console runs beside the scheduler and its address is printed (last, after a workload's report):
+with TLS it admits the admin certificate the run issues (``HOME/pki/admins/admin.pem``, and ``admin.p12`` with
+its password file for a browser); with ``--insecure`` the printed address carries a token.
+``--then-serve`` keeps the mesh and the console up after a ``--duration`` workload, until Ctrl-C.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from tiermesh.netns import require_netns
 from tiermesh.secure import OPERATOR
 from tiermesh.workload import DEFAULT_CLASSES, TEXT_CLASS, SloClass, render_table, run_workload, summarise
 
-__all__ = ["register", "run_up"]
+__all__ = ["print_console", "register", "run_up"]
 
 DEFAULT_TOPOLOGY = Path("examples/topology.yaml")
 
@@ -73,6 +78,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--no-text", action="store_true",
                    help="serve the digits family only: skip the text family (MiniLM encoders shared by acme's and "
                         "globex's heads; built once into ~/.cache/tiermesh, about a minute)")
+    p.add_argument("--console-port", type=int, default=0, metavar="PORT",
+                   help="port of the admin console (default: any free one; the address is printed)")
+    p.add_argument("--no-console", action="store_true", help="do not serve the admin console")
+    p.add_argument("--then-serve", action="store_true",
+                   help="after the --duration workload and its report, keep serving (mesh and console) until Ctrl-C")
     p.set_defaults(func=run_up)
 
 
@@ -89,9 +99,12 @@ async def run_up(args: argparse.Namespace) -> int:
         raise ConfigError(f"--etcd-members {args.etcd_members}: an etcd cluster has 1, 3 or 5 members")
     if args.etcd_members > 1 and args.netns:
         raise ConfigError("--etcd-members > 1 with --netns is not built yet (etcd runs in one namespace)")
+    if not 0 <= args.console_port <= 65535:
+        raise ConfigError(f"--console-port {args.console_port}: a port is 0..65535")
     opts = MeshOptions(topology=args.topology, home=home, wan=not args.no_wan, netns=args.netns,
                        etcd_members=args.etcd_members, tls=not args.insecure,
-                       text_backbones=None if args.no_text else [])
+                       text_backbones=None if args.no_text else [],
+                       console=not (args.no_console or args.netns), console_port=args.console_port)
     if args.insecure:
         console.print(f"[bold yellow]{INSECURE_WARNING}[/]")
     mesh = LocalMesh(opts)
@@ -126,14 +139,34 @@ async def run_up(args: argparse.Namespace) -> int:
             console.print(f"etcd: TLS, client certificates and RBAC per role; variant store {mesh.store_url} (HTTPS, "
                           f"tenant-private variants to their tenant only); operator identity {paths.root / 'admins'}")
         if args.duration is None:
+            print_console(mesh, console)
             console.print("serving; Ctrl-C to stop")
             await stop.wait()
             return 0
-        return await _drive(mesh, args, console, kill, drills, stop)
+        rc = await _drive(mesh, args, console, kill, drills, stop)
+        print_console(mesh, console, serving=args.then_serve)
+        if args.then_serve and rc == 0 and not stop.is_set():
+            console.print("serving; Ctrl-C to stop")
+            await stop.wait()
+        return rc
     finally:
         clear_record(home)
         with console.status("stopping mesh..."):
             await mesh.stop()
+
+
+def print_console(mesh: LocalMesh, console: Console, *, serving: bool = True) -> None:
+    """Where the admin console is and how to get in (certificate files, or the token in the address)."""
+    if mesh.console is None:
+        if mesh.opts.netns:
+            console.print("console: not served with --netns yet")
+        return
+    if mesh.pki is not None:
+        files = mesh.admin_files()
+        console.print(f"admin certificate {files['cert']} (key {files['key']}, CA {files['ca']}); for a browser "
+                      f"import {files['p12']} (password in {files['p12_password']})", markup=False, soft_wrap=True)
+    note = "" if serving else "  (stops with this run: --then-serve, or `make demo SERVE=1`, keeps it up)"
+    console.print(f"[bold]console[/] {mesh.console.login_url}{note}", soft_wrap=True)
 
 
 async def _drive(mesh: LocalMesh, args: argparse.Namespace, console: Console, kill: tuple[str, float] | None,
