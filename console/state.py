@@ -204,6 +204,10 @@ class ConsoleState(Service):
                 "events": list(self._events), "last_apply_ts": (self.last_apply or {}).get("ts"),
                 "topology_digest": (self.last_apply or {}).get("digest")}
 
+    def _healthy(self, site: str) -> bool:
+        scrape = self._scrapes.get(site)
+        return site in self.view.live and (scrape is None or scrape.reachable)
+
     def _site(self, name: str) -> dict[str, Any]:
         assert self.view.topology is not None
         spec = self.view.topology.sites[name]
@@ -219,7 +223,9 @@ class ConsoleState(Service):
             return {**out, "health": "down", "why": "no live record (not started, or its lease expired)",
                     "load": 0.0, "variants": []}
         health, why = "up", ""
-        unreachable = sorted(p for p, ok in (m.peer_reachable.items() if m else []) if not ok)
+        # a peer that is down or unreachable itself (no live record, or the console cannot reach it either) is
+        # shown so on its own marker: it does not make the sites that lost it degraded
+        unreachable = sorted(p for p, ok in (m.peer_reachable.items() if m else []) if not ok and self._healthy(p))
         if scrape is not None and not scrape.reachable:
             health, why = "unreachable", f"edge API: {scrape.error}"
         elif hb.degraded:

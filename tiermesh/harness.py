@@ -39,6 +39,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from console import ConsoleConfig, ConsoleServer, new_token
+from console.app import Route
 from core_scheduler.scheduler import Scheduler, SchedulerConfig
 from edge_agent.agent import BLOB_PEER
 from mesh.errors import ConfigError, MeshError, StoreError
@@ -305,8 +306,17 @@ class LocalMesh(Service):
         self.console = ConsoleServer(store, ConsoleConfig(port=self.opts.console_port, pki_dir=pki_dir,
                                                           server_name=CONSOLE_SERVER.name,
                                                           scrape_admin=CONSOLE_SCRAPER.name,
-                                                          token=None if pki_dir else new_token()))
+                                                          token=None if pki_dir else new_token()),
+                                    extra_routes=self._scheduler_routes())
         await self.console.start()
+
+    def _scheduler_routes(self) -> list[Route]:
+        """The in-process scheduler's Prometheus metrics at the console's ``/metrics`` (behind its admin gate)."""
+        if self.scheduler is None:
+            return []
+        from core_scheduler.metrics import metrics_handler
+
+        return [("GET", "/metrics", metrics_handler(self.scheduler.metrics.registry))]
 
     # -- identities ------------------------------------------------------------------------
     def tenants(self) -> list[str]:

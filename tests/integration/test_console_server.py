@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from console import ConsoleConfig, ConsoleServer
 from core_scheduler.state.heartbeat import Heartbeat
@@ -230,6 +231,13 @@ async def test_a_scheduler_replica_serves_the_console(etcd_server: Any, store: S
         base = url.split("/?", 1)[0]
         status, snap, _ = await _get(base + "/api/state", headers={"Authorization": f"Bearer {TOKEN}"})
         assert status == 200 and "version" in snap
+        # the scheduler's own Prometheus metrics, behind the same gate
+        status, text, _ = await _get(base + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
+        assert status == 200, text
+        names = {f.name for f in text_string_to_metric_families(text)}
+        assert {"tiermesh_scheduler_rounds", "tiermesh_etcd_connected"} <= names, names
+        status, _, _ = await _get(base + "/metrics")
+        assert status == 401
     finally:
         if proc.returncode is None:
             proc.send_signal(signal.SIGTERM)

@@ -54,11 +54,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def scheduler_routes(sched: Scheduler) -> list[Route]:
-    """Routes the console serves for the scheduler process itself, behind the same admin gate.
+    """Routes the console serves for the scheduler process itself, behind the same admin gate: the
+    scheduler's Prometheus metrics at ``/metrics``."""
+    from core_scheduler.metrics import metrics_handler
 
-    HOOK (issue 12, item 1): when ``core_scheduler.metrics`` lands, return
-    ``[("GET", "/metrics", metrics_handler(registry))]`` here with the scheduler's registry."""
-    return []
+    return [("GET", "/metrics", metrics_handler(sched.metrics.registry))]
 
 
 def _console_config(args: argparse.Namespace, settings: MeshSettings) -> ConsoleConfig | None:
