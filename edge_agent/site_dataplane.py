@@ -155,6 +155,11 @@ class SiteDataPlane:
         if tenant not in topo.tenants:
             raise UnknownTenant(f"unknown tenant {tenant!r}")
 
+    def _strict(self, tenant: str) -> bool:
+        topo = self.view.topology
+        t = topo.tenants.get(tenant) if topo is not None else None
+        return t is not None and t.isolation == "strict"
+
     def _on_reachability(self, endpoint: str, down: bool) -> None:
         if down:
             self._down_endpoints.add(endpoint)
@@ -212,9 +217,10 @@ class SiteDataPlane:
             raise NoRoute(f"{self.site}: variant {variant_id} of {req.task} not in catalog")
         if meta.owner not in (DEFAULT_TENANT, req.tenant):
             raise UnknownTask(f"task {req.task!r} has no variant {variant_id!r} for tenant {req.tenant!r}")
-        lv = await self.host.ensure(meta)
-        lv.last_used = time.monotonic()
-        result = await lv.batcher.submit(req.inputs, req.deadline)
+        # a strict tenant gets instances of its own: own session, batcher and backbone
+        lv = await self.host.ensure(meta, req.tenant if self._strict(req.tenant) else "")
+        lv.touch(time.monotonic())
+        result = await lv.batcher.submit(req.inputs, req.deadline, lane=variant_id, tenant=req.tenant)
         self.served += 1
         total = (time.monotonic() - received) * 1000.0
         return InferResponse(
@@ -222,7 +228,7 @@ class SiteDataPlane:
             accuracy=meta.accuracy, reason=reason, best_effort=best_effort, tenant=req.tenant,
             timing=Timing(network_ms=0.0, queue_ms=result.queue_ms, compute_ms=result.compute_ms,
                           total_ms=total),
-            hops=req.hops)
+            hops=req.hops, backbone_tenants=result.tenants if result.shared_backbone else 0)
 
     async def _forward(self, req: InferRequest, d: Decision, received: float, remaining_ms: float) -> InferResponse:
         endpoint = self._peer_endpoint(d.site)

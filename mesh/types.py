@@ -271,3 +271,6 @@ class InferResponse:
     tenant: str = DEFAULT_TENANT
     timing: Timing = field(default_factory=Timing)
     hops: list[str] = field(default_factory=list)
+    # served through a backbone shared by several heads: the distinct tenants in its batch (1 or
+    # more); 0 when no shared backbone was involved
+    backbone_tenants: int = 0

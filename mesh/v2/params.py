@@ -91,13 +91,18 @@ def parse_slo(params: Mapping[str, Any]) -> SLO:
 def response_parameters(resp: InferResponse) -> dict[str, Any]:
     """Mesh metadata for a response's ``parameters`` (V2 allows only scalar values: hops is joined)."""
     t = resp.timing
-    return {
+    out = {
         "site": resp.site, "variant": resp.variant, "accuracy": resp.accuracy, "reason": resp.reason,
         "best_effort": resp.best_effort, "tenant": resp.tenant,
         "timing_ms_network": t.network_ms, "timing_ms_queue": t.queue_ms,
         "timing_ms_compute": t.compute_ms, "timing_ms_total": t.total_ms,
         "hops": ",".join(resp.hops),
     }
+    if resp.backbone_tenants:
+        # run through a backbone shared across tenants; how many tenants its batch held
+        out["shared_backbone"] = True
+        out["backbone_batch_tenants"] = resp.backbone_tenants
+    return out
 
 
 def _num(v: object) -> float:

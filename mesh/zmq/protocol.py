@@ -20,7 +20,7 @@ clock at encode, for diagnostics (logs of a late arrival) only: it is never comp
 receiver's clock.
 
 Reply header: ``{v, kind: "rep", id, site, variant, accuracy, reason, best_effort, tenant,
-timing: {network_ms, queue_ms, compute_ms, total_ms}, hops, tensors}`` or
+timing: {network_ms, queue_ms, compute_ms, total_ms}, hops, tensors[, backbone_tenants]}`` or
 ``{v, kind: "err", id, code, error}`` where ``code`` is a ``mesh.errors`` code.
 
 Tensor bytes are little-endian, C-order, never copied on encode (frames are views of the arrays)
@@ -187,6 +187,8 @@ def encode_response(resp: InferResponse) -> Frames:
         "hops": list(resp.hops),
         "tensors": descs,
     }
+    if resp.backbone_tenants:
+        header["backbone_tenants"] = int(resp.backbone_tenants)
     return [_pack(header), *frames]
 
 
@@ -274,8 +276,11 @@ def _fast_response(h: dict[str, Any], rid: str, frames: Sequence[object], max_by
     tensors = _fast_tensors(h.get("tensors"), frames[1:], max_bytes)
     if tensors is None:
         return None
+    shared = h.get("backbone_tenants", 0)
+    if type(shared) is not int or shared < 0:
+        return None  # the checked path says what is wrong
     return InferResponse(rid, tensors, site, variant, accuracy, reason, best_effort, tenant,
-                         Timing(network, queue, compute, total), hops)
+                         Timing(network, queue, compute, total), hops, shared)
 
 
 # ---------------------------------------------------------------- decode
