@@ -22,6 +22,7 @@ __all__ = [
     "DTYPE_TO_V2",
     "NATIVE",
     "V2_TO_NP",
+    "backbone_tenants",
     "datatype_of",
     "dtype_of",
     "metadata_to_signature",
@@ -130,6 +131,12 @@ def result_values(params: Mapping[str, Any]) -> ResultValues:
             Timing(_num(get("timing_ms_network", 0.0)), _num(get("timing_ms_queue", 0.0)),
                    _num(get("timing_ms_compute", 0.0)), _num(get("timing_ms_total", 0.0))),
             [h for h in _text(hops).split(",") if h] if hops else [])
+
+
+def backbone_tenants(params: Mapping[str, Any]) -> int:
+    """``backbone_batch_tenants`` of a response's parameters (0 when absent or not a count)."""
+    n = params.get("backbone_batch_tenants", 0)
+    return n if type(n) is int and n >= 0 else 0
 
 
 def result_fields(params: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,472 @@
+"""Shared backbones: N tenants, each with its own head, served three ways at the same offered load.
+
+* ``copies``: every tenant holds a full model (backbone + its head in one ONNX graph), own batcher;
+* ``shared``: one backbone session shared by all tenants, each tenant its own batcher (backbone then
+  head per tenant batch: what a site did before cross-tenant batching);
+* ``shared+batching``: ``edge_agent.host.VariantHost`` as it serves heads now: one backbone instance,
+  one ``BackboneBatcher`` whose batches span tenants, each head run once per batch over its rows.
+
+The model: the committed digits backbone is ~50 KB, so small that the ONNX Runtime session overhead
+(not weights) is what each copy costs; sharing it cannot show. So this scenario trains a wider one,
+cheaply and for real: scikit-learn's MLP (three 1024-wide ReLU layers) on the bundled digits set
+(cached under ``.tiermesh/bench-models``); its hidden layers are the backbone (x -> 1024 features),
+the digits head its output layer, the parity head a logistic regression on its features. Heads alternate
+between the two across tenants. Accuracies are measured on held-out rows and reported.
+
+Memory: each (mode, N) is loaded in a fresh subprocess, which runs one full batch through every tenant
+(ORT allocates arenas on first run) and reports its resident-set growth over a baseline taken after
+ONNX Runtime itself was initialised, next to what the host accounts. Throughput and latency: open-loop
+Poisson arrivals (bounded in count and time), tenants drawn uniformly, latency from each request's
+scheduled arrival; goodput = completions within the SLO per second. Throughput at the SLO: offered
+rates climb a ladder until fewer than 99 % of requests finish within the SLO; a step the generator
+could not offer (95 % of the asked rate) ends the climb and marks the result a lower bound. Latency:
+every mode at half the copies' throughput, in the same run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+import warnings
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.common import (
+    CACHE_DIR,
+    Panel,
+    RunContext,
+    percentile,
+    plot_panels,
+    ratio,
+    target,
+    write_result,
+)
+from edge_agent.backbone import measure_compute_ms
+from edge_agent.batching import Batcher, BatchResult
+from edge_agent.host import VariantHost
+from mesh.errors import MeshError
+from variant_store.blobs import sha256_file
+from variant_store.meta import LatencyStats, Profile, VariantMeta
+from variant_store.runtimes import open_runtime
+from variant_store.runtimes.base import Runtime, rss_bytes
+
+__all__ = ["MODES", "TENANTS", "run_shared_backbone"]
+
+TENANTS = (2, 4, 8)
+MODES = ("copies", "shared", "shared+batching")
+HIDDEN = (1024, 1024, 1024)
+SLO_S = 0.05
+# throughput at the SLO: offered rates climb from LADDER_START_RPS by LADDER_STEP while ATTAINED of the
+# requests finish within the SLO
+LADDER_START_RPS = 500.0
+LADDER_STEP = 1.5
+LADDER_MAX_RPS = 60_000.0
+ATTAINED = 0.99
+MAX_BATCH = 32
+WINDOW_MS = 4.0   # the host's default
+THREADS = 2
+Submit = Callable[[np.ndarray, float], Awaitable[BatchResult]]
+
+
+# ---------------------------------------------------------------- the model
+
+
+def _gemm_layers(weights: list[tuple[np.ndarray, np.ndarray]], inp: str, out: str, prefix: str,
+                 relu_last: bool) -> tuple[list[Any], list[Any]]:
+    from onnx import helper, numpy_helper
+
+    nodes, inits, prev = [], [], inp
+    for i, (w, b) in enumerate(weights):
+        last = i == len(weights) - 1
+        wn, bn, y = f"{prefix}{i}.w", f"{prefix}{i}.b", f"{prefix}{i}.y"
+        inits += [numpy_helper.from_array(np.ascontiguousarray(w.T, dtype=np.float32), wn),
+                  numpy_helper.from_array(b.astype(np.float32), bn)]
+        nodes.append(helper.make_node("Gemm", [prev, wn, bn], [y if (relu_last or not last) else out], transB=1))
+        if relu_last or not last:
+            nodes.append(helper.make_node("Relu", [y], [out if last else f"{prefix}{i}.r"]))
+            prev = f"{prefix}{i}.r"
+    return nodes, inits
+
+
+def _save(path: Path, parts: list[tuple[list[Any], list[Any]]], inp: tuple[str, int], out: tuple[str, int]) -> None:
+    import onnx
+    from onnx import TensorProto, helper
+
+    nodes = [n for p in parts for n in p[0]]
+    inits = [t for p in parts for t in p[1]]
+    graph = helper.make_graph(nodes, path.stem,
+                              [helper.make_tensor_value_info(inp[0], TensorProto.FLOAT, ["N", inp[1]])],
+                              [helper.make_tensor_value_info(out[0], TensorProto.FLOAT, ["N", out[1]])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="tiermesh-bench")
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(model.SerializeToString())
+    tmp.replace(path)
+
+
+def build_models(root: Path = CACHE_DIR / "wide-backbone") -> dict[str, Any]:
+    """Train (once; cached) and export backbone, heads and full models; returns paths and accuracies."""
+    info_path = root / "models.json"
+    if info_path.is_file():
+        return dict(json.loads(info_path.read_text()))
+    from sklearn.datasets import load_digits
+    from sklearn.exceptions import ConvergenceWarning
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.model_selection import train_test_split
+    from sklearn.neural_network import MLPClassifier
+
+    root.mkdir(parents=True, exist_ok=True)
+    ds = load_digits()
+    x = (ds.data / 16.0).astype(np.float32)
+    xt, xv, yt, yv = train_test_split(x, ds.target, test_size=0.3, random_state=0, stratify=ds.target)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        clf = MLPClassifier(HIDDEN, max_iter=15, random_state=0).fit(xt, yt)
+    layers = list(zip(clf.coefs_, clf.intercepts_, strict=True))
+    trunk, top = layers[:-1], layers[-1:]
+
+    def feats(a: np.ndarray) -> np.ndarray:
+        for w, b in trunk:
+            a = np.maximum(a @ w + b, 0.0)
+        return a
+
+    par = LogisticRegression(max_iter=500).fit(feats(xt), yt % 2)
+    parity = [(par.coef_.T, par.intercept_)]
+    if par.coef_.shape[0] == 1:  # binary: two logits (-z/2, z/2) so both heads end in a softmax-able pair
+        parity = [(np.hstack([-par.coef_.T / 2, par.coef_.T / 2]), np.array([-par.intercept_[0] / 2,
+                                                                           par.intercept_[0] / 2]))]
+    width = HIDDEN[-1]
+    backbone = _gemm_layers(trunk, "x", "features", "bb", relu_last=True)
+    heads = {"digits": (_gemm_layers(top, "features", "logits", "hd", False), 10),
+             "parity": (_gemm_layers(parity, "features", "logits", "hp", False), 2)}
+    _save(root / "backbone.onnx", [backbone], ("x", 64), ("features", width))
+    for name, (head, k) in heads.items():
+        _save(root / f"head-{name}.onnx", [head], ("features", width), ("logits", k))
+        _save(root / f"full-{name}.onnx", [backbone, head], ("x", 64), ("logits", k))
+    info = {"root": str(root), "hidden": list(HIDDEN), "params_backbone": int(sum(w.size + b.size for w, b in trunk)),
+            "accuracy_digits": round(float(clf.score(xv, yv)), 4),
+            "accuracy_parity": round(float(par.score(feats(xv), yv % 2)), 4),
+            "backbone_bytes": (root / "backbone.onnx").stat().st_size}
+    info_path.write_text(json.dumps(info, indent=1))
+    return info
+
+
+# ---------------------------------------------------------------- the three deployments
+
+
+@dataclass(slots=True)
+class Deployment:
+    submits: list[Submit]
+    accounted_bytes: int
+    batchers: list[Batcher]
+    close: Callable[[], Awaitable[None]]
+
+
+def _meta(vid: str, path: Path, base: Path | None, classes: int, compute: Callable[[int], float] | None) -> VariantMeta:
+    profiles = {}
+    if compute is not None:
+        profiles["cpu"] = Profile("cpu", 0.0, {n: LatencyStats(compute(n), compute(n)) for n in (1, MAX_BATCH)}, 0)
+    return VariantMeta(task=f"t-{vid}", family=vid, variant_id=vid, format="onnx", precision="fp32",
+                       runtime="onnxruntime", blob_digest=sha256_file(path), size_bytes=path.stat().st_size,
+                       accuracy=0.0, batch_sizes=[1, MAX_BATCH], shared_base_digest=sha256_file(base) if base else None,
+                       profiles=profiles)
+
+
+async def deploy(mode: str, n: int, root: Path, cache: Path,
+                 profiles: dict[str, Callable[[int], float]] | None = None) -> Deployment:
+    """Tenant ``i`` gets head ``digits`` (even i) or ``parity`` (odd i)."""
+    kinds = ["digits" if i % 2 == 0 else "parity" for i in range(n)]
+    prof = profiles or {}
+    if mode == "shared":
+        return await _deploy_shared_unbatched(kinds, root, prof)
+    await asyncio.get_running_loop().run_in_executor(None, _seed_cache, root, cache)
+    host = VariantHost(f"bench-{mode}", cache, hardware_class="cpu", memory_budget_bytes=1 << 40, threads=THREADS,
+                       max_window_ms=WINDOW_MS)
+    host.blob_url = "http://127.0.0.1:9"  # never dialled: every blob is in the cache already
+    submits: list[Submit] = []
+    for i, kind in enumerate(kinds):
+        classes = 10 if kind == "digits" else 2
+        if mode == "copies":
+            meta = _meta(f"full-{kind}-{i}", root / f"full-{kind}.onnx", None, classes, prof.get(f"full-{kind}"))
+        else:
+            meta = _meta(f"head-{kind}-{i}", root / f"head-{kind}.onnx", root / "backbone.onnx", classes,
+                         prof.get(f"head-{kind}"))
+        lv = await host.ensure(meta)
+        submits.append(_submit(lv.batcher, meta.variant_id, f"tenant{i}"))
+    batchers = list({id(lv.batcher): lv.batcher for lv in host.instances.values()}.values())
+    return Deployment(submits, host.memory_used_bytes, batchers, host.close)
+
+
+def _seed_cache(root: Path, cache: Path) -> None:
+    cache.mkdir(parents=True, exist_ok=True)
+    for f in root.glob("*.onnx"):
+        dest = cache / f"{sha256_file(f)}.onnx"
+        if not dest.exists():
+            dest.write_bytes(f.read_bytes())
+
+
+def _submit(b: Batcher, lane: str, tenant: str) -> Submit:
+    return lambda x, deadline: b.submit({"x": x}, deadline, lane=lane, tenant=tenant)
+
+
+async def _deploy_shared_unbatched(kinds: list[str], root: Path, prof: dict[str, Callable[[int], float]]) -> Deployment:
+    pool = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="bench-shared")
+    base = open_runtime("onnx", root / "backbone.onnx", intra_op_threads=1)
+    await base.load()
+    heads: list[Runtime] = []
+    batchers: list[Batcher] = []
+    base_ms = prof.get("backbone", lambda n: 1.0)
+    for i, kind in enumerate(kinds):
+        head = open_runtime("onnx", root / f"head-{kind}.onnx", intra_op_threads=1)
+        await head.load()
+        heads.append(head)
+
+        def infer(inputs: dict[str, np.ndarray], head: Runtime = head) -> dict[str, np.ndarray]:
+            return head.run_checked_sync({"features": base.run_checked_sync(inputs)["features"]})
+
+        head_ms = prof.get(f"head-{kind}", lambda n: 0.0)
+
+        def compute(n: int, head_ms: Callable[[int], float] = head_ms) -> float:
+            return base_ms(n) + head_ms(n)
+
+        b = Batcher(f"shared-{kind}-{i}", infer, executor=pool, compute_ms=compute,
+                    max_batch=MAX_BATCH, max_window_ms=WINDOW_MS, site="bench")
+        b.start()
+        batchers.append(b)
+
+    async def close() -> None:
+        for b in batchers:
+            await b.stop()
+        for rt in [*heads, base]:
+            await rt.unload()
+        pool.shutdown(wait=True)
+
+    accounted = base.memory_bytes + sum(h.memory_bytes for h in heads)
+    return Deployment([_submit(b, "", f"tenant{i}") for i, b in enumerate(batchers)], accounted, batchers, close)
+
+
+# ---------------------------------------------------------------- memory, in a fresh process
+
+
+async def _memory_child(mode: str, n: int, root: Path, cache: Path) -> dict[str, int]:
+    warm = open_runtime("onnx", root / "head-parity.onnx", intra_op_threads=1)  # ORT's own one-time setup
+    warm.load_sync()
+    warm.infer_sync({"features": np.zeros((MAX_BATCH, HIDDEN[-1]), np.float32)})
+    before = rss_bytes()
+    dep = await deploy(mode, n, root, cache)
+    x = np.zeros((MAX_BATCH, 64), np.float32)
+    try:
+        for s in dep.submits:  # one full batch per tenant: arenas are allocated on first run
+            await s(x, time.monotonic() + 30.0)
+        return {"rss_growth": rss_bytes() - before, "accounted": dep.accounted_bytes}
+    finally:
+        await dep.close()
+
+
+async def _measure_memory(mode: str, n: int, root: Path, cache: Path) -> dict[str, int]:
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "bench.shared_backbone", "--memory", mode,
+                                                str(n), str(root), str(cache), stdout=asyncio.subprocess.PIPE)
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), 120)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    if proc.returncode != 0:
+        raise RuntimeError(f"memory child for {mode} x{n} failed: rc {proc.returncode}")
+    return dict(json.loads(out.decode().strip().splitlines()[-1]))
+
+
+# ---------------------------------------------------------------- load
+
+
+async def open_loop(submits: list[Submit], xs: np.ndarray, rate: float, count: int, *, seed: int,
+                    time_cap_s: float) -> dict[str, Any]:
+    """Offer ``count`` one-row requests as a Poisson stream of ``rate``/s, each to a random tenant."""
+    rng = np.random.default_rng(seed)
+    arrivals = np.cumsum(rng.exponential(1.0 / rate, count))
+    who = rng.integers(0, len(submits), count)
+    lat: list[float] = []
+    failed = 0
+    tasks: set[asyncio.Task[None]] = set()
+    t0, w0 = time.perf_counter(), time.monotonic()
+
+    async def one(i: int) -> None:
+        nonlocal failed
+        try:
+            await submits[int(who[i])](xs[i % len(xs)][None, :], w0 + float(arrivals[i]) + SLO_S)
+        except MeshError:
+            failed += 1
+            return
+        lat.append(time.perf_counter() - t0 - float(arrivals[i]))
+
+    i = 0
+    while i < count and time.perf_counter() - t0 < time_cap_s:
+        now = time.perf_counter() - t0
+        while i < count and arrivals[i] <= now:
+            task = asyncio.create_task(one(i))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            i += 1
+        if i < count:
+            await asyncio.sleep(max(0.0, float(arrivals[i]) - (time.perf_counter() - t0)))
+    span = float(arrivals[i - 1]) if i else 0.0  # the schedule's span: what was offered
+    sent_span = time.perf_counter() - t0
+    if tasks:
+        _, pending = await asyncio.wait(set(tasks), timeout=SLO_S * 10 + 5.0)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    ms = np.asarray(lat) * 1000.0
+    good = int(np.sum(ms <= SLO_S * 1000.0))
+    offered = i / span if span > 0 else float("nan")
+    achieved = i / sent_span if sent_span > 0 else float("nan")
+    return {"sent": i, "offered_rps": round(offered, 1), "arrival_rps": round(achieved, 1),
+            "valid": bool(achieved >= 0.95 * rate), "refused_or_failed": failed,
+            "attained": round(good / i, 4) if i else 0.0,
+            "goodput_rps": round(good / max(sent_span, span), 1) if i else 0.0,
+            "p50_ms": round(percentile(ms, 50), 2), "p99_ms": round(percentile(ms, 99), 2)}
+
+
+def _batch_stats(bs: list[Batcher]) -> tuple[int, int]:
+    return sum(b.served for b in bs), sum(b.batches for b in bs)
+
+
+async def _cell_at(dep: Deployment, xs: np.ndarray, rate: float, seconds: float, seed: int) -> dict[str, Any]:
+    count = max(200, int(rate * seconds))
+    served0, batches0 = _batch_stats(dep.batchers)
+    res = await open_loop(dep.submits, xs, rate, count, seed=seed, time_cap_s=seconds * 2 + 10.0)
+    served1, batches1 = _batch_stats(dep.batchers)
+    return {"asked_rps": round(rate, 1), **res,
+            "mean_batch_rows": round((served1 - served0) / max(1, batches1 - batches0), 1)}
+
+
+async def _ladder(dep: Deployment, xs: np.ndarray, seconds: float,
+                  seed: int) -> tuple[list[dict[str, Any]], float, bool]:
+    """Raise the offered rate by LADDER_STEP until under ATTAINED of requests finish within the SLO
+    (or the generator cannot offer it). Returns the steps, the best goodput of a passing step, and
+    whether the generator, not the server, ended the climb."""
+    steps: list[dict[str, Any]] = []
+    best, rate = 0.0, LADDER_START_RPS
+    while rate <= LADDER_MAX_RPS:
+        cell = await _cell_at(dep, xs, rate, seconds, seed + len(steps))
+        steps.append(cell)
+        if not cell["valid"]:
+            return steps, best, True
+        if cell["attained"] < ATTAINED:
+            return steps, best, False
+        best = max(best, float(cell["goodput_rps"]))
+        rate *= LADDER_STEP
+    return steps, best, True
+
+
+async def run_shared_backbone(ctx: RunContext) -> Path:
+    from bench.common import digits_rows
+
+    loop = asyncio.get_running_loop()
+    info = await loop.run_in_executor(None, build_models)
+    root = Path(info["root"])
+    cache = root / "blobs"
+    xs = digits_rows(512)
+    profiles: dict[str, Callable[[int], float]] = {}
+    for name in ("backbone", "head-digits", "head-parity", "full-digits", "full-parity"):
+        rt = open_runtime("onnx", root / f"{name}.onnx", intra_op_threads=1)
+        rt.load_sync()
+        profiles[name] = measure_compute_ms(rt, repeats=20)
+        rt.unload_sync()
+    seconds = 1.0 if ctx.quick else 2.5
+    rows: list[dict[str, Any]] = []
+    ladders: list[dict[str, Any]] = []
+    for n in TENANTS:
+        mem = {mode: await _measure_memory(mode, n, root, cache) for mode in MODES}
+        deps: dict[str, Deployment] = {}
+        try:
+            for mode in MODES:
+                deps[mode] = await deploy(mode, n, root, cache, profiles)
+            cap: dict[str, tuple[float, bool]] = {}
+            for mode in MODES:
+                steps, best, capped = await _ladder(deps[mode], xs, seconds, seed=100 * n)
+                cap[mode] = (best, capped)
+                ladders += [{"tenants": n, "mode": mode, **st} for st in steps]
+            common = 0.5 * cap["copies"][0] if cap["copies"][0] > 0 else LADDER_START_RPS
+            for j, mode in enumerate(MODES if n % 2 == 0 else MODES[::-1]):
+                cell = await _cell_at(deps[mode], xs, common, seconds * 2, seed=7 * n + j)
+                rows.append({"tenants": n, "mode": mode,
+                             "rss_growth_mb": round(mem[mode]["rss_growth"] / 2**20, 2),
+                             "accounted_mb": round(mem[mode]["accounted"] / 2**20, 2),
+                             "rps_at_slo": cap[mode][0], "generator_bound": cap[mode][1],
+                             "common_rps": round(common, 1), "common_valid": cell["valid"],
+                             "p50_ms": cell["p50_ms"], "p99_ms": cell["p99_ms"],
+                             "mean_batch_rows": cell["mean_batch_rows"]})
+        finally:
+            for dep in deps.values():
+                await dep.close()
+    return _report(ctx, rows, ladders, info)
+
+
+def _cell(rows: list[dict[str, Any]], n: int, mode: str) -> dict[str, Any]:
+    return next(r for r in rows if r["tenants"] == n and r["mode"] == mode)
+
+
+def _report(ctx: RunContext, rows: list[dict[str, Any]], ladders: list[dict[str, Any]], info: dict[str, Any]) -> Path:
+    c, s = _cell(rows, 4, "copies"), _cell(rows, 4, "shared+batching")
+    mem = ratio(s["rss_growth_mb"], c["rss_growth_mb"])
+    # a copies' climb ended by the generator would make any ratio meaningless: not measured then
+    thr = ratio(s["rps_at_slo"], c["rps_at_slo"]) if not c["generator_bound"] else float("nan")
+    added = s["p50_ms"] - c["p50_ms"] if s["common_valid"] and c["common_valid"] else float("nan")
+    bound = " (a lower bound: the generator ended its climb)" if s["generator_bound"] else ""
+    targets = [target("4 tenants: memory (RSS growth) of shared + batching / copies", mem, 0.6, unit="x"),
+               target(f"4 tenants: throughput at the SLO ({ATTAINED:.0%} within {SLO_S * 1000:g} ms), shared + "
+                      f"batching / copies{bound}", thr, 1.5, op=">=", unit="x"),
+               target("4 tenants: added p50 of shared + batching over copies at half the copies' throughput",
+                      added, 2.0, unit="ms")]
+    groups = [str(n) for n in TENANTS]
+
+    def series(key: str) -> dict[str, list[float]]:
+        return {m: [float(_cell(rows, n, m)[key]) for n in TENANTS] for m in MODES}
+
+    plot_panels(ctx.results_dir / "shared_backbone.png", "Shared backbone: N tenants, one head each", [
+        Panel("memory (RSS growth)", "MiB", groups, series("rss_growth_mb")),
+        Panel("throughput at the SLO", "requests/s", groups, series("rps_at_slo")),
+        Panel("p99 at half the copies' throughput", "ms (log)", groups, series("p99_ms"), log_y=True)])
+    return write_result(ctx, "shared_backbone", rows, targets, extra={"model": info, "ladders": ladders}, notes=(
+        f"backbone: sklearn MLP {tuple(info['hidden'])} trained on sklearn digits, {info['params_backbone']} "
+        f"parameters ({info['backbone_bytes'] / 2**20:.1f} MiB ONNX); heads: its output layer (digits, holdout "
+        f"accuracy {info['accuracy_digits']}) and a logistic regression on its features (parity, "
+        f"{info['accuracy_parity']}), alternating across tenants. Memory: RSS growth of a fresh process loading "
+        f"the mode and running one {MAX_BATCH}-row batch per tenant (accounted_mb: what the host counts). "
+        f"{THREADS} executor threads, 1 intra-op thread per session, window {WINDOW_MS:g} ms, max batch "
+        f"{MAX_BATCH}; open-loop Poisson arrivals of one-row requests, tenant drawn uniformly, SLO "
+        f"{SLO_S * 1000:g} ms (refused up front when the batcher predicts a miss), latency from scheduled "
+        f"arrival. rps_at_slo: the best goodput of a ladder of offered rates ({LADDER_START_RPS:g} req/s, x"
+        f"{LADDER_STEP:g} per step, {seconds_note(ctx)} each) while >= {ATTAINED:.0%} finish within the SLO; "
+        f"generator_bound: the in-process load generator could not offer the next step (>= 95 % of it), so "
+        f"the mode's real limit is higher. p50/p99: every mode at half the copies' rps_at_slo (common_rps). "
+        f"Steps of every ladder are in the JSON ('ladders')."))
+
+
+def seconds_note(ctx: RunContext) -> str:
+    return "1 s" if ctx.quick else "2.5 s"
+
+
+def _child_main(argv: list[str]) -> int:
+    mode, n, root, cache = argv[0], int(argv[1]), Path(argv[2]), Path(argv[3])
+    print(json.dumps(asyncio.run(_memory_child(mode, n, root, cache))))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--memory":
+        raise SystemExit(_child_main(sys.argv[2:]))
+    from bench.common import run_standalone
+
+    print(json.dumps(run_standalone("shared_backbone", "--quick" in sys.argv, run_shared_backbone)["targets"],
+                     indent=1))
