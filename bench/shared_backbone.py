@@ -18,7 +18,8 @@ Memory: each (mode, N) is loaded in a fresh subprocess, which runs one full batc
 ONNX Runtime itself was initialised, next to what the host accounts. Throughput and latency: open-loop
 Poisson arrivals (bounded in count and time), tenants drawn uniformly, latency from each request's
 scheduled arrival; goodput = completions within the SLO per second. Throughput at the SLO: offered
-rates climb a ladder until fewer than 99 % of requests finish within the SLO; a step the generator
+rates climb a ladder (the modes taking turns, a failed step tried twice) until fewer than 99 % of
+requests finish within the SLO; a step the generator
 could not offer (95 % of the asked rate) ends the climb and marks the result a lower bound. Latency:
 every mode at half the copies' throughput, in the same run.
 """
@@ -29,7 +30,6 @@ import asyncio
 import json
 import sys
 import time
-import warnings
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,7 +39,6 @@ from typing import Any
 import numpy as np
 
 from bench.common import (
-    CACHE_DIR,
     Panel,
     RunContext,
     percentile,
@@ -48,6 +47,7 @@ from bench.common import (
     target,
     write_result,
 )
+from bench.wide_backbone import HIDDEN, build_models
 from edge_agent.backbone import measure_compute_ms
 from edge_agent.batching import Batcher, BatchResult
 from edge_agent.host import VariantHost
@@ -61,7 +61,6 @@ __all__ = ["MODES", "TENANTS", "run_shared_backbone"]
 
 TENANTS = (2, 4, 8)
 MODES = ("copies", "shared", "shared+batching")
-HIDDEN = (1024, 1024, 1024)
 SLO_S = 0.05
 # throughput at the SLO: offered rates climb from LADDER_START_RPS by LADDER_STEP while ATTAINED of the
 # requests finish within the SLO
@@ -73,90 +72,6 @@ MAX_BATCH = 32
 WINDOW_MS = 4.0   # the host's default
 THREADS = 2
 Submit = Callable[[np.ndarray, float], Awaitable[BatchResult]]
-
-
-# ---------------------------------------------------------------- the model
-
-
-def _gemm_layers(weights: list[tuple[np.ndarray, np.ndarray]], inp: str, out: str, prefix: str,
-                 relu_last: bool) -> tuple[list[Any], list[Any]]:
-    from onnx import helper, numpy_helper
-
-    nodes, inits, prev = [], [], inp
-    for i, (w, b) in enumerate(weights):
-        last = i == len(weights) - 1
-        wn, bn, y = f"{prefix}{i}.w", f"{prefix}{i}.b", f"{prefix}{i}.y"
-        inits += [numpy_helper.from_array(np.ascontiguousarray(w.T, dtype=np.float32), wn),
-                  numpy_helper.from_array(b.astype(np.float32), bn)]
-        nodes.append(helper.make_node("Gemm", [prev, wn, bn], [y if (relu_last or not last) else out], transB=1))
-        if relu_last or not last:
-            nodes.append(helper.make_node("Relu", [y], [out if last else f"{prefix}{i}.r"]))
-            prev = f"{prefix}{i}.r"
-    return nodes, inits
-
-
-def _save(path: Path, parts: list[tuple[list[Any], list[Any]]], inp: tuple[str, int], out: tuple[str, int]) -> None:
-    import onnx
-    from onnx import TensorProto, helper
-
-    nodes = [n for p in parts for n in p[0]]
-    inits = [t for p in parts for t in p[1]]
-    graph = helper.make_graph(nodes, path.stem,
-                              [helper.make_tensor_value_info(inp[0], TensorProto.FLOAT, ["N", inp[1]])],
-                              [helper.make_tensor_value_info(out[0], TensorProto.FLOAT, ["N", out[1]])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="tiermesh-bench")
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(model.SerializeToString())
-    tmp.replace(path)
-
-
-def build_models(root: Path = CACHE_DIR / "wide-backbone") -> dict[str, Any]:
-    """Train (once; cached) and export backbone, heads and full models; returns paths and accuracies."""
-    info_path = root / "models.json"
-    if info_path.is_file():
-        return dict(json.loads(info_path.read_text()))
-    from sklearn.datasets import load_digits
-    from sklearn.exceptions import ConvergenceWarning
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.model_selection import train_test_split
-    from sklearn.neural_network import MLPClassifier
-
-    root.mkdir(parents=True, exist_ok=True)
-    ds = load_digits()
-    x = (ds.data / 16.0).astype(np.float32)
-    xt, xv, yt, yv = train_test_split(x, ds.target, test_size=0.3, random_state=0, stratify=ds.target)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ConvergenceWarning)
-        clf = MLPClassifier(HIDDEN, max_iter=15, random_state=0).fit(xt, yt)
-    layers = list(zip(clf.coefs_, clf.intercepts_, strict=True))
-    trunk, top = layers[:-1], layers[-1:]
-
-    def feats(a: np.ndarray) -> np.ndarray:
-        for w, b in trunk:
-            a = np.maximum(a @ w + b, 0.0)
-        return a
-
-    par = LogisticRegression(max_iter=500).fit(feats(xt), yt % 2)
-    parity = [(par.coef_.T, par.intercept_)]
-    if par.coef_.shape[0] == 1:  # binary: two logits (-z/2, z/2) so both heads end in a softmax-able pair
-        parity = [(np.hstack([-par.coef_.T / 2, par.coef_.T / 2]), np.array([-par.intercept_[0] / 2,
-                                                                           par.intercept_[0] / 2]))]
-    width = HIDDEN[-1]
-    backbone = _gemm_layers(trunk, "x", "features", "bb", relu_last=True)
-    heads = {"digits": (_gemm_layers(top, "features", "logits", "hd", False), 10),
-             "parity": (_gemm_layers(parity, "features", "logits", "hp", False), 2)}
-    _save(root / "backbone.onnx", [backbone], ("x", 64), ("features", width))
-    for name, (head, k) in heads.items():
-        _save(root / f"head-{name}.onnx", [head], ("features", width), ("logits", k))
-        _save(root / f"full-{name}.onnx", [backbone, head], ("x", 64), ("logits", k))
-    info = {"root": str(root), "hidden": list(HIDDEN), "params_backbone": int(sum(w.size + b.size for w, b in trunk)),
-            "accuracy_digits": round(float(clf.score(xv, yv)), 4),
-            "accuracy_parity": round(float(par.score(feats(xv), yv % 2)), 4),
-            "backbone_bytes": (root / "backbone.onnx").stat().st_size}
-    info_path.write_text(json.dumps(info, indent=1))
-    return info
 
 
 # ---------------------------------------------------------------- the three deployments
@@ -349,23 +264,41 @@ async def _cell_at(dep: Deployment, xs: np.ndarray, rate: float, seconds: float,
             "mean_batch_rows": round((served1 - served0) / max(1, batches1 - batches0), 1)}
 
 
-async def _ladder(dep: Deployment, xs: np.ndarray, seconds: float,
-                  seed: int) -> tuple[list[dict[str, Any]], float, bool]:
-    """Raise the offered rate by LADDER_STEP until under ATTAINED of requests finish within the SLO
-    (or the generator cannot offer it). Returns the steps, the best goodput of a passing step, and
-    whether the generator, not the server, ended the climb."""
-    steps: list[dict[str, Any]] = []
-    best, rate = 0.0, LADDER_START_RPS
-    while rate <= LADDER_MAX_RPS:
-        cell = await _cell_at(dep, xs, rate, seconds, seed + len(steps))
-        steps.append(cell)
-        if not cell["valid"]:
-            return steps, best, True
-        if cell["attained"] < ATTAINED:
-            return steps, best, False
-        best = max(best, float(cell["goodput_rps"]))
-        rate *= LADDER_STEP
-    return steps, best, True
+async def _ladders(deps: dict[str, Deployment], xs: np.ndarray, seconds: float,
+                   seed: int) -> dict[str, tuple[list[dict[str, Any]], float, bool]]:
+    """Per mode: raise the offered rate by LADDER_STEP while ATTAINED of the requests finish within
+    the SLO. The modes take turns (the order alternating), so a noisy spell of a shared machine does
+    not land on one mode only; a failed step is tried once more before it ends that mode's climb. A
+    step the generator cannot offer ends the climb too, marked (the mode's real limit is higher).
+    Returns per mode: the steps, the best goodput of a passing step, and whether the generator
+    ended the climb."""
+    steps: dict[str, list[dict[str, Any]]] = {m: [] for m in deps}
+    best = dict.fromkeys(deps, 0.0)
+    capped = dict.fromkeys(deps, False)
+    rate = dict.fromkeys(deps, LADDER_START_RPS)
+    fails = dict.fromkeys(deps, 0)
+    alive = list(deps)
+    turn = 0
+    while alive:
+        for mode in list(alive if turn % 2 == 0 else alive[::-1]):
+            cell = await _cell_at(deps[mode], xs, rate[mode], seconds, seed + turn)
+            steps[mode].append(cell)
+            if not cell["valid"]:
+                capped[mode] = True
+                alive.remove(mode)
+            elif cell["attained"] < ATTAINED:
+                fails[mode] += 1
+                if fails[mode] >= 2:
+                    alive.remove(mode)
+            else:
+                fails[mode] = 0
+                best[mode] = max(best[mode], float(cell["goodput_rps"]))
+                rate[mode] *= LADDER_STEP
+                if rate[mode] > LADDER_MAX_RPS:
+                    capped[mode] = True
+                    alive.remove(mode)
+        turn += 1
+    return {m: (steps[m], best[m], capped[m]) for m in deps}
 
 
 async def run_shared_backbone(ctx: RunContext) -> Path:
@@ -392,8 +325,7 @@ async def run_shared_backbone(ctx: RunContext) -> Path:
             for mode in MODES:
                 deps[mode] = await deploy(mode, n, root, cache, profiles)
             cap: dict[str, tuple[float, bool]] = {}
-            for mode in MODES:
-                steps, best, capped = await _ladder(deps[mode], xs, seconds, seed=100 * n)
+            for mode, (steps, best, capped) in (await _ladders(deps, xs, seconds, seed=100 * n)).items():
                 cap[mode] = (best, capped)
                 ladders += [{"tenants": n, "mode": mode, **st} for st in steps]
             common = 0.5 * cap["copies"][0] if cap["copies"][0] > 0 else LADDER_START_RPS

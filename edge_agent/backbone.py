@@ -16,7 +16,6 @@ head's first input takes it (a MiniLM encoder with topic / intent heads, say, ne
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -39,7 +38,7 @@ class BackboneBatcher(Batcher):
     shared_backbone = True
 
     def __init__(self, name: str, base: Runtime, *, executor: Executor | None, compute_ms: ComputeFn,
-                 max_batch: int = 32, max_window_ms: float = 4.0, site: str = "") -> None:
+                 max_batch: int = 32, max_window_ms: float = 4.0, site: str = "", parallel: int = 1) -> None:
         # lane -> (head runtime, its input name, its profile). Read from executor threads: a dict
         # lookup is atomic, and a head removed mid-batch fails only its own rows.
         self._heads: dict[str, tuple[Runtime, str, ComputeFn]] = {}
@@ -48,8 +47,12 @@ class BackboneBatcher(Batcher):
         self._feature = base.output_specs[0].name
         super().__init__(name, base.run_checked_sync, executor=executor, compute_ms=self._cost,
                          max_batch=max_batch, max_window_ms=max_window_ms, site=site)
-        self._idle = asyncio.Event()  # no batch running (inline runs hold the loop: never concurrent)
-        self._idle.set()
+        # Batches in flight at once. A plain batcher runs one at a time, which is right when every
+        # variant has its own; here all the site's heads of this backbone share one queue, so one batch
+        # at a time would leave the other inference threads idle: up to ``parallel`` run together
+        # (``InferenceSession.run`` is thread-safe), the next one forming while they compute.
+        self._slots = asyncio.Semaphore(max(1, parallel))
+        self._running: set[asyncio.Task[None]] = set()
 
     def _cost(self, rows: int) -> float:
         # the backbone's measured cost plus the dearest head's: heads are small next to a backbone
@@ -67,15 +70,30 @@ class BackboneBatcher(Batcher):
         """Stop routing rows to ``lane``; returns once no batch that may still use its head runs,
         so the caller can close the head's session. Rows still queued for it fail (``Overloaded``)."""
         self._heads.pop(lane, None)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), wait_s)
+        # batches started from now on look the head up and miss it; wait for those already running
+        # (inline runs hold the event loop, so none of them can be under way here)
+        if self._running:
+            await asyncio.wait(set(self._running), timeout=wait_s)
 
     async def _run(self, batch: list[Any], rows: int) -> None:
-        self._idle.clear()
+        """Start the batch and return once it holds a slot (the loop goes on forming the next)."""
+        await self._slots.acquire()
+        task = asyncio.create_task(self._run_held(batch, rows), name=f"batch:{self.variant_id}")
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+
+    async def _run_held(self, batch: list[Any], rows: int) -> None:
         try:
             await super()._run(batch, rows)
         finally:
-            self._idle.set()
+            self._slots.release()
+
+    async def stop(self) -> None:
+        await super().stop()
+        # batches already computing finish (an executor run cannot be interrupted); their callers
+        # get their answers
+        if self._running:
+            await asyncio.gather(*self._running, return_exceptions=True)
 
     def _execute(self, merged: dict[str, np.ndarray], parts: list[Part]
                  ) -> list[dict[str, np.ndarray] | Exception]:

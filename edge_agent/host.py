@@ -89,6 +89,7 @@ class VariantHost:
         self.hardware_class = hardware_class
         self.memory_budget_bytes = memory_budget_bytes
         self.max_window_ms = max_window_ms
+        self.threads = threads
         self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"infer-{site}")
         self.instances: dict[InstanceKey, LoadedVariant] = {}
         self._loading: dict[InstanceKey, asyncio.Future[LoadedVariant]] = {}
@@ -240,7 +241,7 @@ class VariantHost:
             raise
         name = f"backbone:{bkey[0][:12]}" + (f"@{bkey[1]}" if bkey[1] else "")
         batcher = BackboneBatcher(name, base, executor=self.executor, compute_ms=compute, max_batch=max_batch,
-                                  max_window_ms=self.max_window_ms, site=self.site)
+                                  max_window_ms=self.max_window_ms, site=self.site, parallel=self.threads)
         batcher.shared_backbone = not bkey[1]  # a strict tenant's own backbone is not shared
         batcher.start()
         bb = self.bases[bkey] = _Backbone(base, batcher)
