@@ -8,8 +8,8 @@
 
 The model: the committed digits backbone is ~50 KB, so small that the ONNX Runtime session overhead
 (not weights) is what each copy costs; sharing it cannot show. So this scenario trains a wider one,
-cheaply and for real: scikit-learn's MLP (three 1024-wide ReLU layers) on the bundled digits set
-(cached under ``.tiermesh/bench-models``); its hidden layers are the backbone (x -> 1024 features),
+for real (``bench.wide_backbone``: scikit-learn's MLP, three 2048-wide ReLU layers, on the bundled digits
+set, cached under ``.tiermesh/bench-models``); its hidden layers are the backbone (x -> 2048 features),
 the digits head its output layer, the parity head a logistic regression on its features. Heads alternate
 between the two across tenants. Accuracies are measured on held-out rows and reported.
 
@@ -65,9 +65,10 @@ SLO_S = 0.05
 # throughput at the SLO: offered rates climb from LADDER_START_RPS by LADDER_STEP while ATTAINED of the
 # requests finish within the SLO
 LADDER_START_RPS = 500.0
-LADDER_STEP = 1.5
+LADDER_STEP = 1.3
 LADDER_MAX_RPS = 60_000.0
 ATTAINED = 0.99
+LADDERS = 2  # climbs per mode in a full run; the best counts
 MAX_BATCH = 32
 WINDOW_MS = 4.0   # the host's default
 THREADS = 2
@@ -324,10 +325,13 @@ async def run_shared_backbone(ctx: RunContext) -> Path:
         try:
             for mode in MODES:
                 deps[mode] = await deploy(mode, n, root, cache, profiles)
+            # best of LADDERS climbs: a co-tenant's burst on this shared machine only ever lowers a climb
             cap: dict[str, tuple[float, bool]] = {}
-            for mode, (steps, best, capped) in (await _ladders(deps, xs, seconds, seed=100 * n)).items():
-                cap[mode] = (best, capped)
-                ladders += [{"tenants": n, "mode": mode, **st} for st in steps]
+            for rep in range(ctx.pick(1, LADDERS)):
+                for mode, (steps, best, capped) in (await _ladders(deps, xs, seconds, seed=100 * n + rep)).items():
+                    if mode not in cap or best > cap[mode][0]:
+                        cap[mode] = (best, capped)
+                    ladders += [{"tenants": n, "mode": mode, "climb": rep, **st} for st in steps]
             common = 0.5 * cap["copies"][0] if cap["copies"][0] > 0 else LADDER_START_RPS
             for j, mode in enumerate(MODES if n % 2 == 0 else MODES[::-1]):
                 cell = await _cell_at(deps[mode], xs, common, seconds * 2, seed=7 * n + j)
@@ -379,7 +383,8 @@ def _report(ctx: RunContext, rows: list[dict[str, Any]], ladders: list[dict[str,
         f"{MAX_BATCH}; open-loop Poisson arrivals of one-row requests, tenant drawn uniformly, SLO "
         f"{SLO_S * 1000:g} ms (refused up front when the batcher predicts a miss), latency from scheduled "
         f"arrival. rps_at_slo: the best goodput of a ladder of offered rates ({LADDER_START_RPS:g} req/s, x"
-        f"{LADDER_STEP:g} per step, {seconds_note(ctx)} each) while >= {ATTAINED:.0%} finish within the SLO; "
+        f"{LADDER_STEP:g} per step, {seconds_note(ctx)} each, modes taking turns, a failed step tried twice; "
+        f"best of {ctx.pick(1, LADDERS)} climbs) while >= {ATTAINED:.0%} finish within the SLO; "
         f"generator_bound: the in-process load generator could not offer the next step (>= 95 % of it), so "
         f"the mode's real limit is higher. p50/p99: every mode at half the copies' rps_at_slo (common_rps). "
         f"Steps of every ladder are in the JSON ('ladders')."))
