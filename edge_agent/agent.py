@@ -309,7 +309,9 @@ class Agent(Service):
         loaded = {vid: LoadedVariant(task=lv.meta.task, queue_ms=round(lv.batcher.expected_wait_ms(), 3),
                                      queued_rows=lv.batcher.queued_rows,
                                      ewma_compute_ms=round(lv.batcher.ewma_compute_ms, 3),
-                                     served=lv.batcher.served, load_ms=round(lv.load_ms, 1))
+                                     served=lv.batcher.served, load_ms=round(lv.load_ms, 1),
+                                     memory_bytes=lv.memory_bytes)
+                  # a strict tenant's own instances too; the shared one's record wins (sorted last)
                   for (vid, _), lv in sorted(self.host.instances.items(), key=lambda kv: -len(kv[0][1]))}
         return Heartbeat(
             site=self.site, ts=clock.wall(), tier=me.tier if me else None,

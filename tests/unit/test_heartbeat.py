@@ -17,7 +17,8 @@ def _beat() -> Heartbeat:
     return Heartbeat(site="edge-1", ts=1.5, tier="edge", hardware_class="cpu-x86", gpu=False,
                      endpoint="tcp://127.0.0.1:5555", curve_key="rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7",
                      http="http://127.0.0.1:8080",
-                     loaded={"mlp-tiny": LoadedVariant(task="digits", queue_ms=1.25, queued_rows=3, served=7)},
+                     loaded={"mlp-tiny": LoadedVariant(task="digits", queue_ms=1.25, queued_rows=3, served=7,
+                                                       memory_bytes=123456)},
                      inflight=2, capacity=16, model_memory_budget_bytes=1000, memory_used_bytes=400,
                      demand=(DemandSample(task="digits", slo_class="tight-lo", tenant="acme", qps=4.0,
                                           budget_ms=20.0, min_accuracy=0.9),))
