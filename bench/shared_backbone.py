@@ -73,7 +73,7 @@ LADDERS = 3  # climbs per mode in a full run; the best counts
 # This machine is shared: before each climb, wait (bounded) for the 1-minute load average to fall
 # below QUIET_LOADAVG, so that a climb measures the server rather than a neighbour's test suite.
 QUIET_LOADAVG = 2.5
-QUIET_WAIT_S = 180.0
+QUIET_WAIT_S = 180
 MAX_BATCH = 32
 WINDOW_MS = 4.0   # the host's default
 THREADS = 2
@@ -257,10 +257,11 @@ async def open_loop(submits: list[Submit], xs: np.ndarray, rate: float, count: i
             "p50_ms": round(percentile(ms, 50), 2), "p99_ms": round(percentile(ms, 99), 2)}
 
 
-async def _wait_quiet(limit: float, max_wait_s: float) -> float:
+async def _wait_quiet(limit: float, max_wait_s: int) -> float:
     """Sleep until the 1-minute load average is below ``limit`` or ``max_wait_s`` passed; returns it."""
-    deadline = time.monotonic() + max_wait_s
-    while os.getloadavg()[0] >= limit and time.monotonic() < deadline:
+    for _ in range(max_wait_s // 5):
+        if os.getloadavg()[0] < limit:
+            break
         await asyncio.sleep(5.0)
     return round(os.getloadavg()[0], 2)
 
@@ -401,7 +402,7 @@ def _report(ctx: RunContext, rows: list[dict[str, Any]], ladders: list[dict[str,
         f"arrival. rps_at_slo: the best goodput of a ladder of offered rates ({LADDER_START_RPS:g} req/s, x"
         f"{LADDER_STEP:g} per step, {seconds_note(ctx)} each, modes taking turns, a failed step tried twice; "
         f"best of {ctx.pick(1, LADDERS)} climbs, each started once the 1-minute load average of this shared "
-        f"machine was below {QUIET_LOADAVG:g} or {ctx.pick(20, int(QUIET_WAIT_S))} s had passed: see "
+        f"machine was below {QUIET_LOADAVG:g} or {ctx.pick(20, QUIET_WAIT_S)} s had passed: see "
         f"loadavg_before_climb) while >= {ATTAINED:.0%} finish within the SLO; "
         f"generator_bound: the in-process load generator could not offer the next step (>= 95 % of it), so "
         f"the mode's real limit is higher. p50/p99: every mode at half the copies' rps_at_slo (common_rps). "
