@@ -45,14 +45,39 @@ class BackboneBatcher(Batcher):
         self._base = base
         self._base_ms = compute_ms
         self._feature = base.output_specs[0].name
-        super().__init__(name, base.run_checked_sync, executor=executor, compute_ms=self._cost,
-                         max_batch=max_batch, max_window_ms=max_window_ms, site=site)
         # Batches in flight at once. A plain batcher runs one at a time, which is right when every
         # variant has its own; here all the site's heads of this backbone share one queue, so one batch
         # at a time would leave the other inference threads idle: up to ``parallel`` run together
-        # (``InferenceSession.run`` is thread-safe), the next one forming while they compute.
-        self._slots = asyncio.Semaphore(max(1, parallel))
+        # (``InferenceSession.run`` is thread-safe).
+        self._parallel = max(1, parallel)
+        self._slots = asyncio.Semaphore(self._parallel)
         self._running: set[asyncio.Task[None]] = set()
+        self._slot_taken = False
+        self._window_s = 0.0
+        super().__init__(name, base.run_checked_sync, executor=executor, compute_ms=self._cost,
+                         max_batch=max_batch, max_window_ms=max_window_ms, site=site)
+
+    # Work-conserving batching. A batch is formed once an inference slot is free, from what queued
+    # meanwhile, so under load batches fill while the slots compute. A window for companions (the plain
+    # batcher's, bounded by the tightest deadline queued) is held only while every other slot is busy:
+    # a free slot never waits, so at light load sharing adds no waiting (the heads' traffic together
+    # would otherwise keep the window open for every request).
+    @property  # type: ignore[override]
+    def max_window_s(self) -> float:
+        return self._window_s if len(self._running) >= self._parallel - 1 else 0.0
+
+    @max_window_s.setter
+    def max_window_s(self, value: float) -> None:
+        self._window_s = value
+
+    async def _one_batch(self) -> None:
+        await self._slots.acquire()
+        self._slot_taken = False
+        try:
+            await super()._one_batch()
+        finally:
+            if not self._slot_taken:  # nothing ran (every request had expired or given up)
+                self._slots.release()
 
     def _cost(self, rows: int) -> float:
         # the backbone's measured cost plus the dearest head's: heads are small next to a backbone
@@ -76,8 +101,8 @@ class BackboneBatcher(Batcher):
             await asyncio.wait(set(self._running), timeout=wait_s)
 
     async def _run(self, batch: list[Any], rows: int) -> None:
-        """Start the batch and return once it holds a slot (the loop goes on forming the next)."""
-        await self._slots.acquire()
+        """Start the batch on the slot ``_one_batch`` took and return (the loop forms the next)."""
+        self._slot_taken = True
         task = asyncio.create_task(self._run_held(batch, rows), name=f"batch:{self.variant_id}")
         self._running.add(task)
         task.add_done_callback(self._running.discard)
