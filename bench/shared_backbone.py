@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -42,17 +41,16 @@ import numpy as np
 from bench.common import (
     Panel,
     RunContext,
-    percentile,
     plot_panels,
     ratio,
     target,
     write_result,
 )
+from bench.openloop import Submit, open_loop, wait_quiet
 from bench.wide_backbone import HIDDEN, build_models
 from edge_agent.backbone import measure_compute_ms
-from edge_agent.batching import Batcher, BatchResult
+from edge_agent.batching import Batcher
 from edge_agent.host import VariantHost
-from mesh.errors import MeshError
 from variant_store.blobs import sha256_file
 from variant_store.meta import LatencyStats, Profile, VariantMeta
 from variant_store.runtimes import open_runtime
@@ -69,15 +67,14 @@ LADDER_START_RPS = 500.0
 LADDER_STEP = 1.3
 LADDER_MAX_RPS = 60_000.0
 ATTAINED = 0.99
-LADDERS = 3  # climbs per mode in a full run; the best counts
+LADDERS = 2  # climbs per mode in a full run; the best counts
 # This machine is shared: before each climb, wait (bounded) for the 1-minute load average to fall
 # below QUIET_LOADAVG, so that a climb measures the server rather than a neighbour's test suite.
 QUIET_LOADAVG = 2.5
-QUIET_WAIT_S = 180
+QUIET_WAIT_S = 120
 MAX_BATCH = 32
 WINDOW_MS = 4.0   # the host's default
 THREADS = 2
-Submit = Callable[[np.ndarray, float], Awaitable[BatchResult]]
 
 
 # ---------------------------------------------------------------- the three deployments
@@ -209,63 +206,6 @@ async def _measure_memory(mode: str, n: int, root: Path, cache: Path) -> dict[st
 # ---------------------------------------------------------------- load
 
 
-async def open_loop(submits: list[Submit], xs: np.ndarray, rate: float, count: int, *, seed: int,
-                    time_cap_s: float) -> dict[str, Any]:
-    """Offer ``count`` one-row requests as a Poisson stream of ``rate``/s, each to a random tenant."""
-    rng = np.random.default_rng(seed)
-    arrivals = np.cumsum(rng.exponential(1.0 / rate, count))
-    who = rng.integers(0, len(submits), count)
-    lat: list[float] = []
-    failed = 0
-    tasks: set[asyncio.Task[None]] = set()
-    t0, w0 = time.perf_counter(), time.monotonic()
-
-    async def one(i: int) -> None:
-        nonlocal failed
-        try:
-            await submits[int(who[i])](xs[i % len(xs)][None, :], w0 + float(arrivals[i]) + SLO_S)
-        except MeshError:
-            failed += 1
-            return
-        lat.append(time.perf_counter() - t0 - float(arrivals[i]))
-
-    i = 0
-    while i < count and time.perf_counter() - t0 < time_cap_s:
-        now = time.perf_counter() - t0
-        while i < count and arrivals[i] <= now:
-            task = asyncio.create_task(one(i))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-            i += 1
-        if i < count:
-            await asyncio.sleep(max(0.0, float(arrivals[i]) - (time.perf_counter() - t0)))
-    span = float(arrivals[i - 1]) if i else 0.0  # the schedule's span: what was offered
-    sent_span = time.perf_counter() - t0
-    if tasks:
-        _, pending = await asyncio.wait(set(tasks), timeout=SLO_S * 10 + 5.0)
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-    ms = np.asarray(lat) * 1000.0
-    good = int(np.sum(ms <= SLO_S * 1000.0))
-    offered = i / span if span > 0 else float("nan")
-    achieved = i / sent_span if sent_span > 0 else float("nan")
-    return {"sent": i, "offered_rps": round(offered, 1), "arrival_rps": round(achieved, 1),
-            "valid": bool(achieved >= 0.95 * rate), "refused_or_failed": failed,
-            "attained": round(good / i, 4) if i else 0.0,
-            "goodput_rps": round(good / max(sent_span, span), 1) if i else 0.0,
-            "p50_ms": round(percentile(ms, 50), 2), "p99_ms": round(percentile(ms, 99), 2)}
-
-
-async def _wait_quiet(limit: float, max_wait_s: int) -> float:
-    """Sleep until the 1-minute load average is below ``limit`` or ``max_wait_s`` passed; returns it."""
-    for _ in range(max_wait_s // 5):
-        if os.getloadavg()[0] < limit:
-            break
-        await asyncio.sleep(5.0)
-    return round(os.getloadavg()[0], 2)
-
-
 def _batch_stats(bs: list[Batcher]) -> tuple[int, int]:
     return sum(b.served for b in bs), sum(b.batches for b in bs)
 
@@ -273,7 +213,7 @@ def _batch_stats(bs: list[Batcher]) -> tuple[int, int]:
 async def _cell_at(dep: Deployment, xs: np.ndarray, rate: float, seconds: float, seed: int) -> dict[str, Any]:
     count = max(200, int(rate * seconds))
     served0, batches0 = _batch_stats(dep.batchers)
-    res = await open_loop(dep.submits, xs, rate, count, seed=seed, time_cap_s=seconds * 2 + 10.0)
+    res = await open_loop(dep.submits, xs, rate, count, seed=seed, time_cap_s=seconds * 2 + 10.0, slo_s=SLO_S)
     served1, batches1 = _batch_stats(dep.batchers)
     return {"asked_rps": round(rate, 1), **res,
             "mean_batch_rows": round((served1 - served0) / max(1, batches1 - batches0), 1)}
@@ -342,7 +282,7 @@ async def run_shared_backbone(ctx: RunContext) -> Path:
             # best of LADDERS climbs: a co-tenant's burst on this shared machine only ever lowers a climb
             cap: dict[str, tuple[float, bool]] = {}
             for rep in range(ctx.pick(1, LADDERS)):
-                load_before = await _wait_quiet(QUIET_LOADAVG, ctx.pick(20, QUIET_WAIT_S))
+                load_before = await wait_quiet(QUIET_LOADAVG, ctx.pick(20, QUIET_WAIT_S))
                 for mode, (steps, best, capped) in (await _ladders(deps, xs, seconds, seed=100 * n + rep)).items():
                     for st in steps:
                         st["loadavg_before_climb"] = load_before
