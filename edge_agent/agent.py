@@ -404,8 +404,10 @@ class Agent(Service):
         loaded = {vid: LoadedVariant(task=lv.meta.task, queue_ms=round(lv.batcher.expected_wait_ms(), 3),
                                      queued_rows=lv.batcher.queued_rows,
                                      ewma_compute_ms=round(lv.batcher.ewma_compute_ms, 3),
-                                     served=lv.batcher.served, load_ms=round(lv.load_ms, 1))
-                  for vid, lv in self.host.loaded.items()}
+                                     served=lv.batcher.served, load_ms=round(lv.load_ms, 1),
+                                     memory_bytes=lv.memory_bytes)
+                  # a strict tenant's own instances too; the shared one's record wins (sorted last)
+                  for (vid, _), lv in sorted(self.host.instances.items(), key=lambda kv: -len(kv[0][1]))}
         return Heartbeat(
             site=self.site, ts=clock.wall(), tier=me.tier if me else None,
             hardware_class=self.hardware_class,
@@ -452,11 +454,11 @@ class Agent(Service):
                 log.warning("cannot load %s: %s", vid, exc, extra=kv(site=self.site, variant=vid))
         wanted = {vid for _, vid in desired}
         now = time.monotonic()
-        for vid, lv in list(self.host.loaded.items()):
-            if vid in wanted or lv.batcher.queued_rows:
+        for (vid, isolated_for), lv in list(self.host.instances.items()):
+            if (vid in wanted and not isolated_for) or lv.batcher.queued_rows:
                 continue
             if now - lv.last_used > self.cfg.idle_unload_s:
-                await self.host.unload(vid)
+                await self.host.unload(vid, isolated_for)
 
 
 def load_peer_map(path: Path | None) -> dict[str, str]:

@@ -40,7 +40,7 @@ from mesh.errors import DeadlineExceeded, MeshError, Overloaded, PayloadTooLarge
 from mesh.lifecycle import cancel_and_wait
 from mesh.log import get_logger, kv
 
-__all__ = ["BatchResult", "Batcher", "batch_window_s"]
+__all__ = ["BatchResult", "Batcher", "Part", "batch_window_s"]
 
 log = get_logger(__name__)
 # The learnt overhead fades with this time constant while no batch runs to refresh it. Without
@@ -57,6 +57,11 @@ INLINE_CLEAN_RUNS = 1000
 INLINE_BACKOFF_S = 2.0
 INLINE_BACKOFF_MAX_S = 300.0
 InferFn = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
+# One request's share of a batch, as ``Batcher._execute`` sees it: (lane, rows). A plain batcher
+# has one lane; a shared backbone's batcher (edge_agent.backbone) has one per head.
+Part = tuple[str, int]
+# Batches remembered per batcher (tenants of each), so tests and the console can see who shared one.
+MEMBERSHIP_KEPT = 256
 
 
 def batch_window_s(slacks_s: list[float], compute_s: float, max_window_s: float,
@@ -83,6 +88,8 @@ class BatchResult:
     queue_ms: float
     compute_ms: float
     batch_rows: int
+    tenants: int = 1          # distinct tenants whose requests were in the batch
+    shared_backbone: bool = False  # run through a backbone shared by several heads (edge_agent.backbone)
 
 
 @dataclass(slots=True)
@@ -92,10 +99,17 @@ class _Item:
     deadline: float
     enqueued: float
     future: asyncio.Future[BatchResult] = field(repr=False)
+    lane: str = ""
+    tenant: str = ""
 
 
 class Batcher:
-    """Owns one variant's queue and its batching loop (start/stop; the loop never dies)."""
+    """Owns one variant's queue and its batching loop (start/stop; the loop never dies).
+
+    ``membership`` keeps the tenants of the last ``MEMBERSHIP_KEPT`` batches (a tuple per batch, in
+    arrival order), so who shared a batch is recorded rather than assumed."""
+
+    shared_backbone = False  # a backbone batcher says so in every result
 
     def __init__(self, variant_id: str, infer: InferFn, *, executor: Executor | None,
                  compute_ms: Callable[[int], float], max_batch: int = 32, max_window_ms: float = 4.0,
@@ -136,6 +150,7 @@ class Batcher:
         self._inline_backoff_s = INLINE_BACKOFF_S
         self._inline_slow = 0.0  # moving share of inline runs over INLINE_STALL_MS
         self._inline_clean = 0
+        self.membership: deque[tuple[str, ...]] = deque(maxlen=MEMBERSHIP_KEPT)
 
     def start(self) -> None:
         if self._task is None:
@@ -174,8 +189,11 @@ class Batcher:
         full_batches = self._queued_rows // self.max_batch
         return busy + full_batches * self._compute_ms(self.max_batch)
 
-    async def submit(self, inputs: dict[str, np.ndarray], deadline: float) -> BatchResult:
-        """Queue rows for inference. ``deadline`` is an instant on ``mesh.clock.monotonic``'s clock."""
+    async def submit(self, inputs: dict[str, np.ndarray], deadline: float, *, lane: str = "",
+                     tenant: str = "") -> BatchResult:
+        """Queue rows for inference. ``deadline`` is an instant on ``mesh.clock.monotonic``'s clock;
+        ``lane`` picks the head behind a shared backbone (ignored by a plain batcher); ``tenant`` is
+        recorded in ``membership``."""
         rows = int(next(iter(inputs.values())).shape[0])
         now = time.monotonic()
         remaining_ms = (deadline - now) * 1000.0
@@ -208,9 +226,9 @@ class Batcher:
         if rows > self.max_batch:
             profile = self._profile_ms(rows)  # an oversized request runs as one batch
         if self._inline_ok(rows, now, deadline, profile, overhead):
-            return self._run_inline(inputs, rows, now, profile, overhead)
+            return self._run_inline(inputs, rows, now, profile, overhead, lane, tenant)
         fut: asyncio.Future[BatchResult] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Item(inputs, rows, deadline, now, fut))
+        self._queue.append(_Item(inputs, rows, deadline, now, fut, lane, tenant))
         self._queued_rows += rows
         self._wake.set()
         return await fut
@@ -228,13 +246,17 @@ class Batcher:
                               expected_gap_s=self.ewma_gap_s) <= 0.0
 
     def _run_inline(self, inputs: dict[str, np.ndarray], rows: int, started: float, profile_ms: float,
-                    overhead_ms: float) -> BatchResult:
+                    overhead_ms: float, lane: str, tenant: str) -> BatchResult:
         """Run one request on the loop's thread: what ``_one_batch`` and ``_run`` would do for a
         batch of one, without the executor hop."""
         if self._skip_windows:
             self._skip_windows -= 1
+        self.membership.append((tenant,))
         try:
-            outputs = self._infer(inputs)
+            out = self._execute(inputs, [(lane, rows)])[0]
+            if isinstance(out, Exception):
+                raise out
+            outputs = out
         except MeshError:
             raise
         except Exception as exc:
@@ -254,7 +276,21 @@ class Batcher:
         self.served += rows
         if self.on_batch is not None:
             self.on_batch(self.variant_id, rows)
-        return BatchResult(outputs, 0.0, took_ms, rows)
+        return BatchResult(outputs, 0.0, took_ms, rows, 1, self.shared_backbone)
+
+    def _execute(self, merged: dict[str, np.ndarray], parts: list[Part]
+                 ) -> list[dict[str, np.ndarray] | Exception]:
+        """Run one merged batch (off the loop, or inline); one output dict (or the error) per part,
+        in order. Subclasses that route parts to different heads override this."""
+        outputs = self._infer(merged)
+        if len(parts) == 1:
+            return [outputs]
+        out: list[dict[str, np.ndarray] | Exception] = []
+        offset = 0
+        for _, rows in parts:
+            out.append({k: v[offset:offset + rows] for k, v in outputs.items()})
+            offset += rows
+        return out
 
     def _inline_stalled(self, took_ms: float, now: float) -> None:
         self._inline_clean = 0
@@ -332,11 +368,14 @@ class Batcher:
         names = list(batch[0].inputs)
         merged = {n: (batch[0].inputs[n] if len(batch) == 1
                       else np.concatenate([it.inputs[n] for it in batch], axis=0)) for n in names}
+        tenants = tuple(it.tenant for it in batch)
+        self.membership.append(tenants)
         started = time.monotonic()
         self._busy_until = started + self._compute_ms(rows) / 1000.0
         loop = asyncio.get_running_loop()
         try:
-            outputs = await loop.run_in_executor(self._executor, self._infer, merged)
+            parts = await loop.run_in_executor(self._executor, self._execute, merged,
+                                               [(it.lane, it.rows) for it in batch])
         except Exception as exc:
             err = exc if isinstance(exc, MeshError) else MeshError(f"inference failed: {exc}")
             for it in batch:
@@ -350,10 +389,13 @@ class Batcher:
         self._learn(compute_ms, done, self._profile_ms(rows), self._overhead_at(done))
         if self.on_batch is not None:
             self.on_batch(self.variant_id, rows)
-        offset = 0
-        for it in batch:
-            part = {k: v[offset:offset + it.rows] for k, v in outputs.items()}
-            offset += it.rows
+        n_tenants = len(set(tenants))
+        for it, part in zip(batch, parts, strict=True):
             self.served += it.rows
-            if not it.future.done():
-                it.future.set_result(BatchResult(part, (started - it.enqueued) * 1000.0, compute_ms, rows))
+            if it.future.done():
+                continue
+            if isinstance(part, Exception):
+                it.future.set_exception(part if isinstance(part, MeshError) else MeshError(f"inference failed: {part}"))
+            else:
+                it.future.set_result(BatchResult(part, (started - it.enqueued) * 1000.0, compute_ms, rows,
+                                                 n_tenants, self.shared_backbone))

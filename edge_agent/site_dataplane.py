@@ -209,6 +209,11 @@ class SiteDataPlane:
         if tenant not in topo.tenants:
             raise UnknownTenant(f"unknown tenant {tenant!r}")
 
+    def _strict(self, tenant: str) -> bool:
+        topo = self.view.topology
+        t = topo.tenants.get(tenant) if topo is not None else None
+        return t is not None and t.isolation == "strict"
+
     def _on_reachability(self, endpoint: str, down: bool) -> None:
         if down:
             self._down_endpoints.add(endpoint)
@@ -282,9 +287,12 @@ class SiteDataPlane:
         if meta.owner not in (DEFAULT_TENANT, req.tenant):
             raise UnknownTask(f"task {req.task!r} has no variant {variant_id!r} for tenant {req.tenant!r}")
         try:
-            lv = self.host.loaded.get(meta.variant_id) or await self.host.ensure_by(meta, req.deadline)
-            lv.last_used = time.monotonic()
-            result = await lv.batcher.submit(req.inputs, req.deadline)
+            # a strict tenant gets instances of its own: own session, batcher and backbone
+            isolated_for = req.tenant if self._strict(req.tenant) else ""
+            lv = (self.host.instances.get((meta.variant_id, isolated_for))
+                  or await self.host.ensure_by(meta, req.deadline, isolated_for))
+            lv.touch(time.monotonic())
+            result = await lv.batcher.submit(req.inputs, req.deadline, lane=variant_id, tenant=req.tenant)
         except MeshError as exc:
             self.metrics.served_failed(variant_id, exc.code)
             raise
@@ -299,7 +307,7 @@ class SiteDataPlane:
             accuracy=meta.accuracy, reason=reason, best_effort=best_effort, tenant=req.tenant,
             timing=Timing(network_ms=0.0, queue_ms=result.queue_ms, compute_ms=result.compute_ms,
                           total_ms=total),
-            hops=req.hops)
+            hops=req.hops, backbone_tenants=result.tenants if result.shared_backbone else 0)
 
     async def _forward(self, req: InferRequest, d: Decision, received: float, remaining_ms: float) -> InferResponse:
         endpoint = self._peer_endpoint(d.site)

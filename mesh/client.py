@@ -41,7 +41,7 @@ from mesh.pki.reload import ReloadingCredentials
 from mesh.sdk_transport import AiohttpTransport, Transport
 from mesh.types import DEFAULT_PREFER, DEFAULT_TENANT, TaskSignature, Timing
 from mesh.v2 import codec as codec
-from mesh.v2.params import metadata_to_signature, result_values
+from mesh.v2.params import backbone_tenants, metadata_to_signature, result_values
 from mesh.v2.tensors import HEADER_LENGTH, tensor_data
 
 __all__ = ["AsyncClient", "Client", "InferResult"]
@@ -71,6 +71,8 @@ class InferResult:
     # set when the query was traced (asked with trace=True, or sampled): look it up at the edge's
     # GET /v2/traces/{request_id}
     trace_id: str = ""
+    # served through a backbone shared across tenants: how many tenants its batch held (0: not shared)
+    backbone_tenants: int = 0
 
     def output(self, name: str | None = None) -> np.ndarray:
         """The output called ``name``; with no name, the only output (``KeyError`` if several)."""
@@ -306,7 +308,8 @@ class AsyncClient:
         dec = codec.decode_infer_response(rb, int(raw_len) if raw_len is not None else None)
         trace_id = dec.parameters.get("trace_id")
         return InferResult(dec.outputs, *result_values(dec.parameters), request_id=dec.request_id,
-                           trace_id=trace_id if type(trace_id) is str else "")
+                           trace_id=trace_id if type(trace_id) is str else "",
+                           backbone_tenants=backbone_tenants(dec.parameters))
 
     def _plan(self, key: tuple[Any, ...], task: str, tensors: dict[str, np.ndarray], latency_ms: float,
               min_accuracy: float, max_cost: float | None, prefer: str,

@@ -277,3 +277,6 @@ class InferResponse:
     # a traced query's hop records from this hop inwards (JSON-able maps, ``edge_agent.traces``);
     # None when not traced
     trace: list[dict[str, Any]] | None = None
+    # served through a backbone shared by several heads: the distinct tenants in its batch (1 or
+    # more); 0 when no shared backbone was involved
+    backbone_tenants: int = 0

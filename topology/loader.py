@@ -19,6 +19,10 @@ Rules beyond types and ranges:
   but never routed to);
 * a GPU names its model and its memory; latitude in [-90, 90], longitude in [-180, 180];
 * a tenant's isolation is ``shared`` or ``strict``; quotas are known keys with values >= 0.
+  ``shared``: its queries may be batched with other shared tenants' through a backbone the site
+  holds once (``edge_agent.backbone``); ``strict``: never a batch, session or backbone instance with
+  another tenant (``edge_agent.host`` opens instances of its own, placement charges it a whole
+  backbone).
 """
 
 from __future__ import annotations

@@ -12,10 +12,11 @@ Steps, following INFaaS (prefer what is loaded; scale a variant out before buyin
    (and the tenant may use it). One already placed wins. Otherwise load one: at the demand's own
    site if it fits (on an edge, smallest / INT8 first), else at the nearest middle or core site
    (then other edges). Memory: the planned variants of a site stay within ``headroom`` of its
-   memory; to fit, idle variants past their minimum residency are evicted, least recently used
-   first. When nothing meets the SLO and no variant of the task is placed anywhere alive, the
-   lowest-latency variant meeting the accuracy floor (else any) is loaded: traffic is never left
-   without a server.
+   memory, a backbone shared by several heads counted once (a strict tenant's head carries a whole
+   backbone of its own: ``VariantInfo.base``); to fit, idle variants past their minimum residency
+   are evicted, least recently used first. When nothing meets the SLO and no variant of the task is
+   placed anywhere alive, the lowest-latency variant meeting the accuracy floor (else any) is
+   loaded: traffic is never left without a server.
 2. *Replicate.* A variant serving ``qps`` needs ``qps x compute_ms / 1000`` slots (batch 1: batching
    is a bonus, not planned on). Beyond ``headroom x capacity`` of one site it is copied to the next
    sites that meet the same SLOs, up to ``max_replicas_per_variant`` copies.
@@ -112,7 +113,16 @@ class _Planner:
         return self.snap.variant_by_id.get(vid)
 
     def mem_used(self, site: str) -> int:
-        return sum(v.memory_bytes for vid in self.plan[site] if (v := self.variant(vid)) is not None)
+        """A shared backbone counts once however many heads on it are planned here."""
+        vs = [v for vid in self.plan[site] if (v := self.variant(vid)) is not None]
+        return sum(v.own_bytes() for v in vs) + sum({v.base: v.base_bytes for v in vs if v.base}.values())
+
+    def mem_need(self, site: str, v: VariantInfo) -> int:
+        """What planning ``v`` at ``site`` adds: its backbone only if no head planned there has it."""
+        if v.base is not None and any(o is not None and o.base == v.base
+                                      for o in (self.variant(x) for x in self.plan[site])):
+            return v.own_bytes()
+        return v.memory_bytes
 
     def mem_cap(self, site: str) -> float:
         return self.cfg.headroom * self.snap.sites[site].memory_bytes
@@ -158,7 +168,8 @@ class _Planner:
     def make_room(self, site: str, v: VariantInfo) -> list[str] | None:
         """Variants to evict (LRU) so ``v`` fits at ``site``; None when it cannot fit."""
         free = self.mem_cap(site) - self.mem_used(site)
-        if v.memory_bytes <= free:
+        need = self.mem_need(site, v)
+        if need <= free:
             return []
         victims: list[str] = []
         lru = sorted((p for p in ((site, x) for x in self.plan[site]) if self.protected(p) is None),
@@ -166,8 +177,9 @@ class _Planner:
         for pair in lru:
             victims.append(pair[1])
             other = self.variant(pair[1])
-            free += other.memory_bytes if other is not None else 0
-            if v.memory_bytes <= free:
+            # a victim's own bytes (its backbone stays counted while another head holds it)
+            free += other.own_bytes() if other is not None else 0
+            if need <= free:
                 return victims
         return None
 

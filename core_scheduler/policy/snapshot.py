@@ -89,8 +89,13 @@ class VariantInfo:
     # hardware class -> batch size -> median latency (ms)
     compute_ms: Mapping[str, Mapping[int, float]] = field(default_factory=dict)
     load_ms: Mapping[str, float] = field(default_factory=dict)
-    memory_bytes: int = 0
+    memory_bytes: int = 0     # what loading it cold takes, its backbone included (a head's)
     max_batch: int = 1
+    # the shared backbone (blob digest) a head runs on; its bytes are in memory_bytes, and placement
+    # counts them once per site for all heads on it. None for a strict tenant's head: its backbone
+    # instance is its own, so its whole memory is charged to it.
+    base: str | None = None
+    base_bytes: int = 0
 
     def usable_by(self, tenant: str) -> bool:
         return self.owner == "public" or self.owner == tenant
@@ -120,15 +125,24 @@ class VariantInfo:
             return float(self.load_ms[hardware_class])
         return float(max(self.load_ms.values(), default=0.0))
 
+    def own_bytes(self) -> int:
+        """Memory without a shared backbone (what it adds to a site that holds the backbone already)."""
+        return self.memory_bytes - self.base_bytes if self.base is not None else self.memory_bytes
+
     @classmethod
-    def from_meta(cls, meta: VariantMeta) -> VariantInfo:
+    def from_meta(cls, meta: VariantMeta, *, base_bytes: int = 0, isolated: bool = False) -> VariantInfo:
+        """``base_bytes``: its backbone's memory (a head's); ``isolated``: its owner is a ``strict``
+        tenant, whose heads get a backbone instance of their own."""
         compute = {hw: {b: s.p50_ms for b, s in p.latency.items()} for hw, p in meta.profiles.items()}
         loads = {hw: p.load_ms for hw, p in meta.profiles.items()}
         peak = max((p.peak_memory_bytes for p in meta.profiles.values()), default=0)
+        base = meta.shared_base_digest if meta.shared_base_digest and not isolated else None
         return cls(task=meta.task, variant_id=meta.variant_id, accuracy=meta.accuracy,
                    size_bytes=meta.size_bytes, owner=meta.owner, format=meta.format,
                    precision=meta.precision, compute_ms=compute, load_ms=loads,
-                   memory_bytes=max(peak, meta.size_bytes), max_batch=max(meta.batch_sizes or [1]))
+                   memory_bytes=max(peak, meta.size_bytes) + (base_bytes if meta.shared_base_digest else 0),
+                   max_batch=max(meta.batch_sizes or [1]), base=base,
+                   base_bytes=base_bytes if meta.shared_base_digest else 0)
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,13 +36,15 @@ class LoadedVariant:
     ewma_compute_ms: float = 0.0
     served: int = 0                # queries served since load (the scheduler's usage clock)
     load_ms: float = 0.0           # what the load took
+    memory_bytes: int = 0          # measured when it loaded (a head's without its shared backbone)
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> LoadedVariant:
         return cls(task=str(d["task"]), queue_ms=_num(d.get("queue_ms", 0.0), "queue_ms"),
                    queued_rows=int(d.get("queued_rows", 0)),
                    ewma_compute_ms=_num(d.get("ewma_compute_ms", 0.0), "ewma_compute_ms"),
-                   served=int(d.get("served", 0)), load_ms=_num(d.get("load_ms", 0.0), "load_ms"))
+                   served=int(d.get("served", 0)), load_ms=_num(d.get("load_ms", 0.0), "load_ms"),
+                   memory_bytes=int(d.get("memory_bytes", 0)))
 
 
 @dataclass(frozen=True, slots=True)

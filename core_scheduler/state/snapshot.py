@@ -55,7 +55,12 @@ def build_snapshot(view: MeshView, *, here: str | None = None,
                               cpu_cores=s.hardware.cpu_cores, memory_mb=s.hardware.memory_mb,
                               gpus=len(s.hardware.gpus) if rec is not None and rec.gpu else 0,
                               price_per_hour=s.hardware.price_per_hour, alive=True))
-    variants = [VariantInfo.from_meta(m) for vs in view.variants.values() for m in vs.values()]
+    metas = [m for vs in view.variants.values() for m in vs.values()]
+    # a head carries its backbone's memory; a strict tenant's head a whole backbone of its own
+    blob_bytes = {m.blob_digest: VariantInfo.from_meta(m).memory_bytes for m in metas}
+    strict = {t.name for t in topo.tenants.values() if t.isolation == "strict"}
+    variants = [VariantInfo.from_meta(m, base_bytes=blob_bytes.get(m.shared_base_digest or "", 0),
+                                      isolated=m.owner in strict) for m in metas]
     loads = []
     for name, rec in live.items():
         if name in topo.sites:

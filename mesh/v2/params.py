@@ -23,6 +23,7 @@ __all__ = [
     "DTYPE_TO_V2",
     "NATIVE",
     "V2_TO_NP",
+    "backbone_tenants",
     "datatype_of",
     "dtype_of",
     "metadata_to_signature",
@@ -98,13 +99,18 @@ def parse_slo(params: Mapping[str, Any]) -> SLO:
 def response_parameters(resp: InferResponse) -> dict[str, Any]:
     """Mesh metadata for a response's ``parameters`` (V2 allows only scalar values: hops is joined)."""
     t = resp.timing
-    return {
+    out = {
         "site": resp.site, "variant": resp.variant, "accuracy": resp.accuracy, "reason": resp.reason,
         "best_effort": resp.best_effort, "tenant": resp.tenant,
         "timing_ms_network": t.network_ms, "timing_ms_queue": t.queue_ms,
         "timing_ms_compute": t.compute_ms, "timing_ms_total": t.total_ms,
         "hops": ",".join(resp.hops),
     }
+    if resp.backbone_tenants:
+        # run through a backbone shared across tenants; how many tenants its batch held
+        out["shared_backbone"] = True
+        out["backbone_batch_tenants"] = resp.backbone_tenants
+    return out
 
 
 def _num(v: object) -> float:
@@ -132,6 +138,12 @@ def result_values(params: Mapping[str, Any]) -> ResultValues:
             Timing(_num(get("timing_ms_network", 0.0)), _num(get("timing_ms_queue", 0.0)),
                    _num(get("timing_ms_compute", 0.0)), _num(get("timing_ms_total", 0.0))),
             [h for h in _text(hops).split(",") if h] if hops else [])
+
+
+def backbone_tenants(params: Mapping[str, Any]) -> int:
+    """``backbone_batch_tenants`` of a response's parameters (0 when absent or not a count)."""
+    n = params.get("backbone_batch_tenants", 0)
+    return n if type(n) is int and n >= 0 else 0
 
 
 def result_fields(params: Mapping[str, Any]) -> dict[str, Any]:

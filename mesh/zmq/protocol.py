@@ -24,7 +24,7 @@ clock at encode, for diagnostics (logs of a late arrival) only: it is never comp
 receiver's clock.
 
 Reply header: ``{v, kind: "rep", id, site, variant, accuracy, reason, best_effort, tenant,
-timing: {network_ms, queue_ms, compute_ms, total_ms}, hops, tensors, trace?}`` or
+timing: {network_ms, queue_ms, compute_ms, total_ms}, hops, tensors, trace?[, backbone_tenants]}`` or
 ``{v, kind: "err", id, code, error}`` where ``code`` is a ``mesh.errors`` code.
 
 Tensor bytes are little-endian, C-order, never copied on encode (frames are views of the arrays)
@@ -203,6 +203,8 @@ def encode_response(resp: InferResponse) -> Frames:
     }
     if resp.trace is not None:
         header["trace"] = resp.trace
+    if resp.backbone_tenants:
+        header["backbone_tenants"] = int(resp.backbone_tenants)
     return [_pack(header), *frames]
 
 
@@ -306,8 +308,11 @@ def _fast_response(h: dict[str, Any], rid: str, frames: Sequence[object], max_by
     tensors = _fast_tensors(h.get("tensors"), frames[1:], max_bytes)
     if tensors is None:
         return None
+    shared = h.get("backbone_tenants", 0)
+    if type(shared) is not int or shared < 0:
+        return None  # the checked path says what is wrong
     return InferResponse(rid, tensors, site, variant, accuracy, reason, best_effort, tenant,
-                         Timing(network, queue, compute, total), hops, trace)
+                         Timing(network, queue, compute, total), hops, trace, shared)
 
 
 # ---------------------------------------------------------------- decode

@@ -280,6 +280,13 @@ def check_reply(h: Mapping[str, Any], rid: str, frames: Sequence[object],
                              for k in ("network_ms", "queue_ms", "compute_ms", "total_ms")}),
             hops=_str_list(h, "hops"),
             trace=read_trace(h),
+            backbone_tenants=_count(h.get("backbone_tenants", 0)),
         )
     except DECODE_ERRORS as exc:
         return exc
+
+
+def _count(v: object) -> int:
+    if type(v) is not int or v < 0:
+        raise ProtocolError(f"backbone_tenants must be a count, got {v!r}")
+    return v

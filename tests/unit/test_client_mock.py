@@ -27,8 +27,9 @@ SIG = TaskSignature("digit-classification", (TensorSpec("x", "float32", (-1, 64)
 class Server:
     """A pure function that answers like the edge agent: doubles the input's row sums as logits."""
 
-    def __init__(self) -> None:
+    def __init__(self, extra: dict[str, object] | None = None) -> None:
         self.seen: list[tuple[str, str, dict[str, str], bytes]] = []
+        self.extra = extra or {}
 
     def __call__(self, method: str, path: str, headers: dict[str, str], body: bytes) -> Response:
         self.seen.append((method, path, headers, body))
@@ -44,7 +45,7 @@ class Server:
             params = {"site": "edge-a", "variant": "mlp.fp32", "accuracy": 0.97, "reason": "local_ok",
                       "best_effort": False, "tenant": headers[codec.TENANT_HEADER],
                       "timing_ms_network": 0.5, "timing_ms_queue": 0.25, "timing_ms_compute": 1.0,
-                      "timing_ms_total": 2.0, "hops": "edge-a"}
+                      "timing_ms_total": 2.0, "hops": "edge-a", **self.extra}
             out, rl = codec.encode_infer_response("digit-classification", dec.request_id or "gen", {
                 "logits": logits}, params, {"logits": dec.binary_default})
             return 200, ({"inference-header-content-length": str(rl)} if rl else {}), out
@@ -232,3 +233,12 @@ async def test_quota_exceeded_carries_the_servers_retry_after(header: str | None
         with pytest.raises(errors.QuotaExceeded) as info:
             await c.infer("digit-classification", np.zeros((1, 64), np.float32), latency_ms=20)
     assert info.value.retry_after_s == expected and info.value.http_status == 429
+
+
+async def test_the_result_says_when_a_backbone_was_shared() -> None:
+    x = np.zeros((1, 64), np.float32)
+    shared = Server({"shared_backbone": True, "backbone_batch_tenants": 3})
+    async with AsyncClient("http://edge", transport=MockTransport(shared)) as c:
+        assert (await c.infer("digit-classification", x, latency_ms=20)).backbone_tenants == 3
+    async with AsyncClient("http://edge", transport=MockTransport(Server())) as c:
+        assert (await c.infer("digit-classification", x, latency_ms=20)).backbone_tenants == 0

@@ -294,3 +294,44 @@ def test_reactive_and_proactive_plans_over_a_recurring_peak() -> None:
             held[mode] = now_held
     assert dropped == {"reactive": True, "proactive": True}
     assert at_peak2 == {"reactive": False, "proactive": True}
+
+
+def _heads(owner_b: str = "public", isolated_b: bool = False) -> list[VariantInfo]:
+    """Two heads on one 40 MB backbone (their memory_bytes include it, as VariantInfo.from_meta makes them)."""
+    def head(vid: str, task: str, owner: str, isolated: bool) -> VariantInfo:
+        return VariantInfo(task, vid, 0.97, MB, owner=owner, compute_ms={"cpu-arm": {1: 1.0}},
+                           memory_bytes=41 * MB, base=None if isolated else "bb", base_bytes=40 * MB)
+    return [head("head-a", "digits", "public", False), head("head-b", "parity", owner_b, isolated_b)]
+
+
+def _edge_with(memory_mb: int, vs: list[VariantInfo]) -> MeshSnapshot:
+    edge = SiteInfo("edge-a", "edge", "eu", "cpu-arm", 4, memory_mb, 0, 0.036)
+    return MeshSnapshot.from_parts([edge], vs, [SiteLoad("edge-a", capacity=4)], [])
+
+
+def test_heads_sharing_a_backbone_count_it_once() -> None:
+    # 42 MB of two heads on one backbone fit in 0.8 x 60 MB; two 41 MB copies would not
+    s = _edge_with(60, _heads())
+    ds = [Demand("edge-a", "digits", "std", 5.0, 0.9, 50.0), Demand("edge-a", "parity", "std", 5.0, 0.9, 50.0)]
+    p = plan(s, ds)
+    assert set(p.per_site["edge-a"]) == {"head-a", "head-b"}
+
+
+def test_a_strict_tenants_head_is_charged_a_whole_backbone() -> None:
+    s = _edge_with(60, _heads(owner_b="globex", isolated_b=True))
+    ds = [Demand("edge-a", "digits", "std", 5.0, 0.9, 50.0),
+          Demand("edge-a", "parity", "std", 5.0, 0.9, 50.0, tenant="globex")]
+    p = plan(s, ds)
+    # its own backbone instance does not fit beside the shared one: not both at the edge
+    assert len(p.per_site["edge-a"]) == 1
+
+
+def test_variant_info_of_a_head_carries_its_backbone() -> None:
+    from variant_store.meta import VariantMeta
+
+    meta = VariantMeta("parity", "head", "head.onnx.fp32", "onnx", "fp32", "onnxruntime", "ab" * 32, 2 * MB,
+                       0.97, shared_base_digest="cd" * 32, owner="globex")
+    shared = VariantInfo.from_meta(meta, base_bytes=40 * MB)
+    assert (shared.memory_bytes, shared.base, shared.own_bytes()) == (42 * MB, "cd" * 32, 2 * MB)
+    own = VariantInfo.from_meta(meta, base_bytes=40 * MB, isolated=True)
+    assert (own.memory_bytes, own.base, own.own_bytes()) == (42 * MB, None, 42 * MB)

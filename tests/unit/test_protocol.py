@@ -405,3 +405,17 @@ def test_bytes_elements_must_be_bytes_or_text() -> None:
     with pytest.raises(BadTensor, match="bytes or str"):
         p.encode_request(InferRequest("t", {"text": np.array([1, b"a"], dtype=object)}, SLO(10), request_id="a",
                                       deadline=1.0))
+
+
+def test_shared_backbone_count_crosses_the_wire_and_a_bad_one_is_refused() -> None:
+    resp = InferResponse("r-3", {"y": np.ones(3, np.float32)}, "edge", "head", 0.9, "local_ok", backbone_tenants=3)
+    frames = _wire(p.encode_response(resp))
+    assert p.decode_response(frames).backbone_tenants == 3
+    plain = InferResponse("r-4", {"y": np.ones(3, np.float32)}, "edge", "v", 0.9, "local_ok")
+    head = msgpack.unpackb(_wire(p.encode_response(plain))[0])
+    assert "backbone_tenants" not in head  # replies without a shared backbone are unchanged on the wire
+    assert p.decode_response(_wire(p.encode_response(plain))).backbone_tenants == 0
+    bad = msgpack.unpackb(frames[0])
+    bad["backbone_tenants"] = -1
+    rid, err = p.decode_reply([msgpack.packb(bad), *frames[1:]])
+    assert rid == "r-3" and isinstance(err, ProtocolError) and "backbone_tenants" in str(err)

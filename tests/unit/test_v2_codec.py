@@ -229,3 +229,14 @@ def test_server_side_decode_without_copy_is_read_only_and_cache_safe() -> None:
     with pytest.raises((RequestError, BadTensor)):         # a cached header still checks the body
         codec.decode_infer_request(body[:-8], hlen, copy=False)
     assert codec.decode_infer_request(body, hlen).inputs["x"].flags.writeable  # default copies
+
+
+def test_shared_backbone_parameters() -> None:
+    from mesh.types import InferResponse
+    from mesh.v2.params import backbone_tenants, response_parameters
+
+    shared = response_parameters(InferResponse("r", {}, "edge", "head", 0.9, "local_ok", backbone_tenants=2))
+    assert shared["shared_backbone"] is True and backbone_tenants(shared) == 2
+    plain = response_parameters(InferResponse("r", {}, "edge", "v", 0.9, "local_ok"))
+    assert "shared_backbone" not in plain and backbone_tenants(plain) == 0
+    assert backbone_tenants({"backbone_batch_tenants": "2"}) == 0
