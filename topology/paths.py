@@ -46,11 +46,13 @@ __all__ = ["DENSE_MAX_SITES", "LinkSpec", "PathTables", "shortest_paths", "topol
 LinkSpec = tuple[str, str, float, float, float]
 
 # Dijkstra drops zero-weight edges of a sparse matrix built from a dense one: a 0 ms link keeps
-# this much weight for the search (the tables report its real 0 ms).
-_MIN_WEIGHT = 1e-9
+# this much weight for the search (the tables report its real 0 ms). It must stay far above what the tie
+# tolerance allows on any path length (1e-12 x 10^5 ms = 1e-7 ms), or a detour over 0 ms links reads as a tie
+# in one build and not in the other (hypothesis found that at 1e-9 for both).
+_MIN_WEIGHT = 1e-4
 # Two path lengths this close (relatively) are a tie; float sums of the same links in another
 # order differ by a few ulps, real latencies by far more.
-_TIE_RTOL = 1e-9
+_TIE_RTOL = 1e-12
 _NONE = -9999  # "no predecessor", scipy's convention
 # Largest mesh whose distances are computed in numpy (O(n^3) work, O(n^2) memory); scipy's Dijkstra beyond.
 DENSE_MAX_SITES = 256

@@ -77,10 +77,12 @@ async def test_variants_sharing_a_blob_load_together(tmp_path: Path, slow_store:
         loaded = await asyncio.wait_for(asyncio.gather(host.ensure(backbone), *(host.ensure(h) for h in heads)), 60)
         assert [lv.meta.variant_id for lv in loaded] == [backbone.variant_id, *(h.variant_id for h in heads)]
         # one backbone session shared by both heads, and every variant answers
-        assert list(host.bases) == [backbone.blob_digest] and host.base_refs[backbone.blob_digest] == 2
+        bkey = (backbone.blob_digest, "")
+        assert list(host.bases) == [bkey]
+        assert host.bases[bkey].holders == {(h.variant_id, "") for h in heads}
         x = {loaded[0].runtime.input_specs[0].name: np.zeros((2, 64), np.float32)}  # heads take the base's
         for lv in loaded:
-            out = await lv.batcher.submit(x, time.monotonic() + 5)
+            out = await lv.batcher.submit(x, time.monotonic() + 5, lane=lv.meta.variant_id)
             assert next(iter(out.outputs.values())).shape[0] == 2
         assert not list((tmp_path / "blobs").glob("*.part"))
     finally:
