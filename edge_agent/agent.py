@@ -37,7 +37,7 @@ from mesh import clock
 from mesh.addresses import DEFAULT_BIND, advertised_host, tcp_endpoint
 from mesh.errors import ConfigError, MeshError, PkiError
 from mesh.etcd.store import Store
-from mesh.lifecycle import Service, cancel_and_wait
+from mesh.lifecycle import Service, State, cancel_and_wait
 from mesh.log import get_logger, kv
 from mesh.pki.curve import CurveKeyPair
 from mesh.pki.files import PkiPaths, read_curve
@@ -353,6 +353,8 @@ class Agent(Service):
         return peer_sources(digest, self.site, view.live, rtt, by_id.get)
 
     def _on_view_change(self) -> None:
+        if self.state is State.STOPPING:  # its servers are going: a change now has nothing left to route
+            return
         assert self.view is not None and self.host is not None and self.zmq_client is not None
         svc = self.view.services.get("variant-store")
         self.host.blob_url = self.cfg.peer_map.get(BLOB_PEER) or (svc.get("url") if isinstance(svc, dict) else None)

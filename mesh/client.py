@@ -25,6 +25,7 @@ import enum
 import json
 import ssl
 import threading
+import time
 from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -265,8 +266,20 @@ class AsyncClient:
         self._open()
         if not isinstance(inputs, np.ndarray | Mapping):  # a list of texts for a text task
             inputs = as_bytes_tensor(inputs)
+        spent = 0.0  # of the budget's wait, before the request itself (a first call's metadata lookup)
         if isinstance(inputs, np.ndarray):
-            sig = self._signatures.get(task) or await self.task_metadata(task)
+            sig = self._signatures.get(task)
+            if sig is None:
+                # the caller's wait is bounded from its call, not from the request: a metadata lookup at a busy
+                # edge counts against it too
+                started = time.monotonic()
+                try:
+                    async with asyncio.timeout(min(self.timeout, latency_ms / 1000.0 + DEADLINE_GRACE_S)):
+                        sig = await self.task_metadata(task)
+                except TimeoutError as exc:
+                    raise DeadlineExceeded(f"{task}: no task metadata within the budget ({latency_ms} ms) "
+                                           f"and its grace") from exc
+                spent = time.monotonic() - started
             if len(sig.inputs) != 1:
                 raise BadTensor(f"task {task} takes inputs {[s.name for s in sig.inputs]}; pass a dict")
             tensors = {sig.inputs[0].name: _text_as_bytes(inputs)}
@@ -295,10 +308,13 @@ class AsyncClient:
         # The edge answers by the query's deadline (or with an error); plan.bound only protects
         # the caller from an agent that hangs: the SLO budget plus a grace for the loopback/LAN hop.
         try:
+            bound = plan.bound - spent if spent else plan.bound
+            if bound <= 0:
+                raise TimeoutError
             if self._own is not None:
-                status, rh, rb = await self._own.request("POST", plan.path, plan.headers, body, limit_s=plan.bound)
+                status, rh, rb = await self._own.request("POST", plan.path, plan.headers, body, limit_s=bound)
             else:
-                async with asyncio.timeout(plan.bound):
+                async with asyncio.timeout(bound):
                     status, rh, rb = await self._transport.request("POST", plan.path, plan.headers, body)
         except (TimeoutError, DeadlineExceeded) as exc:
             raise DeadlineExceeded(f"{task}: no answer within {plan.bound:.3f} s (budget {latency_ms} ms)") from exc

@@ -208,6 +208,18 @@ async def test_impossible_slo_gets_an_explicit_answer(small_mesh: LocalMesh, hol
         [r for r in result.records if not (r.ok and r.best_effort)][:3]
     _no_silent_downgrade(result.records, {"impossible": 0.999})
 
+    # accuracy first with a budget the most accurate variant cannot meet (the core is over 30 ms away from
+    # an edge): served by the most accurate variant that can answer in time, flagged, never 504 (issue 15:
+    # best effort chose the most accurate variant anywhere, and most such queries died at their deadline)
+    hurried = (SloClass("hurried", latency_ms=20, min_accuracy=0.999, share=1.0, prefer="accuracy"),)
+    result = await run_workload(small_mesh.edge_urls(), holdout.x, holdout.y, duration_s=2, qps=20,
+                                classes=hurried, seed=6, max_queries=40)
+    assert len(result.records) >= 15
+    failed = [r.error for r in result.records if not r.ok]
+    assert not failed, failed
+    assert all(r.best_effort and r.reason.startswith("best_effort_accuracy") for r in result.records)
+    assert all(tiers != "core" for tiers in (small_mesh.topology.sites[r.site].tier for r in result.records))
+
 
 # -- malformed requests against a real agent ---------------------------------------------------
 

@@ -216,6 +216,32 @@ async def test_infer_is_bounded_by_its_budget_not_only_the_client_timeout() -> N
         client_mod.DEADLINE_GRACE_S = old
 
 
+async def test_the_budget_bounds_the_whole_call_metadata_lookup_included(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first call looks the task's signature up first: at a busy edge that takes time, and the caller's
+    wait is still budget + grace from its call (the chaos suite's bursts saw answers 1.3 s into a 0.3 s
+    budget: a slow lookup, then a full request bound)."""
+    import time
+
+    from mesh import client as client_mod
+
+    monkeypatch.setattr(client_mod, "DEADLINE_GRACE_S", 0.2)
+
+    async def slow(method: str, path: str, headers: Any, body: bytes) -> Any:
+        await asyncio.sleep(0.25)
+        if path.endswith("/infer"):
+            return 200, {}, codec.encode_infer_response("t", "q", {"y": np.zeros((1, 2), np.float32)}, {},
+                                                        False)[0]
+        return 200, {}, json.dumps(signature_to_metadata(
+            TaskSignature("t", (TensorSpec("x", "float32", (-1, 4)),), (TensorSpec("y", "float32", (-1, 2)),))
+        )).encode()
+
+    async with AsyncClient("http://edge", transport=MockTransport(slow), timeout=30) as c:
+        t0 = time.perf_counter()
+        with pytest.raises(errors.DeadlineExceeded):
+            await c.infer("t", np.zeros((1, 4), np.float32), latency_ms=100)  # bound 0.3 s: 0.25 + 0.25 is late
+        assert time.perf_counter() - t0 < 0.45
+
+
 @pytest.mark.parametrize(("header", "expected"), [("7", 7), ("  12 ", 12), ("Wed, 21 Oct 2026 07:28:00 GMT", 1),
                                                   (None, 1)])
 async def test_quota_exceeded_carries_the_servers_retry_after(header: str | None, expected: int) -> None:

@@ -22,14 +22,16 @@ __all__ = ["LONG", "PROFILES", "SHORT", "SMALL_TOPOLOGY"]
 SMALL_TOPOLOGY = Path(__file__).resolve().parents[2] / "tests" / "data" / "topology_small.yaml"
 RECOVERY_BOUND_S = 5.0
 
-SHORT = Profile("short", duration_s=62.0, recovery_bound_s=RECOVERY_BOUND_S, faults=(
-    Fault("agent_kill", 4.0, 2.0, "edge-par-1"),
-    Fault("agent_stop", 16.0, 2.0, "mid-eu"),
-    Fault("link_blackhole", 26.0, 3.0, "mid-eu-core-eu"),
-    Fault("leader_kill", 36.0, 1.0),
-    Fault("etcd_stop", 40.0, 3.0),
-    Fault("burst", 48.0, 0.0, "edge-fra-1"),
-    Fault("slow_site", 52.0, 3.0, "core-eu"),
+# the first fault comes 8 s in: the baseline check needs several windows of a settled mesh (with the first
+# fault at 4 s it had three, and one run's 4 tight misses out of 57 read as an unhealthy mesh)
+SHORT = Profile("short", duration_s=66.0, recovery_bound_s=RECOVERY_BOUND_S, faults=(
+    Fault("agent_kill", 8.0, 2.0, "edge-par-1"),
+    Fault("agent_stop", 20.0, 2.0, "mid-eu"),
+    Fault("link_blackhole", 30.0, 3.0, "mid-eu-core-eu"),
+    Fault("leader_kill", 40.0, 1.0),
+    Fault("etcd_stop", 44.0, 3.0),
+    Fault("burst", 52.0, 0.0, "edge-fra-1"),
+    Fault("slow_site", 56.0, 3.0, "core-eu"),
 ))
 
 LONG = Profile("long", duration_s=250.0, recovery_bound_s=RECOVERY_BOUND_S, faults=(
