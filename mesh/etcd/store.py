@@ -52,7 +52,6 @@ __all__ = [
     "Compare",
     "CreateRevision",
     "Delete",
-    "KeyRange",
     "ModRevision",
     "Op",
     "Put",
@@ -281,6 +280,14 @@ class Store(Service):
     async def get_prefix(self, prefix: str) -> list[KV]:
         return (await self._range(prefix))[0]
 
+    async def get_range(self, r: KeyRange) -> list[KV]:
+        """The keys of one :class:`KeyRange`, in key order."""
+        key, end = self._range_keys(r)
+        req = rpc.RangeRequest(key=key, range_end=end, sort_order=rpc.RangeRequest.ASCEND,
+                               sort_target=rpc.RangeRequest.KEY)
+        resp = await self._unary(f"get {r}", lambda m, t: m.kv.Range(req, timeout=t))
+        return [self._kv(x) for x in resp.kvs]
+
     async def put(self, key: str, value: Any, *, lease: Lease | None = None) -> int:
         req = rpc.PutRequest(key=self._k(key), value=_encode(value), lease=lease.id if lease else 0)
         resp = await self._unary(f"put {key!r}", lambda m, t: m.kv.Put(req, timeout=t))
@@ -443,7 +450,8 @@ class Store(Service):
                     for ev in resp.events:
                         kind: Literal["put", "delete"] = "delete" if ev.type == rpc.Event.DELETE else "put"
                         value = _decode(ev.kv.value) if kind == "put" else None
-                        events.append(WatchEvent(kind, self._rel(ev.kv.key), value, int(ev.kv.mod_revision)))
+                        events.append(WatchEvent(kind, self._rel(ev.kv.key), value, int(ev.kv.mod_revision),
+                                                 len(ev.kv.key) + len(ev.kv.value)))
                     yield i, events, bool(resp.created), int(resp.header.revision)
         except StoreError as exc:
             self._failed(generation, exc.__cause__ or exc)  # the next stream goes to the next member

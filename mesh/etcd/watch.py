@@ -35,6 +35,7 @@ class WatchEvent:
     key: str
     value: Any | None
     revision: int
+    size: int = 0  # bytes of key and value as etcd sent them
 
 
 @dataclass(frozen=True, order=True)
