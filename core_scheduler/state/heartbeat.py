@@ -169,7 +169,7 @@ class PublishPolicy:
     queue_rel: float = 0.25       # ... and by more than this share of the larger of the two
     demand_rel: float = 0.25      # a demand key's qps moved by more than this share (and 0.1 qps)
     memory_rel: float = 0.05      # memory used moved by more than this share of the model budget
-    usage_interval_s: float = 5.0  # other changes (counters, small drifts) wait at most this long
+    usage_interval_s: float = 2.0  # other changes (counters, small drifts, view revision) wait at most this long
     max_interval_s: float = 30.0  # and an unchanged record is written again after this long (ts, revision)
 
 
@@ -217,4 +217,4 @@ def why_publish(last: Heartbeat | None, new: Heartbeat, policy: PublishPolicy = 
 
 def same_usage(last: Heartbeat, new: Heartbeat) -> bool:
     """Whether ``new`` says nothing ``last`` did not, apart from the writer's clock."""
-    return replace(new, ts=last.ts, view_revision=last.view_revision) == last
+    return replace(new, ts=last.ts) == last
