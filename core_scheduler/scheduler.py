@@ -1,9 +1,13 @@
 """The scheduler: one leader among replicas (etcd election) runs the placement control loop.
 
 Each round: snapshot the mesh (topology, catalog, heartbeats with demand), forecast demand, plan
-placement with the pure policy (warm floor + demand-driven), and write ``placement/<site>`` in one
-txn fenced by the leader's election key — a stale leader (its key gone) can never overwrite a newer
-placement. Every change is logged with its reason and kept as an event for the console.
+placement with the pure policy (warm floor + demand-driven), and write the changed ``placement/<site>``
+keys in txns of at most etcd's 128 operations, each fenced by the leader's election key — a stale
+leader (its key gone) can never overwrite a newer placement, and a round that changes a thousand sites
+is written in eight txns rather than refused. Every change is logged with its reason and kept as an
+event for the console. The forecaster's state is saved to etcd every ``forecast_persist_s`` (fenced too,
+:mod:`core_scheduler.state.forecast_store`) and read back by each new leader, so a failover does not
+restart the forecast from nothing.
 The loop never dies: each round catches, logs and continues; leadership lost means campaign again.
 """
 
@@ -22,12 +26,13 @@ from core_scheduler.policy.forecast import DemandForecaster
 from core_scheduler.policy.modes import placer_for
 from core_scheduler.policy.placement import Demand, PlacementConfig, plan_placement
 from core_scheduler.policy.snapshot import MeshSnapshot
-from core_scheduler.state.snapshot import build_snapshot
+from core_scheduler.state.forecast_store import load_forecast, save_forecast
+from core_scheduler.state.snapshot import SnapshotBuilder
 from core_scheduler.state.view import MeshView
 from mesh.errors import StoreError
 from mesh.etcd.election import Election
 from mesh.etcd.keys import EVENTS_PLACEMENT, placement_key
-from mesh.etcd.store import CreateRevision, Put, Store
+from mesh.etcd.store import Compare, CreateRevision, Put, Store, chunk_ops
 from mesh.lifecycle import Service, cancel_and_wait
 from mesh.log import get_logger, kv
 
@@ -51,6 +56,7 @@ class SchedulerConfig:
     forecast_period_s: float | None = 86_400.0
     forecast_bin_s: float = 300.0
     forecast_min_qps: float = 0.1    # one query per 10 s demand window
+    forecast_persist_s: float = 10.0  # how often the leader saves the forecast state to etcd
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     mode: str = "tiermesh"            # or a baseline's placement (core_scheduler.policy.modes)
 
@@ -60,6 +66,7 @@ class Scheduler(Service):
         self.store = store
         self.cfg = cfg
         self.view = MeshView(store, f"scheduler:{cfg.candidate_id}")
+        self.snapshots = SnapshotBuilder(self.view)
         self.election: Election | None = None
         self._task: asyncio.Task[None] | None = None
         self.rounds = 0
@@ -72,6 +79,9 @@ class Scheduler(Service):
         self._last_used: dict[tuple[str, str], float] = {}
         self._loaded_since: dict[tuple[str, str], float] = {}
         self._served: dict[tuple[str, str], int] = {}
+        self._saved_at = 0.0              # monotonic time of the last forecast save (0: none this term)
+        self.forecast_saves = 0
+        self.forecast_restored = 0        # demand keys the last restore took over
         # Prometheus metrics (the console mounts core_scheduler.metrics.metrics_handler(self.metrics.registry))
         self.metrics = SchedulerMetrics()
         self.metrics.state = lambda: (self.is_leader, self.view.connected, self.terms)
@@ -119,15 +129,47 @@ class Scheduler(Service):
 
     async def _lead(self, election: Election) -> None:
         """Placement rounds until leadership is lost (key gone, lease lost, or a refused write)."""
+        self._saved_at = time.monotonic()
+        if self.cfg.proactive:
+            await self.restore_forecast()
         while not election.lost.is_set():
             try:
                 await self.plan_once()
+                if self.cfg.proactive and time.monotonic() - self._saved_at >= self.cfg.forecast_persist_s:
+                    await self.save_forecast()
             except StoreError as exc:
                 log.warning("placement round failed: %s", exc, extra=kv(event="round_failed"))
             except Exception:
                 log.exception("placement round error", extra=kv(event="round_failed"))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(election.lost.wait(), self.cfg.interval_s)
+
+    # -- forecast state ----------------------------------------------------------------------
+    async def restore_forecast(self) -> int:
+        """Take over the forecast state the last leader saved; returns the demand keys taken (0: none)."""
+        try:
+            state = await load_forecast(self.store)
+            if state is None:
+                return 0
+            self.forecast_restored = self.forecaster.load_state(state)
+        except (StoreError, ValueError) as exc:
+            log.warning("forecast state not restored: %s", exc, extra=kv(event="forecast_restore_failed"))
+            return 0
+        log.info("forecast state restored: %d demand keys", self.forecast_restored, extra=kv(event="forecast"))
+        return self.forecast_restored
+
+    async def save_forecast(self) -> bool:
+        """Save the forecast state, fenced by our election key; False when etcd refused (not leader)."""
+        assert self.election is not None and self.election.key is not None
+        self._saved_at = time.monotonic()
+        gen = f"{self.election.leader_revision}-{self.forecast_saves}"
+        fence: list[Compare] = [CreateRevision(self.election.key, "==", self.election.leader_revision)]
+        if await save_forecast(self.store, self.forecaster.to_state(), gen, fence) is None:
+            log.warning("forecast save refused: no longer leader", extra=kv(event="stale_leader"))
+            self.election.lost.set()
+            return False
+        self.forecast_saves += 1
+        return True
 
     # -- one round -------------------------------------------------------------------------
     def _observe(self, snap: MeshSnapshot, now: float) -> None:
@@ -182,7 +224,7 @@ class Scheduler(Service):
         self.rounds += 1
         self.metrics.rounds.inc()
         started = time.perf_counter()
-        snap = build_snapshot(self.view)
+        snap = self.snapshots.build()
         if snap is None:
             return 0
         now = time.monotonic()
@@ -215,14 +257,18 @@ class Scheduler(Service):
         stamped = [{**e, "ts": time.time(), "leader": self.cfg.candidate_id} for e in events]
         self.events = (self.events + stamped)[-MAX_EVENTS:]
         ops.append(Put(EVENTS_PLACEMENT, {"schema": 1, "events": self.events}))
-        # fenced: only while our election key still exists with the revision we won it at
-        res = await self.store.txn([CreateRevision(self.election.key, "==", self.election.leader_revision)], ops)
-        if not res.succeeded:
-            self.refused += 1
-            self.metrics.refused.inc()
-            log.warning("placement write refused: no longer leader", extra=kv(event="stale_leader"))
-            self.election.lost.set()
-            return 0
+        # fenced: only while our election key still exists with the revision we won it at; each txn
+        # within etcd's operation limit, the events last (a refused chunk ends the round: what was
+        # written before it was written by the leader)
+        fence: list[Compare] = [CreateRevision(self.election.key, "==", self.election.leader_revision)]
+        for part in chunk_ops(ops):
+            res = await self.store.txn(fence, part)
+            if not res.succeeded:
+                self.refused += 1
+                self.metrics.refused.inc()
+                log.warning("placement write refused: no longer leader", extra=kv(event="stale_leader"))
+                self.election.lost.set()
+                return 0
         self.writes += 1
         self.metrics.written.inc()
         for e in events:

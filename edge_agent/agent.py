@@ -20,7 +20,8 @@ from typing import Any
 
 from core_scheduler.policy.modes import Router, make_router
 from core_scheduler.state.heartbeat import Heartbeat, LoadedVariant
-from core_scheduler.state.snapshot import build_snapshot
+from core_scheduler.state.scope import Scope
+from core_scheduler.state.snapshot import SnapshotBuilder
 from core_scheduler.state.view import MeshView
 from edge_agent.blobs import blob_routes, peer_sources
 from edge_agent.demand import DemandMeter
@@ -75,7 +76,11 @@ class AgentConfig:
     peer_map: dict[str, str] = field(default_factory=dict)  # site -> endpoint (WAN emulation proxies);
     # BLOB_PEER -> the variant store's URL as this site reaches it
     lease_ttl_s: float = 3.0
-    heartbeat_s: float = 1.0
+    heartbeat_s: float = 1.0          # how often the live record is looked at (written when it has news)
+    # the view follows the heartbeats of the route_peers nearest sites and the route_per_tier nearest of
+    # each tier (core_scheduler.state.scope); a mesh of at most route_peers + 1 sites is followed whole
+    route_peers: int = 48
+    route_per_tier: int = 2
     idle_unload_s: float = 120.0
     demand_window_s: float = 10.0     # demand reported per task and SLO class, averaged over this
     model_memory_fraction: float = 0.25  # share of the site's memory its models may take
@@ -101,6 +106,7 @@ class Agent(Service):
         self.site = cfg.site
         self.store: Store | None = None
         self.view: MeshView | None = None
+        self.snapshots: SnapshotBuilder | None = None
         self.host: VariantHost | None = None
         self.zmq_server: ZmqServer | None = None
         self.zmq_client: ZmqClient | None = None
@@ -133,8 +139,10 @@ class Agent(Service):
     async def _start(self) -> None:
         cfg = self.cfg
         self.store = await Store.connect(cfg.etcd, cfg.prefix, ca=cfg.etcd_ca, cert=cfg.etcd_cert, key=cfg.etcd_key)
-        self.view = MeshView(self.store, self.site, debounce_s=0.2)
+        self.view = MeshView(self.store, self.site, debounce_s=0.2,
+                             scope=Scope(self.site, peers=cfg.route_peers, per_tier=cfg.route_per_tier))
         await self.view.start()
+        self.snapshots = SnapshotBuilder(self.view, here=self.site)
         topo = self.view.topology
         if topo is None or self.site not in topo.sites:
             raise ConfigError(f"site {self.site!r} is not in the topology in etcd "
@@ -365,8 +373,9 @@ class Agent(Service):
         # this door's share of each tenant's quota follows the heartbeats (core_scheduler.policy.quota)
         self.quota.update(limits_from_view(self.site, {t.name: t.quotas for t in topo.tenants.values()}
                                            if topo else {}, self.view.live))
-        snap = build_snapshot(self.view, here=self.site, local_loads=self._local_load(),
-                              rtt_correction=self.dataplane.rtt_correction() if self.dataplane else None)
+        assert self.snapshots is not None
+        snap = self.snapshots.build(local_loads=self._local_load(),
+                                    rtt_correction=self.dataplane.rtt_correction() if self.dataplane else None)
         if snap is None:
             self.table = None
             return

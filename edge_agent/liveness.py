@@ -1,18 +1,25 @@
 """The site's leased liveness record ``live/<site>``: load, memory, loaded variants, demand.
 
-Refreshed every ``interval_s``. When etcd is unreachable the agent keeps serving (degraded) and
-keeps trying; once etcd answers again it takes a new lease if the old one ended, and the record
-says how long it was degraded.
+Looked at every ``interval_s`` and written only when it says something new
+(:func:`core_scheduler.state.heartbeat.why_publish`: loaded variants, queue waits, capacity, demand,
+identity at once; counters and small drifts at most every ``policy.usage_interval_s``; an unchanged
+record every ``policy.max_interval_s``). The record lives under a lease kept by keep-alives, not by
+rewrites: a quiet site stays alive while writing nothing, and a dead one's record vanishes within its
+TTL. So an idle mesh of N sites costs etcd N keep-alives per TTL/3 and almost no writes, and every
+watcher of a record sees an event only when there is news. When etcd is unreachable the agent keeps
+serving (degraded) and keeps trying; once etcd answers again it takes a new lease if the old one ended,
+writes at once, and the record says how long it was degraded.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import Callable
 
-from core_scheduler.state.heartbeat import Heartbeat
+from core_scheduler.state.heartbeat import Heartbeat, PublishPolicy, same_usage, why_publish
 from mesh.errors import StoreError
 from mesh.etcd.keys import live_key
 from mesh.etcd.lease import Lease
@@ -27,12 +34,18 @@ log = get_logger(__name__)
 
 class Liveness(Service):
     def __init__(self, store: Store, site: str, record: Callable[[], Heartbeat], *,
-                 ttl_s: float = 3.0, interval_s: float = 0.5) -> None:
+                 ttl_s: float = 3.0, interval_s: float = 0.5, policy: PublishPolicy | None = None) -> None:
         self.store = store
         self.site = site
         self._record = record
         self.ttl_s = ttl_s
         self.interval_s = interval_s
+        self.policy = policy or PublishPolicy()
+        self.last: Heartbeat | None = None    # the record last written (under the current lease)
+        self._last_at = 0.0                   # monotonic time of that write
+        self.writes = 0                       # records written, and their JSON bytes (for the benchmark)
+        self.bytes_written = 0
+        self.skipped = 0                      # looks that found nothing worth writing
         self.lease: Lease | None = None
         self.degraded_since: float | None = None
         self.degraded_total_s = 0.0      # ended episodes only; see degraded_seconds()
@@ -59,7 +72,7 @@ class Liveness(Service):
         while True:
             await asyncio.sleep(self.interval_s)
             try:
-                await self._beat()
+                await self._beat(force=False)
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -85,7 +98,16 @@ class Liveness(Service):
         self.lease = await self.store.lease(self.ttl_s)
         return self.lease
 
-    async def _beat(self) -> None:
+    def _due(self, record: Heartbeat, now: float) -> bool:
+        """Whether ``record`` is worth writing now (see the module docstring)."""
+        last, age = self.last, now - self._last_at
+        if why_publish(last, record, self.policy) is not None or last is None:
+            return True
+        if age >= self.policy.max_interval_s:
+            return True
+        return age >= self.policy.usage_interval_s and not same_usage(last, record)
+
+    async def _beat(self, *, force: bool = True) -> None:
         try:
             old = self.lease if self.lease is not None and not self.lease.alive else None
             lease = await self._renew_lease()
@@ -94,7 +116,16 @@ class Liveness(Service):
                                                   degraded_total_s=self.degraded_seconds(),
                                                   degraded_episodes=self.degraded_episodes,
                                                   lease_renewals=self.lease_renewals)
-            await asyncio.wait_for(self.store.put(live_key(self.site), record.to_json(), lease=lease), self.ttl_s)
+            now = time.monotonic()
+            # a new lease (or an outage ending) means the record may be gone: always write then
+            if not force and old is None and not self.degraded and not self._due(record, now):
+                self.skipped += 1
+                return
+            value = record.to_json()
+            await asyncio.wait_for(self.store.put(live_key(self.site), value, lease=lease), self.ttl_s)
+            self.last, self._last_at = record, now
+            self.writes += 1
+            self.bytes_written += len(json.dumps(value, separators=(",", ":")))
             if old is not None:
                 self.lease_renewals += 1
                 with contextlib.suppress(StoreError, TimeoutError):

@@ -19,17 +19,23 @@ that does not repeat it.
 :class:`~core_scheduler.policy.placement.Demand` values; it reads no clock (``now`` is an argument).
 The forecast of a key is ``max(Holt at t + h, seasonal peak over phases (t, t + h])``, and zero
 below ``min_qps`` so residual values never pin a variant.
+
+:meth:`DemandForecaster.to_state` / :meth:`~DemandForecaster.load_state` turn what it remembers into
+plain JSON and back (values to 6 significant digits, only the seasonal bins ever observed), so the
+scheduler can keep it in etcd and a new leader continues the forecast instead of starting cold.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 from core_scheduler.policy.placement import Demand
 
 __all__ = [
+    "STATE_VERSION",
     "DemandForecaster",
     "EwmaTrend",
     "Seasonal",
@@ -42,6 +48,12 @@ __all__ = [
 ]
 
 Key = tuple[str, str, str, str]  # site, task, slo_class, tenant
+STATE_VERSION = 1
+
+
+def _g(x: float) -> float | None:
+    """6 significant digits (JSON has no nan: None)."""
+    return None if math.isnan(x) else float(f"{x:.6g}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,6 +217,55 @@ class DemandForecaster:
             return True
         return all(math.isnan(v) or v < self._forget
                    for v in (_blend(season, i) for i in range(season.bins)))
+
+    def to_state(self) -> dict[str, Any]:
+        """Everything it remembers, as compact JSON (see the module docstring)."""
+        keys = []
+        for key in sorted(self._tracked):
+            t = self._tracked[key]
+            row: list[Any] = [*key, _g(t.template.budget_ms), _g(t.template.min_accuracy), _g(t.state.level),
+                              _g(t.state.trend), t.state.n, round(t.at, 3)]
+            if t.seasonal is not None:
+                seen = [i for i in range(t.seasonal.bins)
+                        if t.seasonal.cycle[i] >= 0 or not math.isnan(t.seasonal.prior[i])]
+                row.append([[i, _g(t.seasonal.prior[i]), _g(t.seasonal.current[i]), t.seasonal.cycle[i]]
+                            for i in seen])
+            keys.append(row)
+        season = self._season
+        return {"v": STATE_VERSION, "period_s": season.period_s if season else None,
+                "bin_s": season.bin_s if season else None, "now": self._now, "keys": keys}
+
+    def load_state(self, state: Mapping[str, Any]) -> int:
+        """Replace what it remembers with ``state`` (from :meth:`to_state`); returns the keys taken.
+        Seasonal profiles of another period or bin width are dropped (the trend is kept). A malformed
+        state raises ``ValueError`` and leaves this forecaster as it was."""
+        try:
+            if int(state["v"]) != STATE_VERSION:
+                raise ValueError(f"forecast state version {state['v']!r}, expected {STATE_VERSION}")
+            season = self._season
+            same = season is not None and state.get("period_s") == season.period_s and \
+                state.get("bin_s") == season.bin_s
+            tracked: dict[Key, _Tracked] = {}
+            for row in state["keys"]:
+                site, task, slo_class, tenant = (str(x) for x in row[:4])
+                budget, floor, level, trend, n, at = row[4:10]
+                template = Demand(site=site, task=task, slo_class=slo_class, qps=0.0,
+                                  min_accuracy=float(floor), budget_ms=float(budget), tenant=tenant)
+                seasonal = season
+                if season is not None and same and len(row) > 10:
+                    prior, current, cycle = list(season.prior), list(season.current), list(season.cycle)
+                    for i, p, c, y in row[10]:
+                        prior[i] = math.nan if p is None else float(p)
+                        current[i], cycle[i] = float(c), int(y)
+                    seasonal = replace(season, prior=tuple(prior), current=tuple(current), cycle=tuple(cycle))
+                ewma = replace(self._proto, level=float(level), trend=float(trend), n=int(n))
+                tracked[(site, task, slo_class, tenant)] = _Tracked(ewma, template, float(at), seasonal)
+        except (KeyError, TypeError, IndexError, ValueError) as exc:
+            raise ValueError(f"malformed forecast state: {exc}") from exc
+        self._tracked = tracked
+        now = state.get("now")
+        self._now = float(now) if isinstance(now, int | float) else self._now
+        return len(tracked)
 
     def state(self, site: str, task: str, slo_class: str, tenant: str = "public") -> EwmaTrend | None:
         t = self._tracked.get((site, task, slo_class, tenant))

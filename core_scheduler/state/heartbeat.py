@@ -5,6 +5,14 @@ One typed definition for both ends: the agent builds a :class:`Heartbeat` and wr
 :meth:`Heartbeat.from_json` (a malformed record raises ``ValueError``/``TypeError``/``KeyError``
 and the view ignores it). Fields a reader does not know are dropped; fields a writer of an older
 schema did not send take their defaults, so agents and schedulers of neighbouring versions agree.
+The writer leaves out fields at their defaults (a reader fills them in), which halves an idle record.
+
+What is worth writing when: :func:`why_publish` (pure) says whether a new record differs from the last
+one written in anything a reader acts on now (routing: loaded variants, queue waits, capacity, identity;
+placement: new demand, memory); the agent's liveness loop writes those at once and everything else
+(counters, small drifts) at most every few seconds. The record's life is its lease's, kept by
+keep-alives, so a site that writes nothing for a while is still alive and a dead one still vanishes
+within its TTL.
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-__all__ = ["SCHEMA_VERSION", "DemandSample", "Heartbeat", "LoadedVariant"]
+__all__ = ["SCHEMA_VERSION", "DemandSample", "Heartbeat", "LoadedVariant", "PublishPolicy", "same_usage", "why_publish"]
 
 SCHEMA_VERSION = 1
 
@@ -106,11 +114,20 @@ class Heartbeat:
                        degraded_episodes=degraded_episodes, lease_renewals=lease_renewals)
 
     def to_json(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
-        out["loaded"] = {vid: asdict(lv) for vid, lv in self.loaded.items()}
-        out["demand"] = [asdict(d) for d in self.demand]
-        out["peer_rtt_ms"] = {k: round(v, 3) for k, v in self.peer_rtt_ms.items()}
-        return {"schema": SCHEMA_VERSION, **out}
+        """The record as written: fields at their defaults are left out (``site`` always stays)."""
+        out: dict[str, Any] = {"schema": SCHEMA_VERSION}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name != "site" and value == _DEFAULTS[f.name]:
+                continue
+            out[f.name] = value
+        if self.loaded:
+            out["loaded"] = {vid: _compact(asdict(lv), _LV_DEFAULTS) for vid, lv in self.loaded.items()}
+        if self.demand:
+            out["demand"] = [asdict(d) for d in self.demand]
+        if self.peer_rtt_ms:
+            out["peer_rtt_ms"] = {k: round(v, 3) for k, v in self.peer_rtt_ms.items()}
+        return out
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any], *, site: str | None = None) -> Heartbeat:
@@ -144,3 +161,71 @@ class Heartbeat:
                        model_memory_budget_bytes=int(hb.model_memory_budget_bytes),
                        ts=_num(hb.ts, "ts"), gpu=bool(hb.gpu),
                        curve_key=None if hb.curve_key is None else str(hb.curve_key))
+
+
+_DEFAULTS: dict[str, Any] = {f.name: ({} if f.name == "loaded" else () if f.name == "demand" else f.default)
+                             for f in fields(Heartbeat)}
+_LV_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(LoadedVariant) if f.name != "task"}
+
+
+def _compact(d: dict[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in d.items() if k not in defaults or v != defaults[k]}
+
+
+@dataclass(frozen=True, slots=True)
+class PublishPolicy:
+    """When the liveness loop writes a new record (see :func:`why_publish`)."""
+
+    queue_abs_ms: float = 2.0     # a variant's expected wait moved by more than this ...
+    queue_rel: float = 0.25       # ... and by more than this share of the larger of the two
+    demand_rel: float = 0.25      # a demand key's qps moved by more than this share (and 0.1 qps)
+    memory_rel: float = 0.05      # memory used moved by more than this share of the model budget
+    usage_interval_s: float = 2.0  # other changes (counters, small drifts, view revision) wait at most this long
+    max_interval_s: float = 30.0  # and an unchanged record is written again after this long (ts, revision)
+
+
+def _moved(a: float, b: float, rel: float, floor: float) -> bool:
+    d = abs(a - b)
+    return d > floor and d > rel * max(abs(a), abs(b))
+
+
+def _identity(h: Heartbeat) -> tuple[Any, ...]:
+    return (h.tier, h.hardware_class, h.declared_hardware_class, h.gpu, h.gpu_note, h.endpoint, h.curve_key,
+            h.http, h.capacity, h.model_memory_budget_bytes, h.memory_total_bytes, h.degraded)
+
+
+def why_publish(last: Heartbeat | None, new: Heartbeat, policy: PublishPolicy = PublishPolicy()) -> str | None:
+    """Why ``new`` must be written now rather than at the next usage refresh: a short reason, or ``None``
+    when it differs from ``last`` (the record last written) only in counters and small drifts.
+
+    Routing reads the loaded set, queue waits and whether the site has capacity; placement reads demand
+    and free memory; peers dial the endpoint and key. Anything else waits for ``usage_interval_s``."""
+    if last is None:
+        return "first"
+    if _identity(last) != _identity(new):
+        return "identity"
+    if set(last.loaded) != set(new.loaded):
+        return "loaded"
+    if (last.inflight >= last.capacity) != (new.inflight >= new.capacity):
+        return "capacity"
+    for vid, lv in new.loaded.items():
+        if _moved(last.loaded[vid].queue_ms, lv.queue_ms, policy.queue_rel, policy.queue_abs_ms):
+            return "queue"
+    if new.model_memory_budget_bytes and abs(new.memory_used_bytes - last.memory_used_bytes) > \
+            policy.memory_rel * new.model_memory_budget_bytes:
+        return "memory"
+    before = {(d.task, d.slo_class, d.tenant): d for d in last.demand}
+    after = {(d.task, d.slo_class, d.tenant): d for d in new.demand}
+    if set(before) != set(after):
+        return "demand"
+    for key, d in after.items():
+        b = before[key]
+        if _moved(b.qps, d.qps, policy.demand_rel, 0.1) or (b.budget_ms, b.min_accuracy) != (d.budget_ms,
+                                                                                            d.min_accuracy):
+            return "demand"
+    return None
+
+
+def same_usage(last: Heartbeat, new: Heartbeat) -> bool:
+    """Whether ``new`` says nothing ``last`` did not, apart from the writer's clock."""
+    return replace(new, ts=last.ts) == last

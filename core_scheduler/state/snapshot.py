@@ -7,7 +7,8 @@ keyed by real hardware classes, so a site is never credited with hardware it doe
 
 from __future__ import annotations
 
-from typing import Any
+import numpy as np
+from numpy.typing import NDArray
 
 from core_scheduler.policy.snapshot import (
     MeshSnapshot,
@@ -18,9 +19,10 @@ from core_scheduler.policy.snapshot import (
 )
 from core_scheduler.state.heartbeat import Heartbeat
 from core_scheduler.state.view import MeshView
-from topology.paths import topology_paths
+from topology.paths import PathTables, topology_paths
+from topology.schema import Topology
 
-__all__ = ["build_snapshot", "site_load_from_record"]
+__all__ = ["SnapshotBuilder", "build_snapshot", "site_load_from_record"]
 
 
 def site_load_from_record(site: str, rec: Heartbeat) -> SiteLoad:
@@ -33,63 +35,143 @@ def site_load_from_record(site: str, rec: Heartbeat) -> SiteLoad:
 def build_snapshot(view: MeshView, *, here: str | None = None,
                    local_loads: Heartbeat | None = None,
                    rtt_correction: dict[str, float] | None = None) -> MeshSnapshot | None:
-    """``None`` until a topology and at least one task are known.
+    """``None`` until a topology and at least one task are known. A one-off build; a process that
+    rebuilds on every change keeps a :class:`SnapshotBuilder`, which redoes only what changed.
 
     ``rtt_correction``: extra round-trip ms ``here`` has observed to each site beyond what the
     topology's link latencies predict (serialisation, proxies, event-loop delays); added to the
     RTT table's row and column of ``here`` so routing plans with what paths really cost.
     """
-    topo = view.topology
-    if topo is None or not view.variants:
-        return None
-    live = dict(view.live)
-    if here is not None and local_loads is not None and here in topo.sites:
-        # we are alive and know our load better than our last heartbeat does, and before the
-        # first one has come back through the watch (tables built then would count us dead)
-        live[here] = local_loads
-    sites = []
-    for name, s in topo.sites.items():
-        rec = live.get(name)
+    return SnapshotBuilder(view, here=here).build(local_loads=local_loads, rtt_correction=rtt_correction)
+
+
+class SnapshotBuilder:
+    """Snapshots of one view, each rebuilt from the last one and what the view says changed.
+
+    A heartbeat (most changes) replaces one site's ``SiteInfo`` and ``SiteLoad``; the path tables, their
+    tail margins, the variants and the placement map are reused until the topology, the catalog or the
+    placements change (the view counts changes per kind), and the path tables are looked up only when
+    the topology object changes (a new topology revision). So a rebuild on a heartbeat costs a few dict
+    copies, not a pass over every site and link. A full re-read of the view (``generation``) starts over.
+    """
+
+    def __init__(self, view: MeshView, *, here: str | None = None) -> None:
+        self.view = view
+        self.here = here
+        self._topo: Topology | None = None
+        self._gen = -1
+        self._paths: PathTables | None = None
+        self._margin: NDArray[np.float64] | None = None
+        self._sites: dict[str, SiteInfo] = {}
+        self._loads: dict[str, SiteLoad] = {}
+        self._live_rev: dict[str, int] = {}
+        self._variants_key: tuple[int, int, int] | None = None
+        self._variants: dict[str, tuple[VariantInfo, ...]] = {}
+        self._placement_key: tuple[int, int] | None = None
+        self._placement: dict[str, frozenset[str]] = {}
+        self._rtt_key: tuple[int, tuple[tuple[str, float], ...]] | None = None
+        self._rtt: NDArray[np.float64] | None = None
+        self.path_lookups = 0   # path tables looked up (topology changes), and per-site updates
+        self.site_updates = 0
+
+    def _site(self, name: str, rec: Heartbeat | None) -> None:
+        assert self._topo is not None
+        s = self._topo.sites[name]
         hw = (rec.hardware_class if rec else None) or s.hardware.hardware_class
-        sites.append(SiteInfo(name=name, tier=s.tier, region=s.region, hardware_class=hw,
-                              cpu_cores=s.hardware.cpu_cores, memory_mb=s.hardware.memory_mb,
-                              gpus=len(s.hardware.gpus) if rec is not None and rec.gpu else 0,
-                              price_per_hour=s.hardware.price_per_hour, alive=True))
-    metas = [m for vs in view.variants.values() for m in vs.values()]
-    # a head carries its backbone's memory; a strict tenant's head a whole backbone of its own
-    blob_bytes = {m.blob_digest: VariantInfo.from_meta(m).memory_bytes for m in metas}
-    strict = {t.name for t in topo.tenants.values() if t.isolation == "strict"}
-    variants = [VariantInfo.from_meta(m, base_bytes=blob_bytes.get(m.shared_base_digest or "", 0),
-                                      isolated=m.owner in strict) for m in metas]
-    loads = []
-    for name, rec in live.items():
-        if name in topo.sites:
-            loads.append(site_load_from_record(name, rec))
-    links = [(lk.a, lk.b, lk.latency_ms, lk.bandwidth_mbps) for lk in topo.links]
-    placement = {site: [v["variant_id"] for v in (p.get("variants") or [])]
-                 for site, p in view.placement.items()}
-    # sites with no heartbeat are dead: from_parts would invent an idle heartbeat for them
-    alive = {ld.site for ld in loads}
-    sites = [SiteInfo(**{**_fields(s), "alive": s.name in alive}) for s in sites]
-    # cached by the topology's content: a heartbeat (most view changes) reuses the tables
-    paths = topology_paths(topo)
-    index = paths.index
-    rtt, bw = paths.rtt_ms, paths.bandwidth_mbps
-    margin = tail_margin_ms(rtt, paths.jitter_rtt_ms)
-    if here is not None and rtt_correction and here in index:
-        rtt = rtt.copy()  # the cached table is shared
-        h = index[here]
-        for site, extra in rtt_correction.items():
-            if site in index and site != here:
-                rtt[h, index[site]] += extra
-                rtt[index[site], h] += extra
-    svc = view.services.get("variant-store")
-    store_site = svc.get("site") if isinstance(svc, dict) else None
-    return MeshSnapshot.from_parts(sites, variants, loads, links, rtt_ms=rtt, bandwidth_mbps=bw,
-                                   placement=placement, margin_ms=margin,
-                                   store_site=store_site if isinstance(store_site, str) else None,
-                                   version=view.revision)
+        self._sites[name] = SiteInfo(name=name, tier=s.tier, region=s.region, hardware_class=hw,
+                                     cpu_cores=s.hardware.cpu_cores, memory_mb=s.hardware.memory_mb,
+                                     gpus=len(s.hardware.gpus) if rec is not None and rec.gpu else 0,
+                                     price_per_hour=s.hardware.price_per_hour, alive=rec is not None)
+        if rec is None:
+            self._loads.pop(name, None)
+        else:
+            self._loads[name] = site_load_from_record(name, rec)
+        self.site_updates += 1
 
+    def _topology_changed(self, topo: Topology) -> None:
+        self._topo = topo
+        self.path_lookups += 1
+        # cached by the topology's content: a tenant change finds the tables it had
+        paths = topology_paths(topo)
+        if paths is not self._paths:
+            self._paths = paths
+            self._margin = tail_margin_ms(paths.rtt_ms, paths.jitter_rtt_ms)
+            self._rtt_key = None
+        self._sites, self._loads, self._live_rev = {}, {}, {}
+        for name in sorted(topo.sites):
+            self._site(name, None)
 
-def _fields(s: SiteInfo) -> dict[str, Any]:
-    return {f: getattr(s, f) for f in SiteInfo.__dataclass_fields__}
+    def build(self, *, local_loads: Heartbeat | None = None,
+              rtt_correction: dict[str, float] | None = None) -> MeshSnapshot | None:
+        """The snapshot of the view now (see :func:`build_snapshot` for the arguments)."""
+        view = self.view
+        topo = view.topology
+        if topo is None or not view.variants:
+            return None
+        if topo is not self._topo or view.generation != self._gen:
+            self._gen = view.generation
+            self._topology_changed(topo)
+        assert self._paths is not None and self._margin is not None
+        here = self.here
+        # heartbeats that changed since the last build (the view keeps the revision of each it holds)
+        live, revs = view.live, view.live_revision
+        for name in [n for n in self._live_rev if n not in live]:
+            self._live_rev.pop(name)
+            if name in topo.sites:
+                self._site(name, None)
+        for name, rev in revs.items():
+            if self._live_rev.get(name) != rev and name in topo.sites and name in live:
+                self._live_rev[name] = rev
+                self._site(name, live[name])
+        if here is not None and local_loads is not None and here in topo.sites:
+            # we are alive and know our load better than our last heartbeat does, and before the
+            # first one has come back through the watch (tables built then would count us dead)
+            self._live_rev[here] = -1  # our heartbeat, when it comes back, is applied again
+            self._site(here, local_loads)
+        vkey = (view.generation, view.revisions.get("variant", 0), id(topo))  # strict tenants come from the topology
+        if vkey != self._variants_key:
+            self._variants_key = vkey
+            by_task: dict[str, list[VariantInfo]] = {}
+            metas = [m for vs in view.variants.values() for m in vs.values()]
+            # a head carries its backbone's memory; a strict tenant's head a whole backbone of its own
+            blob_bytes = {m.blob_digest: VariantInfo.from_meta(m).memory_bytes for m in metas}
+            strict = {t.name for t in topo.tenants.values() if t.isolation == "strict"}
+            infos = [VariantInfo.from_meta(m, base_bytes=blob_bytes.get(m.shared_base_digest or "", 0),
+                                           isolated=m.owner in strict) for m in metas]
+            for v in sorted(infos, key=lambda v: (v.task, v.variant_id)):
+                by_task.setdefault(v.task, []).append(v)
+            self._variants = {t: tuple(vs) for t, vs in by_task.items()}
+        key = (view.generation, view.revisions.get("placement", 0))
+        if key != self._placement_key:
+            self._placement_key = key
+            self._placement = {site: frozenset(v["variant_id"] for v in (p.get("variants") or []))
+                               for site, p in view.placement.items()}
+        return self._snapshot(rtt_correction)
+
+    def _snapshot(self, rtt_correction: dict[str, float] | None) -> MeshSnapshot:
+        paths, view = self._paths, self.view
+        assert paths is not None
+        index = paths.index
+        rtt = paths.rtt_ms
+        here = self.here
+        if here is not None and rtt_correction and here in index:
+            ckey = (id(paths), tuple(sorted(rtt_correction.items())))
+            if ckey != self._rtt_key or self._rtt is None:
+                rtt = rtt.copy()  # the cached table is shared
+                h = index[here]
+                for site, extra in rtt_correction.items():
+                    if site in index and site != here:
+                        rtt[h, index[site]] += extra
+                        rtt[index[site], h] += extra
+                self._rtt_key, self._rtt = ckey, rtt
+            rtt = self._rtt
+        svc = view.services.get("variant-store")
+        store_site = svc.get("site") if isinstance(svc, dict) else None
+        placement = dict(self._placement)
+        for name, ld in self._loads.items():
+            placement.setdefault(name, ld.loaded)
+        return MeshSnapshot(version=view.revision, sites=dict(self._sites),
+                            variants=self._variants, loads=dict(self._loads),
+                            rtt_ms=rtt, bandwidth_mbps=paths.bandwidth_mbps, site_index=index,
+                            placement=placement, margin_ms=self._margin,
+                            store_site=store_site if isinstance(store_site, str) and store_site in index else None)

@@ -13,6 +13,7 @@ __all__ = [
     "CATALOG",
     "ELECTION_SCHEDULER",
     "EVENTS_PLACEMENT",
+    "FORECAST_STATE",
     "LINKS",
     "LIVE",
     "MODELS",
@@ -54,6 +55,9 @@ TOPOLOGY_META = "topology/meta"
 TOPOLOGY_LAST_APPLY = "topology/last_apply"
 ELECTION_SCHEDULER = "election/scheduler"
 EVENTS_PLACEMENT = "events/placement"
+# the scheduler leader's forecast state (a head key and its chunks below it), under events/ because that
+# is a prefix the scheduler may write (mesh.etcd.rbac); no view follows it, only a new leader reads it
+FORECAST_STATE = "events/forecast"
 TASK_NAME = "_task"  # catalog/<task>/_task holds the task's signature: never a variant id
 _BLOBS = SERVICES + "variant-store"
 

@@ -30,7 +30,7 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -42,12 +42,13 @@ from mesh.errors import ConflictError, StoreError, StoreUnavailable
 from mesh.etcd.channels import Channels, Member, StorePermissionDenied, rpc_errors, tls_hint, translate
 from mesh.etcd.endpoints import EtcdEndpoints, parse_endpoints
 from mesh.etcd.lease import Lease
-from mesh.etcd.watch import Compacted, Watch, WatchEvent
+from mesh.etcd.watch import Compacted, KeyRange, Watch, WatchEvent
 from mesh.lifecycle import Service, State
 from mesh.log import get_logger
 
 __all__ = [
     "KV",
+    "MAX_TXN_OPS",
     "Compare",
     "CreateRevision",
     "Delete",
@@ -57,6 +58,7 @@ __all__ = [
     "Store",
     "TxnResult",
     "ValueEquals",
+    "chunk_ops",
 ]
 
 log = get_logger(__name__)
@@ -68,6 +70,8 @@ _WATCH_MD = (("hasleader", "true"),)
 # what connecting retries (a member restarting, or electing a leader); anything else fails at once
 _RETRY_CONNECT = frozenset({rpc.StatusCode.UNAVAILABLE, rpc.StatusCode.DEADLINE_EXCEEDED,
                             rpc.StatusCode.UNKNOWN})  # etcd: "context deadline exceeded" mid-election
+# etcd's --max-txn-ops default: a txn with more operations in a branch is refused outright
+MAX_TXN_OPS = 128
 _OPS = {"==": rpc.Compare.EQUAL, "!=": rpc.Compare.NOT_EQUAL, "<": rpc.Compare.LESS, ">": rpc.Compare.GREATER}
 CmpOp = Literal["==", "!=", "<", ">"]
 
@@ -138,6 +142,23 @@ def _decode(raw: bytes) -> Any:
     except ValueError:
         # Written by something other than tiermesh: hand it over as text rather than fail a loop.
         return raw.decode("utf-8", errors="replace")
+
+
+def chunk_ops(ops: Sequence[Op], max_ops: int = MAX_TXN_OPS, max_bytes: int = 1 << 20) -> list[list[Op]]:
+    """``ops`` cut, in order, into runs etcd accepts in one txn: at most ``max_ops`` operations and about
+    ``max_bytes`` of keys and values each (etcd's request limit is 1.5 MiB by default)."""
+    if max_ops < 1:
+        raise ValueError(f"max_ops must be at least 1, got {max_ops}")
+    out: list[list[Op]] = []
+    size = 0
+    for op in ops:
+        n = len(op.key) + (len(_encode(op.value)) if isinstance(op, Put) else 0)
+        if not out or len(out[-1]) >= max_ops or (out[-1] and size + n > max_bytes):
+            out.append([])
+            size = 0
+        out[-1].append(op)
+        size += n
+    return out
 
 
 def _range_end(prefix: bytes) -> bytes:
@@ -259,6 +280,14 @@ class Store(Service):
     async def get_prefix(self, prefix: str) -> list[KV]:
         return (await self._range(prefix))[0]
 
+    async def get_range(self, r: KeyRange) -> list[KV]:
+        """The keys of one :class:`KeyRange`, in key order."""
+        key, end = self._range_keys(r)
+        req = rpc.RangeRequest(key=key, range_end=end, sort_order=rpc.RangeRequest.ASCEND,
+                               sort_target=rpc.RangeRequest.KEY)
+        resp = await self._unary(f"get {r}", lambda m, t: m.kv.Range(req, timeout=t))
+        return [self._kv(x) for x in resp.kvs]
+
     async def put(self, key: str, value: Any, *, lease: Lease | None = None) -> int:
         req = rpc.PutRequest(key=self._k(key), value=_encode(value), lease=lease.id if lease else 0)
         resp = await self._unary(f"put {key!r}", lambda m, t: m.kv.Put(req, timeout=t))
@@ -372,38 +401,58 @@ class Store(Service):
     def watch_prefix(self, prefix: str, *, start_revision: int | None = None) -> Watch:
         """Events under ``prefix`` from ``start_revision`` (default: changes after the watch starts,
         i.e. after ``async with`` or the first ``anext``)."""
-        return Watch(self, prefix, start_revision)
+        return Watch(self, (KeyRange.under(prefix),), start_revision)
 
-    async def _watch_stream(self, prefix: str, start_revision: int,
-                            ) -> AsyncGenerator[tuple[list[WatchEvent], bool, int], None]:
-        """One gRPC watch stream under ``prefix`` from ``start_revision``, for :class:`Watch`: yields
-        (events, created, header revision) per response until the stream fails. Raises
-        ``Compacted`` if etcd compacted past ``start_revision``, ``StoreError`` for anything else.
-        Close it (``contextlib.aclosing``) to cancel the stream."""
-        key = self._k(prefix)
-        create = rpc.WatchCreateRequest(key=key, range_end=_range_end(key), start_revision=start_revision,
-                                        progress_notify=True)
+    def watch_ranges(self, ranges: list[KeyRange] | tuple[KeyRange, ...], *,
+                     start_revision: int | list[int] | None = None) -> Watch:
+        """Events in any of ``ranges`` (one etcd watcher each, all on one stream), from ``start_revision``
+        (one for all, or one per range); events of one range come in revision order."""
+        return Watch(self, ranges, start_revision)
+
+    def _range_keys(self, r: KeyRange) -> tuple[bytes, bytes]:
+        k = self._k(r.start)
+        if r.prefix:
+            return k, _range_end(k)
+        return k, (self._k(r.end) if r.end is not None else b"")
+
+    async def _watch_stream(self, ranges: Sequence[KeyRange], start_revisions: Sequence[int],
+                            ) -> AsyncGenerator[tuple[int, list[WatchEvent], bool, int], None]:
+        """One gRPC watch stream with one etcd watcher per range of ``ranges`` (watch id = index + 1), each
+        from its start revision, for :class:`Watch`: yields (range index, events, created, header revision)
+        per response until the stream fails. Raises ``Compacted`` if etcd compacted past a start revision,
+        ``StoreError`` for anything else. Close it (``contextlib.aclosing``) to cancel the stream."""
+        creates = []
+        for i, (r, start) in enumerate(zip(ranges, start_revisions, strict=True)):
+            key, end = self._range_keys(r)
+            creates.append(rpc.WatchCreateRequest(key=key, range_end=end, start_revision=start,
+                                                  progress_notify=True, watch_id=i + 1))
         forever = asyncio.Event()
+        what = f"watch {ranges[0]}" + (f" (+{len(ranges) - 1} ranges)" if len(ranges) > 1 else "")
 
         async def requests() -> AsyncIterator[Any]:
-            yield rpc.WatchRequest(create_request=create)
+            for create in creates:
+                yield rpc.WatchRequest(create_request=create)
             await forever.wait()  # keep our half of the stream open
 
         generation, member = self._member()
         call = member.watch.Watch(requests(), metadata=_WATCH_MD)
         try:
-            with rpc_errors(f"watch {prefix!r} [{member.target}]"):
+            with rpc_errors(f"{what} [{member.target}]"):
                 async for resp in call:
                     if resp.compact_revision:
                         raise Compacted(int(resp.compact_revision))
                     if resp.canceled:
                         raise StoreError(f"watch canceled by etcd: {resp.cancel_reason}")
+                    i = int(resp.watch_id) - 1
+                    if not 0 <= i < len(ranges):
+                        continue  # not one of ours (cannot happen with explicit ids; never index by it)
                     events: list[WatchEvent] = []
                     for ev in resp.events:
                         kind: Literal["put", "delete"] = "delete" if ev.type == rpc.Event.DELETE else "put"
                         value = _decode(ev.kv.value) if kind == "put" else None
-                        events.append(WatchEvent(kind, self._rel(ev.kv.key), value, int(ev.kv.mod_revision)))
-                    yield events, bool(resp.created), int(resp.header.revision)
+                        events.append(WatchEvent(kind, self._rel(ev.kv.key), value, int(ev.kv.mod_revision),
+                                                 len(ev.kv.key) + len(ev.kv.value)))
+                    yield i, events, bool(resp.created), int(resp.header.revision)
         except StoreError as exc:
             self._failed(generation, exc.__cause__ or exc)  # the next stream goes to the next member
             raise

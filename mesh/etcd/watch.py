@@ -1,8 +1,14 @@
 """Watches on a key prefix that survive etcd restarts, over :class:`mesh.etcd.store.Store`.
 
-Created by ``store.watch_prefix(prefix)``. Like every module but :mod:`mesh.etcd.store` this one does
-not touch the etcd client: the store runs each gRPC watch stream (``Store._watch_stream``) and
-translates its errors; this module owns the resume logic around it.
+Created by ``store.watch_prefix(prefix)`` or ``store.watch_ranges(ranges)``. Like every module but
+:mod:`mesh.etcd.store` this one does not touch the etcd client: the store runs each gRPC watch stream
+(``Store._watch_stream``) and translates its errors; this module owns the resume logic around it.
+
+Several :class:`KeyRange` ride one gRPC stream (one etcd watcher each), so a reader that follows a
+few hundred keys scattered over a prefix costs etcd one stream, not a stream per key, and receives
+nothing about the keys between them. Each range keeps its own cursor: etcd orders events within a
+watcher, not across the watchers of a stream, so a resume restarts each range after the last event
+of *that* range.
 """
 
 from __future__ import annotations
@@ -10,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -18,7 +24,7 @@ from mesh.errors import StoreError
 from mesh.lifecycle import Service, State, cancel_and_wait
 from mesh.log import get_logger, kv
 
-__all__ = ["Compacted", "Watch", "WatchEvent", "WatchSource"]
+__all__ = ["Compacted", "KeyRange", "Watch", "WatchEvent", "WatchSource"]
 
 log = get_logger("mesh.etcd")
 
@@ -29,6 +35,30 @@ class WatchEvent:
     key: str
     value: Any | None
     revision: int
+    size: int = 0  # bytes of key and value as etcd sent them
+
+
+@dataclass(frozen=True, order=True)
+class KeyRange:
+    """Keys ``start <= k < end`` relative to the store prefix. ``end=None``: the one key ``start``;
+    :meth:`under`: every key starting with a prefix."""
+
+    start: str
+    end: str | None = None
+    prefix: bool = False
+
+    @classmethod
+    def key(cls, key: str) -> KeyRange:
+        return cls(key)
+
+    @classmethod
+    def under(cls, prefix: str) -> KeyRange:
+        return cls(prefix, None, True)
+
+    def __str__(self) -> str:
+        if self.prefix:
+            return f"{self.start}*"
+        return self.start if self.end is None else f"[{self.start}, {self.end})"
 
 
 class Compacted(Exception):
@@ -44,32 +74,45 @@ class WatchSource(Protocol):
 
     async def revision(self) -> int: ...
 
-    def _watch_stream(self, prefix: str, start_revision: int,
-                      ) -> AsyncGenerator[tuple[list[WatchEvent], bool, int], None]: ...
+    def _watch_stream(self, ranges: Sequence[KeyRange], start_revisions: Sequence[int],
+                      ) -> AsyncGenerator[tuple[int, list[WatchEvent], bool, int], None]: ...
 
 
 class Watch(Service):
-    """Async iterator of :class:`WatchEvent` under a prefix, in revision order.
+    """Async iterator of :class:`WatchEvent` under one or more key ranges, each range in revision order.
 
-    A pump task owns one gRPC watch stream; when the stream drops (etcd restarted, network cut)
-    it re-watches from the last revision it delivered + 1, with jittered back-off, so no event is
-    missed or repeated. If etcd compacted past that revision, iteration raises ``StoreError``.
+    A pump task owns one gRPC watch stream (one etcd watcher per range); when the stream drops (etcd
+    restarted, network cut) it re-watches each range from the last revision it delivered + 1, with
+    jittered back-off, so no event is missed or repeated. If etcd compacted past that revision,
+    iteration raises ``StoreError``. ``start_revision``: one for all ranges, or one per range.
     """
 
-    def __init__(self, store: WatchSource, prefix: str, start_revision: int | None) -> None:
+    def __init__(self, store: WatchSource, ranges: Sequence[KeyRange],
+                 start_revision: int | Sequence[int] | None) -> None:
+        if not ranges:
+            raise ValueError("a watch needs at least one key range")
         self._store = store
-        self.prefix = prefix
-        self._start_revision = start_revision
-        # revision of the last event handed to the consumer (or start - 1)
-        self.last_revision = (start_revision - 1) if start_revision else 0
-        self._cursor = self.last_revision  # revision of the last event queued by the pump
-        self._queue: asyncio.Queue[WatchEvent | BaseException | None] = asyncio.Queue(maxsize=4096)
+        self.ranges = tuple(ranges)
+        self.prefix = ", ".join(str(r) for r in self.ranges[:3]) + (" ..." if len(self.ranges) > 3 else "")
+        starts = [start_revision] * len(self.ranges) if not isinstance(start_revision, Sequence) \
+            else list(start_revision)
+        if len(starts) != len(self.ranges):
+            raise ValueError(f"{len(starts)} start revisions for {len(self.ranges)} ranges")
+        self._start_revision = None if any(s is None for s in starts) else starts
+        # revision of the last event handed to the consumer (or start - 1), overall and per range
+        self.last_revision = max((s - 1 for s in starts if s), default=0)
+        self.delivered = [(s - 1) if s else 0 for s in starts]
+        self._cursors = list(self.delivered)  # per range: the last event queued by the pump
+        self._queue: asyncio.Queue[tuple[int, WatchEvent] | BaseException | None] = asyncio.Queue(maxsize=4096)
         self._task: asyncio.Task[None] | None = None
         self.reconnects = 0
 
     async def _start(self) -> None:
         if self._start_revision is None:
-            self._cursor = self.last_revision = await self._store.revision()
+            rev = await self._store.revision()
+            self._cursors = [rev] * len(self.ranges)
+            self.delivered = list(self._cursors)
+            self.last_revision = rev
         self._store._watches.add(self)
         self._task = asyncio.get_running_loop().create_task(self._pump(), name=f"watch-{self.prefix}")
 
@@ -81,9 +124,9 @@ class Watch(Service):
                     backoff = 0.05
             except Compacted as exc:
                 await self._queue.put(StoreError(
-                    f"watch on {self.prefix!r} cannot resume after revision {self._cursor}: etcd "
+                    f"watch on {self.prefix!r} cannot resume after revision {min(self._cursors)}: etcd "
                     f"compacted history up to {exc.args[0]}; re-read with get_prefix and watch again",
-                    prefix=self.prefix, last_revision=self._cursor, compact_revision=exc.args[0]))
+                    prefix=self.prefix, last_revision=min(self._cursors), compact_revision=exc.args[0]))
                 return
             except StoreError as exc:
                 log.debug("watch stream dropped", extra=kv(event="watch_retry", reason=str(exc)[:200]))
@@ -94,15 +137,16 @@ class Watch(Service):
     async def _stream(self) -> bool:
         """Run one watch stream until it fails. True if it had been established."""
         established = False
-        async with contextlib.aclosing(self._store._watch_stream(self.prefix, self._cursor + 1)) as stream:
-            async for events, created, revision in stream:
+        starts = [c + 1 for c in self._cursors]
+        async with contextlib.aclosing(self._store._watch_stream(self.ranges, starts)) as stream:
+            async for i, events, created, revision in stream:
                 established = established or created
                 for ev in events:
-                    await self._queue.put(ev)
-                    self._cursor = ev.revision
+                    await self._queue.put((i, ev))
+                    self._cursors[i] = ev.revision
                 if not events and not created:
-                    # progress notification: nothing under our prefix up to this revision
-                    self._cursor = max(self._cursor, revision)
+                    # progress notification: nothing in this range up to this revision
+                    self._cursors[i] = max(self._cursors[i], revision)
         return established
 
     def __aiter__(self) -> Watch:
@@ -119,8 +163,10 @@ class Watch(Service):
         if isinstance(item, BaseException):
             await self.close()
             raise item
-        self.last_revision = item.revision
-        return item
+        i, ev = item
+        self.delivered[i] = ev.revision
+        self.last_revision = max(self.last_revision, ev.revision)
+        return ev
 
     async def close(self) -> None:
         await self.stop()
@@ -131,5 +177,3 @@ class Watch(Service):
         await cancel_and_wait(task)
         with contextlib.suppress(asyncio.QueueFull):
             self._queue.put_nowait(None)  # wake a consumer blocked in __anext__
-
-

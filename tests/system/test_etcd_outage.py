@@ -102,8 +102,9 @@ async def test_edge_serves_through_etcd_outage_and_recovers(mesh: LocalMesh) -> 
     await eventually(lambda: asyncio.sleep(0, result=mesh.scheduler is not None and mesh.scheduler.is_leader
                                              and mesh.scheduler.terms >= 2), 20, "scheduler leads again")
 
-    # the agents' watches resumed: their views reach a revision written after the restart
-    rev = await store.put("ops/marker", {"after": "restart"})
+    # the agents' watches resumed: their views reach a revision written after the restart (a key every
+    # agent follows; the record says so within a usage refresh)
+    rev = await store.put("services/ops-marker", {"after": "restart"})
 
     async def views_caught_up() -> bool:
         recs = [await _live(store, site) for site in SITES]
