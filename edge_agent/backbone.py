@@ -159,8 +159,13 @@ def measure_compute_ms(runtime: Runtime, sizes: tuple[int, ...] = (1, 32), repea
     """A linear cost model (ms per batch of n rows) from timing ``runtime`` on zero inputs at two batch
     sizes (median of ``repeats``). Used for a backbone, whose profile a head's metadata does not carry;
     a few milliseconds at load time, off the event loop."""
+    def zeros(dtype: Any, shape: tuple[int, ...]) -> np.ndarray:
+        if np.dtype(dtype) == np.dtype(object):  # a BYTES (text) input: a short sentence per row
+            return np.full(shape, b"a short sentence to time the encoder with", dtype=object)
+        return np.zeros(shape, dtype=dtype)
+
     def once(n: int) -> float:
-        feed = {s.name: np.zeros((n, *[d if d > 0 else 1 for d in s.shape[1:]]), dtype=s.dtype)
+        feed = {s.name: zeros(s.dtype, (n, *[d if d > 0 else 1 for d in s.shape[1:]]))
                 for s in runtime.input_specs}
         runtime.run_checked_sync(feed)  # warm
         times = []
