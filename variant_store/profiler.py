@@ -22,6 +22,7 @@ from mesh.errors import ConfigError
 from variant_store.hardware import hardware_class_for
 from variant_store.meta import LatencyStats, Profile
 from variant_store.runtimes import open_runtime, rss_bytes
+from variant_store.runtimes.base import Runtime
 
 __all__ = ["ProfileResult", "add_base_latency", "measure_accuracy", "profile_variant", "run_first_output"]
 
@@ -87,16 +88,8 @@ def profile_variant(runtime_format: str, path: Path, x_holdout: np.ndarray, y_ho
         latency: dict[int, LatencyStats] = {}
         runs: dict[int, int] = {}
         for bs in batch_sizes:
-            batch = np.ascontiguousarray(np.resize(x, (bs, *x.shape[1:])))
-            rt.infer_sync({name: batch})  # warm-up: first run allocates / resizes
-            times: list[float] = []
-            deadline = time.perf_counter() + time_budget_s
-            for _ in range(max(1, repeats)):
-                t0 = time.perf_counter()
-                rt.infer_sync({name: batch})
-                times.append((time.perf_counter() - t0) * 1000.0)
-                if time.perf_counter() > deadline:
-                    break
+            times = _timed_runs(rt, name, np.ascontiguousarray(np.resize(x, (bs, *x.shape[1:]))), repeats,
+                                time_budget_s)
             arr = np.asarray(times)
             latency[bs] = LatencyStats(p50_ms=float(np.percentile(arr, 50)),
                                        p99_ms=float(np.percentile(arr, 99)))
@@ -113,6 +106,21 @@ def profile_variant(runtime_format: str, path: Path, x_holdout: np.ndarray, y_ho
         rt.unload_sync()
 
 
+def _timed_runs(rt: Runtime, name: str, batch: np.ndarray, repeats: int, time_budget_s: float) -> list[float]:
+    """Milliseconds of ``repeats`` runs of ``batch`` after one warm-up run (the first allocates / resizes),
+    stopping early once ``time_budget_s`` is spent (at least one run)."""
+    rt.infer_sync({name: batch})
+    times: list[float] = []
+    deadline = time.perf_counter() + time_budget_s
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        rt.infer_sync({name: batch})
+        times.append((time.perf_counter() - t0) * 1000.0)
+        if time.perf_counter() > deadline:
+            break
+    return times
+
+
 def add_base_latency(result: ProfileResult, base_path: Path, x_holdout: np.ndarray,
                      batch_sizes: tuple[int, ...], repeats: int, *, time_budget_s: float = 1.0) -> ProfileResult:
     """``result`` (a head's profile) with its backbone's load time and latency at each batch size added:
@@ -123,16 +131,7 @@ def add_base_latency(result: ProfileResult, base_path: Path, x_holdout: np.ndarr
     try:
         name = rt.input_specs[0].name
         for bs in batch_sizes:
-            batch = np.resize(x_holdout, (bs, *x_holdout.shape[1:]))
-            rt.infer_sync({name: batch})  # warm-up
-            times: list[float] = []
-            deadline = time.perf_counter() + time_budget_s
-            for _ in range(max(1, repeats)):
-                t0 = time.perf_counter()
-                rt.infer_sync({name: batch})
-                times.append((time.perf_counter() - t0) * 1000.0)
-                if time.perf_counter() > deadline:
-                    break
+            times = _timed_runs(rt, name, np.resize(x_holdout, (bs, *x_holdout.shape[1:])), repeats, time_budget_s)
             head = result.latency.get(bs, LatencyStats(p50_ms=0.0, p99_ms=0.0))
             arr = np.asarray(times)
             result.latency[bs] = LatencyStats(p50_ms=head.p50_ms + float(np.percentile(arr, 50)),
