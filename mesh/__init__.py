@@ -12,8 +12,7 @@ numpy) unless it uses it.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from mesh.errors import (
     BadTensor,
@@ -31,6 +30,7 @@ from mesh.errors import (
     UnknownTask,
     UnknownTenant,
 )
+from mesh.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from mesh.client import AsyncClient, Client, InferResult
@@ -63,14 +63,4 @@ __all__ = [
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'mesh' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+__getattr__, __dir__ = lazy_exports("mesh", _LAZY, globals())

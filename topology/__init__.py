@@ -10,8 +10,9 @@ pay for the YAML parser (``loader``) or the etcd I/O (``store_io``) it never cal
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from mesh.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from topology.loader import load_topology_file, parse_topology
@@ -59,14 +60,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'topology' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+__getattr__, __dir__ = lazy_exports("topology", _LAZY, globals())
