@@ -167,6 +167,11 @@ class Batcher:
     def queued_rows(self) -> int:
         return self._queued_rows
 
+    @property
+    def infer(self) -> InferFn:
+        """The function a batch runs (for a site timing the variant itself, outside the queue)."""
+        return self._infer
+
     def expected_wait_ms(self, now: float | None = None) -> float:
         """Time a new request would wait before its batch starts computing."""
         now = time.monotonic() if now is None else now

@@ -21,7 +21,7 @@ from edge_agent.batching import Batcher, InferFn
 from mesh.errors import MeshError, Overloaded, RuntimeLoadError
 from mesh.log import get_logger, kv
 from variant_store.fetch import fetch_blob
-from variant_store.meta import VariantMeta
+from variant_store.meta import Profile, VariantMeta
 from variant_store.runtimes import open_runtime
 from variant_store.runtimes.base import Runtime
 
@@ -59,6 +59,8 @@ class VariantHost:
         # metrics hooks: (variant, prewarm?) of every load; (variant, rows) of every executed batch
         self.on_load: Callable[[str, bool], None] | None = None
         self.on_batch: Callable[[str, int], None] | None = None
+        # timings this site measured itself for variants the catalog has no profile of its class for
+        self.measured: dict[str, Profile] = {}
 
     @property
     def memory_used_bytes(self) -> int:
@@ -66,10 +68,16 @@ class VariantHost:
                 + sum(b.memory_bytes for b in self.bases.values()))
 
     def _compute_fn(self, meta: VariantMeta) -> tuple[Callable[[int], float], float]:
-        prof = meta.profiles.get(self.hardware_class) or next(iter(meta.profiles.values()), None)
-        if prof is None:
-            return (lambda n: 1.0 + 0.1 * n), 1.0
-        return prof.compute_ms, prof.load_ms
+        own = meta.profiles.get(self.hardware_class)
+        if own is not None:
+            return own.compute_ms, own.load_ms
+        fallback = next(iter(meta.profiles.values()), None)
+
+        def compute(n: int) -> float:  # looked up per batch: a self-measured profile may arrive later
+            prof = self.measured.get(meta.variant_id) or fallback
+            return prof.compute_ms(n) if prof is not None else 1.0 + 0.1 * n
+
+        return compute, fallback.load_ms if fallback is not None else 1.0
 
     async def ensure(self, meta: VariantMeta, *, prewarm: bool = False) -> LoadedVariant:
         """The loaded variant, loading it first if needed (a cold start; ``prewarm``: a load placement asked

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-__all__ = ["SCHEMA_VERSION", "DemandSample", "Heartbeat", "LoadedVariant"]
+__all__ = ["SCHEMA_VERSION", "DemandSample", "Heartbeat", "LoadedVariant", "MeasuredProfile"]
 
 SCHEMA_VERSION = 1
 
@@ -64,6 +64,25 @@ class DemandSample:
 
 
 @dataclass(frozen=True, slots=True)
+class MeasuredProfile:
+    """A variant's timings measured by the site itself, under its own caps, for its hardware class
+    (published while the catalog has no profile for that class). ``p50_ms``: batch size -> median ms."""
+
+    load_ms: float
+    p50_ms: Mapping[int, float]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"load_ms": self.load_ms, "p50_ms": {str(b): ms for b, ms in self.p50_ms.items()}}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> MeasuredProfile:
+        p50 = {int(b): _num(ms, "p50_ms") for b, ms in dict(d["p50_ms"]).items()}
+        if not p50 or any(b < 1 or ms < 0 for b, ms in p50.items()):
+            raise ValueError(f"a measured profile needs batch sizes >= 1 and times >= 0, got {p50}")
+        return cls(load_ms=_num(d.get("load_ms", 0.0), "load_ms"), p50_ms=p50)
+
+
+@dataclass(frozen=True, slots=True)
 class Heartbeat:
     site: str
     ts: float = 0.0                               # the writer's wall clock: for people, never compared
@@ -90,6 +109,8 @@ class Heartbeat:
     degraded_episodes: int = 0
     lease_renewals: int = 0
     view_revision: int = 0
+    cpu_cap: float | None = None                  # cores its cgroup allows (None: uncapped)
+    profiles: Mapping[str, MeasuredProfile] = field(default_factory=dict)  # variant -> self-measured
 
     @property
     def memory_free_bytes(self) -> int:
@@ -104,6 +125,7 @@ class Heartbeat:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["loaded"] = {vid: asdict(lv) for vid, lv in self.loaded.items()}
         out["demand"] = [asdict(d) for d in self.demand]
+        out["profiles"] = {vid: p.to_json() for vid, p in self.profiles.items()}
         return {"schema": SCHEMA_VERSION, **out}
 
     @classmethod
@@ -125,12 +147,18 @@ class Heartbeat:
         demand = [] if demand is None else demand
         if not isinstance(loaded, Mapping) or not isinstance(demand, list):
             raise TypeError("heartbeat 'loaded' must be an object and 'demand' a list")
-        known = {f.name for f in fields(cls)} - {"loaded", "demand"}
+        profiles = d.get("profiles")
+        profiles = {} if profiles is None else profiles
+        if not isinstance(profiles, Mapping):
+            raise TypeError("heartbeat 'profiles' must be an object")
+        known = {f.name for f in fields(cls)} - {"loaded", "demand", "profiles"}
         scalars = {k: v for k, v in d.items() if k in known}
         hb = cls(**scalars, loaded={str(vid): LoadedVariant.from_json(v) for vid, v in loaded.items()},
-                 demand=tuple(DemandSample.from_json(x) for x in demand))
+                 demand=tuple(DemandSample.from_json(x) for x in demand),
+                 profiles={str(vid): MeasuredProfile.from_json(p) for vid, p in profiles.items()})
         return replace(hb, capacity=max(1, int(hb.capacity)), inflight=int(hb.inflight),
                        memory_used_bytes=int(hb.memory_used_bytes),
                        model_memory_budget_bytes=int(hb.model_memory_budget_bytes),
                        ts=_num(hb.ts, "ts"), gpu=bool(hb.gpu),
-                       curve_key=None if hb.curve_key is None else str(hb.curve_key))
+                       curve_key=None if hb.curve_key is None else str(hb.curve_key),
+                       cpu_cap=None if hb.cpu_cap is None else _num(hb.cpu_cap, "cpu_cap"))

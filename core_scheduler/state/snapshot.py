@@ -2,11 +2,14 @@
 
 A site's hardware class is the one its heartbeat reports (what it really runs on: a core site
 without a GPU says ``cpu-...``), falling back to the class the topology declares. Profiles are
-keyed by real hardware classes, so a site is never credited with hardware it does not have.
+keyed by real hardware classes, so a site is never credited with hardware it does not have. A class
+the catalog has no profile for (a site under a CPU cap of its own) takes the timings its sites measured
+themselves and published in their heartbeats, until the catalog has one.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from core_scheduler.policy.snapshot import (
@@ -55,7 +58,8 @@ def build_snapshot(view: MeshView, *, here: str | None = None,
                               cpu_cores=s.hardware.cpu_cores, memory_mb=s.hardware.memory_mb,
                               gpus=len(s.hardware.gpus) if rec is not None and rec.gpu else 0,
                               price_per_hour=s.hardware.price_per_hour, alive=True))
-    variants = [VariantInfo.from_meta(m) for vs in view.variants.values() for m in vs.values()]
+    variants = _with_measured([VariantInfo.from_meta(m) for vs in view.variants.values() for m in vs.values()],
+                              live.values())
     loads = []
     for name, rec in live.items():
         if name in topo.sites:
@@ -84,6 +88,27 @@ def build_snapshot(view: MeshView, *, here: str | None = None,
                                    placement=placement, margin_ms=margin,
                                    store_site=store_site if isinstance(store_site, str) else None,
                                    version=view.revision)
+
+
+def _with_measured(variants: list[VariantInfo], records: Any) -> list[VariantInfo]:
+    """``variants`` with the self-measured profiles of heartbeats added for classes the catalog lacks
+    (the first site of a class to publish one is used: same class, same cap, same machine)."""
+    extra: dict[str, dict[str, Any]] = {}
+    for rec in records:
+        hw = rec.hardware_class
+        if hw:
+            for vid, prof in rec.profiles.items():
+                extra.setdefault(vid, {}).setdefault(hw, prof)
+    if not extra:
+        return variants
+    out = []
+    for v in variants:
+        add = {hw: p for hw, p in extra.get(v.variant_id, {}).items() if hw not in v.compute_ms}
+        if add:
+            v = replace(v, compute_ms={**v.compute_ms, **{hw: dict(p.p50_ms) for hw, p in add.items()}},
+                        load_ms={**v.load_ms, **{hw: p.load_ms for hw, p in add.items()}})
+        out.append(v)
+    return out
 
 
 def _fields(s: SiteInfo) -> dict[str, Any]:

@@ -66,6 +66,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--etcd-members", type=int, default=1, metavar="N",
                    help="run the embedded etcd as an N-member cluster (1 or 3; not with --netns yet); every "
                         "process gets all members' URLs and fails over between them")
+    p.add_argument("--no-caps", action="store_true",
+                   help="run every agent uncapped. Default: each site's agent gets the CPU (a cgroup quota) and model "
+                        "memory its topology entry declares, scaled to this machine (uncapped, and said so, where "
+                        "cgroups are not writable)")
     p.add_argument("--insecure", action="store_true",
                    help="edge APIs over plain HTTP, tenant from the X-Tiermesh-Tenant header (development only: "
                         "anyone can claim any tenant). Default: HTTPS with client certificates from HOME/pki")
@@ -86,7 +90,7 @@ async def run_up(args: argparse.Namespace) -> int:
     if args.etcd_members > 1 and args.netns:
         raise ConfigError("--etcd-members > 1 with --netns is not built yet (etcd runs in one namespace)")
     opts = MeshOptions(topology=args.topology, home=home, wan=not args.no_wan, netns=args.netns,
-                       etcd_members=args.etcd_members, tls=not args.insecure)
+                       etcd_members=args.etcd_members, tls=not args.insecure, caps=not args.no_caps)
     if args.insecure:
         console.print(f"[bold yellow]{INSECURE_WARNING}[/]")
     mesh = LocalMesh(opts)
@@ -114,6 +118,10 @@ async def run_up(args: argparse.Namespace) -> int:
         for name, sp in sorted(mesh.sites.items()):
             tier = mesh.topology.sites[name].tier
             console.print(f"  {tier:6s} {name:14s} http {sp.http}  zmq {sp.zmq}")
+            caps = mesh.site_caps.get(name)
+            console.print(f"  {'':6s} {'':14s} caps: {caps.describe() if caps else 'none (--no-caps)'}")
+        if mesh.cgroups is not None and not mesh.cgroups.available:
+            console.print(f"[bold yellow]sites run WITHOUT CPU caps:[/] {mesh.cgroups.why}")
         if mesh.pki is not None:
             paths = mesh.pki.paths
             console.print(f"mutual TLS: CA {paths.ca_cert}; tenant certificates ({', '.join(mesh.tenants())}) in "
