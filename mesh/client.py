@@ -25,7 +25,7 @@ import enum
 import json
 import ssl
 import threading
-from collections.abc import Coroutine, Mapping
+from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -34,6 +34,7 @@ from urllib.parse import quote
 
 import numpy as np
 
+from mesh.bytes_tensor import as_bytes_tensor
 from mesh.cache import BoundedCache
 from mesh.errors import BadTensor, ConfigError, DeadlineExceeded, MeshError, QuotaExceeded, error_from_code
 from mesh.pki.reload import ReloadingCredentials
@@ -47,7 +48,7 @@ __all__ = ["AsyncClient", "Client", "InferResult"]
 
 T = TypeVar("T")
 DEADLINE_GRACE_S = 1.0
-Inputs = np.ndarray | Mapping[str, np.ndarray]
+Inputs = np.ndarray | Mapping[str, np.ndarray] | Sequence[str]  # texts: a BYTES tensor
 
 
 @dataclass(slots=True)
@@ -138,6 +139,11 @@ def _tls(base_url: str, cert: PathLike | None, key: PathLike | None, ca: PathLik
         return ctx, None
     creds = ReloadingCredentials(Path(cert), Path(key), Path(ca))
     return creds.client_context(check_hostname=check_hostname), creds
+
+
+def _text_as_bytes(arr: np.ndarray) -> np.ndarray:
+    """numpy str_/bytes_ arrays (``np.array(["a", "b"])``) as the BYTES tensor a text task takes."""
+    return as_bytes_tensor(arr) if arr.dtype.kind in "US" else arr
 
 
 @dataclass(slots=True, frozen=True)
@@ -252,20 +258,26 @@ class AsyncClient:
         """Run ``task`` on ``inputs`` within the SLO. A bare array feeds the task's single input.
         ``trace``: ask the mesh to record its decisions for this query (``InferResult.trace_id``)."""
         self._open()
+        if not isinstance(inputs, np.ndarray | Mapping):  # a list of texts for a text task
+            inputs = as_bytes_tensor(inputs)
         if isinstance(inputs, np.ndarray):
             sig = self._signatures.get(task) or await self.task_metadata(task)
             if len(sig.inputs) != 1:
                 raise BadTensor(f"task {task} takes inputs {[s.name for s in sig.inputs]}; pass a dict")
-            tensors = {sig.inputs[0].name: inputs}
+            tensors = {sig.inputs[0].name: _text_as_bytes(inputs)}
             shape_key: tuple[Any, ...] = (inputs.dtype, inputs.shape)
         else:
-            tensors = {k: np.asarray(v) for k, v in inputs.items()}
+            tensors = {k: _text_as_bytes(np.asarray(v)) for k, v in inputs.items()}
             shape_key = tuple((k, v.dtype, v.shape) for k, v in tensors.items())
+        if any(t.dtype.hasobject for t in tensors.values()):
+            shape_key = ()  # a BYTES tensor's encoded size depends on its contents: no kept header
         # types are part of the key: 20 == 20.0 but they are written differently
         key: tuple[Any, ...] = (task, shape_key, latency_ms, type(latency_ms), min_accuracy,
                                 type(min_accuracy), max_cost, type(max_cost), prefer, self.tenant, self.timeout, trace)
         plan = None
-        if request_id is None and self.binary:
+        if not shape_key:
+            key = ()
+        elif request_id is None and self.binary:
             try:
                 plan = self._plans.get(key)
             except TypeError:  # an unhashable argument: encode it in full, let the edge judge it

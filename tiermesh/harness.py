@@ -60,6 +60,7 @@ from topology.store_io import apply as apply_topology
 from variant_store.access import StoreTls
 from variant_store.blobs import BlobStore
 from variant_store.build import ensure_digits_family
+from variant_store.build_text import ensure_text_family
 from variant_store.catalog import Catalog
 from variant_store.server import VariantStoreServer
 
@@ -122,6 +123,9 @@ class MeshOptions:
     # machine (:mod:`tiermesh.caps`); where cgroups are not writable the sites run uncapped and say so
     caps: bool = False
     machine_cpus: float | None = None   # with caps: the cores to share out (None: this process's CPUs)
+    # the text family's encoders (None: none; else the backbones, [] meaning all): built once into a
+    # cache (``variant_store.build_text``), so off by default for tests that serve digits only
+    text_backbones: list[str] | None = None
 
     def scheduler_config(self, candidate_id: str) -> SchedulerConfig:
         cfg = SchedulerConfig(candidate_id=candidate_id, mode=self.mode, proactive=self.proactive)
@@ -214,6 +218,8 @@ class LocalMesh(Service):
         self.blobs = BlobStore(home / "blobs")
         self.catalog = Catalog(self.store)
         await ensure_digits_family(self.catalog, self.blobs)
+        if self.opts.text_backbones is not None:
+            await ensure_text_family(self.catalog, self.blobs, backbones=self.opts.text_backbones or None)
         if self.lab is not None:
             await self._start_control()
         else:

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
         reprofile,
         signature_from_onnx,
     )
+    from variant_store.build_text import ensure_text_family
     from variant_store.catalog import Catalog, RegisteredModel, signature_from_json, signature_to_json
     from variant_store.fetch import fetch_blob
     from variant_store.meta import LatencyStats, Profile, VariantMeta
@@ -40,6 +41,7 @@ __all__ = [
     "VariantStoreServer",
     "build_task",
     "ensure_digits_family",
+    "ensure_text_family",
     "fetch_blob",
     "header_identity",
     "is_digest",
@@ -55,6 +57,7 @@ _WHERE = {
     "blobs": ("BlobStore", "is_digest", "sha256_file"),
     "build": ("BuildReport", "Skipped", "build_task", "ensure_digits_family", "register_model", "reprofile",
               "signature_from_onnx"),
+    "build_text": ("ensure_text_family",),
     "catalog": ("Catalog", "RegisteredModel", "signature_from_json", "signature_to_json"),
     "fetch": ("fetch_blob",),
     "meta": ("LatencyStats", "Profile", "VariantMeta"),

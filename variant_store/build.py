@@ -28,6 +28,8 @@ from mesh.types import TaskSignature, TensorSpec
 from variant_store.blobs import BlobStore
 from variant_store.catalog import Catalog, RegisteredModel
 from variant_store.meta import Format, Precision, Profile, VariantMeta
+from variant_store.profiler import add_base_latency, run_first_output
+from variant_store.runtimes.text import TEXT_SPEC, TOKENIZER_KEY
 
 __all__ = [
     "BATCH_SIZES",
@@ -86,8 +88,11 @@ def signature_from_onnx(task: str, path: Path, metric: str = "top1") -> TaskSign
         shape = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in tt.shape.dim)
         return TensorSpec(name=vi.name, dtype=dtype, shape=shape)
 
-    return TaskSignature(task=task, inputs=tuple(spec(v) for v in model.graph.input if v.name not in inits),
-                         outputs=tuple(spec(v) for v in model.graph.output), metric=metric)
+    inputs = tuple(spec(v) for v in model.graph.input if v.name not in inits)
+    if any(p.key == TOKENIZER_KEY for p in model.metadata_props):
+        inputs = (TEXT_SPEC,)  # it carries its tokenizer: callers send text (variant_store.runtimes.text)
+    return TaskSignature(task=task, inputs=inputs, outputs=tuple(spec(v) for v in model.graph.output),
+                         metric=metric)
 
 
 def load_validation(path: Path) -> tuple[np.ndarray, np.ndarray | None, int]:
@@ -99,6 +104,8 @@ def load_validation(path: Path) -> tuple[np.ndarray, np.ndarray | None, int]:
             calib = int(np.asarray(npz["calib_count"]).reshape(-1)[0]) if "calib_count" in npz.files else 0
     except (OSError, KeyError, ValueError) as exc:
         raise VariantBuildError(f"bad validation set {path}: need arrays x[, y, calib_count]: {exc}") from exc
+    if x.dtype.kind == "U":  # text rows (stored without pickle): the BYTES tensor a caller would send
+        x = np.array([t.encode() for t in x.tolist()], dtype=object)
     if calib <= 0 or calib >= len(x):
         calib = max(1, len(x) // 4)  # no split recorded: calibrate on a quarter, score the rest
     return x, y, calib
@@ -116,16 +123,6 @@ async def _off_loop(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     if inspect.isawaitable(out):
         out = await out
     return out
-
-
-def _run_onnx(path: Path, x: np.ndarray) -> np.ndarray:
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = 1
-    sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-    name = sess.get_inputs()[0].name
-    return np.asarray(sess.run(None, {name: x})[0])
 
 
 # register ---------------------------------------------------------------------------------------
@@ -204,13 +201,13 @@ async def _build_model(catalog: Catalog, blobs: BlobStore, model: RegisteredMode
     if base_digest:
         # a head eats backbone features: measure it on the backbone's output for the same rows
         await _off_loop(blobs.verify, base_digest)
-        feats = await _off_loop(_run_onnx, blobs.path(base_digest), x)
+        feats = await _off_loop(run_first_output, blobs.path(base_digest), x)
         x_calib, x_hold = feats[:calib], feats[calib:]
     else:
         x_calib = x[:calib]
     reference = None
     if model.metric == "cosine":
-        reference = await _off_loop(_run_onnx, parent_path, x_hold)
+        reference = await _off_loop(run_first_output, parent_path, x_hold)
     if model.role == "model":
         generated, skipped = await _off_loop(generate_variants, parent_path, x_calib, work,
                                                  kinds=list(kinds) if kinds is not None else None)
@@ -227,6 +224,9 @@ async def _build_model(catalog: Catalog, blobs: BlobStore, model: RegisteredMode
         try:
             result = await _off_loop(_profile, gen, x_hold, y_hold, model.metric, batch_sizes, repeats,
                                      reference)
+            if base_digest:  # a head is served behind its backbone: its latency is both together
+                result = await _off_loop(add_base_latency, result, blobs.path(base_digest),
+                                         x[calib:], batch_sizes, repeats)
         except MeshError as exc:
             report.skipped.append(Skipped(model.task, model.family, gen.kind, f"profiling failed: {exc}"))
             log.warning("profiling %s failed: %s", variant_id, exc,
@@ -312,16 +312,19 @@ async def reprofile(catalog: Catalog, blobs: BlobStore, task: str, variant_id: s
     x, y, calib = load_validation(blobs.path(model.validation_digest))
     x_hold, y_hold = x[calib:], (y[calib:] if y is not None else None)
     if meta.shared_base_digest:
-        x_hold = (await _off_loop(_run_onnx, blobs.path(meta.shared_base_digest), x))[calib:]
+        x_hold = (await _off_loop(run_first_output, blobs.path(meta.shared_base_digest), x))[calib:]
     reference = None
     if meta.metric == "cosine":
-        reference = await _off_loop(_run_onnx, blobs.path(model.parent_digest), x_hold)
+        reference = await _off_loop(run_first_output, blobs.path(model.parent_digest), x_hold)
     from variant_store.generate import GeneratedVariant
 
     gen = GeneratedVariant(variant_id, meta.format, meta.precision, blobs.path(meta.blob_digest),
                            meta.runtime)
     result = await _off_loop(_profile, gen, x_hold, y_hold, meta.metric, tuple(meta.batch_sizes), repeats,
                              reference)
+    if meta.shared_base_digest:
+        result = await _off_loop(add_base_latency, result, blobs.path(meta.shared_base_digest), x[calib:],
+                                 tuple(meta.batch_sizes), repeats)
     prof = profile_to_meta(result)
     if abs(float(result.accuracy) - meta.accuracy) > 0.005:
         log.warning("%s accuracy %.4f here vs %.4f recorded", variant_id, result.accuracy, meta.accuracy,

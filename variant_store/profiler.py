@@ -21,7 +21,7 @@ from variant_store.hardware import hardware_class_for
 from variant_store.meta import LatencyStats, Profile
 from variant_store.runtimes import open_runtime, rss_bytes
 
-__all__ = ["ProfileResult", "measure_accuracy", "profile_variant"]
+__all__ = ["ProfileResult", "add_base_latency", "measure_accuracy", "profile_variant", "run_first_output"]
 
 
 @dataclass(slots=True)
@@ -107,5 +107,48 @@ def profile_variant(runtime_format: str, path: Path, x_holdout: np.ndarray, y_ho
             providers=list(rt.providers_in_use),
             hardware_class=hardware_class_for(rt.providers_in_use), runs=runs,
             device_memory_bytes=rt.device_memory_bytes())
+    finally:
+        rt.unload_sync()
+
+
+def add_base_latency(result: ProfileResult, base_path: Path, x_holdout: np.ndarray,
+                     batch_sizes: tuple[int, ...], repeats: int, *, time_budget_s: float = 1.0) -> ProfileResult:
+    """``result`` (a head's profile) with its backbone's load time and latency at each batch size added:
+    a head is served behind its backbone, and the backbone is most of the cost (a text encoder is
+    milliseconds, its linear head microseconds). Percentiles add as an upper bound."""
+    rt = open_runtime("onnx", Path(base_path), intra_op_threads=1)
+    rt.load_sync()
+    try:
+        name = rt.input_specs[0].name
+        for bs in batch_sizes:
+            batch = np.resize(x_holdout, (bs, *x_holdout.shape[1:]))
+            rt.infer_sync({name: batch})  # warm-up
+            times: list[float] = []
+            deadline = time.perf_counter() + time_budget_s
+            for _ in range(max(1, repeats)):
+                t0 = time.perf_counter()
+                rt.infer_sync({name: batch})
+                times.append((time.perf_counter() - t0) * 1000.0)
+                if time.perf_counter() > deadline:
+                    break
+            head = result.latency.get(bs, LatencyStats(p50_ms=0.0, p99_ms=0.0))
+            arr = np.asarray(times)
+            result.latency[bs] = LatencyStats(p50_ms=head.p50_ms + float(np.percentile(arr, 50)),
+                                              p99_ms=head.p99_ms + float(np.percentile(arr, 99)))
+        result.load_ms += rt.load_ms
+        result.peak_memory_bytes += rt.memory_bytes
+    finally:
+        rt.unload_sync()
+    return result
+
+
+def run_first_output(path: Path, x: np.ndarray) -> np.ndarray:
+    """The first output of the ONNX model at ``path`` for ``x`` fed to its first input, through the
+    serving runtime (so a text model tokenizes as it does when served), 256 rows at a time."""
+    rt = open_runtime("onnx", Path(path), intra_op_threads=2)
+    rt.load_sync()
+    try:
+        name, out = rt.input_specs[0].name, rt.output_specs[0].name
+        return np.concatenate([rt.infer_sync({name: x[i:i + 256]})[out] for i in range(0, len(x), 256)])
     finally:
         rt.unload_sync()

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from mesh.bytes_tensor import BYTES_DTYPE
 from mesh.errors import BadTensor, RequestError
 from mesh.types import DEFAULT_PREFER, SLO, InferResponse, TaskSignature, TensorSpec, Timing
 
@@ -35,7 +36,9 @@ __all__ = [
 DEFAULT_LATENCY_MS = 1000.0
 
 # V2 datatype -> numpy dtype (explicitly little-endian: the binary extension is LE on the wire).
-# BYTES and BF16 are not served by any tiermesh task, so they are rejected rather than half-supported.
+# Fixed-size types only: BYTES (variable-length elements, a numpy object array) is handled beside
+# them (``mesh.bytes_tensor``); BF16 is served by no tiermesh task, so it is rejected rather than
+# half-supported.
 V2_TO_NP: dict[str, np.dtype[Any]] = {
     "BOOL": np.dtype("?"),
     "UINT8": np.dtype("<u1"),
@@ -58,9 +61,11 @@ NATIVE: dict[str, np.dtype[Any]] = {v2: dt.newbyteorder("=") for v2, dt in V2_TO
 
 
 def dtype_of(datatype: object) -> np.dtype[Any]:
-    """numpy dtype of a V2 datatype string; ``BadTensor`` for anything else."""
+    """numpy dtype of a V2 datatype string (``object`` for BYTES); ``BadTensor`` for anything else."""
+    if datatype == "BYTES":
+        return BYTES_DTYPE
     if not isinstance(datatype, str) or datatype not in V2_TO_NP:
-        raise BadTensor(f"unsupported datatype {datatype!r}; expected one of {sorted(V2_TO_NP)}")
+        raise BadTensor(f"unsupported datatype {datatype!r}; expected one of {sorted([*V2_TO_NP, 'BYTES'])}")
     return V2_TO_NP[datatype]
 
 
@@ -69,6 +74,8 @@ def datatype_of(dtype: np.dtype[Any] | str) -> str:
     if isinstance(dtype, np.dtype) and (v2 := DTYPE_TO_V2.get(dtype)) is not None:
         return v2
     name = np.dtype(dtype).name
+    if name == "object":
+        return "BYTES"
     if name not in _NAME_TO_V2:
         raise BadTensor(f"dtype {name} has no V2 datatype tiermesh serves")
     return _NAME_TO_V2[name]

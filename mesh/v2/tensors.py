@@ -16,6 +16,7 @@ from typing import Any, cast
 import numpy as np
 import orjson
 
+from mesh.bytes_tensor import bytes_items, deserialize_bytes, serialize_bytes
 from mesh.cache import BoundedCache
 from mesh.errors import BadTensor, PayloadTooLarge, RequestError
 from mesh.v2.params import DTYPE_TO_V2, NATIVE, V2_TO_NP, datatype_of, dtype_of
@@ -33,12 +34,35 @@ def _shape(value: object, where: str) -> tuple[int, ...]:
     return tuple(value)
 
 
+def _flat_strings(data: list[Any], where: str) -> list[bytes]:
+    out: list[bytes] = []
+    stack = [iter(data)]
+    while stack:  # nested lists are allowed (row-major), as for numbers
+        for v in stack[-1]:
+            if type(v) is list:
+                stack.append(iter(v))
+                break
+            if type(v) is not str:
+                raise BadTensor(f"{where}: BYTES data must be strings, got {type(v).__name__}")
+            out.append(v.encode("utf-8"))
+        else:
+            stack.pop()
+    return out
+
+
 def _tensor_from_json(t: Mapping[str, Any], data: Any, where: str) -> np.ndarray:
     dt = dtype_of(t.get("datatype"))
     shape = _shape(t.get("shape"), where)
     want = math.prod(shape)
     if not isinstance(data, list):
         raise BadTensor(f"{where}: 'data' must be a list, got {type(data).__name__}")
+    if dt.hasobject:
+        items = _flat_strings(data, where)
+        if len(items) != want:
+            raise BadTensor(f"{where}: data has {len(items)} elements but shape {list(shape)} needs {want}")
+        arr = np.empty(want, dtype=object)
+        arr[:] = items
+        return arr.reshape(shape)
     try:
         arr = np.asarray(data, dtype=dt).reshape(-1)
     except (TypeError, ValueError, OverflowError) as exc:
@@ -52,6 +76,8 @@ def _tensor_from_bytes(t: Mapping[str, Any], raw: bytes | memoryview, where: str
     datatype = t.get("datatype")
     dt = dtype_of(datatype)
     shape = _shape(t.get("shape"), where)
+    if dt.hasobject:
+        return deserialize_bytes(raw, shape, where)
     want = math.prod(shape) * dt.itemsize
     if len(raw) != want:
         raise BadTensor(f"{where}: binary_data_size is {len(raw)} bytes but shape {list(shape)} "
@@ -189,6 +215,8 @@ def read_tensors(items: object, tail: memoryview, kind: str, max_bytes: int,
 
 def _raw(arr: np.ndarray, little: bool) -> bytes | memoryview:
     """A tensor's bytes as the binary extension lays them out (``little``: its dtype is LE)."""
+    if arr.dtype.hasobject:
+        return serialize_bytes(arr)
     view = memoryview(arr) if little and arr.size else None  # type: ignore[arg-type]
     if view is not None and view.c_contiguous:
         # already little-endian and contiguous: lend the bytes; the body's join copies them once
@@ -207,11 +235,19 @@ def _tensor_json(name: str, arr: np.ndarray, binary: bool) -> tuple[dict[str, An
     v2 = DTYPE_TO_V2.get(dt)  # None for big-endian and unserved dtypes: datatype_of sorts them out
     t: dict[str, Any] = {"name": name, "datatype": v2 or datatype_of(dt), "shape": list(arr.shape)}
     if not binary:
-        t["data"] = arr.reshape(-1).tolist()
+        t["data"] = _strings(arr, name) if dt.hasobject else arr.reshape(-1).tolist()
         return t, None
     raw = _raw(arr, v2 is not None)
     t["parameters"] = {"binary_data_size": len(raw)}
     return t, raw
+
+
+def _strings(arr: np.ndarray, name: str) -> list[str]:
+    try:
+        return [b.decode("utf-8") for b in bytes_items(arr, name)]
+    except UnicodeDecodeError as exc:
+        raise BadTensor(f"tensor {name!r}: BYTES element is not UTF-8, so it cannot be JSON: "
+                        f"ask for binary data ({exc})") from exc
 
 
 def assemble(head: dict[str, Any], blobs: list[bytes | memoryview | None]) -> tuple[bytes, int | None]:
@@ -236,7 +272,7 @@ def tensors_json(arrays: Mapping[str, np.ndarray], binary: bool | Mapping[str, b
         flag = binary if type(binary) is bool else cast(Mapping[str, bool], binary).get(name, False)
         if type(arr) is not np.ndarray:
             arr = np.asarray(arr)
-        if flag:
+        if flag and not arr.dtype.hasobject:  # a BYTES tensor's size depends on its contents
             key = (name, arr.dtype, arr.shape)
             t = DESCS.get(key)
             if t is not None:
@@ -244,7 +280,7 @@ def tensors_json(arrays: Mapping[str, np.ndarray], binary: bool | Mapping[str, b
                 blobs.append(_raw(arr, arr.dtype in DTYPE_TO_V2))
                 continue
         t, raw = _tensor_json(name, arr, flag)
-        if flag:
+        if flag and not arr.dtype.hasobject:
             DESCS.put(key, t)
         tensors.append(t)
         blobs.append(raw)

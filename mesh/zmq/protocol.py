@@ -56,10 +56,12 @@ import numpy as np
 import zmq
 
 from mesh import clock
+from mesh.bytes_tensor import serialize_bytes
 from mesh.errors import BadTensor, MeshError, ProtocolError
 from mesh.types import InferRequest, InferResponse, Timing
 from mesh.zmq.protocol_check import (
     ALLOWED_DTYPES,
+    BYTES_WIRE,
     DEFAULT_MAX_BYTES,
     MAX_ID_LEN,
     MAX_NDIM,
@@ -68,6 +70,7 @@ from mesh.zmq.protocol_check import (
     WIRE_DTYPES,
     check_reply,
     check_request,
+    read_bytes_tensor,
     read_id,
     read_slo,
     read_traceparent,
@@ -126,6 +129,9 @@ def _slow_tensor_frame(name: object, arr: object) -> tuple[dict[str, Any], memor
     if not isinstance(name, str) or not name:
         raise BadTensor(f"tensor name {name!r} must be a non-empty string")
     a = np.asarray(arr)
+    if a.dtype.hasobject:  # a BYTES tensor (text): length-prefixed elements, one copy into the frame
+        return ({"name": name, "dtype": BYTES_WIRE, "shape": list(a.shape)},
+                memoryview(serialize_bytes(a, f"tensor {name!r}")))
     if a.dtype.name not in ALLOWED_DTYPES:
         raise BadTensor(f"tensor {name!r}: dtype {a.dtype} is not allowed on the wire")
     if a.dtype.byteorder == ">":
@@ -230,13 +236,25 @@ def _fast_tensors(descs: object, frames: Sequence[object], max_bytes: int) -> di
                 or type(shape) is not list or len(shape) > MAX_NDIM):
             return None
         dtype = WIRE_DTYPES.get(dtype_name)
-        if dtype is None:
+        if dtype is None and dtype_name != BYTES_WIRE:
             return None
         count = 1
         for dim in shape:
             if type(dim) is not int or dim < 0:
                 return None
             count *= dim
+        if dtype is None:  # BYTES: the frame's length, not the shape, says how big it is
+            if type(frame) is not zmq.Frame and type(frame) is not bytes:
+                return None
+            total += len(frame)  # type: ignore[arg-type]
+            if total > max_bytes:
+                return None
+            try:
+                out[name] = read_bytes_tensor(frame.buffer if type(frame) is zmq.Frame else frame,  # type: ignore[arg-type,union-attr]
+                                              tuple(shape), name)
+            except ProtocolError:
+                return None
+            continue
         nbytes = count * dtype.itemsize
         total += nbytes
         if total > max_bytes or (type(frame) is not zmq.Frame and type(frame) is not bytes):

@@ -17,12 +17,14 @@ import msgpack
 import numpy as np
 import zmq
 
-from mesh.errors import MeshError, PayloadTooLarge, ProtocolError, RequestError, error_from_code
+from mesh.bytes_tensor import deserialize_bytes
+from mesh.errors import BadTensor, MeshError, PayloadTooLarge, ProtocolError, RequestError, error_from_code
 from mesh.tracecontext import parse_traceparent
 from mesh.types import SLO, InferRequest, InferResponse, Timing
 
 __all__ = [
     "ALLOWED_DTYPES",
+    "BYTES_WIRE",
     "DECODE_ERRORS",
     "DEFAULT_MAX_BYTES",
     "MAX_HEADER_BYTES",
@@ -33,6 +35,7 @@ __all__ = [
     "WIRE_DTYPES",
     "check_reply",
     "check_request",
+    "read_bytes_tensor",
     "read_id",
     "read_slo",
     "read_trace",
@@ -50,6 +53,9 @@ ALLOWED_DTYPES: Final = frozenset(
     {"float32", "float16", "float64", "int8", "uint8", "int32", "int64", "bool"}
 )
 WIRE_DTYPES: Final = {n: np.dtype(n).newbyteorder("<") for n in ALLOWED_DTYPES}
+# BYTES tensors (numpy object arrays of bytes: text) travel under this dtype name, their frame in
+# the length-prefixed form of ``mesh.bytes_tensor`` (what the OIP binary extension carries too)
+BYTES_WIRE: Final = "bytes"
 DECODE_ERRORS: Final = (ProtocolError, PayloadTooLarge)
 
 
@@ -166,29 +172,36 @@ def _tensors(h: Mapping[str, Any], frames: Sequence[object], max_bytes: int) -> 
     if len(descs) != len(frames):
         raise ProtocolError(f"{len(descs)} tensors declared but {len(frames)} tensor frames sent")
     total = 0
-    parsed: list[tuple[str, np.dtype[Any], tuple[int, ...]]] = []
+    parsed: list[tuple[str, np.dtype[Any] | None, tuple[int, ...]]] = []
     for i, d in enumerate(descs):
         if not isinstance(d, dict):
             raise ProtocolError(f"tensor descriptor {i} is not a map")
         name = _str(d, "name", nonempty=True)
         dtype_name = _str(d, "dtype")
         dtype = WIRE_DTYPES.get(dtype_name)
-        if dtype is None:
+        if dtype is None and dtype_name != BYTES_WIRE:
             raise ProtocolError(f"tensor {name!r}: dtype {dtype_name!r} not allowed")
         shape: list[Any] = _field(d, "shape", list)
         if len(shape) > MAX_NDIM:
             raise ProtocolError(f"tensor {name!r}: {len(shape)} dimensions, at most {MAX_NDIM}")
         if not all(type(s) is int and s >= 0 for s in shape):
             raise ProtocolError(f"tensor {name!r}: shape must be non-negative integers, got {shape!r}")
-        total += math.prod(shape) * dtype.itemsize  # Python ints: a hostile shape cannot overflow
+        # Python ints: a hostile shape cannot overflow; a BYTES element takes at least its 4-byte length
+        total += math.prod(shape) * (dtype.itemsize if dtype is not None else 4)
         if total > max_bytes:
             raise PayloadTooLarge(f"tensors declare {total} bytes, limit is {max_bytes}")
         parsed.append((name, dtype, tuple(shape)))
     if len({p[0] for p in parsed}) != len(parsed):
         raise ProtocolError("duplicate tensor names")
     out: dict[str, np.ndarray] = {}
+    sent = sum(_buffer(f).nbytes for f in frames)
+    if sent > max_bytes:
+        raise PayloadTooLarge(f"tensor frames carry {sent} bytes, limit is {max_bytes}")
     for (name, dtype, dims), frame in zip(parsed, frames, strict=True):
         buf = _buffer(frame)
+        if dtype is None:
+            out[name] = read_bytes_tensor(buf, dims, name)
+            continue
         expected = math.prod(dims) * dtype.itemsize
         if buf.nbytes != expected:
             raise ProtocolError(f"tensor {name!r}: {buf.nbytes} bytes for shape {list(dims)} "
@@ -199,6 +212,15 @@ def _tensors(h: Mapping[str, Any], frames: Sequence[object], max_bytes: int) -> 
         arr.flags.writeable = False  # a view of the receive buffer: writing would alias it
         out[name] = arr
     return out
+
+
+def read_bytes_tensor(buf: bytes | memoryview, dims: tuple[int, ...], name: str) -> np.ndarray:
+    """A BYTES tensor from its frame (both decoders call this, so they agree); ``ProtocolError`` unless
+    the frame holds exactly the elements its shape declares."""
+    try:
+        return deserialize_bytes(buf, dims, f"tensor {name!r}")
+    except BadTensor as exc:
+        raise ProtocolError(exc.message) from exc
 
 
 def _kind(h: Mapping[str, Any], *expected: str) -> str:

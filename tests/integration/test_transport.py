@@ -121,6 +121,14 @@ async def test_round_trip_two_tensors(serve: ServerFactory, client: ZmqClient) -
     assert (resp.site, resp.variant, resp.tenant, resp.hops) == ("core", "echo", "acme", ["edge-a", "core"])
 
 
+async def test_round_trip_text_tensor(serve: ServerFactory, client: ZmqClient) -> None:
+    """A BYTES tensor (text) crosses real ZeroMQ both ways: a forwarded text query and an echoed reply."""
+    server = await serve()
+    text = np.array([b"Real-time strategy game", "caf\u00e9 \u2615".encode(), b"", b"\xff\x00"], dtype=object)
+    resp = await client.request(server.endpoint, make_req(1.0, text=text))
+    assert resp.outputs["text"].dtype == object and resp.outputs["text"].tolist() == text.tolist()
+
+
 async def test_200_concurrent_requests_matched_by_id(serve: ServerFactory, client: ZmqClient) -> None:
     async def shuffled_echo(req: InferRequest) -> InferResponse:
         await asyncio.sleep(random.random() * 0.02)  # replies come back out of order

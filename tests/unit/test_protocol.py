@@ -17,7 +17,14 @@ from mesh.errors import BadTensor, MeshError, PayloadTooLarge, ProtocolError, Un
 from mesh.tracecontext import new_traceparent
 from mesh.types import PREFERS, SLO, InferRequest, InferResponse, Timing
 from mesh.zmq import protocol as p
-from mesh.zmq.protocol_check import ALLOWED_DTYPES, DECODE_ERRORS, MAX_HEADER_BYTES, MAX_ID_LEN
+from mesh.zmq.protocol_check import (
+    ALLOWED_DTYPES,
+    DECODE_ERRORS,
+    MAX_HEADER_BYTES,
+    MAX_ID_LEN,
+    check_request,
+    unpack_header,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -28,7 +35,15 @@ names = st.text(min_size=1, max_size=12)
 arrays = st.sampled_from(sorted(ALLOWED_DTYPES)).flatmap(
     lambda dt: hnp.arrays(np.dtype(dt), hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=5))
 )
-tensors = st.dictionaries(names, arrays, max_size=4)
+
+def _bytes_array(shape: tuple[int, ...]) -> st.SearchStrategy[np.ndarray]:
+    n = int(np.prod(shape))
+    return st.lists(st.binary(max_size=8), min_size=n, max_size=n).map(
+        lambda items: np.array([*items, None], dtype=object)[:-1].reshape(shape))  # None: keep bytes unsplit
+
+
+bytes_arrays = hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4).flatmap(_bytes_array)
+tensors = st.dictionaries(names, arrays | bytes_arrays, max_size=4)
 slos = st.builds(SLO, latency_ms=st.floats(min_value=1e-6, max_value=1e9),
                  min_accuracy=st.floats(min_value=0.0, max_value=1.0),
                  max_cost=st.none() | st.floats(min_value=0.0, max_value=1e12), prefer=st.sampled_from(PREFERS))
@@ -56,6 +71,9 @@ def _same_tensors(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
     for k in a:
         # bitwise: NaN payloads and -0.0 must survive too
         assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
+        if a[k].dtype.hasobject:
+            assert a[k].reshape(-1).tolist() == b[k].reshape(-1).tolist()
+            continue
         assert np.ascontiguousarray(a[k]).tobytes() == b[k].tobytes()
 
 
@@ -316,3 +334,71 @@ def test_wrong_types_in_any_field(data: st.DataObject) -> None:
         h[key] = value
     frames[0] = msgpack.packb(h)
     _decode_any(frames)
+
+
+# ---------------------------------------------------------------- BYTES: the fast and checked decoders agree
+
+
+def _both(frames: list[Any]) -> tuple[Any, Any]:
+    """(fast decoder's result or None, checked decoder's result or its error)."""
+    h = unpack_header(frames[0])
+    fast = p._fast_request(h, frames, 1 << 20, 0.0)
+    try:
+        checked: Any = check_request(h, frames, 1 << 20, now=0.0)
+    except DECODE_ERRORS as exc:
+        checked = exc
+    return fast, checked
+
+
+@FUZZ
+@given(requests)
+def test_fast_and_checked_decoders_agree(req: InferRequest) -> None:
+    fast, checked = _both(_wire(p.encode_request(req, now=0.0)))
+    assert fast is not None and not isinstance(checked, Exception)
+    for got in (fast, checked):
+        _same_tensors(req.inputs, got.inputs)
+    assert (fast.task, fast.tenant, fast.slo, fast.deadline) == (checked.task, checked.tenant, checked.slo,
+                                                                 checked.deadline)
+
+
+@FUZZ
+@given(st.data())
+def test_decoders_agree_on_hostile_bytes_frames(data: st.DataObject) -> None:
+    """A BYTES frame cut, padded or with a length prefix rewritten: the fast path either decodes it
+    exactly as the checked path does, or leaves it to the checked path, which refuses it precisely."""
+    texts = data.draw(st.lists(st.binary(max_size=6), min_size=1, max_size=4))
+    arr = np.array([*texts, None], dtype=object)[:-1]
+    frames = _wire(p.encode_request(InferRequest("t", {"text": arr}, SLO(10), request_id="r", deadline=1.0),
+                                    now=0.0))
+    buf = bytearray(frames[1])
+    how = data.draw(st.sampled_from(["cut", "pad", "prefix"]))
+    if how == "cut":
+        buf = buf[: data.draw(st.integers(0, len(buf)))]
+    elif how == "pad":
+        buf += data.draw(st.binary(min_size=1, max_size=5))
+    else:
+        buf[0:4] = data.draw(st.integers(0, 2**32 - 1)).to_bytes(4, "little")
+    frames[1] = bytes(buf)
+    fast, checked = _both(frames)
+    if isinstance(checked, Exception):
+        assert fast is None and isinstance(checked, ProtocolError)
+    else:
+        assert fast is not None
+        assert fast.inputs["text"].tolist() == checked.inputs["text"].tolist()
+
+
+def test_bytes_tensor_frame_is_tritons_layout() -> None:
+    from tritonclient.utils import serialize_byte_tensor
+
+    arr = np.array([b"hello", "w\u00f6rld".encode(), b""], dtype=object)
+    frames = _wire(p.encode_request(InferRequest("t", {"text": arr}, SLO(10), request_id="r", deadline=1.0)))
+    assert frames[1] == serialize_byte_tensor(arr).item()
+    assert unpack_header(frames[0])["tensors"] == [{"name": "text", "dtype": "bytes", "shape": [3]}]
+    got = p.decode_request(frames)
+    assert got.inputs["text"].tolist() == [b"hello", "w\u00f6rld".encode(), b""]
+
+
+def test_bytes_elements_must_be_bytes_or_text() -> None:
+    with pytest.raises(BadTensor, match="bytes or str"):
+        p.encode_request(InferRequest("t", {"text": np.array([1, b"a"], dtype=object)}, SLO(10), request_id="a",
+                                      deadline=1.0))

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from rich.console import Console
 
 from mesh.errors import ConfigError
@@ -36,7 +37,7 @@ from tiermesh.drills import LinkDrill, crosses_link, drill_report, parse_kill, p
 from tiermesh.harness import LocalMesh, MeshOptions
 from tiermesh.netns import require_netns
 from tiermesh.secure import OPERATOR
-from tiermesh.workload import render_table, run_workload, summarise
+from tiermesh.workload import DEFAULT_CLASSES, TEXT_CLASS, SloClass, render_table, run_workload, summarise
 
 __all__ = ["register", "run_up"]
 
@@ -73,6 +74,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--insecure", action="store_true",
                    help="edge APIs over plain HTTP, tenant from the X-Tiermesh-Tenant header (development only: "
                         "anyone can claim any tenant). Default: HTTPS with client certificates from HOME/pki")
+    p.add_argument("--no-text", action="store_true",
+                   help="serve the digits family only: skip the text family (MiniLM encoders shared by acme's and "
+                        "globex's heads; built once into ~/.cache/tiermesh, about a minute)")
     p.set_defaults(func=run_up)
 
 
@@ -90,7 +94,8 @@ async def run_up(args: argparse.Namespace) -> int:
     if args.etcd_members > 1 and args.netns:
         raise ConfigError("--etcd-members > 1 with --netns is not built yet (etcd runs in one namespace)")
     opts = MeshOptions(topology=args.topology, home=home, wan=not args.no_wan, netns=args.netns,
-                       etcd_members=args.etcd_members, tls=not args.insecure, caps=not args.no_caps)
+                       etcd_members=args.etcd_members, tls=not args.insecure, caps=not args.no_caps,
+                       text_backbones=None if args.no_text else [])
     if args.insecure:
         console.print(f"[bold yellow]{INSECURE_WARNING}[/]")
     mesh = LocalMesh(opts)
@@ -145,6 +150,12 @@ async def _drive(mesh: LocalMesh, args: argparse.Namespace, console: Console, ki
 
     val = load_validation_npz()
     x, y = val.x[val.calib_count:], val.y[val.calib_count:]
+    classes: tuple[SloClass, ...] = DEFAULT_CLASSES
+    data: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    if mesh.opts.text_backbones is not None:  # a text class too: held-out package descriptions
+        from variant_store.families.text_corpus import load_corpus
+
+        classes, data = (*DEFAULT_CLASSES, TEXT_CLASS), {TEXT_CLASS.task: load_corpus().holdout()}
     edges = mesh.edge_urls()
     for url in edges.values():
         await mesh.check_dial(url)  # with --netns: through the run's bridge, never the default route
@@ -166,6 +177,7 @@ async def _drive(mesh: LocalMesh, args: argparse.Namespace, console: Console, ki
     offered = [0]
     console.print(f"workload: {args.qps:.0f} q/s for {args.duration:.0f} s across edges {sorted(edges)}")
     work = asyncio.create_task(run_workload(edges, x, y, duration_s=args.duration, qps=args.qps,
+                                            classes=classes, data=data,
                                             on_tick=lambda n, _t: offered.__setitem__(0, n),
                                             credentials=mesh.tenant_files if mesh.pki is not None else None))
     stopper = asyncio.create_task(stop.wait())

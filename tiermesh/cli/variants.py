@@ -3,6 +3,7 @@
     register     store an ONNX model plus a labelled validation set for a task
     build        generate, measure and catalog the variants of registered models
     build-digits register and build the committed digits family
+    build-text   register and build the text family (MiniLM encoders + acme's and globex's heads)
     profile      measure one variant on this machine's hardware class
     list         the catalog as a table (or JSON)
     show         one variant's full metadata
@@ -61,6 +62,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     d = vs.add_parser("build-digits", help="register and build the committed digits family")
     d.add_argument("--repeats", type=int, default=50)
     d.set_defaults(func=_build_digits)
+    t = vs.add_parser("build-text", help="register and build the text family (built once into ~/.cache/tiermesh)")
+    t.add_argument("--repeats", type=int, default=50)
+    t.set_defaults(func=_build_text)
 
     pr = vs.add_parser("profile", help="measure one variant on this machine's hardware class")
     pr.add_argument("--task", required=True)
@@ -91,7 +95,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                          "to sites and to admins. Without it: plain HTTP that serves anyone (development only)")
     sv.set_defaults(func=_serve)
 
-    for sp in (r, b, d, pr, ls, sh, sv):
+    for sp in (r, b, d, t, pr, ls, sh, sv):
         add_common(sp)
 
 
@@ -141,6 +145,18 @@ async def _build_digits(args: argparse.Namespace) -> int:
     for rep in reports:
         for s in rep.skipped:
             print(f"skipped {s.family}.{s.kind}: {s.reason}")
+    return EXIT_OK
+
+
+async def _build_text(args: argparse.Namespace) -> int:
+    from tiermesh.cli.context import open_store, store_args
+    from variant_store.build_text import ensure_text_family
+
+    async with open_store(**store_args(args)) as store:
+        catalog = Catalog(store)
+        reports = await ensure_text_family(catalog, BlobStore(blob_root(args)), repeats=args.repeats, force=True)
+        metas = [m for task in ("text-topic", "text-group") for m in await catalog.list_variants(task)]
+    _print_variants(metas, reports[0].hardware_class if reports else None)
     return EXIT_OK
 
 

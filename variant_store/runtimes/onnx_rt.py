@@ -13,6 +13,7 @@ from mesh.errors import RuntimeLoadError
 from mesh.types import TensorSpec
 from variant_store.hardware import onnx_providers
 from variant_store.runtimes.base import Runtime
+from variant_store.runtimes.text import TEXT_SPEC, text_front
 
 __all__ = ["OnnxRuntime"]
 
@@ -58,9 +59,16 @@ class OnnxRuntime(Runtime):
         self.input_specs = [_spec(a) for a in sess.get_inputs()]
         self.output_specs = [_spec(a) for a in sess.get_outputs()]
         self._out_names = [s.name for s in self.output_specs]
+        # a text model carries its tokenizer: it takes a BYTES tensor and tokenizes it here
+        self._text = text_front(sess.get_modelmeta().custom_metadata_map,
+                                tuple(s.name for s in self.input_specs))
+        if self._text is not None:
+            self.input_specs = [TEXT_SPEC]
 
     def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         # InferenceSession.run is thread-safe, so concurrent batches need no lock here.
+        if self._text is not None:
+            inputs = self._text.encode(inputs["text"])
         outs = self._sess.run(self._out_names, inputs)
         return {n: np.asarray(o) for n, o in zip(self._out_names, outs, strict=True)}
 
