@@ -44,15 +44,17 @@ async def run_decision(ctx: RunContext) -> Path:
 
 
 def _scenarios() -> dict[str, Callable[[RunContext], Awaitable[Path]]]:
-    from bench import batching, coldstart, floors, footprint, geo, gpu_profile
+    from bench import batching, coldstart, floors, footprint, geo, geo_hetero, gpu_profile
 
     return {"mesh_hop": floors.run_mesh_hop, "http_api": floors.run_http_api, "sdk_local": floors.run_sdk_local,
             "decision": run_decision, "batching": batching.run_batching, "geo": geo.run_geo,
+            "geo_hetero": geo_hetero.run_geo_hetero,
             "coldstart": coldstart.run_coldstart, "footprint": footprint.run_footprint,
             "gpu_profile": gpu_profile.run_gpu_profile}
 
 
-SCENARIOS = ("mesh_hop", "http_api", "sdk_local", "decision", "batching", "geo", "coldstart", "footprint")
+SCENARIOS = ("mesh_hop", "http_api", "sdk_local", "decision", "batching", "geo", "geo_hetero", "coldstart",
+             "footprint")
 # Run only when named (--only gpu_profile): they need a CUDA GPU, which most hosts lack.
 GPU_SCENARIOS = ("gpu_profile",)
 

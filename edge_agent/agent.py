@@ -414,7 +414,8 @@ class Agent(Service):
             demand=tuple(self.demand.snapshot(time.monotonic())),
             degraded=bool(self.liveness and self.liveness.degraded),
             view_revision=self.view.revision if self.view else 0, cpu_cap=self.cpu_cap,
-            profiles=self.selfprof.published() if self.selfprof is not None else {})
+            profiles=self.selfprof.published() if self.selfprof is not None else {},
+            profiling_pending=self.selfprof.pending if self.selfprof is not None else 0)
 
     async def _reconcile_loop(self) -> None:
         """Follow ``placement/<site>``: load what is desired, unload what is neither desired nor used."""

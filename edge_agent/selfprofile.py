@@ -86,6 +86,7 @@ class SelfProfiler:
         self.batch_sizes = batch_sizes
         self.time_budget_s = time_budget_s
         self.failed: dict[str, str] = {}  # variant -> why it cannot run here (not retried)
+        self.no_room: set[str] = set()    # did not fit the memory budget when last tried (tried again)
         self._wake = asyncio.Event()
 
     @property
@@ -111,6 +112,11 @@ class SelfProfiler:
     def wake(self) -> None:
         self._wake.set()
 
+    @property
+    def pending(self) -> int:
+        """Variants still to profile here, not counting those that do not fit this site's memory."""
+        return sum(1 for m in self.missing() if m.variant_id not in self.no_room)
+
     def missing(self) -> list[VariantMeta]:
         """Variants with no profile for this class, neither measured here nor failed, smallest first."""
         out = [m for vs in self.view.variants.values() for m in vs.values()
@@ -126,10 +132,13 @@ class SelfProfiler:
             for meta in self.missing():
                 try:
                     await self.profile(meta)
+                    self.no_room.discard(meta.variant_id)
                 except asyncio.CancelledError:
                     raise
                 except Overloaded as exc:  # no memory now: tried again when the view changes
-                    log.info("not profiled yet: %s", exc, extra=kv(site=self.site, variant=meta.variant_id))
+                    if meta.variant_id not in self.no_room:
+                        log.info("not profiled yet: %s", exc, extra=kv(site=self.site, variant=meta.variant_id))
+                    self.no_room.add(meta.variant_id)
                 except MeshError as exc:
                     self.failed[meta.variant_id] = str(exc)
                     log.warning("cannot profile %s here: %s", meta.variant_id, exc,

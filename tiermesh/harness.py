@@ -581,6 +581,25 @@ class LocalMesh(Service):
             await asyncio.sleep(0.25)
         log.warning("placement not complete after %.0f s", timeout, extra=kv(event="placement_wait"))
 
+    async def wait_profiled(self, timeout: float = 120.0) -> dict[str, int]:  # noqa: ASYNC109
+        """Until no site has variants left to profile for its (capped) hardware class, or the timeout;
+        returns what each site still had pending (empty when all are done)."""
+        assert self.store is not None
+        deadline = time.monotonic() + timeout
+        pending: dict[str, int] = {}
+        while time.monotonic() < deadline:
+            pending = {}
+            for name in self.sites:
+                live = await self.store.get(live_key(name))
+                left = int(live.value.get("profiling_pending", 0)) if live is not None else -1
+                if left != 0:
+                    pending[name] = left
+            if not pending:
+                return {}
+            await asyncio.sleep(0.5)
+        log.warning("sites still profiling after %.0f s: %s", timeout, pending, extra=kv(event="profile_wait"))
+        return pending
+
     def edge_urls(self) -> dict[str, str]:
         return {n: sp.http for n, sp in self.sites.items()
                 if sp.http and self.topology.sites[n].tier == "edge"}

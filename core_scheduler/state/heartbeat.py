@@ -111,6 +111,7 @@ class Heartbeat:
     view_revision: int = 0
     cpu_cap: float | None = None                  # cores its cgroup allows (None: uncapped)
     profiles: Mapping[str, MeasuredProfile] = field(default_factory=dict)  # variant -> self-measured
+    profiling_pending: int = 0                    # variants it has still to profile for its class
 
     @property
     def memory_free_bytes(self) -> int:
