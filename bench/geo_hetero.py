@@ -51,7 +51,7 @@ def hetero_spec(quick: bool) -> TraceSpec:
     hold = 15.0 if quick else 40.0
     cliff = 0.45 * day
     spike = Spike(edge=FLASH_EDGE, slo_class="globex-group", ramp_start_s=cliff - 0.1 * day, cliff_s=cliff,
-                  spike_end_s=cliff + hold, ramp_qps=20.0, cliff_qps=120.0 if quick else 160.0)
+                  spike_end_s=cliff + hold, ramp_qps=20.0, cliff_qps=80.0 if quick else 100.0)
     return TraceSpec(edges=("edge-fra-1", "edge-nyc-1", FLASH_EDGE), duration_s=day, day_s=day, base_qps=2.0,
                      peak_qps=8.0, spike=spike, classes=CLASSES, seed=14, max_events=8000 if quick else 20_000)
 
