@@ -87,11 +87,12 @@ def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out.append(target("INFaaS-style violations / tiermesh violations",
                           by["infaas"]["violations"] / max(1, tm["violations"]), 1.6, op=">=", unit="x"))
     good = [r for r in base if r["slo_attainment"] >= 0.95]
-    pool = good or base
-    cheapest = min(pool, key=lambda r: r["resource_s_per_1k"])
-    ref = cheapest["resource_s_per_1k"]
+    # none at 95 %: against the strongest baseline (most SLO-met queries), not the cheapest of all: a baseline
+    # that answers only the easy queries is cheap per answer and says nothing about the cost of meeting the SLOs
+    ref_row = min(good, key=lambda r: r["resource_s_per_1k"]) if good else best
+    ref = ref_row["resource_s_per_1k"]
     out.append(target(f"tiermesh resource-s per 1k / the cheapest baseline at >= 95 % attainment "
-                      f"({cheapest['system']}{'' if good else '; none reached 95 %: the cheapest of all'})",
+                      f"({ref_row['system']}{'' if good else '; none reached 95 %: the strongest baseline'})",
                       tm["resource_s_per_1k"] / ref if ref > 0 else float("nan"), 1.0, op="<=", unit="x"))
     out.append(target(f"tiermesh attainment at {FLASH_EDGE} during the flash crowd", tm["flash_attainment"], 0.95,
                       op=">="))
