@@ -78,6 +78,7 @@ def _summary(spec: LoadSpec, lat: list[float], statuses: dict[str, int], sent: i
     return {**spec.extra, "mode": spec.mode, "offered_rps": round(offered, 1) if spec.mode == "open" else None,
             "achieved_rps": round(achieved, 1), "valid": bool(valid), "sent": sent, "completed": len(lat),
             **statuses, "throughput_rps": round(len(lat) / last_done, 1) if last_done > 0 else 0.0,
+            "on_time_rps": round((len(lat) - statuses["late_replies"]) / last_done, 1) if last_done > 0 else 0.0,
             "p50_ms": round(float(np.percentile(ms, 50)), 2) if ms.size else None,
             "p99_ms": round(float(np.percentile(ms, 99)), 2) if ms.size else None,
             "lag_p99_ms": round(float(np.percentile(np.asarray(lags) * 1000.0, 99)), 2) if lags else 0.0}
