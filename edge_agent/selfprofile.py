@@ -4,10 +4,12 @@ Profiles are keyed by hardware class, and a site under a CPU cap is a class of i
 (``cpu-x86_64-cap0.25``): the catalog's profiles were measured elsewhere (uncapped, by the builder), and
 routing does not run a variant on a class it has no timings for. Rather than leave such a site unusable
 until someone reprofiles by hand, its agent profiles each such variant itself on first load: it loads it
-through the host (the memory budget holds), times the very function a batch runs at a few batch sizes
-(bounded runs and seconds), keeps the variant only if placement wants it or a query used it meanwhile, and
-publishes the timings in its heartbeat (``profiles``), where every snapshot builder reads them for that
-class until the catalog has a profile of its own.
+through the host (the memory budget holds), times the very function a batch runs at batch sizes 1 and 8
+(bounded runs and seconds; larger batches are extrapolated, as routing does past a profile's largest
+size: a six-layer encoder at batch 32 takes seconds under an edge's cap), keeps the variant only if
+placement wants it or a query used it meanwhile, and publishes the timings in its heartbeat
+(``profiles``), where every snapshot builder reads them for that class until the catalog has a profile
+of its own.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ class SelfProfiler:
     """Profiles this site's missing variants one at a time; :meth:`run` is its loop (it never dies)."""
 
     def __init__(self, site: str, host: VariantHost, view: MeshView, *, wanted: Callable[[], set[str]],
-                 batch_sizes: tuple[int, ...] = (1, 8, 32), time_budget_s: float = 0.25) -> None:
+                 batch_sizes: tuple[int, ...] = (1, 8), time_budget_s: float = 0.25) -> None:
         self.site = site
         self.host = host
         self.view = view
@@ -118,11 +120,13 @@ class SelfProfiler:
         return sum(1 for m in self.missing() if m.variant_id not in self.no_room)
 
     def missing(self) -> list[VariantMeta]:
-        """Variants with no profile for this class, neither measured here nor failed, smallest first."""
+        """Variants with no profile for this class, neither measured here nor failed: those placement wants
+        here first, then the rest smallest first."""
         out = [m for vs in self.view.variants.values() for m in vs.values()
                if self.hardware_class not in m.profiles and m.variant_id not in self.host.measured
                and m.variant_id not in self.failed and m.task in self.view.signatures]
-        return sorted(out, key=lambda m: (m.size_bytes, m.variant_id))
+        wanted = self.wanted()
+        return sorted(out, key=lambda m: (m.variant_id not in wanted, m.size_bytes, m.variant_id))
 
     async def run(self) -> None:
         while True:
