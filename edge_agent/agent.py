@@ -420,8 +420,9 @@ class Agent(Service):
     async def _reconcile_loop(self) -> None:
         """Follow ``placement/<site>``: load what is desired, unload what is neither desired nor used."""
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._reconcile.wait(), 5.0)
+            with contextlib.suppress(TimeoutError):  # not wait_for: see SelfProfiler.run
+                async with asyncio.timeout(5.0):
+                    await self._reconcile.wait()
             self._reconcile.clear()
             try:
                 await self._reconcile_once()

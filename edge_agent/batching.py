@@ -313,8 +313,11 @@ class Batcher:
                 break
             waited = True
             self._wake.clear()
+            # asyncio.timeout, not wait_for: 3.11's wait_for swallows a cancel that lands as the event is set,
+            # and stop() would wait on this loop for ever (and it wraps the wait in a task of its own)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), wait)
+                async with asyncio.timeout(wait):
+                    await self._wake.wait()
         if self._skip_windows:
             self._skip_windows -= 1
         elif waited:

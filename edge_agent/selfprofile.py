@@ -130,8 +130,11 @@ class SelfProfiler:
 
     async def run(self) -> None:
         while True:
+            # asyncio.timeout, not wait_for: 3.11's wait_for swallows a cancel that lands as the event is set
+            # (a view change during shutdown), and the agent's stop would then wait on this loop for ever
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), 10.0)
+                async with asyncio.timeout(10.0):
+                    await self._wake.wait()
             self._wake.clear()
             for meta in self.missing():
                 try:
