@@ -30,7 +30,7 @@ from mesh.v2 import codec as codec
 from mesh.v2.tensors import HEADER_LENGTH
 from tests.system.conftest import REPO_ROOT, SMALL_TOPOLOGY, TASK, Holdout, catalog_variants
 from tiermesh.harness import LocalMesh
-from tiermesh.workload import DEFAULT_CLASSES, QueryRecord, SloClass, run_workload, summarise
+from tiermesh.workload import DEFAULT_CLASSES, TEXT_CLASS, QueryRecord, SloClass, run_workload, summarise
 from topology.paths import topology_paths
 from variant_store.meta import VariantMeta
 
@@ -84,11 +84,14 @@ async def test_tiermesh_up_demo_writes_a_report() -> None:
     # their blobs from it with their site certificates, or nothing would have been served
     assert data["addresses"]["etcd"].startswith("https://"), data["addresses"]
     assert data["addresses"]["variant_store"].startswith("https://"), data["addresses"]
-    assert set(data["classes"]) == {c.name for c in DEFAULT_CLASSES}, data["classes"].keys()
+    # both families: the digits classes and acme's text class (held-out package descriptions)
+    assert set(data["classes"]) == {c.name for c in (*DEFAULT_CLASSES, TEXT_CLASS)}, data["classes"].keys()
     for name, s in data["classes"].items():
         served = sum(s["served_at_tier"].values())
         assert served > 0.8 * s["queries"], (name, s)
-        assert 0.0 <= s["slo_attainment"] <= 1.0 and s["accuracy"] > 0.9, (name, s)
+        # the text heads measure 0.66-0.78 on held-out rows (0.9+ for digits); a short run samples few
+        floor = 0.6 if name == TEXT_CLASS.name else 0.9
+        assert 0.0 <= s["slo_attainment"] <= 1.0 and s["accuracy"] > floor, (name, s)
     assert "tiermesh workload" in text  # the table was printed too
 
 

@@ -36,12 +36,12 @@ def _context(mesh: LocalMesh, tenant: str) -> ssl.SSLContext:
     return ctx
 
 
-async def _first_answer(client: AsyncClient, task: str, texts: list[str]) -> InferResult:
+async def _first_answer(client: AsyncClient, task: str, texts: list[str], slo: dict[str, Any]) -> InferResult:
     """The first answer, waiting out cold starts (an encoder is fetched and loaded on first use)."""
     deadline, last = time.monotonic() + 120, ""
     while time.monotonic() < deadline:
         try:
-            return await client.infer(task, texts, **SLO)
+            return await client.infer(task, texts, **slo)
         except MeshError as exc:
             last = f"{exc.code}: {exc}"
         await asyncio.sleep(0.5)
@@ -58,7 +58,7 @@ async def test_text_family_served_to_its_tenants() -> None:
         variants = {v.variant_id: v for v in await mesh.catalog.list_variants("text-topic")}
         promised = {v.accuracy for v in variants.values()}
         async with AsyncClient(http, **mesh.tenant_files("acme")) as acme:
-            first = await _first_answer(acme, "text-topic", ["Real-time strategy game of ancient warfare"])
+            first = await _first_answer(acme, "text-topic", ["Real-time strategy game of ancient warfare"], SLO)
             # the 6-layer encoder's head: the only one whose measured accuracy meets min_accuracy 0.70
             assert first.variant == "topic-minilm-l6-int8.onnx.fp32" and not first.best_effort
             assert first.accuracy in promised and 0.70 <= first.accuracy <= 0.85
@@ -99,7 +99,10 @@ async def test_text_family_served_to_its_tenants() -> None:
 
         # globex: its own head on the same encoder blob, never acme's
         async with AsyncClient(http, **mesh.tenant_files("globex")) as globex:
-            grp = await _first_answer(globex, "text-group", ["IMAP and POP3 mail client", "a 3D modelling tool"])
+            # >= 0.86: only the 6-layer encoder's group head measures that (the 2-layer one 0.84), so globex's
+            # query runs on the very encoder blob acme's did
+            slo = {**SLO, "min_accuracy": 0.86}
+            grp = await _first_answer(globex, "text-group", ["IMAP and POP3 mail client", "a 3D modelling tool"], slo)
             assert grp.variant == "group-minilm-l6-int8.onnx.fp32"
             assert list(GROUPS)[int(grp.output()[0].argmax())] == "network"
             group_meta = await mesh.catalog.get_variant("text-group", grp.variant)
