@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import MODELS_DIR, REPO_ROOT, RunContext, run_standalone, target, write_result
-from bench.geo import prebuild_home_async
+from bench.geo import prebuild_home
 from bench.sdk_venv import make_sdk_venv
 
-__all__ = ["TOPOLOGY_20", "floor_rss", "run_footprint"]
+__all__ = ["TOPOLOGY_20", "floor_rss", "prebuild_catalog", "run_footprint"]
 
 TOPOLOGY_20 = REPO_ROOT / "examples" / "topology-20.yaml"
 EDGE = "edge-eu-1"
@@ -61,6 +61,31 @@ def _mem(pid: int) -> tuple[int, int]:
             elif line.startswith("Pss:"):
                 pss = int(line.split()[1]) * 1024
     return rss, pss
+
+
+def prebuild_catalog(dst: Path) -> None:
+    """The whole catalog `tiermesh up` builds on a fresh home (the digits family, then the text family's heads)
+    into ``dst``, so the timed ``up`` finds it all there as a second ``up`` on one home does. Synchronous."""
+    from mesh.etcd.server import EmbeddedEtcd
+    from mesh.etcd.store import Store
+    from variant_store.blobs import BlobStore
+    from variant_store.build_text import ensure_text_family
+    from variant_store.catalog import Catalog
+
+    async def text() -> None:
+        etcd = EmbeddedEtcd(dst / "etcd")
+        await etcd.start()
+        try:
+            store = await Store.connect(etcd.url, "/tiermesh/")
+            try:
+                await ensure_text_family(Catalog(store), BlobStore(dst / "blobs"), progress=False)
+            finally:
+                await store.close()
+        finally:
+            await etcd.stop()
+
+    prebuild_home(dst, TOPOLOGY_20)
+    asyncio.run(text())
 
 
 def floor_rss(model: Path = MODELS_DIR / "mlp-tiny.onnx", runs: int = 3) -> int:
@@ -158,7 +183,7 @@ async def run_footprint(ctx: RunContext) -> Path:
     floor = await asyncio.to_thread(floor_rss)
     with tempfile.TemporaryDirectory(prefix="tiermesh-footprint-", ignore_cleanup_errors=True) as tmp:
         prebuilt = Path(tmp) / "prebuilt"
-        await prebuild_home_async(prebuilt, TOPOLOGY_20)
+        await asyncio.to_thread(prebuild_catalog, prebuilt)
         agents = []
         for i in range(rounds):
             agents.append(await agent_rss(prebuilt, Path(tmp) / f"agent-{i}"))
