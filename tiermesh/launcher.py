@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import importlib
 import json
 import os
 import selectors
@@ -44,8 +45,11 @@ from mesh.log import get_logger
 __all__ = ["PRELOAD", "STOP_GRACE_S", "AgentLauncher", "ForkedChild"]
 
 log = get_logger(__name__)
+# the command line a child runs, named as `python -m tiermesh` finds it (by name, as the interpreter does: the CLI
+# stands above the harness that owns this launcher)
+ENTRY = "tiermesh.cli.main"
 # what a child would import first anyway: `tiermesh agent`'s command module and what it imports
-PRELOAD = ("tiermesh.cli.main", "tiermesh.cli.agent", "mesh.settings")
+PRELOAD = (ENTRY, "tiermesh.cli.agent", "mesh.settings")
 STOP_GRACE_S = 10.0
 _PR_SET_PDEATHSIG = 1
 # OpenBLAS (numpy) starts a worker thread per extra core at import; with one it starts none, so the launcher
@@ -84,9 +88,7 @@ def _child(argv: list[str], env: dict[str, str], log_path: str, launcher_pid: in
         os.environ.clear()
         os.environ.update(env)
         sys.argv = ["tiermesh", *argv]
-        from tiermesh.cli.main import main
-
-        rc = main(argv)
+        rc = importlib.import_module(ENTRY).main(argv)
     except SystemExit as exc:
         rc = exc.code if isinstance(exc.code, int) else 1
     except BaseException:  # the child must end in os._exit whatever happened
@@ -102,8 +104,6 @@ def _child(argv: list[str], env: dict[str, str], log_path: str, launcher_pid: in
 
 def _serve() -> int:
     """The launcher's loop (``python -m tiermesh.launcher``): spawn on request, reap, report."""
-    import importlib
-
     _die_with_parent()
     for name in PRELOAD:
         importlib.import_module(name)
