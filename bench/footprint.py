@@ -2,14 +2,15 @@
 
 * **SDK base install**: bytes on disk of a fresh venv holding ``pip install tiermesh`` with no extra
   (:mod:`bench.sdk_venv`: the wheel of this tree and its base dependencies, bytecode included), per distribution.
-* **edge agent RSS**: one agent process (``tiermesh agent``, as ``tiermesh up`` starts it, real etcd) on an edge
+* **edge agent RSS**: one standalone agent process (``tiermesh agent``, as a site's box runs it, real etcd) on an edge
   site of the 20-site topology, *idle* (no placement: nothing loaded, no traffic) and *with the digits family
   loaded* (a placement naming every ONNX / TFLite variant of the task, waited for in its heartbeat).
   Beside the **floor**: a bare Python process that imports ONNX Runtime and opens one session of the family's
   smallest model (``mlp-tiny.onnx``), the least a process serving that model can hold.
 * **20-site up**: ``tiermesh up --topology examples/topology-20.yaml`` as a subprocess, from spawn to its
-  "mesh up" line (every agent ready and the first placement loaded), on a home whose catalog was built
-  beforehand (a second ``up`` on one home, as a developer runs it; the build is once per home).
+  "mesh up" line (every agent ready and the first placement loaded), on a home whose catalog (the digits and the
+  text family, as ``up`` builds them) was built beforehand (a second ``up`` on one home, as a developer runs it; the
+  build is once per home).
 
 RSS is ``VmRSS`` from ``/proc`` (shared library pages included, as ``ps`` shows); PSS is beside it.
 """
@@ -31,10 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import MODELS_DIR, REPO_ROOT, RunContext, run_standalone, target, write_result
-from bench.geo import prebuild_home_async
+from bench.geo import prebuild_home
 from bench.sdk_venv import make_sdk_venv
 
-__all__ = ["TOPOLOGY_20", "floor_rss", "run_footprint"]
+__all__ = ["TOPOLOGY_20", "floor_rss", "prebuild_catalog", "run_footprint"]
 
 TOPOLOGY_20 = REPO_ROOT / "examples" / "topology-20.yaml"
 EDGE = "edge-eu-1"
@@ -63,6 +64,31 @@ def _mem(pid: int) -> tuple[int, int]:
     return rss, pss
 
 
+def prebuild_catalog(dst: Path) -> None:
+    """The whole catalog `tiermesh up` builds on a fresh home (the digits family, then the text family's heads)
+    into ``dst``, so the timed ``up`` finds it all there as a second ``up`` on one home does. Synchronous."""
+    from mesh.etcd.server import EmbeddedEtcd
+    from mesh.etcd.store import Store
+    from variant_store.blobs import BlobStore
+    from variant_store.build_text import ensure_text_family
+    from variant_store.catalog import Catalog
+
+    async def text() -> None:
+        etcd = EmbeddedEtcd(dst / "etcd")
+        await etcd.start()
+        try:
+            store = await Store.connect(etcd.url, "/tiermesh/")
+            try:
+                await ensure_text_family(Catalog(store), BlobStore(dst / "blobs"), progress=False)
+            finally:
+                await store.close()
+        finally:
+            await etcd.stop()
+
+    prebuild_home(dst, TOPOLOGY_20)
+    asyncio.run(text())
+
+
 def floor_rss(model: Path = MODELS_DIR / "mlp-tiny.onnx", runs: int = 3) -> int:
     """Median RSS (bytes) of bare Python + ONNX Runtime with one session of ``model`` open (one inference run)."""
     out = [int(subprocess.run([sys.executable, "-c", _FLOOR, str(model)], capture_output=True, text=True,
@@ -87,7 +113,10 @@ async def agent_rss(prebuilt: Path, workdir: Path) -> dict[str, Any]:
 
     home = workdir / "agent-home"
     shutil.copytree(prebuilt, home)
-    mesh = LocalMesh(MeshOptions(topology=TOPOLOGY_20, home=home, sites=[EDGE], wan=False, scheduler=False))
+    # a standalone `tiermesh agent` process, as a small box runs it: a child forked from `up`'s launcher would show
+    # a smaller RSS only because it has not yet touched the shared pages it inherited
+    mesh = LocalMesh(MeshOptions(topology=TOPOLOGY_20, home=home, sites=[EDGE], wan=False, scheduler=False,
+                                 fork_agents=False))
     try:
         await mesh.start()
         assert mesh.store is not None
@@ -158,7 +187,7 @@ async def run_footprint(ctx: RunContext) -> Path:
     floor = await asyncio.to_thread(floor_rss)
     with tempfile.TemporaryDirectory(prefix="tiermesh-footprint-", ignore_cleanup_errors=True) as tmp:
         prebuilt = Path(tmp) / "prebuilt"
-        await prebuild_home_async(prebuilt, TOPOLOGY_20)
+        await asyncio.to_thread(prebuild_catalog, prebuilt)
         agents = []
         for i in range(rounds):
             agents.append(await agent_rss(prebuilt, Path(tmp) / f"agent-{i}"))
@@ -192,11 +221,12 @@ async def run_footprint(ctx: RunContext) -> Path:
     ]
     return write_result(ctx, "footprint", rows, targets, notes=(
         f"SDK: `pip install tiermesh` (no extra) into a fresh venv without pip, from this tree's wheel; numpy alone "
-        f"is {numpy_mb:.1f} MiB of it. Agent: `tiermesh agent` on {EDGE} of examples/topology-20.yaml against a real "
-        f"etcd, idle after 3 s, then with every ONNX/TFLite digits variant placed and loaded. Floor: a bare Python "
-        f"process with ONNX Runtime and one session open. Up: `tiermesh up --topology examples/topology-20.yaml` "
-        f"(secured by default: TLS certificates per site), home with the catalog prebuilt; this machine's 2 cores "
-        f"are shared, so the start time moves with whatever else runs."),
+        f"is {numpy_mb:.1f} MiB of it. Agent: a standalone `tiermesh agent` process on {EDGE} of "
+        f"examples/topology-20.yaml against a real etcd, idle after 3 s, then with every ONNX/TFLite digits variant "
+        f"placed and loaded. Floor: a bare Python process with ONNX Runtime and one session open. Up: `tiermesh up "
+        f"--topology examples/topology-20.yaml` (secured by default: TLS certificates per site), home with the "
+        f"catalog (digits and text families) prebuilt, agents forked from one launcher that imported their code "
+        f"once; this machine's 2 cores are shared, so the start time moves with whatever else runs."),
         extra={"install": install, "agents": agents, "ups": ups})
 
 

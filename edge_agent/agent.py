@@ -474,14 +474,18 @@ class Agent(Service):
         assert self.view is not None and self.host is not None
         placement = self.view.placement.get(self.site) or {}
         desired = {(v["task"], v["variant_id"]) for v in placement.get("variants", [])}
+        loaded = 0
         for task, vid in sorted(desired):
             meta = self.view.variant(task, vid)
             if meta is None or vid in self.host.loaded:
                 continue
             try:
                 await self.host.ensure(meta, prewarm=True)
+                loaded += 1
             except MeshError as exc:
                 log.warning("cannot load %s: %s", vid, exc, extra=kv(site=self.site, variant=vid))
+        if loaded and self.liveness is not None:  # what placement asked for is served: say so now, not next beat
+            await self.liveness.beat()
         wanted = {vid for _, vid in desired}
         now = time.monotonic()
         for (vid, isolated_for), lv in list(self.host.instances.items()):

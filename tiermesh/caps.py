@@ -192,11 +192,14 @@ class CpuCgroups:
         self.sites[site] = path
         return path / "cgroup.procs"
 
+    def procs_file(self, site: str) -> Path:
+        """The file a process writes its pid to, to join ``site``'s cgroup (its threads with it)."""
+        return self.sites[site] / "cgroup.procs"
+
     def wrap(self, site: str) -> list[str]:
         """A command prefix that runs the rest of the command line inside ``site``'s cgroup (the shell
         joins it, then execs: the pid, and with it the cgroup, is the command's own)."""
-        procs = self.sites[site] / "cgroup.procs"
-        return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(procs)]
+        return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.procs_file(site))]
 
     def remove(self, site: str) -> None:
         path = self.sites.pop(site, None)

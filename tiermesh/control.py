@@ -23,11 +23,13 @@ from mesh.etcd.keys import blobs_key
 from mesh.etcd.server import EmbeddedEtcd
 from mesh.etcd.store import Store
 from mesh.lifecycle import Service
+from tiermesh.launcher import ForkedChild
 
 __all__ = ["ControlOptions", "ControlProcesses", "PrefixedEtcd", "terminate"]
 
 
-async def terminate(proc: asyncio.subprocess.Process, *, graceful: bool = True, grace_s: float = 15.0) -> None:
+async def terminate(proc: asyncio.subprocess.Process | ForkedChild, *, graceful: bool = True,
+                    grace_s: float = 15.0) -> None:
     """SIGTERM (or SIGKILL) a child and reap it; SIGKILL once ``grace_s`` has passed."""
     if proc.returncode is not None:
         return

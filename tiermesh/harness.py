@@ -48,7 +48,7 @@ from mesh.etcd.cluster import EtcdCluster
 from mesh.etcd.keys import live_key
 from mesh.etcd.server import EmbeddedEtcd
 from mesh.etcd.store import Store
-from mesh.lifecycle import Service
+from mesh.lifecycle import Service, cancel_and_wait
 from mesh.log import get_logger, kv
 from mesh.pki.files import write_file
 from mesh.pki.identity import Identity
@@ -58,6 +58,7 @@ from tiermesh.caps import CpuCgroups, SiteCaps, machine_memory_mb, plan_caps
 from tiermesh.control import ControlOptions, ControlProcesses, PrefixedEtcd, terminate
 from tiermesh.delayproxy import LinkShape, ProxyPool
 from tiermesh.drills import crosses_link
+from tiermesh.launcher import AgentLauncher, ForkedChild
 from tiermesh.netns import DrillKind, NetnsLab
 from tiermesh.secure import OPERATOR, SCHEDULER, MeshCredentials, rbac_plan
 from topology.loader import load_topology_file
@@ -140,6 +141,9 @@ class MeshOptions:
     text_backbones: list[str] | None = None
     console: bool = False            # the admin console beside the scheduler (not with netns yet)
     console_port: int = 0            # 0: any free port (LocalMesh.console.url says which)
+    # agents forked from one launcher that imported their code once (tiermesh.launcher), rather than one fresh
+    # interpreter each; never with netns (a child would have to enter its namespace)
+    fork_agents: bool = True
 
     def scheduler_config(self, candidate_id: str) -> SchedulerConfig:
         cfg = SchedulerConfig(candidate_id=candidate_id, mode=self.mode, proactive=self.proactive)
@@ -158,7 +162,7 @@ class MeshOptions:
 class SiteProcess:
     name: str
     zmq_port: int
-    proc: asyncio.subprocess.Process | None = None
+    proc: asyncio.subprocess.Process | ForkedChild | None = None
     http: str | None = None
     zmq: str | None = None           # the endpoint it advertises
     log_path: Path | None = None
@@ -182,6 +186,8 @@ class LocalMesh(Service):
         self.store_url: str | None = None          # the variant store's advertised URL
         self.control: ControlProcesses | None = None  # variant store + scheduler in the ctl namespace
         self.console: ConsoleServer | None = None
+        self.launcher: AgentLauncher | None = None
+        self._launcher_start: asyncio.Task[None] | None = None
         # in a namespace of its own etcd has its ports to itself
         self.pki = LocalPki.under(opts.home) if opts.tls else None
         self.creds = MeshCredentials(self.pki) if self.pki is not None else None
@@ -221,6 +227,9 @@ class LocalMesh(Service):
             await self.lab.start()
             assert self.lab.subnet is not None
             self.proxies = ProxyPool(self.lab.root_address, (self.lab.subnet,))
+        elif self.opts.fork_agents:  # its imports overlap etcd's start and the catalog check
+            self.launcher = AgentLauncher(startup_timeout_s=self.opts.startup_timeout_s)
+            self._launcher_start = asyncio.create_task(self.launcher.start(), name="launcher-start")
         if self.opts.tls:
             self._issue_certificates(names)
         elif self.opts.curve:
@@ -258,6 +267,8 @@ class LocalMesh(Service):
             self.sites[name] = SiteProcess(name=name, zmq_port=0, extra_env=dict(self.opts.site_env.get(name, {})))
         if self.opts.wan:
             await self._start_proxies()
+        if self._launcher_start is not None:
+            await self._launcher_start
         await asyncio.gather(*(self.start_site(n) for n in names))
 
     async def _stop(self) -> None:
@@ -265,6 +276,11 @@ class LocalMesh(Service):
             for name in list(self.sites):
                 with contextlib.suppress(Exception):
                     await self.kill_site(name, graceful=True)
+            if self._launcher_start is not None:
+                await cancel_and_wait(self._launcher_start)
+            if self.launcher is not None:
+                with contextlib.suppress(Exception):
+                    await self.launcher.stop()
         finally:  # the sites' cgroups go even when a stop above failed
             if self.cgroups is not None:
                 self.cgroups.close()
@@ -586,12 +602,17 @@ class LocalMesh(Service):
                 cmd += ["--cpu-cap", f"{caps.cpu:.3f}"]
         env = {**os.environ, "TIERMESH_LOG_LEVEL": self.opts.agent_log_level, **self.opts.agent_env,
                **sp.extra_env}
-        logf = sp.log_path.open("ab")
-        try:
-            sp.proc = await asyncio.create_subprocess_exec(*prefix, *cmd, stdout=logf, stderr=logf,
-                                                           env=env, stdin=asyncio.subprocess.DEVNULL)
-        finally:
-            logf.close()  # the child holds its own descriptor
+        if self.launcher is not None:  # cmd without `python -m tiermesh`; the child joins its cgroup first
+            procs = self.cgroups.procs_file(name) if caps is not None and caps.cpu is not None and \
+                self.cgroups is not None else None
+            sp.proc = await self.launcher.spawn(cmd[3:], env=env, log_path=sp.log_path, cgroup_procs=procs)
+        else:
+            logf = sp.log_path.open("ab")
+            try:
+                sp.proc = await asyncio.create_subprocess_exec(*prefix, *cmd, stdout=logf, stderr=logf,
+                                                               env=env, stdin=asyncio.subprocess.DEVNULL)
+            finally:
+                logf.close()  # the child holds its own descriptor
         deadline = time.monotonic() + self.opts.startup_timeout_s
         while not ready.exists():
             if sp.proc.returncode is not None:
