@@ -19,6 +19,17 @@ Its socket is replaced by a fresh one that only probes: libzmq reconnects it (ba
 because whatever it still queued would reach the peer late, with the budget it had when sent.
 So the bound from the last byte heard to "unreachable" is 1.25 s for an established connection
 and 2 s for a new one (plus an event-loop turn).
+
+Re-sent, not lost. A peer that re-binds its listener (a CURVE re-key: :meth:`ZmqServer.rebind`) drops
+every connection to it, with requests in flight that it will never answer. So the requests pending on
+a connection that had completed its handshake are not failed when it drops: they wait for the next
+socket to that peer (the probe, or one :meth:`ZmqClient.redial` opens with the peer's new key) and are
+sent again over it as soon as its handshake completes. Each waits at most ``Heartbeat.redial_ms`` and
+half the budget it had left, then fails ``PeerUnavailable`` (a dead peer's requests so keep time for
+another site). Every request here is an inference, idempotent: a peer that did get the first copy
+computes it twice, and only one answer arrives. A probe whose handshake fails asks ``server_key_for``
+again and re-dials if the key changed. A request's ``attempt_ms`` (how long one send may go unanswered)
+counts from the send that reached a working connection, not from the first.
 """
 
 from __future__ import annotations
@@ -61,17 +72,32 @@ for _event in _PEER_DEAD_EVENTS:
 _WRITABLE_POLL_S = 0.05  # re-check a full send queue this often even if no POLLOUT edge is seen
 
 
+@dataclass(eq=False, slots=True)
+class _Call:
+    """One request awaiting its reply, with what it takes to send it again over a new connection."""
+
+    fut: asyncio.Future[InferResponse]
+    req: InferRequest              # as on the wire (its id is the wire id)
+    reserve_ms: float
+    attempt_s: float | None        # how long one send may go unanswered (None: until the deadline)
+    peer: _Peer                    # whose ``pending`` holds it now
+    timer: asyncio.TimerHandle | None = None
+    sent: bool = False             # over the current socket; False: held until that socket is up
+    held: str = ""                 # why it waits for a new connection
+
+
 @dataclass(eq=False)
 class _Peer:
     endpoint: str
     sock: zmq.Socket[Any]
     monitor: zmq.asyncio.Socket
     pump: Pump | None = None
-    pending: dict[str, tuple[asyncio.Future[InferResponse], asyncio.TimerHandle]] = field(
-        default_factory=dict)
+    pending: dict[str, _Call] = field(default_factory=dict)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     up: bool = False  # the current connection completed its handshake
     watchdog: asyncio.TimerHandle | None = None
+    key: bytes | None = None  # the server key it dialled with (under security)
+    redial: bool = False  # opened to carry the requests of a dropped connection: new ones wait for it too
 
 ReachabilityListener = Callable[[str, bool], None]
 
@@ -116,10 +142,13 @@ class ZmqClient(Service):
         peer = self._peers.get(endpoint)
         return 0 if peer is None else len(peer.pending)
 
-    async def request(self, endpoint: str, req: InferRequest, *, reserve_ms: float = 0.0) -> InferResponse:
+    async def request(self, endpoint: str, req: InferRequest, *, reserve_ms: float = 0.0,
+                      attempt_ms: float | None = None) -> InferResponse:
         """Send ``req`` to ``endpoint`` and await its reply, until ``req.deadline`` at the latest.
         Sets ``req.request_id`` if empty. ``reserve_ms``: budget kept back from the peer (the
-        receiver's deadline is its arrival plus what is left at send, less this).
+        receiver's deadline is its arrival plus what is left at send, less this). ``attempt_ms``: the
+        reply must come within this of the send (the peer gets no more), else ``DeadlineExceeded``;
+        a request re-sent over a new connection gets it again from then, never past ``req.deadline``.
 
         The wire id is the request id, unless that id is already in flight to the same peer (two
         callers chose the same id) or too long for the wire: then a fresh one stands in for it and
@@ -144,29 +173,29 @@ class ZmqClient(Service):
             raise PayloadTooLarge(f"request tensors are {size} bytes, limit is {self._max_bytes}")
         peer = self._peers.get(endpoint) or self._open_peer(endpoint)
         pump = cast(Pump, peer.pump)
-        rid = req.request_id
+        rid = req_id = req.request_id
         if rid in peer.pending or len(rid) > MAX_ID_LEN:
             rid = new_request_id()
-            frames = wire.encode_request(dataclasses.replace(req, request_id=rid), now=now, reserve_ms=reserve_ms)
-        else:
-            frames = wire.encode_request(req, now=now, reserve_ms=reserve_ms)
-        loop = pump.loop
-        fut: asyncio.Future[InferResponse] = loop.create_future()
-        peer.pending[rid] = (fut, loop.call_at(loop.time() + remaining, self._expire, peer, rid))
+            req = dataclasses.replace(req, request_id=rid)
+        call = _Call(pump.loop.create_future(), req, reserve_ms, None if attempt_ms is None else attempt_ms / 1000.0,
+                     peer)
+        peer.pending[rid] = call
         try:
-            try:
-                pump.send(frames)
-            except zmq.Again:  # only when the send queue is full: never wait past the reply's fate
-                await self._send_when_writable(peer, frames, fut)
-            except zmq.ZMQError as exc:
-                raise PeerUnavailable(f"send to {endpoint} failed: {exc}") from exc
-            resp = await fut
-            resp.request_id = req.request_id
+            if peer.redial and not peer.up:  # a re-dialled socket: sent with the requests it carries
+                self._hold(call, now, "reconnecting")
+            else:
+                frames = self._arm(call, now)
+                try:
+                    pump.send(frames)
+                except zmq.Again:  # only when the send queue is full: never wait past the reply's fate
+                    await self._send_when_writable(peer, frames, call.fut)
+                except zmq.ZMQError as exc:
+                    raise PeerUnavailable(f"send to {endpoint} failed: {exc}") from exc
+            resp = await call.fut
+            resp.request_id = req_id
             return resp
         finally:
-            entry = peer.pending.pop(rid, None)
-            if entry is not None:
-                entry[1].cancel()
+            self._forget(call)
 
     async def _send_when_writable(self, peer: _Peer, frames: list[Any], fut: asyncio.Future[Any]) -> None:
         pump = cast(Pump, peer.pump)
@@ -191,6 +220,19 @@ class ZmqClient(Service):
         if self._down.pop(endpoint, None) is not None:
             self._notify(endpoint, False)
         return failed
+
+    def redial(self, endpoint: str, reason: str) -> int:
+        """Replace the socket to ``endpoint`` by a fresh one (``server_key_for`` asked again: the peer's key
+        changed), carrying its pending requests over: they are sent again once the new socket's handshake
+        completes (see the module's "Re-sent, not lost"). An unreachable mark stays until then. Returns how
+        many requests it carries."""
+        peer = self._peers.get(endpoint)
+        if peer is None or self._state is not State.RUNNING:
+            return 0
+        calls = dict(peer.pending)
+        peer.pending.clear()
+        self._drop_peer(peer, reason)
+        return self._reopen(endpoint, calls, reason)
 
     def drop_idle(self) -> int:
         """Drop the sockets of peers with nothing pending (security settings changed: the next request opens
@@ -222,6 +264,7 @@ class ZmqClient(Service):
         sock.setsockopt(zmq.MAXMSGSIZE, self._max_bytes + MAX_HEADER_BYTES)
         self._heartbeat.apply(sock, client=True)
         monitor: zmq.asyncio.Socket | None = None
+        key: bytes | None = None
         try:
             if self._security is not None:
                 key = self._server_key_for(endpoint) if self._server_key_for is not None else None
@@ -237,7 +280,7 @@ class ZmqClient(Service):
             if isinstance(exc, zmq.ZMQError):
                 raise PeerUnavailable(f"cannot connect to {endpoint}: {exc}") from exc
             raise
-        peer = _Peer(endpoint, sock, cast(zmq.asyncio.Socket, monitor))
+        peer = _Peer(endpoint, sock, cast(zmq.asyncio.Socket, monitor), key=key)
         peer.pump = Pump(io_socket(sock), lambda msg: self._on_reply(peer, msg), f"zmq client {endpoint}")
         peer.tasks = [asyncio.create_task(self._watch(peer), name=f"zmq-monitor {endpoint}")]
         if endpoint not in self._down:
@@ -254,14 +297,15 @@ class ZmqClient(Service):
         except DECODE_ERRORS as exc:
             log.warning("undecodable reply from %s: %s", peer.endpoint, exc.message)
             return
-        entry = peer.pending.pop(rid, None)
-        if entry is None:
+        call = peer.pending.pop(rid, None)
+        if call is None:
             self.late_replies += 1
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("late reply from %s dropped", peer.endpoint, extra=kv(request_id=rid))
             return
-        fut, timer = entry
-        timer.cancel()
+        if call.timer is not None:
+            call.timer.cancel()
+        fut = call.fut
         if fut.done():
             return
         if isinstance(out, MeshError):
@@ -282,9 +326,14 @@ class ZmqClient(Service):
                 self._mark_up(peer)
                 continue
             reason = _PEER_DEAD_EVENTS.get(code)
-            if reason is not None and peer.endpoint not in self._down:
-                # (a probe's failed attempt changes nothing: libzmq tries again)
+            if reason is None:
+                continue
+            if peer.endpoint not in self._down:
                 self._mark_down(peer, reason)
+                return
+            # a probe's failed attempt: libzmq tries again, unless the key to dial changed meanwhile
+            if self._key_changed(peer):
+                self.redial(peer.endpoint, f"{reason}; its server key changed")
                 return
 
     def _handshake_overdue(self, peer: _Peer) -> None:
@@ -300,22 +349,111 @@ class ZmqClient(Service):
         since = self._down.pop(peer.endpoint, None)
         if since is not None:
             log.info("peer %s reachable again after %.1f s", peer.endpoint, clock.monotonic() - since)
+        held = [c for c in peer.pending.values() if not c.sent]
+        if held:
+            self._resend(peer, held)
+        if since is not None:
             self._notify(peer.endpoint, False)
 
     def _mark_down(self, peer: _Peer, reason: str) -> None:
+        # requests sent over a connection that worked (or held already) wait for the probe; those queued on
+        # one that never came up fail now: that peer was never reached
+        calls = {rid: c for rid, c in peer.pending.items() if peer.up or not c.sent}
+        for rid in calls:
+            del peer.pending[rid]
         n = self._drop_peer(peer, reason)
         self._down[peer.endpoint] = clock.monotonic()
-        log.warning("peer %s unreachable (%s): failed %d pending; probing", peer.endpoint, reason, n)
-        if self._state is State.RUNNING:
+        log.warning("peer %s unreachable (%s): failed %d pending, %d wait to be re-sent; probing", peer.endpoint,
+                    reason, n, len(calls))
+        if self._reopen(peer.endpoint, calls, reason, marked=False):  # the probe: libzmq reconnects it until
+            self._notify(peer.endpoint, True)                           # a handshake succeeds
+
+    def _reopen(self, endpoint: str, calls: dict[str, _Call], reason: str, *, marked: bool = True) -> bool:
+        """Open a fresh socket to ``endpoint`` (a probe if it is marked) and hand it ``calls`` to send once up.
+        False (``calls`` failed) if it cannot be opened. ``marked``: listeners heard of its mark, if any."""
+        if self._state is not State.RUNNING:
+            self._fail(calls.values(), f"{endpoint}: {reason}")
+            return False
+        try:
+            peer = self._open_peer(endpoint)
+        except MeshError as exc:
+            # nothing can dial it (e.g. its CURVE key went with its live record): forget the mark, so the
+            # next request dials afresh and says why it cannot, instead of a mark no probe lifts
+            self._fail(calls.values(), f"{endpoint}: {reason}; {exc.message}")
+            if self._down.pop(endpoint, None) is not None and marked:
+                self._notify(endpoint, False)
+            log.warning("peer %s cannot be dialled (%s); its next request dials afresh", endpoint, exc)
+            return False
+        peer.redial = True
+        now = clock.monotonic()
+        for rid, call in calls.items():
+            call.peer = peer
+            peer.pending[rid] = call
+            if call.sent:
+                self._hold(call, now, reason)
+        return True
+
+    def _key_changed(self, peer: _Peer) -> bool:
+        if self._security is None or self._server_key_for is None:
+            return False
+        try:
+            key = self._server_key_for(peer.endpoint)
+        except Exception:  # the lookup's bug must not stop the monitor
+            log.exception("server key lookup failed for %s", peer.endpoint)
+            return False
+        return key is not None and key != peer.key
+
+    def _arm(self, call: _Call, now: float) -> list[Any]:
+        """``call``'s frames for a send at ``now``, its timer set to that send's deadline."""
+        req = call.req
+        deadline, reserve = req.deadline, call.reserve_ms
+        if call.attempt_s is not None and now + call.attempt_s < deadline:
+            deadline = now + call.attempt_s
+            reserve += (req.deadline - deadline) * 1000.0  # the peer gets the attempt's budget, no more
+        self._set_timer(call, deadline - now)
+        call.sent, call.held = True, ""
+        return wire.encode_request(req, now=now, reserve_ms=reserve)
+
+    def _hold(self, call: _Call, now: float, reason: str) -> None:
+        """``call`` waits for the next connection: at most ``redial_ms`` and half the budget it has left."""
+        left = call.req.deadline - now
+        call.sent, call.held = False, reason
+        self._set_timer(call, min(self._heartbeat.redial_ms / 1000.0, left / 2) if left > 0 else 0.0)
+
+    def _set_timer(self, call: _Call, delay_s: float) -> None:
+        if call.timer is not None:
+            call.timer.cancel()
+        call.timer = call.fut.get_loop().call_later(max(0.0, delay_s), self._expire, call)
+
+    def _resend(self, peer: _Peer, calls: list[_Call]) -> None:
+        pump = cast(Pump, peer.pump)
+        now = clock.monotonic()
+        for call in calls:
+            if call.fut.done():
+                continue
             try:
-                self._open_peer(peer.endpoint)  # the probe: libzmq reconnects it until a handshake succeeds
-            except MeshError as exc:
-                # nothing can probe it (e.g. its CURVE key went with its live record): forget the mark,
-                # so the next request dials afresh and says why it cannot, instead of a mark no probe lifts
-                self._down.pop(peer.endpoint, None)
-                log.warning("peer %s cannot be probed (%s); its next request dials afresh", peer.endpoint, exc)
-                return
-        self._notify(peer.endpoint, True)
+                pump.send(self._arm(call, now))
+            except zmq.ZMQError as exc:  # a full send queue included: rare on a fresh socket
+                self._forget(call)
+                call.fut.set_exception(PeerUnavailable(f"re-send to {peer.endpoint} failed: {exc}"))
+        log.info("re-sent %d request(s) to %s over a new connection", len(calls), peer.endpoint)
+
+    def _forget(self, call: _Call) -> None:
+        pending = call.peer.pending
+        if pending.get(call.req.request_id) is call:
+            del pending[call.req.request_id]
+        if call.timer is not None:
+            call.timer.cancel()
+
+    def _fail(self, calls: Any, why: str) -> int:
+        failed = 0
+        for call in list(calls):
+            if call.timer is not None:
+                call.timer.cancel()
+            if not call.fut.done():
+                call.fut.set_exception(PeerUnavailable(why))
+                failed += 1
+        return failed
 
     def _notify(self, endpoint: str, unreachable: bool) -> None:
         for listener in self._listeners:
@@ -324,10 +462,18 @@ class ZmqClient(Service):
             except Exception:  # a listener's bug must not stop the others or the monitor
                 log.exception("reachability listener failed for %s", endpoint)
 
-    def _expire(self, peer: _Peer, rid: str) -> None:
-        entry = peer.pending.pop(rid, None)
-        if entry is not None and not entry[0].done():
-            entry[0].set_exception(DeadlineExceeded(f"no reply from {peer.endpoint} before the deadline"))
+    def _expire(self, call: _Call) -> None:
+        self._forget(call)
+        if call.fut.done():
+            return
+        endpoint = call.peer.endpoint
+        if call.held and clock.monotonic() < call.req.deadline:
+            call.fut.set_exception(PeerUnavailable(f"{endpoint}: {call.held}; no new connection in time"))
+        elif call.attempt_s is not None and clock.monotonic() < call.req.deadline:
+            call.fut.set_exception(DeadlineExceeded(
+                f"no reply from {endpoint} within the attempt's {call.attempt_s * 1000:.0f} ms"))
+        else:
+            call.fut.set_exception(DeadlineExceeded(f"no reply from {endpoint} before the deadline"))
 
     def _drop_peer(self, peer: _Peer, reason: str) -> int:
         if self._peers.get(peer.endpoint) is peer:
@@ -337,12 +483,7 @@ class ZmqClient(Service):
             peer.watchdog = None
         if peer.pump is not None:
             peer.pump.close()  # before the socket closes: the pump's handle dies with it
-        failed = 0
-        for fut, timer in peer.pending.values():
-            timer.cancel()
-            if not fut.done():
-                fut.set_exception(PeerUnavailable(f"{peer.endpoint}: {reason}"))
-                failed += 1
+        failed = self._fail(peer.pending.values(), f"{peer.endpoint}: {reason}")
         peer.pending.clear()
         current = asyncio.current_task()
         for t in peer.tasks:
