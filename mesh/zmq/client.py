@@ -3,33 +3,31 @@ many requests in flight per peer and replies matched to them by request id.
 
 Every request has a deadline (an instant on this process's monotonic clock; the wire carries the
 budget left, see :mod:`mesh.zmq.protocol`): a pending request fails with ``DeadlineExceeded`` when it
-passes, and all of a peer's pending requests fail with ``PeerUnavailable`` as soon as the peer is
-known dead (``fail_peer``, or the socket monitor's disconnect / handshake-failure events): a
-CURVE-rejected or vanished peer otherwise just stays silent.
+passes, and a peer's pending requests fail with ``PeerUnavailable`` when the peer is known dead
+(``fail_peer``, or the socket monitor's disconnect / handshake-failure events, after the wait below):
+a CURVE-rejected or vanished peer otherwise just stays silent.
 
 Gray failures. Every connection carries ZMTP heartbeats (:class:`mesh.zmq.base.Heartbeat`), so a
 peer that stops answering without a reset (a black-holed link, a frozen process) has its
 connection closed by libzmq within ``interval + timeout`` (1.25 s by default) of the last byte
 heard, and one that never completes its handshake is given up ``handshake_ms`` (2 s) after the
 socket opened. Either way the endpoint is then marked *unreachable* here, locally: its pending
-requests fail with ``PeerUnavailable`` at once, new requests to it fail the same way without being
-sent, and listeners (``add_reachability_listener``) hear of it so that routing can leave it out.
+requests wait (below) or fail with ``PeerUnavailable``, new requests to it fail so at once, unsent,
+and listeners (``add_reachability_listener``) hear of it so that routing can leave it out.
 Its socket is replaced by a fresh one that only probes: libzmq reconnects it (back-off capped at
 ``reconnect_max_ms``) and the first completed handshake clears the mark. The old socket goes
 because whatever it still queued would reach the peer late, with the budget it had when sent.
 So the bound from the last byte heard to "unreachable" is 1.25 s for an established connection
 and 2 s for a new one (plus an event-loop turn).
 
-Re-sent, not lost. A peer that re-binds its listener (a CURVE re-key: :meth:`ZmqServer.rebind`) drops
-every connection to it, with requests in flight that it will never answer. So the requests pending on
-a connection that had completed its handshake are not failed when it drops: they wait for the next
-socket to that peer (the probe, or one :meth:`ZmqClient.redial` opens with the peer's new key) and are
-sent again over it as soon as its handshake completes. Each waits at most ``Heartbeat.redial_ms`` and
-half the budget it had left, then fails ``PeerUnavailable`` (a dead peer's requests so keep time for
-another site). Every request here is an inference, idempotent: a peer that did get the first copy
-computes it twice, and only one answer arrives. A probe whose handshake fails asks ``server_key_for``
-again and re-dials if the key changed. A request's ``attempt_ms`` (how long one send may go unanswered)
-counts from the send that reached a working connection, not from the first.
+Re-sent, not lost. A peer re-binding its listener (a CURVE re-key, ``ZmqServer.rebind``) drops every
+connection to it and answers nothing that was in flight. So what was pending on a connection that had
+completed its handshake waits for the next socket to that peer (the probe, or one :meth:`redial` opens
+with its new key) and is sent again once that one's handshake completes: at most ``Heartbeat.redial_ms``
+and half the budget it had left, then ``PeerUnavailable`` (a dead peer's requests keep time for another
+site; :mod:`mesh.zmq.calls`). Requests are inferences, idempotent: a peer that got the first copy computes
+it twice; one answer arrives. A probe whose handshake fails asks ``server_key_for`` again and re-dials if
+the key changed. ``attempt_ms`` counts from the send that reached a working connection.
 """
 
 from __future__ import annotations
@@ -39,7 +37,6 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 import zmq
@@ -53,6 +50,7 @@ from mesh.log import get_logger, kv
 from mesh.types import InferRequest, InferResponse, new_request_id
 from mesh.zmq import protocol as wire
 from mesh.zmq.base import DEFAULT_HEARTBEAT, Heartbeat, SocketSecurity, close_context, open_context
+from mesh.zmq.calls import Call, Peer, arm, fail, forget, hold, resend
 from mesh.zmq.protocol_check import DECODE_ERRORS, DEFAULT_MAX_BYTES, MAX_HEADER_BYTES, MAX_ID_LEN
 from mesh.zmq.pump import Pump, io_socket
 
@@ -72,32 +70,6 @@ for _event in _PEER_DEAD_EVENTS:
 _WRITABLE_POLL_S = 0.05  # re-check a full send queue this often even if no POLLOUT edge is seen
 
 
-@dataclass(eq=False, slots=True)
-class _Call:
-    """One request awaiting its reply, with what it takes to send it again over a new connection."""
-
-    fut: asyncio.Future[InferResponse]
-    req: InferRequest              # as on the wire (its id is the wire id)
-    reserve_ms: float
-    attempt_s: float | None        # how long one send may go unanswered (None: until the deadline)
-    peer: _Peer                    # whose ``pending`` holds it now
-    timer: asyncio.TimerHandle | None = None
-    sent: bool = False             # over the current socket; False: held until that socket is up
-    held: str = ""                 # why it waits for a new connection
-
-
-@dataclass(eq=False)
-class _Peer:
-    endpoint: str
-    sock: zmq.Socket[Any]
-    monitor: zmq.asyncio.Socket
-    pump: Pump | None = None
-    pending: dict[str, _Call] = field(default_factory=dict)
-    tasks: list[asyncio.Task[None]] = field(default_factory=list)
-    up: bool = False  # the current connection completed its handshake
-    watchdog: asyncio.TimerHandle | None = None
-    key: bytes | None = None  # the server key it dialled with (under security)
-    redial: bool = False  # opened to carry the requests of a dropped connection: new ones wait for it too
 
 ReachabilityListener = Callable[[str, bool], None]
 
@@ -115,7 +87,7 @@ class ZmqClient(Service):
         self._server_key_for = server_key_for
         self._max_bytes = max_bytes
         self._heartbeat = heartbeat
-        self._peers: dict[str, _Peer] = {}
+        self._peers: dict[str, Peer] = {}
         # endpoint -> monotonic instant it was marked unreachable (its socket only probes)
         self._down: dict[str, float] = {}
         self._listeners: list[ReachabilityListener] = []
@@ -177,14 +149,14 @@ class ZmqClient(Service):
         if rid in peer.pending or len(rid) > MAX_ID_LEN:
             rid = new_request_id()
             req = dataclasses.replace(req, request_id=rid)
-        call = _Call(pump.loop.create_future(), req, reserve_ms, None if attempt_ms is None else attempt_ms / 1000.0,
+        call = Call(pump.loop.create_future(), req, reserve_ms, None if attempt_ms is None else attempt_ms / 1000.0,
                      peer)
         peer.pending[rid] = call
         try:
             if peer.redial and not peer.up:  # a re-dialled socket: sent with the requests it carries
-                self._hold(call, now, "reconnecting")
+                hold(call, now, "reconnecting", self._heartbeat.redial_ms / 1000.0)
             else:
-                frames = self._arm(call, now)
+                frames = arm(call, now)
                 try:
                     pump.send(frames)
                 except zmq.Again:  # only when the send queue is full: never wait past the reply's fate
@@ -195,9 +167,9 @@ class ZmqClient(Service):
             resp.request_id = req_id
             return resp
         finally:
-            self._forget(call)
+            forget(call)
 
-    async def _send_when_writable(self, peer: _Peer, frames: list[Any], fut: asyncio.Future[Any]) -> None:
+    async def _send_when_writable(self, peer: Peer, frames: list[Any], fut: asyncio.Future[Any]) -> None:
         pump = cast(Pump, peer.pump)
         while not fut.done() and pump.open:
             await pump.wait_writable(_WRITABLE_POLL_S)
@@ -232,7 +204,7 @@ class ZmqClient(Service):
         calls = dict(peer.pending)
         peer.pending.clear()
         self._drop_peer(peer, reason)
-        return self._reopen(endpoint, calls, reason)
+        return len(calls) if self._reopen(endpoint, calls, reason) else 0
 
     def drop_idle(self) -> int:
         """Drop the sockets of peers with nothing pending (security settings changed: the next request opens
@@ -256,7 +228,7 @@ class ZmqClient(Service):
 
     # ------------------------------------------------------------ internals
 
-    def _open_peer(self, endpoint: str) -> _Peer:
+    def _open_peer(self, endpoint: str) -> Peer:
         if self._ctx is None:
             self._ctx = open_context(self._security)
         sock = self._ctx.socket(zmq.DEALER)
@@ -280,7 +252,7 @@ class ZmqClient(Service):
             if isinstance(exc, zmq.ZMQError):
                 raise PeerUnavailable(f"cannot connect to {endpoint}: {exc}") from exc
             raise
-        peer = _Peer(endpoint, sock, cast(zmq.asyncio.Socket, monitor), key=key)
+        peer = Peer(endpoint, sock, cast(zmq.asyncio.Socket, monitor), key=key)
         peer.pump = Pump(io_socket(sock), lambda msg: self._on_reply(peer, msg), f"zmq client {endpoint}")
         peer.tasks = [asyncio.create_task(self._watch(peer), name=f"zmq-monitor {endpoint}")]
         if endpoint not in self._down:
@@ -291,7 +263,7 @@ class ZmqClient(Service):
         self._peers[endpoint] = peer
         return peer
 
-    def _on_reply(self, peer: _Peer, msg: list[zmq.Frame]) -> None:
+    def _on_reply(self, peer: Peer, msg: list[zmq.Frame]) -> None:
         try:
             rid, out = wire.decode_reply(msg, max_bytes=self._max_bytes)
         except DECODE_ERRORS as exc:
@@ -313,7 +285,7 @@ class ZmqClient(Service):
         else:
             fut.set_result(out)
 
-    async def _watch(self, peer: _Peer) -> None:
+    async def _watch(self, peer: Peer) -> None:
         while True:
             try:
                 event = parse_monitor_message(await peer.monitor.recv_multipart())
@@ -336,12 +308,12 @@ class ZmqClient(Service):
                 self.redial(peer.endpoint, f"{reason}; its server key changed")
                 return
 
-    def _handshake_overdue(self, peer: _Peer) -> None:
+    def _handshake_overdue(self, peer: Peer) -> None:
         peer.watchdog = None
         if not peer.up and self._peers.get(peer.endpoint) is peer and peer.endpoint not in self._down:
             self._mark_down(peer, f"no handshake within {self._heartbeat.handshake_ms} ms")
 
-    def _mark_up(self, peer: _Peer) -> None:
+    def _mark_up(self, peer: Peer) -> None:
         peer.up = True
         if peer.watchdog is not None:
             peer.watchdog.cancel()
@@ -351,11 +323,12 @@ class ZmqClient(Service):
             log.info("peer %s reachable again after %.1f s", peer.endpoint, clock.monotonic() - since)
         held = [c for c in peer.pending.values() if not c.sent]
         if held:
-            self._resend(peer, held)
+            resend(cast(Pump, peer.pump), held, clock.monotonic())
+            log.info("re-sent %d request(s) to %s over a new connection", len(held), peer.endpoint)
         if since is not None:
             self._notify(peer.endpoint, False)
 
-    def _mark_down(self, peer: _Peer, reason: str) -> None:
+    def _mark_down(self, peer: Peer, reason: str) -> None:
         # requests sent over a connection that worked (or held already) wait for the probe; those queued on
         # one that never came up fail now: that peer was never reached
         calls = {rid: c for rid, c in peer.pending.items() if peer.up or not c.sent}
@@ -368,18 +341,18 @@ class ZmqClient(Service):
         if self._reopen(peer.endpoint, calls, reason, marked=False):  # the probe: libzmq reconnects it until
             self._notify(peer.endpoint, True)                           # a handshake succeeds
 
-    def _reopen(self, endpoint: str, calls: dict[str, _Call], reason: str, *, marked: bool = True) -> bool:
+    def _reopen(self, endpoint: str, calls: dict[str, Call], reason: str, *, marked: bool = True) -> bool:
         """Open a fresh socket to ``endpoint`` (a probe if it is marked) and hand it ``calls`` to send once up.
         False (``calls`` failed) if it cannot be opened. ``marked``: listeners heard of its mark, if any."""
         if self._state is not State.RUNNING:
-            self._fail(calls.values(), f"{endpoint}: {reason}")
+            fail(calls.values(), f"{endpoint}: {reason}")
             return False
         try:
             peer = self._open_peer(endpoint)
         except MeshError as exc:
             # nothing can dial it (e.g. its CURVE key went with its live record): forget the mark, so the
             # next request dials afresh and says why it cannot, instead of a mark no probe lifts
-            self._fail(calls.values(), f"{endpoint}: {reason}; {exc.message}")
+            fail(calls.values(), f"{endpoint}: {reason}; {exc.message}")
             if self._down.pop(endpoint, None) is not None and marked:
                 self._notify(endpoint, False)
             log.warning("peer %s cannot be dialled (%s); its next request dials afresh", endpoint, exc)
@@ -390,10 +363,10 @@ class ZmqClient(Service):
             call.peer = peer
             peer.pending[rid] = call
             if call.sent:
-                self._hold(call, now, reason)
+                hold(call, now, reason, self._heartbeat.redial_ms / 1000.0)
         return True
 
-    def _key_changed(self, peer: _Peer) -> bool:
+    def _key_changed(self, peer: Peer) -> bool:
         if self._security is None or self._server_key_for is None:
             return False
         try:
@@ -403,58 +376,6 @@ class ZmqClient(Service):
             return False
         return key is not None and key != peer.key
 
-    def _arm(self, call: _Call, now: float) -> list[Any]:
-        """``call``'s frames for a send at ``now``, its timer set to that send's deadline."""
-        req = call.req
-        deadline, reserve = req.deadline, call.reserve_ms
-        if call.attempt_s is not None and now + call.attempt_s < deadline:
-            deadline = now + call.attempt_s
-            reserve += (req.deadline - deadline) * 1000.0  # the peer gets the attempt's budget, no more
-        self._set_timer(call, deadline - now)
-        call.sent, call.held = True, ""
-        return wire.encode_request(req, now=now, reserve_ms=reserve)
-
-    def _hold(self, call: _Call, now: float, reason: str) -> None:
-        """``call`` waits for the next connection: at most ``redial_ms`` and half the budget it has left."""
-        left = call.req.deadline - now
-        call.sent, call.held = False, reason
-        self._set_timer(call, min(self._heartbeat.redial_ms / 1000.0, left / 2) if left > 0 else 0.0)
-
-    def _set_timer(self, call: _Call, delay_s: float) -> None:
-        if call.timer is not None:
-            call.timer.cancel()
-        call.timer = call.fut.get_loop().call_later(max(0.0, delay_s), self._expire, call)
-
-    def _resend(self, peer: _Peer, calls: list[_Call]) -> None:
-        pump = cast(Pump, peer.pump)
-        now = clock.monotonic()
-        for call in calls:
-            if call.fut.done():
-                continue
-            try:
-                pump.send(self._arm(call, now))
-            except zmq.ZMQError as exc:  # a full send queue included: rare on a fresh socket
-                self._forget(call)
-                call.fut.set_exception(PeerUnavailable(f"re-send to {peer.endpoint} failed: {exc}"))
-        log.info("re-sent %d request(s) to %s over a new connection", len(calls), peer.endpoint)
-
-    def _forget(self, call: _Call) -> None:
-        pending = call.peer.pending
-        if pending.get(call.req.request_id) is call:
-            del pending[call.req.request_id]
-        if call.timer is not None:
-            call.timer.cancel()
-
-    def _fail(self, calls: Any, why: str) -> int:
-        failed = 0
-        for call in list(calls):
-            if call.timer is not None:
-                call.timer.cancel()
-            if not call.fut.done():
-                call.fut.set_exception(PeerUnavailable(why))
-                failed += 1
-        return failed
-
     def _notify(self, endpoint: str, unreachable: bool) -> None:
         for listener in self._listeners:
             try:
@@ -462,20 +383,7 @@ class ZmqClient(Service):
             except Exception:  # a listener's bug must not stop the others or the monitor
                 log.exception("reachability listener failed for %s", endpoint)
 
-    def _expire(self, call: _Call) -> None:
-        self._forget(call)
-        if call.fut.done():
-            return
-        endpoint = call.peer.endpoint
-        if call.held and clock.monotonic() < call.req.deadline:
-            call.fut.set_exception(PeerUnavailable(f"{endpoint}: {call.held}; no new connection in time"))
-        elif call.attempt_s is not None and clock.monotonic() < call.req.deadline:
-            call.fut.set_exception(DeadlineExceeded(
-                f"no reply from {endpoint} within the attempt's {call.attempt_s * 1000:.0f} ms"))
-        else:
-            call.fut.set_exception(DeadlineExceeded(f"no reply from {endpoint} before the deadline"))
-
-    def _drop_peer(self, peer: _Peer, reason: str) -> int:
+    def _drop_peer(self, peer: Peer, reason: str) -> int:
         if self._peers.get(peer.endpoint) is peer:
             del self._peers[peer.endpoint]
         if peer.watchdog is not None:
@@ -483,7 +391,7 @@ class ZmqClient(Service):
             peer.watchdog = None
         if peer.pump is not None:
             peer.pump.close()  # before the socket closes: the pump's handle dies with it
-        failed = self._fail(peer.pending.values(), f"{peer.endpoint}: {reason}")
+        failed = fail(peer.pending.values(), f"{peer.endpoint}: {reason}")
         peer.pending.clear()
         current = asyncio.current_task()
         for t in peer.tasks:
