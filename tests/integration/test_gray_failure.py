@@ -1,7 +1,7 @@
 """Gray failures on real ZeroMQ: a link that swallows traffic without a reset (the delay proxy's
-black hole) is noticed by heartbeats within the stated bound, its pending requests fail once no new connection
-comes within ``redial_ms``, it
-is refused locally while down, and it is probed back in once the link heals."""
+black hole) is noticed by heartbeats within the stated bound, its pending requests fail once no new
+connection comes within ``redial_ms``, it is refused locally while down, and it is probed back in once the
+link heals."""
 
 from __future__ import annotations
 
