@@ -320,6 +320,8 @@ class Agent(Service):
             # the new one within a second or so, and says so in its live record)
             if published in (bound, self.curve.sites.previous_key(site)):
                 return published
+            if self.curve.sites.refresh():  # re-issued since we last read the certificates: look again
+                return self._lookup_key(endpoint)
             log.warning("%s publishes a CURVE key its certificate does not bind: not dialled", site,
                         extra=kv(site=self.site, peer=site, event="curve_mismatch"))
             return None
@@ -327,12 +329,15 @@ class Agent(Service):
 
     def _redial_rotated(self) -> None:
         """A peer whose CURVE key changed (re-issued certificate): its socket has the old key and would fail
-        every handshake, so drop it; the next connect opens one with the new key."""
+        every handshake, so re-dial it with the new one; what was pending to it is re-sent over that."""
         assert self.zmq_client is not None
         for endpoint, key in list(self._dialled_keys.items()):
-            if self._lookup_key(endpoint) != key:
+            if (new := self._lookup_key(endpoint)) != key:
                 self._dialled_keys.pop(endpoint, None)
-                self.zmq_client.fail_peer(endpoint, "its CURVE key changed")
+                if new is None:  # nothing to dial it with (refused, or gone): what waits for it fails now
+                    self.zmq_client.fail_peer(endpoint, "its CURVE key changed")
+                else:
+                    self.zmq_client.redial(endpoint, "its CURVE key changed")
 
     def _adopt_crl(self) -> None:
         """Hand a changed ``pki/crl`` to the edge TLS and CURVE trust stores; each adopts it only if it is

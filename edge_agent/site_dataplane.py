@@ -313,11 +313,13 @@ class SiteDataPlane:
         endpoint = self._peer_endpoint(d.site)
         if endpoint is None:
             raise PeerUnavailable(f"{d.site} has no live endpoint")
-        # this attempt's own deadline: the peer gets that budget, and gives up when we do
+        # this attempt's own limit: the peer gets that budget, and gives up when we do (counted from the send
+        # that reaches it: one re-sent over a new connection, its peer re-keyed, gets it again; mesh.zmq.client)
         limit = attempt_ms(remaining_ms, d.expected_latency_ms, best_effort=d.best_effort)
         sent = time.monotonic()
+        capped = sent + limit / 1000.0 < req.deadline
         fwd = InferRequest(task=req.task, inputs=req.inputs, slo=req.slo, tenant=req.tenant,
-                           request_id=req.request_id, deadline=min(req.deadline, sent + limit / 1000.0),
+                           request_id=req.request_id, deadline=req.deadline,
                            hops=req.hops, target_site=d.site, target_variant=d.variant_id,
                            traceparent=None if req.traceparent is None else child_traceparent(req.traceparent))
         self.forwarded += 1
@@ -325,11 +327,12 @@ class SiteDataPlane:
         try:
             # keep back half the round trip measured to that peer: the forward transit, which the
             # peer cannot see (its deadline is its arrival plus the budget sent; mesh.zmq.protocol)
-            resp = await self.zmq.request(endpoint, fwd, reserve_ms=self.net_rtt_ms.get(d.site, 0.0) / 2)
+            resp = await self.zmq.request(endpoint, fwd, reserve_ms=self.net_rtt_ms.get(d.site, 0.0) / 2,
+                                          attempt_ms=limit if capped else None)
         except (PeerUnavailable, DeadlineExceeded) as exc:
             now = time.monotonic()
             self.paths.observe_failure(d.site, (now - sent) * 1000.0, d.expected_latency_ms, limit, now)
-            if isinstance(exc, DeadlineExceeded) and fwd.deadline < req.deadline and now < req.deadline:
+            if isinstance(exc, DeadlineExceeded) and capped and now < req.deadline:
                 raise AttemptTimedOut(f"{d.site}: no reply within {limit:.0f} ms (expected "
                                       f"{d.expected_latency_ms:.0f} ms)") from exc
             raise

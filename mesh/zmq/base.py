@@ -40,9 +40,14 @@ class Heartbeat:
     ttl_ms: int = 2000        # ZMQ_HEARTBEAT_TTL: silence after which the peer drops us (0.1 s resolution)
     handshake_ms: int = 2000  # ZMQ_HANDSHAKE_IVL: a connection not through its handshake by then fails
     reconnect_max_ms: int = 1000  # ZMQ_RECONNECT_IVL_MAX: back-off cap of reconnects (probes of a dead peer)
+    # how long a request whose connection dropped waits for a new one to be re-sent over (at most half the
+    # budget it has left; 0: it fails at the drop). Covers a peer re-binding its listener (a CURVE re-key):
+    # its new key reaches us through its live record a few round trips later (mesh.zmq.client)
+    redial_ms: int = 1000
 
     def __post_init__(self) -> None:
-        if min(self.interval_ms, self.timeout_ms, self.ttl_ms, self.handshake_ms, self.reconnect_max_ms) <= 0:
+        if min(self.interval_ms, self.timeout_ms, self.ttl_ms, self.handshake_ms, self.reconnect_max_ms) <= 0 \
+                or self.redial_ms < 0:
             raise ValueError(f"heartbeat settings must be positive: {self}")
 
     @property

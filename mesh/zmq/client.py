@@ -3,22 +3,31 @@ many requests in flight per peer and replies matched to them by request id.
 
 Every request has a deadline (an instant on this process's monotonic clock; the wire carries the
 budget left, see :mod:`mesh.zmq.protocol`): a pending request fails with ``DeadlineExceeded`` when it
-passes, and all of a peer's pending requests fail with ``PeerUnavailable`` as soon as the peer is
-known dead (``fail_peer``, or the socket monitor's disconnect / handshake-failure events): a
-CURVE-rejected or vanished peer otherwise just stays silent.
+passes, and a peer's pending requests fail with ``PeerUnavailable`` when the peer is known dead
+(``fail_peer``, or the socket monitor's disconnect / handshake-failure events, after the wait below):
+a CURVE-rejected or vanished peer otherwise just stays silent.
 
 Gray failures. Every connection carries ZMTP heartbeats (:class:`mesh.zmq.base.Heartbeat`), so a
 peer that stops answering without a reset (a black-holed link, a frozen process) has its
 connection closed by libzmq within ``interval + timeout`` (1.25 s by default) of the last byte
 heard, and one that never completes its handshake is given up ``handshake_ms`` (2 s) after the
 socket opened. Either way the endpoint is then marked *unreachable* here, locally: its pending
-requests fail with ``PeerUnavailable`` at once, new requests to it fail the same way without being
-sent, and listeners (``add_reachability_listener``) hear of it so that routing can leave it out.
+requests wait (below) or fail with ``PeerUnavailable``, new requests to it fail so at once, unsent,
+and listeners (``add_reachability_listener``) hear of it so that routing can leave it out.
 Its socket is replaced by a fresh one that only probes: libzmq reconnects it (back-off capped at
 ``reconnect_max_ms``) and the first completed handshake clears the mark. The old socket goes
 because whatever it still queued would reach the peer late, with the budget it had when sent.
 So the bound from the last byte heard to "unreachable" is 1.25 s for an established connection
 and 2 s for a new one (plus an event-loop turn).
+
+Re-sent, not lost. A peer re-binding its listener (a CURVE re-key, ``ZmqServer.rebind``) drops every
+connection to it and answers nothing that was in flight. So what was pending on a connection that had
+completed its handshake waits for the next socket to that peer (the probe, or one :meth:`redial` opens
+with its new key) and is sent again once that one's handshake completes: at most ``Heartbeat.redial_ms``
+and half the budget it had left, then ``PeerUnavailable`` (a dead peer's requests keep time for another
+site; :mod:`mesh.zmq.calls`). Requests are inferences, idempotent: a peer that got the first copy computes
+it twice; one answer arrives. A probe whose handshake fails asks ``server_key_for`` again and re-dials if
+the key changed. ``attempt_ms`` counts from the send that reached a working connection.
 """
 
 from __future__ import annotations
@@ -28,7 +37,6 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 import zmq
@@ -42,6 +50,7 @@ from mesh.log import get_logger, kv
 from mesh.types import InferRequest, InferResponse, new_request_id
 from mesh.zmq import protocol as wire
 from mesh.zmq.base import DEFAULT_HEARTBEAT, Heartbeat, SocketSecurity, close_context, open_context
+from mesh.zmq.calls import Call, Peer, arm, fail, forget, hold, resend
 from mesh.zmq.protocol_check import DECODE_ERRORS, DEFAULT_MAX_BYTES, MAX_HEADER_BYTES, MAX_ID_LEN
 from mesh.zmq.pump import Pump, io_socket
 
@@ -61,17 +70,6 @@ for _event in _PEER_DEAD_EVENTS:
 _WRITABLE_POLL_S = 0.05  # re-check a full send queue this often even if no POLLOUT edge is seen
 
 
-@dataclass(eq=False)
-class _Peer:
-    endpoint: str
-    sock: zmq.Socket[Any]
-    monitor: zmq.asyncio.Socket
-    pump: Pump | None = None
-    pending: dict[str, tuple[asyncio.Future[InferResponse], asyncio.TimerHandle]] = field(
-        default_factory=dict)
-    tasks: list[asyncio.Task[None]] = field(default_factory=list)
-    up: bool = False  # the current connection completed its handshake
-    watchdog: asyncio.TimerHandle | None = None
 
 ReachabilityListener = Callable[[str, bool], None]
 
@@ -89,7 +87,7 @@ class ZmqClient(Service):
         self._server_key_for = server_key_for
         self._max_bytes = max_bytes
         self._heartbeat = heartbeat
-        self._peers: dict[str, _Peer] = {}
+        self._peers: dict[str, Peer] = {}
         # endpoint -> monotonic instant it was marked unreachable (its socket only probes)
         self._down: dict[str, float] = {}
         self._listeners: list[ReachabilityListener] = []
@@ -116,10 +114,13 @@ class ZmqClient(Service):
         peer = self._peers.get(endpoint)
         return 0 if peer is None else len(peer.pending)
 
-    async def request(self, endpoint: str, req: InferRequest, *, reserve_ms: float = 0.0) -> InferResponse:
+    async def request(self, endpoint: str, req: InferRequest, *, reserve_ms: float = 0.0,
+                      attempt_ms: float | None = None) -> InferResponse:
         """Send ``req`` to ``endpoint`` and await its reply, until ``req.deadline`` at the latest.
         Sets ``req.request_id`` if empty. ``reserve_ms``: budget kept back from the peer (the
-        receiver's deadline is its arrival plus what is left at send, less this).
+        receiver's deadline is its arrival plus what is left at send, less this). ``attempt_ms``: the
+        reply must come within this of the send (the peer gets no more), else ``DeadlineExceeded``;
+        a request re-sent over a new connection gets it again from then, never past ``req.deadline``.
 
         The wire id is the request id, unless that id is already in flight to the same peer (two
         callers chose the same id) or too long for the wire: then a fresh one stands in for it and
@@ -144,31 +145,31 @@ class ZmqClient(Service):
             raise PayloadTooLarge(f"request tensors are {size} bytes, limit is {self._max_bytes}")
         peer = self._peers.get(endpoint) or self._open_peer(endpoint)
         pump = cast(Pump, peer.pump)
-        rid = req.request_id
+        rid = req_id = req.request_id
         if rid in peer.pending or len(rid) > MAX_ID_LEN:
             rid = new_request_id()
-            frames = wire.encode_request(dataclasses.replace(req, request_id=rid), now=now, reserve_ms=reserve_ms)
-        else:
-            frames = wire.encode_request(req, now=now, reserve_ms=reserve_ms)
-        loop = pump.loop
-        fut: asyncio.Future[InferResponse] = loop.create_future()
-        peer.pending[rid] = (fut, loop.call_at(loop.time() + remaining, self._expire, peer, rid))
+            req = dataclasses.replace(req, request_id=rid)
+        call = Call(pump.loop.create_future(), req, reserve_ms, None if attempt_ms is None else attempt_ms / 1000.0,
+                     peer)
+        peer.pending[rid] = call
         try:
-            try:
-                pump.send(frames)
-            except zmq.Again:  # only when the send queue is full: never wait past the reply's fate
-                await self._send_when_writable(peer, frames, fut)
-            except zmq.ZMQError as exc:
-                raise PeerUnavailable(f"send to {endpoint} failed: {exc}") from exc
-            resp = await fut
-            resp.request_id = req.request_id
+            if peer.redial and not peer.up:  # a re-dialled socket: sent with the requests it carries
+                hold(call, now, "reconnecting", self._heartbeat.redial_ms / 1000.0)
+            else:
+                frames = arm(call, now)
+                try:
+                    pump.send(frames)
+                except zmq.Again:  # only when the send queue is full: never wait past the reply's fate
+                    await self._send_when_writable(peer, frames, call.fut)
+                except zmq.ZMQError as exc:
+                    raise PeerUnavailable(f"send to {endpoint} failed: {exc}") from exc
+            resp = await call.fut
+            resp.request_id = req_id
             return resp
         finally:
-            entry = peer.pending.pop(rid, None)
-            if entry is not None:
-                entry[1].cancel()
+            forget(call)
 
-    async def _send_when_writable(self, peer: _Peer, frames: list[Any], fut: asyncio.Future[Any]) -> None:
+    async def _send_when_writable(self, peer: Peer, frames: list[Any], fut: asyncio.Future[Any]) -> None:
         pump = cast(Pump, peer.pump)
         while not fut.done() and pump.open:
             await pump.wait_writable(_WRITABLE_POLL_S)
@@ -192,6 +193,19 @@ class ZmqClient(Service):
             self._notify(endpoint, False)
         return failed
 
+    def redial(self, endpoint: str, reason: str) -> int:
+        """Replace the socket to ``endpoint`` by a fresh one (``server_key_for`` asked again: the peer's key
+        changed), carrying its pending requests over: they are sent again once the new socket's handshake
+        completes (see the module's "Re-sent, not lost"). An unreachable mark stays until then. Returns how
+        many requests it carries."""
+        peer = self._peers.get(endpoint)
+        if peer is None or self._state is not State.RUNNING:
+            return 0
+        calls = dict(peer.pending)
+        peer.pending.clear()
+        self._drop_peer(peer, reason)
+        return len(calls) if self._reopen(endpoint, calls, reason) else 0
+
     def drop_idle(self) -> int:
         """Drop the sockets of peers with nothing pending (security settings changed: the next request opens
         a fresh one with them); busy ones are left to finish. Returns how many were dropped."""
@@ -214,7 +228,7 @@ class ZmqClient(Service):
 
     # ------------------------------------------------------------ internals
 
-    def _open_peer(self, endpoint: str) -> _Peer:
+    def _open_peer(self, endpoint: str) -> Peer:
         if self._ctx is None:
             self._ctx = open_context(self._security)
         sock = self._ctx.socket(zmq.DEALER)
@@ -222,6 +236,7 @@ class ZmqClient(Service):
         sock.setsockopt(zmq.MAXMSGSIZE, self._max_bytes + MAX_HEADER_BYTES)
         self._heartbeat.apply(sock, client=True)
         monitor: zmq.asyncio.Socket | None = None
+        key: bytes | None = None
         try:
             if self._security is not None:
                 key = self._server_key_for(endpoint) if self._server_key_for is not None else None
@@ -237,7 +252,7 @@ class ZmqClient(Service):
             if isinstance(exc, zmq.ZMQError):
                 raise PeerUnavailable(f"cannot connect to {endpoint}: {exc}") from exc
             raise
-        peer = _Peer(endpoint, sock, cast(zmq.asyncio.Socket, monitor))
+        peer = Peer(endpoint, sock, cast(zmq.asyncio.Socket, monitor), key=key)
         peer.pump = Pump(io_socket(sock), lambda msg: self._on_reply(peer, msg), f"zmq client {endpoint}")
         peer.tasks = [asyncio.create_task(self._watch(peer), name=f"zmq-monitor {endpoint}")]
         if endpoint not in self._down:
@@ -248,20 +263,21 @@ class ZmqClient(Service):
         self._peers[endpoint] = peer
         return peer
 
-    def _on_reply(self, peer: _Peer, msg: list[zmq.Frame]) -> None:
+    def _on_reply(self, peer: Peer, msg: list[zmq.Frame]) -> None:
         try:
             rid, out = wire.decode_reply(msg, max_bytes=self._max_bytes)
         except DECODE_ERRORS as exc:
             log.warning("undecodable reply from %s: %s", peer.endpoint, exc.message)
             return
-        entry = peer.pending.pop(rid, None)
-        if entry is None:
+        call = peer.pending.pop(rid, None)
+        if call is None:
             self.late_replies += 1
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("late reply from %s dropped", peer.endpoint, extra=kv(request_id=rid))
             return
-        fut, timer = entry
-        timer.cancel()
+        if call.timer is not None:
+            call.timer.cancel()
+        fut = call.fut
         if fut.done():
             return
         if isinstance(out, MeshError):
@@ -269,7 +285,7 @@ class ZmqClient(Service):
         else:
             fut.set_result(out)
 
-    async def _watch(self, peer: _Peer) -> None:
+    async def _watch(self, peer: Peer) -> None:
         while True:
             try:
                 event = parse_monitor_message(await peer.monitor.recv_multipart())
@@ -282,17 +298,22 @@ class ZmqClient(Service):
                 self._mark_up(peer)
                 continue
             reason = _PEER_DEAD_EVENTS.get(code)
-            if reason is not None and peer.endpoint not in self._down:
-                # (a probe's failed attempt changes nothing: libzmq tries again)
+            if reason is None:
+                continue
+            if peer.endpoint not in self._down:
                 self._mark_down(peer, reason)
                 return
+            # a probe's failed attempt: libzmq tries again, unless the key to dial changed meanwhile
+            if self._key_changed(peer):
+                self.redial(peer.endpoint, f"{reason}; its server key changed")
+                return
 
-    def _handshake_overdue(self, peer: _Peer) -> None:
+    def _handshake_overdue(self, peer: Peer) -> None:
         peer.watchdog = None
         if not peer.up and self._peers.get(peer.endpoint) is peer and peer.endpoint not in self._down:
             self._mark_down(peer, f"no handshake within {self._heartbeat.handshake_ms} ms")
 
-    def _mark_up(self, peer: _Peer) -> None:
+    def _mark_up(self, peer: Peer) -> None:
         peer.up = True
         if peer.watchdog is not None:
             peer.watchdog.cancel()
@@ -300,22 +321,60 @@ class ZmqClient(Service):
         since = self._down.pop(peer.endpoint, None)
         if since is not None:
             log.info("peer %s reachable again after %.1f s", peer.endpoint, clock.monotonic() - since)
+        held = [c for c in peer.pending.values() if not c.sent]
+        if held:
+            resend(cast(Pump, peer.pump), held, clock.monotonic())
+            log.info("re-sent %d request(s) to %s over a new connection", len(held), peer.endpoint)
+        if since is not None:
             self._notify(peer.endpoint, False)
 
-    def _mark_down(self, peer: _Peer, reason: str) -> None:
+    def _mark_down(self, peer: Peer, reason: str) -> None:
+        # requests sent over a connection that worked (or held already) wait for the probe; those queued on
+        # one that never came up fail now: that peer was never reached
+        calls = {rid: c for rid, c in peer.pending.items() if peer.up or not c.sent}
+        for rid in calls:
+            del peer.pending[rid]
         n = self._drop_peer(peer, reason)
         self._down[peer.endpoint] = clock.monotonic()
-        log.warning("peer %s unreachable (%s): failed %d pending; probing", peer.endpoint, reason, n)
-        if self._state is State.RUNNING:
-            try:
-                self._open_peer(peer.endpoint)  # the probe: libzmq reconnects it until a handshake succeeds
-            except MeshError as exc:
-                # nothing can probe it (e.g. its CURVE key went with its live record): forget the mark,
-                # so the next request dials afresh and says why it cannot, instead of a mark no probe lifts
-                self._down.pop(peer.endpoint, None)
-                log.warning("peer %s cannot be probed (%s); its next request dials afresh", peer.endpoint, exc)
-                return
-        self._notify(peer.endpoint, True)
+        log.warning("peer %s unreachable (%s): failed %d pending, %d wait to be re-sent; probing", peer.endpoint,
+                    reason, n, len(calls))
+        if self._reopen(peer.endpoint, calls, reason, marked=False):  # the probe: libzmq reconnects it until
+            self._notify(peer.endpoint, True)                           # a handshake succeeds
+
+    def _reopen(self, endpoint: str, calls: dict[str, Call], reason: str, *, marked: bool = True) -> bool:
+        """Open a fresh socket to ``endpoint`` (a probe if it is marked) and hand it ``calls`` to send once up.
+        False (``calls`` failed) if it cannot be opened. ``marked``: listeners heard of its mark, if any."""
+        if self._state is not State.RUNNING:
+            fail(calls.values(), f"{endpoint}: {reason}")
+            return False
+        try:
+            peer = self._open_peer(endpoint)
+        except MeshError as exc:
+            # nothing can dial it (e.g. its CURVE key went with its live record): forget the mark, so the
+            # next request dials afresh and says why it cannot, instead of a mark no probe lifts
+            fail(calls.values(), f"{endpoint}: {reason}; {exc.message}")
+            if self._down.pop(endpoint, None) is not None and marked:
+                self._notify(endpoint, False)
+            log.warning("peer %s cannot be dialled (%s); its next request dials afresh", endpoint, exc)
+            return False
+        peer.redial = True
+        now = clock.monotonic()
+        for rid, call in calls.items():
+            call.peer = peer
+            peer.pending[rid] = call
+            if call.sent:
+                hold(call, now, reason, self._heartbeat.redial_ms / 1000.0)
+        return True
+
+    def _key_changed(self, peer: Peer) -> bool:
+        if self._security is None or self._server_key_for is None:
+            return False
+        try:
+            key = self._server_key_for(peer.endpoint)
+        except Exception:  # the lookup's bug must not stop the monitor
+            log.exception("server key lookup failed for %s", peer.endpoint)
+            return False
+        return key is not None and key != peer.key
 
     def _notify(self, endpoint: str, unreachable: bool) -> None:
         for listener in self._listeners:
@@ -324,12 +383,7 @@ class ZmqClient(Service):
             except Exception:  # a listener's bug must not stop the others or the monitor
                 log.exception("reachability listener failed for %s", endpoint)
 
-    def _expire(self, peer: _Peer, rid: str) -> None:
-        entry = peer.pending.pop(rid, None)
-        if entry is not None and not entry[0].done():
-            entry[0].set_exception(DeadlineExceeded(f"no reply from {peer.endpoint} before the deadline"))
-
-    def _drop_peer(self, peer: _Peer, reason: str) -> int:
+    def _drop_peer(self, peer: Peer, reason: str) -> int:
         if self._peers.get(peer.endpoint) is peer:
             del self._peers[peer.endpoint]
         if peer.watchdog is not None:
@@ -337,12 +391,7 @@ class ZmqClient(Service):
             peer.watchdog = None
         if peer.pump is not None:
             peer.pump.close()  # before the socket closes: the pump's handle dies with it
-        failed = 0
-        for fut, timer in peer.pending.values():
-            timer.cancel()
-            if not fut.done():
-                fut.set_exception(PeerUnavailable(f"{peer.endpoint}: {reason}"))
-                failed += 1
+        failed = fail(peer.pending.values(), f"{peer.endpoint}: {reason}")
         peer.pending.clear()
         current = asyncio.current_task()
         for t in peer.tasks:

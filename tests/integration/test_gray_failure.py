@@ -1,6 +1,7 @@
 """Gray failures on real ZeroMQ: a link that swallows traffic without a reset (the delay proxy's
-black hole) is noticed by heartbeats within the stated bound, its pending requests fail fast, it
-is refused locally while down, and it is probed back in once the link heals."""
+black hole) is noticed by heartbeats within the stated bound, its pending requests fail once no new
+connection comes within ``redial_ms``, it is refused locally while down, and it is probed back in once the
+link heals."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from tiermesh.delayproxy import DelayProxy, LinkShape
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 BOUND_S = DEFAULT_HEARTBEAT.detect_s  # 1.25 s from the last byte heard
+REDIAL_S = DEFAULT_HEARTBEAT.redial_ms / 1000.0  # how long a dropped connection's requests wait to be re-sent
 NOISE_S = 1.0  # a shared 2-core machine: the event loop may run late
 
 
@@ -68,8 +70,8 @@ async def test_black_holed_peer_is_marked_unreachable_in_bound_and_probed_back(l
     proxy.blackhole()
     t0 = time.monotonic()
     pending = asyncio.create_task(client.request(proxy.endpoint, _req(30.0)))
-    with pytest.raises(PeerUnavailable):
-        await asyncio.wait_for(pending, BOUND_S + NOISE_S + 1.0)
+    with pytest.raises(PeerUnavailable):  # after waiting redial_ms for a new connection, in vain
+        await asyncio.wait_for(pending, BOUND_S + REDIAL_S + NOISE_S + 1.0)
     failed_after = time.monotonic() - t0
     assert events and events[0][1:] == (proxy.endpoint, True)
     detected = events[0][0] - t0

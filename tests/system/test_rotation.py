@@ -2,8 +2,9 @@
 
 Every identity is re-issued in place at 10 s (sites with new CURVE keys, tenants, operator, scheduler, etcd),
 as an operator rotating would; nothing restarts. Tenant clients re-read their files, edges reload theirs, each
-agent takes its own new CURVE key (re-binding its listener), peers dial the key each site's live record
-publishes (the previous one stays admitted for a grace period). The workload's classes have budgets a healthy
+agent takes its own new CURVE key (re-binding its listener, which drops every connection to it), peers dial the
+key each site's live record publishes (the previous one stays admitted for a grace period) and re-send what was
+in flight over the new connection (mesh.zmq.client, "Re-sent, not lost"). The workload's classes have budgets a healthy
 mesh meets, forwarded ones included, so any error is the rotation's."""
 
 from __future__ import annotations
@@ -18,14 +19,7 @@ from mesh.pki.identity import Identity
 from tests.system.conftest import Holdout, mesh_running, wait_warm
 from tiermesh.workload import SloClass, run_workload, summarise
 
-pytestmark = [pytest.mark.system, pytest.mark.slow, pytest.mark.timeout(300),
-              # Known, not yet fixed: when the core and the middle re-key within the same second, each re-binds
-              # its ZeroMQ listener, the edges' connections to both drop, and a forwarded query whose only
-              # accurate candidates are those two fails `peer_down` (1 query in about half the runs; seen in CI
-              # runs on this machine). Needs pending requests re-sent over the reconnected socket, or staggered
-              # re-keys. Not strict: it passes in the other runs.
-              pytest.mark.xfail(strict=False, reason="simultaneous re-key of core and middle can drop one "
-                                                     "forwarded query (peer_down)")]
+pytestmark = [pytest.mark.system, pytest.mark.slow, pytest.mark.timeout(300)]
 
 ROTATE_AT_S = 10.0
 RUN_S = 30.0

@@ -87,9 +87,12 @@ class FakeZmq:
     def add_reachability_listener(self, fn: Any) -> None:
         self.listeners.append(fn)
 
-    async def request(self, endpoint: str, req: InferRequest, *, reserve_ms: float = 0.0) -> InferResponse:
+    async def request(self, endpoint: str, req: InferRequest, *, reserve_ms: float = 0.0,
+                      attempt_ms: float | None = None) -> InferResponse:
         site = endpoint.removeprefix("tcp://")
-        self.calls.append((site, req.remaining_ms()))
+        # the real client's timer ends a send's wait at the attempt's limit, or at the deadline
+        until = req.deadline if attempt_ms is None else min(req.deadline, time.monotonic() + attempt_ms / 1000.0)
+        self.calls.append((site, (until - time.monotonic()) * 1000.0))
         what = self.behaviour.get(site, "ok")
         if what == "dead":
             raise PeerUnavailable(f"{endpoint}: disconnected")
@@ -98,7 +101,7 @@ class FakeZmq:
         if what == "too_large":
             raise PayloadTooLarge(f"{endpoint}: 1 row exceeds the queue")
         if what == "silent":
-            await asyncio.sleep(max(0.0, req.deadline - time.monotonic()))
+            await asyncio.sleep(max(0.0, until - time.monotonic()))
             raise DeadlineExceeded(f"no reply from {endpoint} before the deadline")
         return InferResponse(req.request_id, {"y": np.zeros(1, np.float32)}, site, str(req.target_variant),
                              0.99, "forward", tenant=req.tenant, timing=Timing(total_ms=1.0),
@@ -191,9 +194,10 @@ async def test_a_traced_retry_records_each_attempt_and_forwards_the_trace_contex
     seen: list[str | None] = []
     real = zmq.request
 
-    async def spy(endpoint: str, fwd: InferRequest, *, reserve_ms: float = 0.0) -> InferResponse:
+    async def spy(endpoint: str, fwd: InferRequest, *, reserve_ms: float = 0.0,
+                  attempt_ms: float | None = None) -> InferResponse:
         seen.append(fwd.traceparent)
-        return await real(endpoint, fwd, reserve_ms=reserve_ms)
+        return await real(endpoint, fwd, reserve_ms=reserve_ms, attempt_ms=attempt_ms)
 
     zmq.request = spy  # type: ignore[method-assign]
     resp = await dp._route(req, time.monotonic(), hop)
