@@ -2,8 +2,8 @@
 
 Beside ``geo`` (same harness, same metrics: :func:`bench.geo.system_row`), on the heterogeneous testbed
 ``examples/topology-hetero.yaml`` run with caps (:mod:`tiermesh.caps`): every agent in a CPU cgroup of its
-share of this machine (edges about a tenth of a core) with its declared model memory (edges hold the digits
-family and one small MiniLM encoder, never a six-layer one). Each capped site profiles its variants itself
+share of this machine (edges about a tenth of a core) with its declared model memory (an edge holds its
+digits variants and at most one INT8 MiniLM encoder, never the FP32 one). Each capped site profiles its variants itself
 before the trace starts (its hardware class is its own).
 
 The trace (``bench.traces``): one compressed diurnal day at three edges, five SLO classes of three tenants:

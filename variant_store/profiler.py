@@ -125,7 +125,10 @@ def add_base_latency(result: ProfileResult, base_path: Path, x_holdout: np.ndarr
                      batch_sizes: tuple[int, ...], repeats: int, *, time_budget_s: float = 1.0) -> ProfileResult:
     """``result`` (a head's profile) with its backbone's load time and latency at each batch size added:
     a head is served behind its backbone, and the backbone is most of the cost (a text encoder is
-    milliseconds, its linear head microseconds). Percentiles add as an upper bound."""
+    milliseconds, its linear head microseconds). Percentiles add as an upper bound. Not its memory: a
+    site holds one backbone for all its heads, and placement and the host charge it once, as the
+    backbone's own (``VariantInfo.from_meta(base_bytes=...)``, ``VariantHost``); added here too, a head
+    would be charged its backbone twice (an INT8 encoder's 22 MiB head looked like 44 MiB to an edge)."""
     rt = open_runtime("onnx", Path(base_path), intra_op_threads=1)
     rt.load_sync()
     try:
@@ -137,7 +140,6 @@ def add_base_latency(result: ProfileResult, base_path: Path, x_holdout: np.ndarr
             result.latency[bs] = LatencyStats(p50_ms=head.p50_ms + float(np.percentile(arr, 50)),
                                               p99_ms=head.p99_ms + float(np.percentile(arr, 99)))
         result.load_ms += rt.load_ms
-        result.peak_memory_bytes += rt.memory_bytes
     finally:
         rt.unload_sync()
     return result
