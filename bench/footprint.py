@@ -169,7 +169,7 @@ async def run_footprint(ctx: RunContext) -> Path:
     fam_pss = statistics.median(a["family"][1] for a in agents)
     ready = statistics.median(u["ready_s"] for u in ups)
     printed = statistics.median(u["printed_s"] for u in ups)
-    numpy_mb = install["per_dist"].get("numpy", 0) / MB
+    biggest = next(iter(install["per_dist"].items()), ("nothing", 0))
     rows: list[dict[str, Any]] = [
         {"measure": "SDK base install (fresh venv)", "value": install["total"] / MB, "unit": "MiB",
          "floor": None, "ratio": None,
@@ -191,8 +191,9 @@ async def run_footprint(ctx: RunContext) -> Path:
         target("tiermesh up, 20 sites ready", ready, 5.0, unit="s"),
     ]
     return write_result(ctx, "footprint", rows, targets, notes=(
-        f"SDK: `pip install tiermesh` (no extra) into a fresh venv without pip, from this tree's wheel; numpy alone "
-        f"is {numpy_mb:.1f} MiB of it. Agent: `tiermesh agent` on {EDGE} of examples/topology-20.yaml against a real "
+        f"SDK: `pip install tiermesh` (no extra: no numpy, no cryptography) into a fresh venv without pip, from this "
+        f"tree's wheel; its largest distribution is {biggest[0]} ({biggest[1] / MB:.1f} MiB). Agent: `tiermesh agent` "
+        f"on {EDGE} of examples/topology-20.yaml against a real "
         f"etcd, idle after 3 s, then with every ONNX/TFLite digits variant placed and loaded. Floor: a bare Python "
         f"process with ONNX Runtime and one session open. Up: `tiermesh up --topology examples/topology-20.yaml` "
         f"(secured by default: TLS certificates per site), home with the catalog prebuilt; this machine's 2 cores "
