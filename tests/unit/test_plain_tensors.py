@@ -192,3 +192,31 @@ async def test_with_numpy_lists_and_tensors_are_sent_as_the_ndarray_would_be() -
         await c.infer("t", as_tensor([[0.5, 1, 2, 3]], "FP32"), latency_ms=100)
     assert type(want.output()) is np.ndarray and want.output().tolist() == [[1.0, 1.0]]
     assert len(bodies) == 4 and len(set(bodies)) == 1, bodies
+
+
+_NO_CRYPTO_TLS = """
+import sys
+sys.modules.update(dict.fromkeys(("numpy", "cryptography")))
+from mesh import Client
+with Client("https://127.0.0.1:1", cert=sys.argv[1], key=sys.argv[2], ca=sys.argv[3]) as c:
+    creds = c._async.credentials
+    ctx = creds.client_context()
+    print(type(ctx).__name__, creds.refresh(), sorted(m for m in sys.modules if m.startswith("cryptography")
+                                                     and sys.modules[m]))
+"""
+
+
+def test_mutual_tls_credentials_need_no_cryptography(tmp_path: Path) -> None:
+    from mesh.pki.identity import Identity
+    from mesh.pki.local import LocalPki
+
+    pki = LocalPki.under(tmp_path)
+    pki.init()
+    tenant = Identity("tenant", "acme")
+    pki.issue(tenant)
+    paths = pki.paths
+    out = subprocess.run([sys.executable, "-c", _NO_CRYPTO_TLS, str(paths.cert(tenant)), str(paths.key(tenant)),
+                          str(paths.ca_cert)], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["SSLContext", "False", "[]"]
