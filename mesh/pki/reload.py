@@ -6,8 +6,8 @@ context objects (``load_cert_chain``): servers and connection pools keep their c
 the new certificate, established connections are untouched. A half-rotated pair (a certificate whose key is not
 written yet) is refused and retried on the next check, so the old pair stays in force meanwhile.
 
-What a verifier trusts (the CA and the revocation list) follows its files the same way: :class:`~mesh.pki.trust.
-TrustStore`, on the :class:`Poller` here.
+What a verifier trusts (the CA and the revocation list) follows its files the same way, on the
+:class:`Poller` here: :class:`~mesh.pki.trust.TrustStore`.
 
 This module needs only the standard library (``ssl``): the SDK on a device builds its mutual-TLS context with it,
 and the base install has no ``cryptography``; the parsed certificate (:attr:`ReloadingCredentials.certificate`) is
@@ -20,6 +20,7 @@ Both check on demand (``refresh()``, a few ``stat`` calls) and, when started as 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import ssl
 from pathlib import Path
@@ -160,5 +161,8 @@ class ReloadingCredentials(Poller):
         for ctx in self._contexts:
             self._load_into(ctx, chain)
         self._chain, self._stamp, self._certificate = chain, stamp, None
-        log.info("credentials reloaded", extra=kv(event="credentials_reloaded", reason=str(self.cert_path)))
+        reason = str(self.cert_path)
+        if importlib.util.find_spec("cryptography") is not None:  # a server's log names the serial now in force
+            reason += f" serial {self.certificate.serial_number:x}"
+        log.info("credentials reloaded", extra=kv(event="credentials_reloaded", reason=reason))
         return True
