@@ -44,17 +44,28 @@ async def run_decision(ctx: RunContext) -> Path:
 
 
 def _scenarios() -> dict[str, Callable[[RunContext], Awaitable[Path]]]:
-    from bench import batching, coldstart, control_plane, floors, footprint, geo, gpu_profile, shared_backbone
+    from bench import (
+        batching,
+        coldstart,
+        control_plane,
+        floors,
+        footprint,
+        geo,
+        geo_hetero,
+        gpu_profile,
+        shared_backbone,
+    )
 
     return {"mesh_hop": floors.run_mesh_hop, "http_api": floors.run_http_api, "sdk_local": floors.run_sdk_local,
             "decision": run_decision, "batching": batching.run_batching, "geo": geo.run_geo,
+            "geo_hetero": geo_hetero.run_geo_hetero,
             "coldstart": coldstart.run_coldstart, "footprint": footprint.run_footprint,
             "gpu_profile": gpu_profile.run_gpu_profile, "shared_backbone": shared_backbone.run_shared_backbone,
             "control_plane": control_plane.run_control_plane}
 
 
-SCENARIOS = ("mesh_hop", "http_api", "sdk_local", "decision", "batching", "geo", "coldstart", "footprint",
-             "shared_backbone", "control_plane")
+SCENARIOS = ("mesh_hop", "http_api", "sdk_local", "decision", "batching", "geo", "geo_hetero", "coldstart",
+             "footprint", "shared_backbone", "control_plane")
 # Run only when named (--only gpu_profile): they need a CUDA GPU, which most hosts lack.
 GPU_SCENARIOS = ("gpu_profile",)
 

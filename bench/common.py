@@ -204,6 +204,9 @@ def write_result(ctx: RunContext, scenario: str, rows: list[dict[str, Any]], tar
     }
     if extra:
         doc.update(extra)
+    # every scenario says what it ran under: a mesh's per-site caps (extra["caps"]), else none
+    doc.setdefault("caps", {"capped": False, "why": "no site caps: the scenario runs in one process or uncapped"})
+    doc["machine"]["loadavg_at_write"] = [round(v, 2) for v in os.getloadavg()]
     doc = _finite(doc)
     ctx.results_dir.mkdir(parents=True, exist_ok=True)
     path = ctx.results_dir / f"{scenario}.json"

@@ -406,7 +406,8 @@ class ModelDataPlane(_OneTaskPlane):
     site = "bench-edge"
 
     def __init__(self, model_path: Path, *, task: str = "digit-classification", max_batch: int = 1,
-                 max_window_ms: float = 4.0) -> None:
+                 max_window_ms: float = 4.0,
+                 compute_ms: Callable[[ModelDataPlane], Callable[[int], float]] | None = None) -> None:
         self.task = task
         self.runtime = open_runtime("onnx", model_path, providers=["CPUExecutionProvider"])
         self.runtime.load_sync()
@@ -414,8 +415,10 @@ class ModelDataPlane(_OneTaskPlane):
         self.signature = TaskSignature(task, tuple(self.runtime.input_specs), tuple(self.runtime.output_specs))
         self.variant = f"{model_path.stem}.onnx.fp32"
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-ort")
-        self.batcher = Batcher(self.variant, self.runtime.infer_sync, executor=self._pool,
-                               compute_ms=compute_model(self.runtime.infer_sync, self.input_name),
+        # the batcher's profile: fitted on digit-like rows unless ``compute_ms`` fits one for this model
+        profile = compute_ms(self) if compute_ms is not None else compute_model(self.runtime.infer_sync,
+                                                                                self.input_name)
+        self.batcher = Batcher(self.variant, self.runtime.infer_sync, executor=self._pool, compute_ms=profile,
                                max_batch=max_batch, max_window_ms=max_window_ms, site=self.site)
 
     def start(self) -> None:

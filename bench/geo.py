@@ -34,7 +34,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -67,9 +67,9 @@ def geo_spec(quick: bool, edges: tuple[str, ...]) -> TraceSpec:
                      spike_edge_classes=("tight",) if "edge-sin-1" in edges else None)
 
 
-def prebuild_home(dst: Path, topology: Path = TOPOLOGY) -> float:
-    """Build the catalog (digits family, profiled) once into ``dst``; returns seconds taken.
-    Synchronous (its own event loop): call it from a thread when a loop is running."""
+def prebuild_home(dst: Path, topology: Path = TOPOLOGY, *, text: bool = False) -> float:
+    """Build the catalog (digits family, profiled; with ``text`` the text family too) once into ``dst``;
+    returns seconds taken. Synchronous (its own event loop): call it from a thread when a loop is running."""
     from mesh.etcd.server import EmbeddedEtcd
     from mesh.etcd.store import Store
     from topology.store_io import apply as apply_topology
@@ -85,6 +85,10 @@ def prebuild_home(dst: Path, topology: Path = TOPOLOGY) -> float:
             try:
                 await apply_topology(store, load_topology_file(topology))
                 await ensure_digits_family(Catalog(store), BlobStore(dst / "blobs"), progress=False)
+                if text:
+                    from variant_store.build_text import ensure_text_family
+
+                    await ensure_text_family(Catalog(store), BlobStore(dst / "blobs"), progress=False)
             finally:
                 await store.close()
         finally:
@@ -96,9 +100,9 @@ def prebuild_home(dst: Path, topology: Path = TOPOLOGY) -> float:
     return time.perf_counter() - t0
 
 
-async def prebuild_home_async(dst: Path, topology: Path = TOPOLOGY) -> float:
+async def prebuild_home_async(dst: Path, topology: Path = TOPOLOGY, *, text: bool = False) -> float:
     """``prebuild_home`` from inside an event loop (runs it in a worker thread with its own loop)."""
-    return await asyncio.to_thread(prebuild_home, dst, topology)
+    return await asyncio.to_thread(lambda: prebuild_home(dst, topology, text=text))
 
 
 @contextlib.contextmanager
@@ -124,6 +128,7 @@ class SystemRun:
     startup_s: float
     cold_starts: int                             # loads the agents counted (heartbeats)
     events: list[dict[str, Any]]                 # the scheduler's placement events (with reasons)
+    caps: dict[str, Any] = field(default_factory=dict)  # what each site ran under (LocalMesh.caps_report)
 
 
 def _read_loads(home: Path, sites: list[str]) -> dict[tuple[str, str], list[float]]:
@@ -142,20 +147,24 @@ def _read_loads(home: Path, sites: list[str]) -> dict[tuple[str, str], list[floa
 
 async def run_system(name: str, *, mode: str, proactive: bool, trace: Trace, x: np.ndarray, y: np.ndarray,
                      prebuilt: Path, workdir: Path, sites: list[str] | None, topology: Path = TOPOLOGY,
-                     placed_timeout_s: float = 20.0) -> SystemRun:
-    """A fresh mesh in ``mode`` (home copied from ``prebuilt``), the trace replayed, then stopped."""
+                     placed_timeout_s: float = 20.0, options: dict[str, Any] | None = None,
+                     data: dict[str, tuple[np.ndarray, np.ndarray]] | None = None) -> SystemRun:
+    """A fresh mesh in ``mode`` (home copied from ``prebuilt``), the trace replayed, then stopped.
+    ``options``: more ``MeshOptions`` (caps, ...); ``data``: other tasks' rows for the replay."""
     home = workdir / name
     shutil.rmtree(home, ignore_errors=True)
     shutil.copytree(prebuilt, home)
     t0 = time.perf_counter()
     opts = MeshOptions(topology=topology, home=home, mode=mode, proactive=proactive, sites=sites,
-                       agent_log_level="INFO")
+                       agent_log_level="INFO", **(options or {}))
     with _agent_json_logs():
         async with LocalMesh(opts) as mesh:
             await mesh.wait_live()
+            if opts.caps:  # capped sites time their variants themselves first (their class is new)
+                await mesh.wait_profiled(timeout=180.0)
             await mesh.wait_placed(timeout=placed_timeout_s)
             startup = time.perf_counter() - t0
-            records = await replay(trace, mesh.edge_urls(), x, y)
+            records = await replay(trace, mesh.edge_urls(), x, y, data=data)
             footprint: dict[str, dict[str, Any]] = {}
             cold = 0
             assert mesh.store is not None
@@ -166,7 +175,8 @@ async def run_system(name: str, *, mode: str, proactive: bool, trace: Trace, x: 
                                    "memory_mb": round(float(rec.get("memory_used_bytes", 0)) / 2**20, 2)}
                 cold += int(rec.get("cold_starts", 0))
             events = list(mesh.scheduler.events) if mesh.scheduler is not None else []
-    return SystemRun(name, records, _read_loads(home, list(footprint)), footprint, startup, cold, events)
+            caps = mesh.caps_report()
+    return SystemRun(name, records, _read_loads(home, list(footprint)), footprint, startup, cold, events, caps)
 
 
 def cold_on_arrival(r: Replayed, loads: dict[tuple[str, str], list[float]]) -> bool:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -217,9 +217,15 @@ class Replayed:
 
 
 async def replay(trace: Trace, edges: dict[str, str], x: np.ndarray, y: np.ndarray | Sequence[int], *,
-                 max_inflight: int = 64, timeout_s: float = 10.0, drain_s: float = 20.0) -> list[Replayed]:
-    """Offer every event of ``trace`` to its edge's HTTP URL at its offset; bounded in flight."""
+                 max_inflight: int = 64, timeout_s: float = 10.0, drain_s: float = 20.0,
+                 data: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None) -> list[Replayed]:
+    """Offer every event of ``trace`` to its edge's HTTP URL at its offset; bounded in flight.
+
+    ``x``, ``y``: the digits holdout; ``data``: (inputs, labels) of other tasks, by task (a class's
+    ``task``); an event's sample indexes its task's rows modulo their count. Text rows are BYTES
+    (a 1-D object array): one row is sent as a one-element BYTES tensor."""
     classes = trace.classes()
+    sets = {TASK: (x, np.asarray(y)), **(data or {})}
     tenants = sorted({c.tenant for c in classes.values()})
     clients = {(e, t): AsyncClient(url, tenant=t, timeout=timeout_s) for e, url in edges.items() for t in tenants}
     sem = asyncio.Semaphore(max_inflight)
@@ -228,13 +234,15 @@ async def replay(trace: Trace, edges: dict[str, str], x: np.ndarray, y: np.ndarr
 
     async def one(ev: TraceEvent) -> None:
         cls = classes[ev.slo_class]
+        xs, ys = sets[cls.task]
+        i = ev.sample % len(xs)
+        row = xs[i][None, :] if xs.ndim > 1 else np.array([xs[i]], dtype=object)
         async with sem:
-            rec = Replayed(ev, cls.tenant, cls.latency_ms, int(y[ev.sample]), time.time())
+            rec = Replayed(ev, cls.tenant, cls.latency_ms, int(ys[i]), time.time())
             start = time.perf_counter()
             try:
                 res = await clients[(ev.edge, cls.tenant)].infer(
-                    TASK, x[ev.sample][None, :], latency_ms=cls.latency_ms, min_accuracy=cls.min_accuracy,
-                    prefer=cls.prefer)
+                    cls.task, row, latency_ms=cls.latency_ms, min_accuracy=cls.min_accuracy, prefer=cls.prefer)
             except MeshError as exc:
                 rec.error = exc.code
             else:

@@ -32,6 +32,7 @@ from edge_agent.metrics import AgentMetrics, Gauges
 from edge_agent.mtls import EdgeTls
 from edge_agent.observe import Observe
 from edge_agent.quota import DoorQuotas, limits_from_view
+from edge_agent.selfprofile import SelfProfiler
 from edge_agent.site_dataplane import SiteDataPlane
 from edge_agent.traces import TraceStore
 from mesh import clock
@@ -47,7 +48,7 @@ from mesh.zmq.client import ZmqClient
 from mesh.zmq.curve import CurveSecurity, SiteKeys
 from mesh.zmq.server import ZmqServer
 from topology.paths import topology_paths
-from variant_store.hardware import gpu_available, local_hardware_class
+from variant_store.hardware import cpu_cap_cores, gpu_available, local_hardware_class
 
 __all__ = ["BLOB_PEER", "Agent", "AgentConfig"]
 
@@ -84,6 +85,9 @@ class AgentConfig:
     idle_unload_s: float = 120.0
     demand_window_s: float = 10.0     # demand reported per task and SLO class, averaged over this
     model_memory_fraction: float = 0.25  # share of the site's memory its models may take
+    model_memory_mb: int | None = None   # ... or this budget (a harness scaling sites to one machine)
+    # the CPU cap (cores) its launcher set: used only when the agent cannot read its own cgroup
+    cpu_cap: float | None = None
     routing_mode: str = "tiermesh"      # or a baseline (core_scheduler.policy.modes), for benchmarks
     max_body_bytes: int = DEFAULT_MAX_BODY  # largest request body (HTTP) and tensor payload (ZeroMQ)
     # the edge HTTP API over mutual TLS with the site's certificate from home/pki (`tiermesh agent` turns it
@@ -108,6 +112,7 @@ class Agent(Service):
         self.view: MeshView | None = None
         self.snapshots: SnapshotBuilder | None = None
         self.host: VariantHost | None = None
+        self.selfprof: SelfProfiler | None = None
         self.zmq_server: ZmqServer | None = None
         self.zmq_client: ZmqClient | None = None
         self.curve: CurveSecurity | None = None
@@ -132,7 +137,8 @@ class Agent(Service):
         self.metrics = AgentMetrics(cfg.site)
         self.metrics.gauges = self._gauges
         self.traces = TraceStore(cfg.trace_buffer)
-        self.hardware_class = local_hardware_class()
+        self.cpu_cap = cpu_cap_cores() or cfg.cpu_cap
+        self.hardware_class = local_hardware_class(self.cpu_cap)
         self.gpu_ok, self.gpu_note = gpu_available()
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -148,7 +154,8 @@ class Agent(Service):
             raise ConfigError(f"site {self.site!r} is not in the topology in etcd "
                               f"(apply one with `tiermesh topology apply FILE`)")
         me = topo.sites[self.site]
-        budget = int(me.hardware.memory_mb * 1024 * 1024 * cfg.model_memory_fraction)
+        budget = (cfg.model_memory_mb * 1024 * 1024 if cfg.model_memory_mb is not None
+                  else int(me.hardware.memory_mb * 1024 * 1024 * cfg.model_memory_fraction))
         cache = cfg.home / "sites" / self.site / "blobs"
         cache.mkdir(parents=True, exist_ok=True)
         self.host = VariantHost(self.site, cache, hardware_class=self.hardware_class,
@@ -157,6 +164,7 @@ class Agent(Service):
         self.host.on_load = lambda vid, prewarm: metrics.cold_start(vid, prewarm=prewarm)
         self.host.on_batch = metrics.batch_ran
         self.host.peer_sources = self._blob_peers
+        self.selfprof = SelfProfiler(self.site, self.host, self.view, wanted=self._placed)
         self.curve = await self._open_curve()
         self.zmq_client = ZmqClient(security=self.curve, server_key_for=self._server_key)
         self.dataplane = SiteDataPlane(self.site, self.view, self.host, self.zmq_client,
@@ -177,12 +185,15 @@ class Agent(Service):
         self.host.blob_ssl = self.http.tls.credentials.client_context() if self.http.tls is not None else None
         self.view.on_change(self._on_view_change)
         self.view.on_change(self._adopt_crl)
+        self.view.on_change(self.selfprof.wake)
         self._adopt_crl()
         self._on_view_change()
         self.liveness = Liveness(self.store, self.site, self._live_record, ttl_s=cfg.lease_ttl_s,
                                  interval_s=cfg.heartbeat_s)
         await self.liveness.start()
         self._tasks.append(asyncio.create_task(self._reconcile_loop(), name=f"reconcile:{self.site}"))
+        self._tasks.append(asyncio.create_task(self.selfprof.run(), name=f"self-profile:{self.site}"))
+        self.selfprof.wake()
         log.info("agent up: zmq %s (bound %s) http %s (%s%s)", self.zmq_endpoint, self.zmq_server.endpoint,
                  self.http.url,
                  self.hardware_class, "" if self.gpu_ok else f"; {self.gpu_note}",
@@ -436,13 +447,16 @@ class Agent(Service):
             demand=tuple(self.demand.snapshot(time.monotonic())),
             degraded=bool(self.liveness and self.liveness.degraded),
             view_revision=self.view.revision if self.view else 0,
-            peer_rtt_ms=dict(self.dataplane.net_rtt_ms))
+            peer_rtt_ms=dict(self.dataplane.net_rtt_ms), cpu_cap=self.cpu_cap,
+            profiles=self.selfprof.published() if self.selfprof is not None else {},
+            profiling_pending=self.selfprof.pending if self.selfprof is not None else 0)
 
     async def _reconcile_loop(self) -> None:
         """Follow ``placement/<site>``: load what is desired, unload what is neither desired nor used."""
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._reconcile.wait(), 5.0)
+            with contextlib.suppress(TimeoutError):  # not wait_for: see SelfProfiler.run
+                async with asyncio.timeout(5.0):
+                    await self._reconcile.wait()
             self._reconcile.clear()
             try:
                 await self._reconcile_once()
@@ -450,6 +464,11 @@ class Agent(Service):
                 raise
             except Exception:
                 log.exception("reconcile failed", extra=kv(site=self.site))
+
+    def _placed(self) -> set[str]:
+        """The variants placement asks of this site."""
+        placement = (self.view.placement.get(self.site) if self.view is not None else None) or {}
+        return {str(v["variant_id"]) for v in placement.get("variants", [])}
 
     async def _reconcile_once(self) -> None:
         assert self.view is not None and self.host is not None

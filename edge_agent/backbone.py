@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from edge_agent.batching import Batcher, Part
+from edge_agent.batching import Batcher, InferFn, Part
 from mesh.errors import Overloaded
 from variant_store.runtimes.base import Runtime
 
@@ -90,6 +90,16 @@ class BackboneBatcher(Batcher):
 
     def add_head(self, lane: str, head: Runtime, compute_ms: ComputeFn) -> None:
         self._heads[lane] = (head, head.input_specs[0].name, compute_ms)
+
+    def infer_for(self, lane: str) -> InferFn:
+        """The backbone then ``lane``'s head, on one batch (raises ``Overloaded`` if the head is not loaded)."""
+        def run(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            head = self._heads.get(lane)
+            if head is None:
+                raise Overloaded(f"head {lane} is not loaded on backbone {self.variant_id}")
+            runtime, in_name, _ = head
+            return runtime.run_checked_sync({in_name: self._base.run_checked_sync(inputs)[self._feature]})
+        return run
 
     async def remove_head(self, lane: str, wait_s: float = 10.0) -> None:
         """Stop routing rows to ``lane``; returns once no batch that may still use its head runs,

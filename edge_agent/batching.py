@@ -12,8 +12,9 @@ computes. So a request that the loop would run *at once and alone* anyway (nothi
 batch running, no window to open for companions) runs on the event-loop thread instead, when the
 variant's profile says it takes at most ``INLINE_MAX_MS``. That is the whole bound: the loop is
 blocked no longer than a tick of its own overhead, and only when nothing else is batching.
-A profile can be wrong (a lock in the runtime, a device), so every inline run is timed. One
-that blocked the loop over ``INLINE_BLOCK_MS``, or inline runs over ``INLINE_STALL_MS`` becoming
+A profile can be wrong (a lock in the runtime, a device), so every inline run is timed. Two
+that blocked the loop over ``INLINE_BLOCK_MS`` with no fast run between (one alone is what a preempted
+thread on a busy machine looks like), or inline runs over ``INLINE_STALL_MS`` becoming
 the rule rather than the exception (a moving share above one half; from none, six slow runs in
 a row), turn inline runs off for ``INLINE_BACKOFF_S``, doubled each further time (up to
 ``INLINE_BACKOFF_MAX_S``) until ``INLINE_CLEAN_RUNS`` inline runs in a row stay fast. A variant
@@ -151,6 +152,7 @@ class Batcher:
         self._inline_slow = 0.0  # moving share of inline runs over INLINE_STALL_MS
         self._inline_clean = 0
         self.membership: deque[tuple[str, ...]] = deque(maxlen=MEMBERSHIP_KEPT)
+        self._inline_blocked = False  # the last slow inline run blocked the loop over INLINE_BLOCK_MS
 
     def start(self) -> None:
         if self._task is None:
@@ -181,6 +183,10 @@ class Batcher:
     @property
     def queued_rows(self) -> int:
         return self._queued_rows
+
+    def infer_for(self, lane: str) -> InferFn:
+        """What a batch of ``lane`` runs, end to end (for a site timing a variant itself, outside the queue)."""
+        return self._infer
 
     def expected_wait_ms(self, now: float | None = None) -> float:
         """Time a new request would wait before its batch starts computing."""
@@ -268,6 +274,7 @@ class Batcher:
                 self._inline_stalled(took_ms, done)
             else:
                 self._inline_slow *= 0.875
+                self._inline_blocked = False
                 self._inline_clean += 1
                 if self._inline_clean == INLINE_CLEAN_RUNS:
                     self._inline_backoff_s = INLINE_BACKOFF_S
@@ -295,8 +302,14 @@ class Batcher:
     def _inline_stalled(self, took_ms: float, now: float) -> None:
         self._inline_clean = 0
         self._inline_slow = 0.875 * self._inline_slow + 0.125
-        if took_ms <= INLINE_BLOCK_MS and self._inline_slow <= INLINE_SLOW_SHARE:
+        blocking = took_ms > INLINE_BLOCK_MS
+        again = blocking and self._inline_blocked  # a blocking run before this one, and no fast run between
+        self._inline_blocked = self._inline_blocked or blocking
+        # one blocking run between fast ones is a preempted thread on a busy machine (the loop's own code
+        # suffers that too); a second before any fast one, or slow runs as the rule, mean the profile is wrong
+        if not again and self._inline_slow <= INLINE_SLOW_SHARE:
             return
+        self._inline_blocked = False
         # the profile is wrong here: keep off the loop, longer after each time
         self._inline_slow = 0.0
         self._inline_off_until = now + self._inline_backoff_s
@@ -340,8 +353,11 @@ class Batcher:
                 break
             waited = True
             self._wake.clear()
+            # asyncio.timeout, not wait_for: 3.11's wait_for swallows a cancel that lands as the event is set,
+            # and stop() would wait on this loop for ever (and it wraps the wait in a task of its own)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), wait)
+                async with asyncio.timeout(wait):
+                    await self._wake.wait()
         if self._skip_windows:
             self._skip_windows -= 1
         elif waited:

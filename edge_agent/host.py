@@ -47,7 +47,7 @@ from mesh.lifecycle import cancel_and_wait
 from mesh.log import get_logger, kv
 from variant_store.blobs import sha256_file
 from variant_store.fetch import fetch_blob
-from variant_store.meta import VariantMeta
+from variant_store.meta import Profile, VariantMeta
 from variant_store.runtimes import open_runtime
 from variant_store.runtimes.base import Runtime
 
@@ -147,7 +147,9 @@ class VariantHost:
         self.evictions = 0
         self.bases: dict[InstanceKey, _Backbone] = {}   # backbone instances: (blob digest, isolated_for)
         # measured at the last load in this process: variant id (or "base:<digest>") -> bytes
-        self._measured: dict[str, int] = {}
+        self._measured_bytes: dict[str, int] = {}
+        # timings this site measured itself for variants the catalog has no profile of its class for
+        self.self_profiles: dict[str, Profile] = {}
 
     # -- what is loaded ----------------------------------------------------------------------
     @property
@@ -162,7 +164,7 @@ class VariantHost:
 
     def measured_memory(self) -> dict[str, int]:
         """Bytes each variant measured when last loaded here (backbones as ``base:<digest>``)."""
-        return dict(self._measured)
+        return dict(self._measured_bytes)
 
     def memory_by_instance(self) -> dict[str, int]:
         """Bytes each loaded instance holds now: heads without their backbone, strict instances as
@@ -176,15 +178,22 @@ class VariantHost:
         return {k: frozenset(b.holders) for k, b in self.bases.items()}
 
     def _compute_fn(self, meta: VariantMeta) -> tuple[Callable[[int], float], float]:
-        prof = meta.profiles.get(self.hardware_class) or next(iter(meta.profiles.values()), None)
-        if prof is None:
-            return (lambda n: 1.0 + 0.1 * n), 1.0
-        return prof.compute_ms, prof.load_ms
+        own = meta.profiles.get(self.hardware_class)
+        if own is not None:
+            return own.compute_ms, own.load_ms
+        fallback = next(iter(meta.profiles.values()), None)
+
+        def compute(n: int) -> float:  # looked up per batch: a self-measured profile may arrive later
+            # a head's self-measured time includes its backbone, which its backbone batcher times itself
+            prof = (None if meta.shared_base_digest else self.self_profiles.get(meta.variant_id)) or fallback
+            return prof.compute_ms(n) if prof is not None else 1.0 + 0.1 * n
+
+        return compute, fallback.load_ms if fallback is not None else 1.0
 
     def _estimate(self, meta: VariantMeta) -> int:
         """Bytes a load of ``meta`` will take: measured here before, else its profile's peak, else its file."""
-        if meta.variant_id in self._measured:
-            return self._measured[meta.variant_id]
+        if meta.variant_id in self._measured_bytes:
+            return self._measured_bytes[meta.variant_id]
         peak = max((p.peak_memory_bytes for p in meta.profiles.values()), default=0)
         return max(peak, meta.size_bytes)
 
@@ -237,7 +246,7 @@ class VariantHost:
             bkey = (meta.shared_base_digest, isolated_for) if meta.shared_base_digest else None
             need = self._estimate(meta)
             if bkey is not None and bkey not in self.bases:
-                need += self._measured.get(f"base:{bkey[0]}", base_path.stat().st_size if base_path else 0)
+                need += self._measured_bytes.get(f"base:{bkey[0]}", base_path.stat().st_size if base_path else 0)
             # heads on the backbone this one joins stay: evicting them would free nothing it can use
             protect = ({h for h, lv in self.instances.items() if lv.base == bkey} if bkey in self.bases else set())
             await self._make_room(meta.variant_id, need, protect)
@@ -262,7 +271,7 @@ class VariantHost:
         """Open the session (and the backbone instance if it has none yet); the caller holds the lock."""
         runtime = open_runtime(meta.format, head_path, intra_op_threads=1)
         await runtime.load()
-        self._measured[meta.variant_id] = runtime.memory_bytes
+        self._measured_bytes[meta.variant_id] = runtime.memory_bytes
         compute, _ = self._compute_fn(meta)
         max_batch = max(meta.batch_sizes) if meta.batch_sizes else 32
         batcher: Batcher
@@ -290,7 +299,7 @@ class VariantHost:
     async def _open_backbone(self, bkey: InstanceKey, path: Path, max_batch: int) -> _Backbone:
         base = open_runtime("onnx", path, intra_op_threads=1)
         await base.load()
-        self._measured[f"base:{bkey[0]}"] = base.memory_bytes
+        self._measured_bytes[f"base:{bkey[0]}"] = base.memory_bytes
         try:
             compute = await asyncio.get_running_loop().run_in_executor(self.executor, measure_compute_ms, base)
         except BaseException:

@@ -272,13 +272,12 @@ class AsyncClient:
                 raise BadTensor(f"task {task} takes inputs {[s.name for s in sig.inputs]}; pass a dict")
             named = {sig.inputs[0].name: inputs}
         tensors, shape_key = wire.prepare(named, sig)
-        # types are part of the key: 20 == 20.0 but they are written differently
-        key: tuple[Any, ...] = (task, shape_key, latency_ms, type(latency_ms), min_accuracy,
-                                type(min_accuracy), max_cost, type(max_cost), prefer, self.tenant, self.timeout, trace)
         plan = None
-        if not shape_key:
-            key = ()
-        elif request_id is None and self.binary:
+        key: tuple[Any, ...] = ()
+        if shape_key and request_id is None and self.binary:
+            # types are part of the key: 20 == 20.0 but they are written differently
+            key = (task, shape_key, latency_ms, type(latency_ms), min_accuracy, type(min_accuracy), max_cost,
+                   type(max_cost), prefer, self.tenant, self.timeout, trace)
             try:
                 plan = self._plans.get(key)
             except TypeError:  # an unhashable argument: encode it in full, let the edge judge it

@@ -54,6 +54,7 @@ from mesh.pki.files import write_file
 from mesh.pki.identity import Identity
 from mesh.pki.local import LocalPki
 from mesh.types import DEFAULT_TENANT
+from tiermesh.caps import CpuCgroups, SiteCaps, machine_memory_mb, plan_caps
 from tiermesh.control import ControlOptions, ControlProcesses, PrefixedEtcd, terminate
 from tiermesh.delayproxy import LinkShape, ProxyPool
 from tiermesh.drills import crosses_link
@@ -130,6 +131,10 @@ class MeshOptions:
     tls: bool = False                # edge APIs over mutual TLS, certificates issued into home/pki
     # CURVE between sites: a CA in <home>/pki (made if missing) and a certificate + CURVE key per site
     curve: bool = False
+    # each agent gets the CPU (a cgroup quota) and model memory its topology entry declares, scaled to this
+    # machine (:mod:`tiermesh.caps`); where cgroups are not writable the sites run uncapped and say so
+    caps: bool = False
+    machine_cpus: float | None = None   # with caps: the cores to share out (None: this process's CPUs)
     # the text family's encoders (None: none; else the backbones, [] meaning all): built once into a
     # cache (``variant_store.build_text``), so off by default for tests that serve digits only
     text_backbones: list[str] | None = None
@@ -181,6 +186,8 @@ class LocalMesh(Service):
         self.pki = LocalPki.under(opts.home) if opts.tls else None
         self.creds = MeshCredentials(self.pki) if self.pki is not None else None
         self._sched_store: Store | None = None     # the in-process scheduler's own etcd identity (with tls)
+        self.site_caps: dict[str, SiteCaps] = {}
+        self.cgroups: CpuCgroups | None = None
         self.etcd_port = 2379 if opts.netns else _free_port()
         self.etcd_peer_port = 2380 if opts.netns else _free_port()
 
@@ -207,6 +214,8 @@ class LocalMesh(Service):
         for name in names:
             if name not in self.topology.sites:
                 raise ConfigError(f"site {name!r} is not in {self.opts.topology}")
+        if self.opts.caps:
+            self._plan_caps(names)
         if self.opts.netns:
             self.lab = NetnsLab(["etcd", "ctl", *names])
             await self.lab.start()
@@ -252,9 +261,13 @@ class LocalMesh(Service):
         await asyncio.gather(*(self.start_site(n) for n in names))
 
     async def _stop(self) -> None:
-        for name in list(self.sites):
-            with contextlib.suppress(Exception):
-                await self.kill_site(name, graceful=True)
+        try:
+            for name in list(self.sites):
+                with contextlib.suppress(Exception):
+                    await self.kill_site(name, graceful=True)
+        finally:  # the sites' cgroups go even when a stop above failed
+            if self.cgroups is not None:
+                self.cgroups.close()
         await self.proxies.stop()
         for step in (self.console.stop if self.console else None, self.scheduler.stop if self.scheduler else None,
                      self.variant_server.stop if self.variant_server else None):
@@ -275,6 +288,26 @@ class LocalMesh(Service):
         finally:  # the namespaces go whatever happened above (the lab kills what still runs there)
             if self.lab is not None:
                 await self.lab.stop()
+
+    def _plan_caps(self, names: list[str]) -> None:
+        """Each site's share of this machine, and a cgroup per site where cgroups are writable."""
+        cpus = self.opts.machine_cpus or float(len(os.sched_getaffinity(0)))
+        plan = plan_caps(self.topology, names, machine_cpus=cpus, machine_memory=machine_memory_mb())
+        self.cgroups = CpuCgroups()
+        how = f"cgroup {self.cgroups.version}" if self.cgroups.available else f"uncapped: {self.cgroups.why}"
+        if not self.cgroups.available:
+            log.warning("sites run without CPU caps: %s", self.cgroups.why, extra=kv(event="caps_unavailable"))
+        self.site_caps = {n: replace(c, how=how, cpu=c.cpu if self.cgroups.available else None)
+                          for n, c in plan.items()}
+
+    def caps_report(self) -> dict[str, Any]:
+        """What every site ran under (benchmarks record it beside their numbers)."""
+        if not self.opts.caps:
+            return {"capped": False, "why": "caps off (MeshOptions.caps)"}
+        assert self.cgroups is not None
+        return {"capped": self.cgroups.available, "why": self.cgroups.why,
+                "machine_cpus": self.opts.machine_cpus or len(os.sched_getaffinity(0)),
+                "sites": {n: c.to_json() for n, c in sorted(self.site_caps.items())}}
 
     async def _start_control(self) -> None:
         """The variant store and the scheduler as child processes in the ``ctl`` namespace."""
@@ -542,11 +575,20 @@ class LocalMesh(Service):
             cmd += self.creds.etcd_args(Identity("site", name))
         if not self.opts.tls:
             cmd.append("--no-edge-tls" if self.opts.curve else "--insecure")
+        caps = self.site_caps.get(name)
+        prefix = self._exec_prefix(name)
+        if caps is not None:
+            cmd += ["--model-memory-mb", str(caps.model_memory_mb)]
+            if caps.cpu is not None and self.cgroups is not None:
+                self.cgroups.create(name, caps.cpu)
+                # the cgroup first: `ip netns exec` keeps it (and remounts /sys, so the agent is told its cap too)
+                prefix = [*self.cgroups.wrap(name), *prefix]
+                cmd += ["--cpu-cap", f"{caps.cpu:.3f}"]
         env = {**os.environ, "TIERMESH_LOG_LEVEL": self.opts.agent_log_level, **self.opts.agent_env,
                **sp.extra_env}
         logf = sp.log_path.open("ab")
         try:
-            sp.proc = await asyncio.create_subprocess_exec(*self._exec_prefix(name), *cmd, stdout=logf, stderr=logf,
+            sp.proc = await asyncio.create_subprocess_exec(*prefix, *cmd, stdout=logf, stderr=logf,
                                                            env=env, stdin=asyncio.subprocess.DEVNULL)
         finally:
             logf.close()  # the child holds its own descriptor
@@ -600,6 +642,25 @@ class LocalMesh(Service):
                 return
             await asyncio.sleep(0.25)
         log.warning("placement not complete after %.0f s", timeout, extra=kv(event="placement_wait"))
+
+    async def wait_profiled(self, timeout: float = 120.0) -> dict[str, int]:  # noqa: ASYNC109
+        """Until no site has variants left to profile for its (capped) hardware class, or the timeout;
+        returns what each site still had pending (empty when all are done)."""
+        assert self.store is not None
+        deadline = time.monotonic() + timeout
+        pending: dict[str, int] = {}
+        while time.monotonic() < deadline:
+            pending = {}
+            for name in self.sites:
+                live = await self.store.get(live_key(name))
+                left = int(live.value.get("profiling_pending", 0)) if live is not None else -1
+                if left != 0:
+                    pending[name] = left
+            if not pending:
+                return {}
+            await asyncio.sleep(0.5)
+        log.warning("sites still profiling after %.0f s: %s", timeout, pending, extra=kv(event="profile_wait"))
+        return pending
 
     def edge_urls(self) -> dict[str, str]:
         return {n: sp.http for n, sp in self.sites.items()

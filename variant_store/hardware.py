@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import glob
 import importlib.util
+import os
 import platform
 import re
 import shutil
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 
 __all__ = [
     "RuntimeSupport",
+    "capped_class",
+    "cpu_cap_cores",
     "gpu_available",
     "gpu_model",
     "hardware_class_for",
@@ -181,9 +184,61 @@ def runnable_runtimes() -> list[str]:
     return [r.runtime for r in runtime_support() if r.ok]
 
 
-def local_hardware_class() -> str:
-    """``gpu-<model>`` when a CUDA device is usable by ONNX Runtime here, else ``cpu-<arch>``."""
+def local_hardware_class(cpu_cap: float | None = None) -> str:
+    """``gpu-<model>`` when a CUDA device is usable by ONNX Runtime here, else ``cpu-<arch>``; a CPU class
+    under a CPU cap of ``cpu_cap`` cores is a class of its own (:func:`capped_class`)."""
     ok, model = gpu_available()
     if ok:
         return f"gpu-{model}"
-    return f"cpu-{platform.machine().lower() or 'unknown'}"
+    return capped_class(f"cpu-{platform.machine().lower() or 'unknown'}", cpu_cap)
+
+
+def capped_class(base: str, cpu_cap: float | None) -> str:
+    """``cpu-x86_64`` under a cap of 0.25 cores is ``cpu-x86_64-cap0.25``: a capped site runs slower than
+    the machine its class names, so its timings are a profile of their own."""
+    if cpu_cap is None:
+        return base
+    return f"{base}-cap{cpu_cap:.2f}"
+
+
+def _cgroup_cpu_file(line: str) -> str | None:
+    """The quota file of one ``/proc/self/cgroup`` line, if it names the cpu controller."""
+    _, controllers, path = line.split(":", 2)
+    if controllers == "":  # cgroup v2
+        for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):
+            if os.path.exists(f"{root}{path}/cpu.max"):
+                return f"{root}{path}/cpu.max"
+        return None
+    if "cpu" not in controllers.split(","):
+        return None
+    for root in (f"/sys/fs/cgroup/{controllers}", "/sys/fs/cgroup/cpu", "/sys/fs/cgroup/cpu,cpuacct"):
+        if os.path.exists(f"{root}{path}/cpu.cfs_quota_us"):
+            return f"{root}{path}/cpu.cfs_quota_us"
+    return None
+
+
+def cpu_cap_cores() -> float | None:
+    """The CPU quota this process runs under, in cores (``None``: none, or none this process can read).
+
+    Read from its own cgroup (v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` or v2 ``cpu.max``), so a
+    site reports the cap it really has, whoever set it."""
+    try:
+        lines = open("/proc/self/cgroup").read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        try:
+            path = _cgroup_cpu_file(line)
+            if path is None:
+                continue
+            if path.endswith("cpu.max"):
+                quota, period = open(path).read().split()[:2]
+            else:
+                quota = open(path).read().strip()
+                period = open(path.replace("cfs_quota_us", "cfs_period_us")).read().strip()
+        except (OSError, ValueError):
+            continue
+        if quota in ("max", "-1") or int(quota) <= 0:
+            continue
+        return int(quota) / int(period)
+    return None

@@ -8,7 +8,8 @@ reason codes and reply flags apply to every system.
                  placer: every edge holds every variant that fits its model memory, smallest
                  first; middle and core sites hold nothing.
 - ``core-only``  router: only the core tier and, per task, the core's best variant (the most
-                 accurate public one; ties by less compute). placer: the core holds it.
+                 accurate public one, or private one for a task that has no public variant; ties by
+                 less compute). placer: the core holds it.
 - ``static``     one pinned variant per task everywhere, as a Triton user would deploy it: the
                  most accurate public variant whose batch-1 compute is within ``STATIC_COMPUTE_FACTOR``
                  (2x) of the fastest variant's on that hardware (a mid-size model, not the
@@ -94,7 +95,11 @@ def _hardware_classes(snap: MeshSnapshot, tier: str | None = None) -> list[str]:
 
 
 def _public(snap: MeshSnapshot, task: str, hw: str) -> list[VariantInfo]:
-    return [v for v in snap.variants.get(task, ()) if v.owner == "public" and v.runs_on(hw)]
+    """The variants a deployment would pin for ``task``: its public ones; for a task whose variants are
+    all private (a tenant's own task, such as its head on a shared encoder), those: a core-only or static
+    deployment serves a tenant's own models too (routing still admits only the tenant they belong to)."""
+    runnable = [v for v in snap.variants.get(task, ()) if v.runs_on(hw)]
+    return [v for v in runnable if v.owner == "public"] or runnable
 
 
 def best_core_variant(snap: MeshSnapshot, task: str) -> VariantInfo | None:

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
 
-__all__ = ["SCHEMA_VERSION", "DemandSample", "Heartbeat", "LoadedVariant", "PublishPolicy", "same_usage", "why_publish"]
+__all__ = ["SCHEMA_VERSION", "DemandSample", "Heartbeat", "LoadedVariant", "MeasuredProfile", "PublishPolicy",
+           "same_usage", "why_publish"]
 
 SCHEMA_VERSION = 1
 
@@ -74,6 +75,25 @@ class DemandSample:
 
 
 @dataclass(frozen=True, slots=True)
+class MeasuredProfile:
+    """A variant's timings measured by the site itself, under its own caps, for its hardware class
+    (published while the catalog has no profile for that class). ``p50_ms``: batch size -> median ms."""
+
+    load_ms: float
+    p50_ms: Mapping[int, float]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"load_ms": self.load_ms, "p50_ms": {str(b): ms for b, ms in self.p50_ms.items()}}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> MeasuredProfile:
+        p50 = {int(b): _num(ms, "p50_ms") for b, ms in dict(d["p50_ms"]).items()}
+        if not p50 or any(b < 1 or ms < 0 for b, ms in p50.items()):
+            raise ValueError(f"a measured profile needs batch sizes >= 1 and times >= 0, got {p50}")
+        return cls(load_ms=_num(d.get("load_ms", 0.0), "load_ms"), p50_ms=p50)
+
+
+@dataclass(frozen=True, slots=True)
 class Heartbeat:
     site: str
     ts: float = 0.0                               # the writer's wall clock: for people, never compared
@@ -103,6 +123,9 @@ class Heartbeat:
     # measured network round trip to each peer it forwarded to (EWMA, ms, remote time removed): the console's
     # link labels; routing keeps its own correction and does not read this
     peer_rtt_ms: Mapping[str, float] = field(default_factory=dict)
+    cpu_cap: float | None = None                  # cores its cgroup allows (None: uncapped)
+    profiles: Mapping[str, MeasuredProfile] = field(default_factory=dict)  # variant -> self-measured
+    profiling_pending: int = 0                    # variants it has still to profile for its class
 
     @property
     def memory_free_bytes(self) -> int:
@@ -127,6 +150,8 @@ class Heartbeat:
             out["demand"] = [asdict(d) for d in self.demand]
         if self.peer_rtt_ms:
             out["peer_rtt_ms"] = {k: round(v, 3) for k, v in self.peer_rtt_ms.items()}
+        if self.profiles:
+            out["profiles"] = {vid: p.to_json() for vid, p in self.profiles.items()}
         return out
 
     @classmethod
@@ -151,19 +176,25 @@ class Heartbeat:
         rtts = d.get("peer_rtt_ms") or {}
         if not isinstance(rtts, Mapping):
             raise TypeError("heartbeat 'peer_rtt_ms' must be an object")
-        known = {f.name for f in fields(cls)} - {"loaded", "demand", "peer_rtt_ms"}
+        profiles = d.get("profiles")
+        profiles = {} if profiles is None else profiles
+        if not isinstance(profiles, Mapping):
+            raise TypeError("heartbeat 'profiles' must be an object")
+        known = {f.name for f in fields(cls)} - {"loaded", "demand", "peer_rtt_ms", "profiles"}
         scalars = {k: v for k, v in d.items() if k in known}
         hb = cls(**scalars, loaded={str(vid): LoadedVariant.from_json(v) for vid, v in loaded.items()},
                  demand=tuple(DemandSample.from_json(x) for x in demand),
-                 peer_rtt_ms={str(k): _num(v, "peer_rtt_ms") for k, v in rtts.items()})
+                 peer_rtt_ms={str(k): _num(v, "peer_rtt_ms") for k, v in rtts.items()},
+                 profiles={str(vid): MeasuredProfile.from_json(p) for vid, p in profiles.items()})
         return replace(hb, capacity=max(1, int(hb.capacity)), inflight=int(hb.inflight),
                        memory_used_bytes=int(hb.memory_used_bytes),
                        model_memory_budget_bytes=int(hb.model_memory_budget_bytes),
                        ts=_num(hb.ts, "ts"), gpu=bool(hb.gpu),
-                       curve_key=None if hb.curve_key is None else str(hb.curve_key))
+                       curve_key=None if hb.curve_key is None else str(hb.curve_key),
+                       cpu_cap=None if hb.cpu_cap is None else _num(hb.cpu_cap, "cpu_cap"))
 
 
-_DEFAULTS: dict[str, Any] = {f.name: ({} if f.name == "loaded" else () if f.name == "demand" else f.default)
+_DEFAULTS: dict[str, Any] = {f.name: (f.default_factory() if f.default_factory is not MISSING else f.default)
                              for f in fields(Heartbeat)}
 _LV_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(LoadedVariant) if f.name != "task"}
 
@@ -191,7 +222,8 @@ def _moved(a: float, b: float, rel: float, floor: float) -> bool:
 
 def _identity(h: Heartbeat) -> tuple[Any, ...]:
     return (h.tier, h.hardware_class, h.declared_hardware_class, h.gpu, h.gpu_note, h.endpoint, h.curve_key,
-            h.http, h.capacity, h.model_memory_budget_bytes, h.memory_total_bytes, h.degraded)
+            h.http, h.capacity, h.model_memory_budget_bytes, h.memory_total_bytes, h.degraded, h.cpu_cap,
+            h.profiling_pending, tuple(sorted(h.profiles)))
 
 
 def why_publish(last: Heartbeat | None, new: Heartbeat, policy: PublishPolicy = PublishPolicy()) -> str | None:

@@ -2,10 +2,15 @@
 
 A site's hardware class is the one its heartbeat reports (what it really runs on: a core site
 without a GPU says ``cpu-...``), falling back to the class the topology declares. Profiles are
-keyed by real hardware classes, so a site is never credited with hardware it does not have.
+keyed by real hardware classes, so a site is never credited with hardware it does not have. A class
+the catalog has no profile for (a site under a CPU cap of its own) takes the timings its sites measured
+themselves and published in their heartbeats, until the catalog has one.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -65,7 +70,9 @@ class SnapshotBuilder:
         self._sites: dict[str, SiteInfo] = {}
         self._loads: dict[str, SiteLoad] = {}
         self._live_rev: dict[str, int] = {}
-        self._variants_key: tuple[int, int, int] | None = None
+        self._measured: dict[str, tuple[str | None, tuple[str, ...]] | None] = {}  # site -> profiled class, vids
+        self._measured_rev = 0
+        self._variants_key: tuple[int, int, int, int] | None = None
         self._variants: dict[str, tuple[VariantInfo, ...]] = {}
         self._placement_key: tuple[int, int] | None = None
         self._placement: dict[str, frozenset[str]] = {}
@@ -86,6 +93,10 @@ class SnapshotBuilder:
             self._loads.pop(name, None)
         else:
             self._loads[name] = site_load_from_record(name, rec)
+        measured = (rec.hardware_class, tuple(sorted(rec.profiles))) if rec is not None and rec.profiles else None
+        if self._measured.get(name) != measured:
+            self._measured[name] = measured
+            self._measured_rev += 1
         self.site_updates += 1
 
     def _topology_changed(self, topo: Topology) -> None:
@@ -128,7 +139,8 @@ class SnapshotBuilder:
             # first one has come back through the watch (tables built then would count us dead)
             self._live_rev[here] = -1  # our heartbeat, when it comes back, is applied again
             self._site(here, local_loads)
-        vkey = (view.generation, view.revisions.get("variant", 0), id(topo))  # strict tenants come from the topology
+        # strict tenants come from the topology; timings a capped site measured itself from its heartbeat
+        vkey = (view.generation, view.revisions.get("variant", 0), id(topo), self._measured_rev)
         if vkey != self._variants_key:
             self._variants_key = vkey
             by_task: dict[str, list[VariantInfo]] = {}
@@ -138,6 +150,10 @@ class SnapshotBuilder:
             strict = {t.name for t in topo.tenants.values() if t.isolation == "strict"}
             infos = [VariantInfo.from_meta(m, base_bytes=blob_bytes.get(m.shared_base_digest or "", 0),
                                            isolated=m.owner in strict) for m in metas]
+            records = dict(live)
+            if here is not None and local_loads is not None:
+                records[here] = local_loads
+            infos = _with_measured(infos, [records[n] for n in sorted(records) if n in topo.sites])
             for v in sorted(infos, key=lambda v: (v.task, v.variant_id)):
                 by_task.setdefault(v.task, []).append(v)
             self._variants = {t: tuple(vs) for t, vs in by_task.items()}
@@ -175,3 +191,25 @@ class SnapshotBuilder:
                             rtt_ms=rtt, bandwidth_mbps=paths.bandwidth_mbps, site_index=index,
                             placement=placement, margin_ms=self._margin,
                             store_site=store_site if isinstance(store_site, str) and store_site in index else None)
+
+
+def _with_measured(variants: list[VariantInfo], records: Any) -> list[VariantInfo]:
+    """``variants`` with the self-measured profiles of heartbeats added for classes the catalog lacks
+    (the first site of a class to publish one is used: same class, same cap, same machine)."""
+    extra: dict[str, dict[str, Any]] = {}
+    for rec in records:
+        hw = rec.hardware_class
+        if hw:
+            for vid, prof in rec.profiles.items():
+                extra.setdefault(vid, {}).setdefault(hw, prof)
+    if not extra:
+        return variants
+    out = []
+    for v in variants:
+        add = {hw: p for hw, p in extra.get(v.variant_id, {}).items() if hw not in v.compute_ms}
+        if add:
+            v = replace(v, compute_ms={**v.compute_ms, **{hw: dict(p.p50_ms) for hw, p in add.items()}},
+                        load_ms={**v.load_ms, **{hw: p.load_ms for hw, p in add.items()}})
+        out.append(v)
+    return out
+

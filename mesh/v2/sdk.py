@@ -62,8 +62,8 @@ def _numpy_input(name: str, value: Any, spec: Any) -> np.ndarray:
             raise BadTensor(f"input {name!r}: values are not {spec.dtype if spec else 'a tensor'}: {exc}") from exc
         if spec is not None:
             arr = arr.reshape(fit_shape(arr.shape, spec.shape))
-    # numpy str_/bytes_ arrays (np.array(["a", "b"])) are the BYTES tensor a text task takes
-    return as_bytes_tensor(arr) if arr.dtype.kind in "US" else arr
+    # numpy str_/bytes_/object arrays (np.array(["a", "b"])) are the BYTES tensor a text task takes
+    return as_bytes_tensor(arr) if arr.dtype.kind in "USO" else arr
 
 
 def _plain_input(name: str, value: Any, spec: Any) -> Tensor:

@@ -111,8 +111,8 @@ async def test_busy_batcher_queues_instead_of_running_inline(pool: ThreadPoolExe
         await b.stop()
 
 
-async def test_a_profile_that_lies_blocks_the_loop_once(pool: ThreadPoolExecutor) -> None:
-    """The profile says 10 µs, a run takes 40 ms: after that one run, the executor takes over."""
+async def test_a_profile_that_lies_blocks_the_loop_twice(pool: ThreadPoolExecutor) -> None:
+    """The profile says 10 µs, a run takes 40 ms: after a second such run, the executor takes over."""
     rec = _Recorder(sleep_s=batching.INLINE_BLOCK_MS * 2 / 1000.0)
     b = Batcher("liar", rec, executor=pool, compute_ms=lambda n: 0.01, max_batch=1)
     b.start()
@@ -120,8 +120,23 @@ async def test_a_profile_that_lies_blocks_the_loop_once(pool: ThreadPoolExecutor
         for _ in range(5):
             await b.submit({"x": X}, time.monotonic() + 5)
         here = threading.get_ident()
-        assert rec.threads[0] == here and all(t != here for t in rec.threads[1:]), rec.threads
-        assert b.inline_runs == 1
+        assert rec.threads[:2] == [here, here] and all(t != here for t in rec.threads[2:]), rec.threads
+        assert b.inline_runs == 2
+    finally:
+        await b.stop()
+
+
+async def test_one_blocking_run_between_fast_ones_keeps_inline_runs(pool: ThreadPoolExecutor) -> None:
+    """A preempted thread: one run blocks the loop for 40 ms, the runs around it are fast."""
+    rec = _Recorder()
+    b = Batcher("preempted", rec, executor=pool, compute_ms=lambda n: 0.01, max_batch=1)
+    b.start()
+    try:
+        for i in range(6):
+            rec.sleep_s = batching.INLINE_BLOCK_MS * 2 / 1000.0 if i == 2 else 0.0
+            await b.submit({"x": X}, time.monotonic() + 5)
+        here = threading.get_ident()
+        assert rec.threads == [here] * 6 and b.inline_runs == 6, rec.threads
     finally:
         await b.stop()
 

@@ -323,15 +323,21 @@ async def test_blob_fetches_travel_each_sites_path_to_the_variant_store(small_me
     paths = topology_paths(small_mesh.topology)
     proxies = small_mesh.proxies.proxies
     assert ("core-eu", BLOB_PEER) not in proxies  # the store's own site fetches locally
+    through_path = []
     for site in ("edge-fra-1", "edge-par-1", "mid-eu"):
         peers = json.loads((small_mesh.opts.home / "sites" / site / "peers.json").read_text())
         proxy = proxies[(site, BLOB_PEER)]
         assert peers[BLOB_PEER] == f"http://127.0.0.1:{proxy.port}"
         kv = await store.get(live_key(site))
         assert kv is not None and kv.value["loaded"], site
-        assert proxy.bytes_forwarded > 0, f"{site} loaded variants without fetching through its path"
+        if proxy.bytes_forwarded == 0:
+            # it fetched every blob from a peer that already held it (edge_agent.blobs), before the store
+            continue
+        through_path.append(site)
         rtt = paths.rtt(site, "core-eu")
         # every load fetched at least one blob over the path (a shared backbone is fetched once,
         # so a head may load without a fetch of its own): the slowest load paid a round trip
         slowest = max(float(v["load_ms"]) for v in kv.value["loaded"].values())
         assert slowest >= rtt, (site, rtt, kv.value["loaded"])
+    # the first site to need a blob has no peer holding it: at least one fetched over its path to the store
+    assert through_path, "no site fetched through its path to the variant store"

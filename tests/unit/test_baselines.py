@@ -167,3 +167,20 @@ def test_infaas_placer_is_reactive_and_network_blind() -> None:
     assert "acme.head" not in {x for vs in b.infaas_placer(s, floor, {}, [cheap]).values() for x in vs}
     now = dataclasses.replace(cheap, qps=3.0, forecast_qps=0.0)
     assert "acme.head" in {x for vs in b.infaas_placer(s, floor, {}, [now]).values() for x in vs}
+
+
+def test_a_task_with_only_private_variants_is_pinned_for_its_tenant() -> None:
+    """A tenant's own task (its heads on a shared encoder): core-only and static serve it, to that tenant."""
+    text = [dataclasses.replace(v("topic.small", 0.68, 0.5, 16, owner="acme"), task="topic"),
+            dataclasses.replace(v("topic.large", 0.78, 2.0, 90, owner="acme"), task="topic")]
+    loads = [SiteLoad(s.name, loaded=frozenset(x.variant_id for x in text), capacity=s.slots,
+                      memory_free_bytes=s.memory_bytes // 2) for s in sites({})]
+    s = MeshSnapshot.from_parts(sites({}), [*VARIANTS, *text], loads, LINKS, version=3)
+    best = b.best_core_variant(s, "topic")
+    assert best is not None and best.variant_id == "topic.large"
+    assert b.best_core_variant(s, "digits").variant_id == "big.fp32"  # type: ignore[union-attr]  # public first
+    ask = Query("topic", tenant="acme", budget_ms=300, min_accuracy=0.75)
+    d = b.core_only_router(s, "edge-a").decide(ask)
+    assert (d.site, d.variant_id, d.best_effort) == ("core", "topic.large", False)
+    pinned = b.static_variant(s, "topic", HW, factor=6.0)
+    assert pinned is not None and pinned.variant_id == "topic.large"

@@ -51,6 +51,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--no-edge-tls", action="store_true",
                    help="the edge API over plain HTTP (tenant from the header) while site-to-site links keep "
                         "CURVE: for an agent behind a TLS-terminating proxy that sets the header, and for tests")
+    p.add_argument("--cpu-cap", type=float, default=None, metavar="CORES",
+                   help="the CPU cap the launcher set for this agent (cores), used when the agent cannot read its "
+                        "own cgroup (in a network namespace /sys is remounted); its hardware class names the cap")
+    p.add_argument("--model-memory-mb", type=int, default=None, metavar="MIB",
+                   help="model-memory budget this agent enforces (default: a share of the site's declared memory)")
     p.add_argument("--ready-file", type=Path, default=None,
                    help="write {http, zmq} here once serving (for harnesses)")
     p.add_argument("--probe", action="store_true",
@@ -93,7 +98,9 @@ def agent_config(args: argparse.Namespace, settings: MeshSettings) -> AgentConfi
                        trace_sample_rate=settings.agent_trace_sample_rate,
                        trace_buffer=settings.agent_trace_buffer,
                        tls=not (getattr(args, "insecure", False) or getattr(args, "no_edge_tls", False)),
-                       pki_dir=getattr(args, "pki_dir", None), insecure=bool(getattr(args, "insecure", False)))
+                       pki_dir=getattr(args, "pki_dir", None), insecure=bool(getattr(args, "insecure", False)),
+                       cpu_cap=getattr(args, "cpu_cap", None),
+                       model_memory_mb=getattr(args, "model_memory_mb", None))
 
 
 INSECURE_WARNING = ("WARNING: --insecure: the edge API speaks plain HTTP and believes the X-Tiermesh-Tenant "

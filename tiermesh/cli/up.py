@@ -72,6 +72,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--etcd-members", type=int, default=1, metavar="N",
                    help="run the embedded etcd as an N-member cluster (1 or 3; not with --netns yet); every "
                         "process gets all members' URLs and fails over between them")
+    p.add_argument("--no-caps", action="store_true",
+                   help="run every agent uncapped. Default: each site's agent gets the CPU (a cgroup quota) and model "
+                        "memory its topology entry declares, scaled to this machine (uncapped, and said so, where "
+                        "cgroups are not writable)")
     p.add_argument("--insecure", action="store_true",
                    help="edge APIs over plain HTTP, tenant from the X-Tiermesh-Tenant header (development only: "
                         "anyone can claim any tenant). Default: HTTPS with client certificates from HOME/pki")
@@ -102,7 +106,7 @@ async def run_up(args: argparse.Namespace) -> int:
     if not 0 <= args.console_port <= 65535:
         raise ConfigError(f"--console-port {args.console_port}: a port is 0..65535")
     opts = MeshOptions(topology=args.topology, home=home, wan=not args.no_wan, netns=args.netns,
-                       etcd_members=args.etcd_members, tls=not args.insecure,
+                       etcd_members=args.etcd_members, tls=not args.insecure, caps=not args.no_caps,
                        text_backbones=None if args.no_text else [],
                        console=not (args.no_console or args.netns), console_port=args.console_port)
     if args.insecure:
@@ -126,12 +130,20 @@ async def run_up(args: argparse.Namespace) -> int:
         # other commands on this home (`tiermesh topology apply`, ...) find it, as the local operator
         files = mesh.creds.files(OPERATOR) if mesh.creds is not None else {}
         write_record(home, os.getpid(), mesh.etcd_url, **files)
+        if mesh.cgroups is not None and mesh.cgroups.available:
+            with console.status("capped sites timing their variants under their caps (their class is new)..."):
+                # bounded: a site still timing its large variants serves the rest meanwhile (and says so)
+                await mesh.wait_profiled(timeout=45)
         with console.status("waiting for placement to warm the sites..."):
             await mesh.wait_placed(timeout=60)
         console.print(f"[bold green]mesh up[/] in {time.perf_counter() - t_start:.1f} s — etcd {mesh.etcd_url}")
         for name, sp in sorted(mesh.sites.items()):
             tier = mesh.topology.sites[name].tier
             console.print(f"  {tier:6s} {name:14s} http {sp.http}  zmq {sp.zmq}")
+            caps = mesh.site_caps.get(name)
+            console.print(f"  {'':6s} {'':14s} caps: {caps.describe() if caps else 'none (--no-caps)'}")
+        if mesh.cgroups is not None and not mesh.cgroups.available:
+            console.print(f"[bold yellow]sites run WITHOUT CPU caps:[/] {mesh.cgroups.why}")
         if mesh.pki is not None:
             paths = mesh.pki.paths
             console.print(f"mutual TLS: CA {paths.ca_cert}; tenant certificates ({', '.join(mesh.tenants())}) in "

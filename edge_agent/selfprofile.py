@@ -1,0 +1,181 @@
+"""A site measures, under its own caps, the variants its hardware class has no profile for.
+
+Profiles are keyed by hardware class, and a site under a CPU cap is a class of its own
+(``cpu-x86_64-cap0.25``): the catalog's profiles were measured elsewhere (uncapped, by the builder), and
+routing does not run a variant on a class it has no timings for. Rather than leave such a site unusable
+until someone reprofiles by hand, its agent profiles each such variant itself on first load: it loads it
+through the host (the memory budget holds), times the very function a batch runs at batch sizes 1 and 8
+(bounded runs and seconds; larger batches are extrapolated, as routing does past a profile's largest
+size: a six-layer encoder at batch 32 takes seconds under an edge's cap), keeps the variant only if
+placement wants it or a query used it meanwhile, and publishes the timings in its heartbeat
+(``profiles``), where every snapshot builder reads them for that class until the catalog has a profile
+of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from core_scheduler.state.heartbeat import MeasuredProfile
+from core_scheduler.state.view import MeshView
+from edge_agent.batching import InferFn
+from edge_agent.host import VariantHost
+from mesh.errors import MeshError, Overloaded
+from mesh.log import get_logger, kv
+from mesh.types import TaskSignature
+from variant_store.meta import LatencyStats, Profile, VariantMeta
+
+__all__ = ["SelfProfiler", "sample_inputs", "time_batches"]
+
+log = get_logger(__name__)
+
+# a sentence for text inputs (BYTES): timing depends on its length in tokens, not on its words
+_SAMPLE_TEXT = b"the central bank held interest rates steady as markets waited for new inflation figures"
+
+
+def sample_inputs(sig: TaskSignature, batch: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Inputs of ``sig``'s shapes for ``batch`` rows: uniform [0, 1) floats, zero integers, a sentence
+    for text. Timing needs the shapes and types, not labelled data."""
+    rng = np.random.default_rng(seed)
+    out: dict[str, np.ndarray] = {}
+    for spec in sig.inputs:
+        shape = (batch, *(d if d > 0 else 1 for d in spec.shape[1:]))
+        dtype = spec.dtype.lower()
+        if dtype in ("object", "bytes", "str", "string"):
+            out[spec.name] = np.full(shape, _SAMPLE_TEXT, dtype=object)
+        elif dtype.startswith(("float", "bfloat")):
+            out[spec.name] = rng.random(shape).astype(dtype)
+        else:
+            out[spec.name] = np.zeros(shape, dtype=dtype)
+    return out
+
+
+def time_batches(infer: InferFn, inputs_for: Callable[[int], dict[str, np.ndarray]], batch_sizes: tuple[int, ...],
+                 *, repeats: int = 20, time_budget_s: float = 0.25) -> dict[int, LatencyStats]:
+    """Median and p99 ms of ``infer`` at each batch size, after one warm-up run; at most ``repeats`` runs
+    and about ``time_budget_s`` seconds per batch size (at least one run)."""
+    out: dict[int, LatencyStats] = {}
+    for bs in batch_sizes:
+        x = inputs_for(bs)
+        infer(x)
+        times: list[float] = []
+        deadline = time.perf_counter() + time_budget_s
+        for _ in range(max(1, repeats)):
+            t0 = time.perf_counter()
+            infer(x)
+            times.append((time.perf_counter() - t0) * 1000.0)
+            if time.perf_counter() > deadline:
+                break
+        arr = np.asarray(times)
+        out[bs] = LatencyStats(p50_ms=float(np.percentile(arr, 50)), p99_ms=float(np.percentile(arr, 99)))
+    return out
+
+
+class SelfProfiler:
+    """Profiles this site's missing variants one at a time; :meth:`run` is its loop (it never dies)."""
+
+    def __init__(self, site: str, host: VariantHost, view: MeshView, *, wanted: Callable[[], set[str]],
+                 batch_sizes: tuple[int, ...] = (1, 8), time_budget_s: float = 0.25) -> None:
+        self.site = site
+        self.host = host
+        self.view = view
+        self.wanted = wanted              # variants placement asks of this site (kept loaded after timing)
+        self.batch_sizes = batch_sizes
+        self.time_budget_s = time_budget_s
+        self.failed: dict[str, str] = {}  # variant -> why it cannot run here (not retried)
+        self.no_room: set[str] = set()    # did not fit the memory budget when last tried (tried again)
+        self._wake = asyncio.Event()
+
+    @property
+    def hardware_class(self) -> str:
+        return self.host.hardware_class
+
+    def published(self) -> dict[str, MeasuredProfile]:
+        """What the heartbeat carries: self-measured timings the catalog still lacks for this class."""
+        out = {}
+        for vid, prof in self.host.self_profiles.items():
+            meta = self._meta(vid)
+            if meta is not None and self.hardware_class not in meta.profiles:
+                out[vid] = MeasuredProfile(load_ms=round(prof.load_ms, 2),
+                                           p50_ms={b: round(s.p50_ms, 4) for b, s in prof.latency.items()})
+        return out
+
+    def _meta(self, variant_id: str) -> VariantMeta | None:
+        for vs in self.view.variants.values():
+            if variant_id in vs:
+                return vs[variant_id]
+        return None
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    @property
+    def pending(self) -> int:
+        """Variants still to profile here, not counting those that do not fit this site's memory."""
+        return sum(1 for m in self.missing() if m.variant_id not in self.no_room)
+
+    def missing(self) -> list[VariantMeta]:
+        """Variants with no profile for this class, neither measured here nor failed: those placement wants
+        here first, then the rest smallest first."""
+        out = [m for vs in self.view.variants.values() for m in vs.values()
+               if self.hardware_class not in m.profiles and m.variant_id not in self.host.self_profiles
+               and m.variant_id not in self.failed and m.task in self.view.signatures]
+        wanted = self.wanted()
+        return sorted(out, key=lambda m: (m.variant_id not in wanted, m.size_bytes, m.variant_id))
+
+    async def run(self) -> None:
+        while True:
+            # asyncio.timeout, not wait_for: 3.11's wait_for swallows a cancel that lands as the event is set
+            # (a view change during shutdown), and the agent's stop would then wait on this loop for ever
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(10.0):
+                    await self._wake.wait()
+            self._wake.clear()
+            for meta in self.missing():
+                try:
+                    await self.profile(meta)
+                    self.no_room.discard(meta.variant_id)
+                except asyncio.CancelledError:
+                    raise
+                except Overloaded as exc:  # no memory now: tried again when the view changes
+                    if meta.variant_id not in self.no_room:
+                        log.info("not profiled yet: %s", exc, extra=kv(site=self.site, variant=meta.variant_id))
+                    self.no_room.add(meta.variant_id)
+                except MeshError as exc:
+                    self.failed[meta.variant_id] = str(exc)
+                    log.warning("cannot profile %s here: %s", meta.variant_id, exc,
+                                extra=kv(site=self.site, variant=meta.variant_id, event="self_profile_failed"))
+                except Exception:
+                    log.exception("profiling %s failed", meta.variant_id, extra=kv(site=self.site))
+                    self.failed[meta.variant_id] = "error (see log)"
+
+    async def profile(self, meta: VariantMeta) -> Profile:
+        """Load ``meta`` (if not loaded), time it under this site's caps, record the profile."""
+        was_loaded = meta.variant_id in self.host.loaded
+        lv = await self.host.ensure(meta)
+        served_before = lv.batcher.served
+        sig = self.view.signatures[meta.task]
+        sizes = tuple(b for b in self.batch_sizes if not meta.batch_sizes or b <= max(meta.batch_sizes)) or (1,)
+        try:
+            lv.last_used = time.monotonic()  # not idle while it is being timed
+            latency = await asyncio.get_running_loop().run_in_executor(
+                self.host.executor,
+                lambda: time_batches(lv.batcher.infer_for(meta.variant_id), lambda bs: sample_inputs(sig, bs), sizes,
+                                     time_budget_s=self.time_budget_s))
+            prof = Profile(hardware_class=self.hardware_class, load_ms=lv.load_ms, latency=latency,
+                           peak_memory_bytes=lv.runtime.memory_bytes, providers=list(lv.runtime.providers_in_use),
+                           measured_at=time.time())
+        finally:
+            keep = (was_loaded or meta.variant_id in self.wanted() or lv.batcher.served > served_before
+                    or lv.batcher.queued_rows > 0)
+            if not keep:
+                await self.host.unload(meta.variant_id)
+        self.host.self_profiles[meta.variant_id] = prof
+        log.info("profiled %s on %s: %.3f ms at batch 1", meta.variant_id, self.hardware_class,
+                 latency[sizes[0]].p50_ms, extra=kv(site=self.site, variant=meta.variant_id, event="self_profile"))
+        return prof
