@@ -29,7 +29,7 @@ from bench.floors import ModelDataPlane
 from bench.loadgen import VALID_SHARE, LoadSpec, run_load
 from edge_agent.http_api import EdgeHttpServer
 from mesh.v2 import codec as codec
-from mesh.v2.tensors import HEADER_LENGTH
+from mesh.v2.body import HEADER_LENGTH
 
 __all__ = ["LOAD_FACTORS", "run_batching", "text_model"]
 

@@ -59,7 +59,7 @@ from mesh.pki.identity import Identity
 from mesh.pki.local import LocalPki
 from mesh.types import SLO, InferRequest, InferResponse, TaskSignature, TensorSpec, Timing
 from mesh.v2 import codec as codec
-from mesh.v2.tensors import HEADER_LENGTH
+from mesh.v2.body import HEADER_LENGTH
 from mesh.zmq.client import ZmqClient
 from mesh.zmq.curve import CurveSecurity, SiteKeys
 from mesh.zmq.server import ZmqServer

@@ -198,7 +198,7 @@ async def run_footprint(ctx: RunContext) -> Path:
     fam_pss = statistics.median(a["family"][1] for a in agents)
     ready = statistics.median(u["ready_s"] for u in ups)
     printed = statistics.median(u["printed_s"] for u in ups)
-    numpy_mb = install["per_dist"].get("numpy", 0) / MB
+    biggest = next(iter(install["per_dist"].items()), ("nothing", 0))
     rows: list[dict[str, Any]] = [
         {"measure": "SDK base install (fresh venv)", "value": install["total"] / MB, "unit": "MiB",
          "floor": None, "ratio": None,
@@ -220,13 +220,14 @@ async def run_footprint(ctx: RunContext) -> Path:
         target("tiermesh up, 20 sites ready", ready, 5.0, unit="s"),
     ]
     return write_result(ctx, "footprint", rows, targets, notes=(
-        f"SDK: `pip install tiermesh` (no extra) into a fresh venv without pip, from this tree's wheel; numpy alone "
-        f"is {numpy_mb:.1f} MiB of it. Agent: a standalone `tiermesh agent` process on {EDGE} of "
-        f"examples/topology-20.yaml against a real etcd, idle after 3 s, then with every ONNX/TFLite digits variant "
-        f"placed and loaded. Floor: a bare Python process with ONNX Runtime and one session open. Up: `tiermesh up "
-        f"--topology examples/topology-20.yaml` (secured by default: TLS certificates per site), home with the "
-        f"catalog (digits and text families) prebuilt, agents forked from one launcher that imported their code "
-        f"once; this machine's 2 cores are shared, so the start time moves with whatever else runs."),
+        f"SDK: `pip install tiermesh` (no extra: no numpy, no cryptography) into a fresh venv without pip, from this "
+        f"tree's wheel; its largest distribution is {biggest[0]} ({biggest[1] / MB:.1f} MiB). Agent: a standalone "
+        f"`tiermesh agent` process on {EDGE} of examples/topology-20.yaml against a real etcd, idle after 3 s, then "
+        f"with every ONNX/TFLite digits variant placed and loaded. Floor: a bare Python process with ONNX Runtime and "
+        f"one session open. Up: `tiermesh up --topology examples/topology-20.yaml` (secured by default: TLS "
+        f"certificates per site), home with the catalog (digits and text families) prebuilt, agents forked from one "
+        f"launcher that imported their code once; this machine's 2 cores are shared, so the start time moves with "
+        f"whatever else runs."),
         extra={"install": install, "agents": agents, "ups": ups})
 
 

@@ -49,13 +49,12 @@ from mesh.log import get_logger, kv
 from mesh.tracecontext import new_traceparent, parse_traceparent, trace_id_of
 from mesh.types import DEFAULT_TENANT, InferRequest
 from mesh.v2 import codec as codec
+from mesh.v2.body import HEADER_LENGTH, TENANT_HEADER
 from mesh.v2.params import parse_slo, response_parameters, signature_to_metadata
-from mesh.v2.tensors import HEADER_LENGTH
 
 __all__ = [
     "DEFAULT_MAX_BODY",
     "EXTENSIONS",
-    "TENANT_HEADER",
     "Authenticate",
     "EdgeHttpServer",
     "Identify",
@@ -66,7 +65,6 @@ __all__ = [
 log = get_logger(__name__)
 
 DEFAULT_MAX_BODY = 16 << 20
-TENANT_HEADER = codec.TENANT_HEADER
 EXTENSIONS = ["binary_tensor_data", "tiermesh_slo"]
 Identify = Callable[[web.Request], str]
 Authenticate = Callable[[web.Request], object]

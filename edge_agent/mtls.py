@@ -22,7 +22,7 @@ from mesh.errors import PermissionDenied, PkiError
 from mesh.pki.files import PkiPaths
 from mesh.pki.identity import Identity
 from mesh.pki.peers import TlsPeers
-from mesh.v2.codec import TENANT_HEADER
+from mesh.v2.body import TENANT_HEADER
 
 __all__ = ["EdgeTls"]
 

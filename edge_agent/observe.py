@@ -25,7 +25,7 @@ from edge_agent.metrics import CONTENT_TYPE, AgentMetrics
 from edge_agent.mtls import EdgeTls
 from edge_agent.traces import TraceStore
 from mesh.errors import MeshError, PermissionDenied, RequestError
-from mesh.v2.codec import TENANT_HEADER
+from mesh.v2.body import TENANT_HEADER
 
 __all__ = ["MAX_LIST", "Observe", "Route"]
 

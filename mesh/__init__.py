@@ -5,6 +5,9 @@
         r = c.infer("digit-classification", x, latency_ms=20, min_accuracy=0.97)
         r.output(), r.site, r.variant, r.accuracy, r.reason, r.timing
 
+Outputs are numpy arrays where numpy is installed; the base install (``pip install tiermesh``) has no numpy and
+returns :class:`Tensor` objects (``mesh.v2.sdk``).
+
 The client and the types are imported on first use (PEP 562): a server process that imports ``mesh.errors`` or
 ``mesh.etcd`` runs this file first, and must not pay for the SDK's HTTP client (aiohttp's client, TLS context,
 numpy) unless it uses it.
@@ -35,9 +38,10 @@ from mesh.lazy import lazy_exports
 if TYPE_CHECKING:
     from mesh.client import AsyncClient, Client, InferResult
     from mesh.types import SLO, Timing
+    from mesh.v2.plain import Tensor
 
 _LAZY = {"AsyncClient": "mesh.client", "Client": "mesh.client", "InferResult": "mesh.client", "SLO": "mesh.types",
-         "Timing": "mesh.types"}
+         "Tensor": "mesh.v2.plain", "Timing": "mesh.types"}
 
 __all__ = [
     "SLO",
@@ -55,6 +59,7 @@ __all__ = [
     "PermissionDenied",
     "QuotaExceeded",
     "RequestError",
+    "Tensor",
     "Timing",
     "Unauthenticated",
     "UnknownTask",

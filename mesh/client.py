@@ -26,24 +26,21 @@ import json
 import ssl
 import threading
 import time
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 from urllib.parse import quote
 
-import numpy as np
-
-from mesh.bytes_tensor import as_bytes_tensor
 from mesh.cache import BoundedCache
 from mesh.errors import BadTensor, ConfigError, DeadlineExceeded, MeshError, QuotaExceeded, error_from_code
 from mesh.pki.reload import ReloadingCredentials
 from mesh.sdk_transport import AiohttpTransport, Transport
 from mesh.types import DEFAULT_PREFER, DEFAULT_TENANT, TaskSignature, Timing
-from mesh.v2 import codec as codec
+from mesh.v2 import sdk as wire
+from mesh.v2.body import HEADER_LENGTH, TENANT_HEADER
 from mesh.v2.params import backbone_tenants, metadata_to_signature, result_values
-from mesh.v2.tensors import HEADER_LENGTH, tensor_data
 
 __all__ = ["AsyncClient", "Client", "InferResult"]
 
@@ -52,14 +49,17 @@ T = TypeVar("T")
 # that hangs, a frozen edge): room for a best-effort answer's grace (edge_agent.paths.BEST_EFFORT_GRACE_MS,
 # 0.5 s) and the loopback/LAN hop, and so that every query is answered or failed within budget + 1 s
 DEADLINE_GRACE_S = 0.8
-Inputs = np.ndarray | Mapping[str, np.ndarray] | Sequence[str]  # texts: a BYTES tensor
+# A numpy array, a mesh.Tensor, nested lists or an array.array (the task's datatype), a list of str/bytes (texts:
+# a BYTES tensor); or a dict of those by input name. Without numpy (the base install) outputs are mesh.Tensor.
+Inputs = Any
 
 
 @dataclass(slots=True)
 class InferResult:
-    """Outputs of one query and the mesh's account of serving it."""
+    """Outputs of one query and the mesh's account of serving it. Outputs are numpy arrays where numpy is
+    installed, ``mesh.Tensor`` objects on the base install (``mesh.v2.sdk``)."""
 
-    outputs: dict[str, np.ndarray]
+    outputs: dict[str, Any]
     site: str
     variant: str
     accuracy: float
@@ -75,7 +75,7 @@ class InferResult:
     # served through a backbone shared across tenants: how many tenants its batch held (0: not shared)
     backbone_tenants: int = 0
 
-    def output(self, name: str | None = None) -> np.ndarray:
+    def output(self, name: str | None = None) -> Any:
         """The output called ``name``; with no name, the only output (``KeyError`` if several)."""
         if name is not None:
             return self.outputs[name]
@@ -147,11 +147,6 @@ def _tls(base_url: str, cert: PathLike | None, key: PathLike | None, ca: PathLik
     return creds.client_context(check_hostname=check_hostname), creds
 
 
-def _text_as_bytes(arr: np.ndarray) -> np.ndarray:
-    """numpy str_/bytes_ arrays (``np.array(["a", "b"])``) as the BYTES tensor a text task takes."""
-    return as_bytes_tensor(arr) if arr.dtype.kind in "US" else arr
-
-
 @dataclass(slots=True, frozen=True)
 class _Plan:
     header: bytes  # the request's JSON header (binary mode, no request id)
@@ -204,7 +199,7 @@ class AsyncClient:
     @tenant.setter
     def tenant(self, tenant: str | None) -> None:
         self._tenant = tenant
-        self._tenant_headers = {codec.TENANT_HEADER: tenant} if tenant is not None else {}
+        self._tenant_headers = {TENANT_HEADER: tenant} if tenant is not None else {}
 
     @property
     def state(self) -> str:
@@ -264,36 +259,19 @@ class AsyncClient:
         """Run ``task`` on ``inputs`` within the SLO. A bare array feeds the task's single input.
         ``trace``: ask the mesh to record its decisions for this query (``InferResult.trace_id``)."""
         self._open()
-        # the common case first, by exact type: isinstance against Mapping (an ABC) costs a micro-second
-        arr = inputs if type(inputs) is np.ndarray or isinstance(inputs, np.ndarray) else None
-        if arr is None and not isinstance(inputs, Mapping):  # a list of texts for a text task
-            arr = as_bytes_tensor(inputs)
         spent = 0.0  # of the budget's wait, before the request itself (a first call's metadata lookup)
-        if arr is not None:
+        named: Mapping[str, Any] | None = None if wire.is_single(inputs) else inputs
+        sig = None
+        if named is None or not wire.ready(named):  # converting lists needs the task's dtypes
             sig = self._signatures.get(task)
             if sig is None:
-                # the caller's wait is bounded from its call, not from the request: a metadata lookup at a busy
-                # edge counts against it too
-                started = time.monotonic()
-                try:
-                    async with asyncio.timeout(min(self.timeout, latency_ms / 1000.0 + DEADLINE_GRACE_S)):
-                        sig = await self.task_metadata(task)
-                except TimeoutError as exc:
-                    raise DeadlineExceeded(f"{task}: no task metadata within the budget ({latency_ms} ms) "
-                                           f"and its grace") from exc
-                spent = time.monotonic() - started
+                sig, spent = await self._metadata_within(task, latency_ms)
+        if named is None:
+            assert sig is not None
             if len(sig.inputs) != 1:
                 raise BadTensor(f"task {task} takes inputs {[s.name for s in sig.inputs]}; pass a dict")
-            if arr.dtype.kind in "USO":
-                arr = _text_as_bytes(arr)
-                shape_key: tuple[Any, ...] = ()  # a BYTES tensor's encoded size depends on its contents
-            else:
-                shape_key = (arr.dtype, arr.shape)
-            tensors = {sig.inputs[0].name: arr}
-        else:
-            tensors = {k: _text_as_bytes(np.asarray(v)) for k, v in cast(Mapping[str, Any], inputs).items()}
-            shape_key = (() if any(t.dtype.hasobject for t in tensors.values())
-                         else tuple((k, v.dtype, v.shape) for k, v in tensors.items()))
+            named = {sig.inputs[0].name: inputs}
+        tensors, shape_key = wire.prepare(named, sig)
         plan = None
         key: tuple[Any, ...] = ()
         if shape_key and request_id is None and self.binary:
@@ -305,7 +283,7 @@ class AsyncClient:
             except TypeError:  # an unhashable argument: encode it in full, let the edge judge it
                 key = ()
         if plan is not None:
-            body = b"".join([plan.header, *tensor_data(tensors)])
+            body = b"".join([plan.header, *wire.tensor_data(tensors)])
         else:
             plan, body = self._plan(key, task, tensors, latency_ms, min_accuracy, max_cost, prefer, request_id,
                                     trace)
@@ -325,13 +303,25 @@ class AsyncClient:
         if status >= 400:
             raise _error_from(status, rb, rh)
         raw_len = _header(rh, HEADER_LENGTH)
-        dec = codec.decode_infer_response(rb, int(raw_len) if raw_len is not None else None)
+        dec = wire.decode_infer_response(rb, int(raw_len) if raw_len is not None else None)
         trace_id = dec.parameters.get("trace_id")
         return InferResult(dec.outputs, *result_values(dec.parameters), request_id=dec.request_id,
                            trace_id=trace_id if type(trace_id) is str else "",
                            backbone_tenants=backbone_tenants(dec.parameters))
 
-    def _plan(self, key: tuple[Any, ...], task: str, tensors: dict[str, np.ndarray], latency_ms: float,
+    async def _metadata_within(self, task: str, latency_ms: float) -> tuple[TaskSignature, float]:
+        """The task's signature, and the seconds its lookup took. The caller's wait is bounded from its call, not
+        from the request: a metadata lookup at a busy edge counts against it too."""
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(min(self.timeout, latency_ms / 1000.0 + DEADLINE_GRACE_S)):
+                sig = await self.task_metadata(task)
+        except TimeoutError as exc:
+            raise DeadlineExceeded(f"{task}: no task metadata within the budget ({latency_ms} ms) "
+                                   f"and its grace") from exc
+        return sig, time.monotonic() - started
+
+    def _plan(self, key: tuple[Any, ...], task: str, tensors: dict[str, Any], latency_ms: float,
               min_accuracy: float, max_cost: float | None, prefer: str,
               request_id: str | None, trace: bool = False) -> tuple[_Plan, bytes]:
         """Encode a request in full; keep its plan for the next one with the same ``key``."""
@@ -340,7 +330,7 @@ class AsyncClient:
             params["max_cost"] = max_cost
         if trace:
             params["trace"] = True
-        body, hlen = codec.encode_infer_request(tensors, params, request_id=request_id, binary=self.binary)
+        body, hlen = wire.encode_infer_request(tensors, params, request_id=request_id, binary=self.binary)
         headers = dict(self._tenant_headers)
         if hlen is None:
             headers["Content-Type"] = "application/json"

@@ -1,9 +1,11 @@
 """Which optional dependencies (pip extras) each part of tiermesh needs, checked before it imports them.
 
-The base install (``pip install tiermesh``) is the SDK: ``mesh.Client`` / ``mesh.AsyncClient``. Server roles
-sit behind extras named for them (``pyproject.toml`` is the one list of what each brings):
+The base install (``pip install tiermesh``) is the SDK: ``mesh.Client`` / ``mesh.AsyncClient``, with aiohttp
+and orjson only (outputs are ``mesh.Tensor``; no numpy, no cryptography). Server roles sit behind extras named for
+them (``pyproject.toml`` is the one list of what each brings):
 
-    agent       a site agent: etcd client, ZeroMQ, ONNX Runtime, TFLite
+    numpy       the SDK with numpy arrays in and out (every role below brings numpy too)
+    agent       a site agent: etcd client, ZeroMQ, ONNX Runtime, TFLite, the mesh PKI (cryptography)
     scheduler   a scheduler replica and its admin console: etcd client, placement
     store       the variant store: catalog, variant generation (onnx, quantization), the digits family
     etcd        the embedded etcd binaries (``tiermesh up``, ``tiermesh etcd``)
@@ -24,7 +26,7 @@ from mesh.errors import ConfigError
 
 __all__ = ["EXTRAS", "MissingExtra", "require"]
 
-EXTRAS = ("agent", "scheduler", "store", "etcd", "all")
+EXTRAS = ("numpy", "agent", "scheduler", "store", "etcd", "all")
 
 
 class MissingExtra(ConfigError):

@@ -13,6 +13,9 @@ Deadlines are local: ``InferRequest.deadline`` is an instant on this process's m
 (``mesh.clock.monotonic``). It never crosses the wire as an instant: a hop sends the budget left
 (``remaining_ms()`` at send) and the next hop sets its own deadline from it on arrival, so sites'
 wall clocks are never compared (see ``mesh.zmq.protocol``).
+
+Tensors are numpy arrays on the servers' side; the SDK's base install has no numpy, and imports this module, so
+numpy is imported by the functions that check arrays, not here.
 """
 
 from __future__ import annotations
@@ -22,13 +25,14 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal, get_args
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Final, Literal, get_args
 
 from mesh import clock
 from mesh.cache import BoundedCache
 from mesh.errors import BadTensor, RequestError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = [
     "DEFAULT_PREFER",
@@ -149,6 +153,8 @@ def check_inputs(specs: Sequence[TensorSpec], inputs: Mapping[str, Any]) -> dict
 
     The one input check, made at the data plane's door (and by a runtime called directly);
     what has passed it is not checked again on the same hop."""
+    import numpy as np  # a server's path: the SDK on a device may have no numpy (module docstring)
+
     out: dict[str, np.ndarray] = {}
     if len(inputs) == len(specs):
         # the common case in a few comparisons: exact arrays, the spec's dtype and shape
@@ -170,6 +176,8 @@ def check_inputs(specs: Sequence[TensorSpec], inputs: Mapping[str, Any]) -> dict
 
 
 def _check_inputs(specs: Sequence[TensorSpec], inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    import numpy as np
+
     names = [s.name for s in specs]
     missing = [n for n in names if n not in inputs]
     if missing:
@@ -201,6 +209,8 @@ _DTYPES: dict[str, np.dtype[Any]] = {}
 def _dtype(name: str) -> np.dtype[Any]:
     dt = _DTYPES.get(name)
     if dt is None:
+        import numpy as np
+
         dt = _DTYPES[name] = np.dtype(name)  # bounded: only specs' dtype names are looked up
     return dt
 

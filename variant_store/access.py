@@ -1,5 +1,5 @@
 """Who may read which variant from the variant store over HTTPS: the caller's identity comes from its client
-certificate (mesh CA, checked with a :class:`~mesh.pki.reload.TrustStore`: one URI SAN, clientAuth EKU, not a
+certificate (mesh CA, checked with a :class:`~mesh.pki.trust.TrustStore`: one URI SAN, clientAuth EKU, not a
 CA, not revoked); what it may read from the variant's ``owner``:
 
     variant owner          served to
@@ -26,7 +26,8 @@ from mesh.errors import PermissionDenied, PkiError, Unauthenticated
 from mesh.lifecycle import Service
 from mesh.pki.files import PkiPaths
 from mesh.pki.identity import KINDS, Identity
-from mesh.pki.reload import ReloadingCredentials, TrustStore
+from mesh.pki.reload import ReloadingCredentials
+from mesh.pki.trust import TrustStore
 from mesh.pki.verify import peer_certificate
 from variant_store.meta import VariantMeta
 

@@ -3,7 +3,7 @@ certificate proves, checked once per connection and again when the trust materia
 
 :class:`TlsPeers` holds the server's :class:`~mesh.pki.reload.ReloadingCredentials` (one server ``SSLContext``
 with ``CERT_REQUIRED``, reloaded in place when its certificate is re-issued: no restart) and a
-:class:`~mesh.pki.reload.TrustStore` (the CA and ``crl.pem``, re-read on change). TLS refuses at the handshake
+:class:`~mesh.pki.trust.TrustStore` (the CA and ``crl.pem``, re-read on change). TLS refuses at the handshake
 a caller with no certificate, one from another CA, or one outside its validity; everything else (exactly one URI
 SAN, not a CA, clientAuth EKU, not revoked) is checked by :meth:`TlsPeers.identify` after it:
 
@@ -36,7 +36,8 @@ from mesh.log import get_logger, kv
 from mesh.pki.crl import RevocationList
 from mesh.pki.files import PkiPaths
 from mesh.pki.identity import KINDS, Identity
-from mesh.pki.reload import ReloadingCredentials, TrustStore
+from mesh.pki.reload import ReloadingCredentials
+from mesh.pki.trust import TrustStore
 from mesh.pki.verify import peer_certificate
 
 __all__ = ["TlsPeers"]

@@ -1,4 +1,4 @@
-"""Credentials that follow their files, for rotation and revocation without a restart.
+"""Credentials that follow their files, for rotation without a restart.
 
 :class:`ReloadingCredentials` builds ``ssl.SSLContext`` objects from an identity's certificate, key and the CA,
 and when the certificate or key file changes (mtime, size or inode) loads the new pair into the *same*
@@ -6,8 +6,12 @@ context objects (``load_cert_chain``): servers and connection pools keep their c
 the new certificate, established connections are untouched. A half-rotated pair (a certificate whose key is not
 written yet) is refused and retried on the next check, so the old pair stays in force meanwhile.
 
-:class:`TrustStore` holds what a verifier trusts (the CA certificate and the CA-signed revocation list) and
-re-reads them on change; ``verify`` is :func:`mesh.pki.verify.verify_certificate` with them.
+What a verifier trusts (the CA and the revocation list) follows its files the same way, on the
+:class:`Poller` here: :class:`~mesh.pki.trust.TrustStore`.
+
+This module needs only the standard library (``ssl``): the SDK on a device builds its mutual-TLS context with it,
+and the base install has no ``cryptography``; the parsed certificate (:attr:`ReloadingCredentials.certificate`) is
+read only where it is asked for.
 
 Both check on demand (``refresh()``, a few ``stat`` calls) and, when started as a ``Service``, every
 ``interval_s`` in the background.
@@ -16,29 +20,29 @@ Both check on demand (``refresh()``, a few ``stat`` calls) and, when started as 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import ssl
-from collections.abc import Collection
 from pathlib import Path
-
-from cryptography import x509
+from typing import TYPE_CHECKING
 
 from mesh.errors import PkiError
 from mesh.lifecycle import Service, cancel_and_wait
 from mesh.log import get_logger, kv
-from mesh.pki.crl import RevocationList
-from mesh.pki.files import PkiPaths, read_cert
-from mesh.pki.identity import KINDS, Identity, Kind
-from mesh.pki.policy import Use
-from mesh.pki.verify import verify_certificate
 
-__all__ = ["Poller", "ReloadingCredentials", "TrustStore"]
+if TYPE_CHECKING:
+    from cryptography import x509
+
+    from mesh.pki.files import PkiPaths
+    from mesh.pki.identity import Identity
+
+__all__ = ["Poller", "ReloadingCredentials", "Stamp", "file_stamp"]
 
 log = get_logger(__name__)
-_Stamp = tuple[tuple[int, int, int] | None, ...]
+Stamp = tuple[tuple[int, int, int] | None, ...]
 
 
-def _stamp(*paths: Path) -> _Stamp:
+def file_stamp(*paths: Path) -> Stamp:
     out: list[tuple[int, int, int] | None] = []
     for p in paths:
         try:
@@ -81,10 +85,19 @@ class ReloadingCredentials(Poller):
         self.cert_path, self.key_path, self.ca_path = Path(cert), Path(key), Path(ca)
         self.interval_s = interval_s
         self._contexts: list[ssl.SSLContext] = []
-        self._stamp: _Stamp = ()
+        self._stamp: Stamp = ()
         self._chain = self._read_pair()  # fails loudly at construction: no credentials, no service
-        self._stamp = _stamp(self.cert_path, self.key_path)
-        self.certificate = x509.load_pem_x509_certificate(self._chain)
+        self._stamp = file_stamp(self.cert_path, self.key_path)
+        self._certificate: x509.Certificate | None = None
+
+    @property
+    def certificate(self) -> x509.Certificate:
+        """The certificate in force, parsed (with ``cryptography``) on first use after each load."""
+        if self._certificate is None:
+            from cryptography import x509  # not on the SDK's path: see the module docstring
+
+            self._certificate = x509.load_pem_x509_certificate(self._chain)
+        return self._certificate
 
     @classmethod
     def for_identity(cls, paths: PkiPaths, identity: Identity, *, interval_s: float = 1.0) -> ReloadingCredentials:
@@ -137,7 +150,7 @@ class ReloadingCredentials(Poller):
 
     def refresh(self) -> bool:
         """Load a changed certificate/key pair into every context made here. True if it did."""
-        stamp = _stamp(self.cert_path, self.key_path)
+        stamp = file_stamp(self.cert_path, self.key_path)
         if stamp == self._stamp:
             return False
         try:
@@ -147,68 +160,9 @@ class ReloadingCredentials(Poller):
             return False
         for ctx in self._contexts:
             self._load_into(ctx, chain)
-        self._chain, self._stamp = chain, stamp
-        self.certificate = x509.load_pem_x509_certificate(chain)
-        log.info("credentials reloaded", extra=kv(event="credentials_reloaded",
-                                                  reason=f"{self.cert_path} serial {self.certificate.serial_number:x}"))
+        self._chain, self._stamp, self._certificate = chain, stamp, None
+        reason = str(self.cert_path)
+        if importlib.util.find_spec("cryptography") is not None:  # a server's log names the serial now in force
+            reason += f" serial {self.certificate.serial_number:x}"
+        log.info("credentials reloaded", extra=kv(event="credentials_reloaded", reason=reason))
         return True
-
-
-class TrustStore(Poller):
-    """The CA certificate and revocation list a verifier trusts, re-read when their files change. A new
-    revocation list that does not verify is refused (logged) and the previous one stays in force."""
-
-    def __init__(self, ca: Path, crl: Path | None, *, interval_s: float = 1.0) -> None:
-        self.ca_path, self.crl_path = Path(ca), (Path(crl) if crl is not None else None)
-        self.interval_s = interval_s
-        self.ca = read_cert(self.ca_path)
-        self.crl = self._read_crl() if self.crl_path is not None else None
-        self._stamp = self._now_stamp()
-
-    @classmethod
-    def under(cls, paths: PkiPaths, *, interval_s: float = 1.0) -> TrustStore:
-        return cls(paths.ca_cert, paths.crl, interval_s=interval_s)
-
-    def _now_stamp(self) -> _Stamp:
-        return _stamp(self.ca_path, *([self.crl_path] if self.crl_path else []))
-
-    def _read_crl(self) -> RevocationList:
-        assert self.crl_path is not None
-        try:
-            pem = self.crl_path.read_bytes()
-        except OSError as exc:
-            raise PkiError(f"cannot read the revocation list {self.crl_path}: {exc}") from exc
-        return RevocationList.load(pem, self.ca)
-
-    def refresh(self) -> bool:
-        stamp = self._now_stamp()
-        if stamp == self._stamp:
-            return False
-        try:
-            ca = read_cert(self.ca_path)
-            previous, self.ca = self.ca, ca
-            try:
-                crl = self._read_crl() if self.crl_path is not None else None
-            except PkiError:
-                self.ca = previous
-                raise
-        except PkiError as exc:
-            log.warning("trust material not reloaded", extra=kv(event="trust_pending", reason=str(exc)))
-            return False
-        if (crl is not None and self.crl is not None and ca == previous and crl.number < self.crl.number):
-            crl = self.crl  # the file is older than a list adopted from etcd: keep the newer one
-        self.crl, self._stamp = crl, stamp
-        return True
-
-    def load_crl(self, pem: bytes) -> bool:
-        """Adopt a revocation list received from elsewhere (etcd ``pki/crl``) if it verifies and is newer
-        than the one held. True if adopted."""
-        crl = RevocationList.load(pem, self.ca)
-        if self.crl is not None and crl.number <= self.crl.number:
-            return False
-        self.crl = crl
-        return True
-
-    def verify(self, cert: bytes | x509.Certificate, *, use: Use, kinds: Collection[Kind] = KINDS,
-               curve_public: bytes | str | None = None) -> Identity:
-        return verify_certificate(cert, ca=self.ca, crl=self.crl, use=use, kinds=kinds, curve_public=curve_public)

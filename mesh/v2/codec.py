@@ -5,12 +5,13 @@ responses with them; the SDK (``mesh.client``) does the reverse with the same co
 agree byte for byte. The layout matches what ``tritonclient.http`` sends and parses: a JSON
 header, then the raw little-endian bytes of every tensor whose ``parameters.binary_data_size``
 is set, in the order the tensors appear; ``Inference-Header-Content-Length`` gives the JSON
-header's length whenever binary data follows it.
+header's length whenever binary data follows it (:mod:`mesh.v2.body`).
 
 tiermesh fields ride in ``parameters``: the SLO on the request, the serving site, variant,
 accuracy, decision reason and timing on the response. That mapping, the datatype table and model
-metadata live in :mod:`mesh.v2.params`, the tensor encoding and body layout in
-:mod:`mesh.v2.tensors`; callers import each name from its home.
+metadata live in :mod:`mesh.v2.params`, the tensor encoding in :mod:`mesh.v2.tensors` (numpy arrays; the SDK's
+base install uses :mod:`mesh.v2.plain`, without numpy), the body layout in :mod:`mesh.v2.body`; callers import
+each name from its home.
 
 Hot paths avoid what costs microseconds each on every request: ``dtype.name`` (a Python
 property), the stdlib's JSON (orjson reads and writes headers as bytes), ``bytes`` detours for
@@ -21,37 +22,23 @@ server, which reads its inputs in place).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from mesh.cache import BoundedCache
 from mesh.errors import RequestError
-from mesh.v2.tensors import (
-    Spec,
-    arrays_at,
-    assemble,
-    binary_specs,
-    fast_binary_tensors,
-    read_tensors,
-    split_body,
-    tensors_json,
-)
+from mesh.v2.body import DecodedResponse, assemble, request_head, response_meta, split_body
+from mesh.v2.tensors import Spec, arrays_at, binary_specs, fast_binary_tensors, read_tensors, tensors_json
 
 __all__ = [
-    "TENANT_HEADER",
     "DecodedRequest",
-    "DecodedResponse",
     "decode_infer_request",
     "decode_infer_response",
     "encode_infer_request",
     "encode_infer_response",
 ]
-
-# Names the caller's tenant until mutual TLS does (see ``edge_agent.http_api.identify``).
-TENANT_HEADER = "X-Tiermesh-Tenant"
-
 
 # ---------------------------------------------------------------------------- requests
 
@@ -120,13 +107,8 @@ def decode_infer_request(body: bytes, header_length: int | None = None, *,
 def encode_infer_request(inputs: Mapping[str, np.ndarray], parameters: Mapping[str, Any], *,
                          request_id: str | None = None, binary: bool = True) -> tuple[bytes, int | None]:
     """Body and header length of a V2 infer request asking for every output (binary if ``binary``)."""
-    params = dict(parameters)
-    if binary:
-        params["binary_data_output"] = True
     tensors, blobs = tensors_json(inputs, binary)
-    head: dict[str, Any] = ({"id": request_id, "parameters": params, "inputs": tensors} if request_id
-                            else {"parameters": params, "inputs": tensors})
-    return assemble(head, blobs)
+    return assemble(request_head(tensors, parameters, request_id, binary), blobs)
 
 
 # ---------------------------------------------------------------------------- responses
@@ -143,13 +125,6 @@ def encode_infer_response(model_name: str, request_id: str, outputs: Mapping[str
     return assemble(head, blobs)
 
 
-@dataclass(slots=True)
-class DecodedResponse:
-    request_id: str
-    outputs: dict[str, np.ndarray]
-    parameters: dict[str, Any] = field(default_factory=dict)
-
-
 def decode_infer_response(body: bytes, header_length: int | None = None, *,
                           max_bytes: int = 1 << 31, copy: bool = True) -> DecodedResponse:
     """Parse a V2 infer response; ``copy`` as for ``decode_infer_request`` (the SDK keeps the
@@ -158,7 +133,5 @@ def decode_infer_response(body: bytes, header_length: int | None = None, *,
     outputs = fast_binary_tensors(head.get("outputs"), tail, max_bytes, copy)
     if outputs is None:
         outputs = read_tensors(head.get("outputs", []), tail, "output", max_bytes, copy)
-    params = head.get("parameters") or {}
-    rid = head.get("id", "")
-    return DecodedResponse(rid if type(rid) is str else str(rid), outputs,
-                           params if isinstance(params, dict) else {})
+    rid, params = response_meta(head)
+    return DecodedResponse(rid, outputs, params)

@@ -1,9 +1,10 @@
-"""The mapping between Open Inference Protocol (KServe V2) vocabulary and tiermesh's: datatypes,
-the SLO in request ``parameters``, the mesh metadata in response ``parameters``, and model
-metadata for a task's signature. Values are checked by the types they become (``SLO``), and
-inputs by the data plane's door (``mesh.types.check_inputs``), not here.
+"""The mapping between Open Inference Protocol (KServe V2) vocabulary and tiermesh's: the SLO in request
+``parameters``, the mesh metadata in response ``parameters``, and model metadata for a task's signature. Values
+are checked by the types they become (``SLO``), and inputs by the data plane's door (``mesh.types.check_inputs``),
+not here.
 
-Pure functions, no I/O; the request and response bodies themselves are (de)serialised by
+Pure functions, no I/O, no numpy (the SDK's base install reads replies with them); the datatypes are
+:mod:`mesh.v2.datatypes`, the request and response bodies themselves are (de)serialised by
 :mod:`mesh.v2.codec`; callers import the names here from this module.
 """
 
@@ -12,20 +13,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
-from mesh.bytes_tensor import BYTES_DTYPE
-from mesh.errors import BadTensor, RequestError
+from mesh.errors import RequestError
 from mesh.types import DEFAULT_PREFER, SLO, InferResponse, TaskSignature, TensorSpec, Timing
+from mesh.v2.datatypes import V2_TO_NAME, check_datatype, datatype_named
 
 __all__ = [
     "DEFAULT_LATENCY_MS",
-    "DTYPE_TO_V2",
-    "NATIVE",
-    "V2_TO_NP",
     "backbone_tenants",
-    "datatype_of",
-    "dtype_of",
     "metadata_to_signature",
     "parse_slo",
     "response_parameters",
@@ -35,51 +29,6 @@ __all__ = [
 ]
 
 DEFAULT_LATENCY_MS = 1000.0
-
-# V2 datatype -> numpy dtype (explicitly little-endian: the binary extension is LE on the wire).
-# Fixed-size types only: BYTES (variable-length elements, a numpy object array) is handled beside
-# them (``mesh.bytes_tensor``); BF16 is served by no tiermesh task, so it is rejected rather than
-# half-supported.
-V2_TO_NP: dict[str, np.dtype[Any]] = {
-    "BOOL": np.dtype("?"),
-    "UINT8": np.dtype("<u1"),
-    "UINT16": np.dtype("<u2"),
-    "UINT32": np.dtype("<u4"),
-    "UINT64": np.dtype("<u8"),
-    "INT8": np.dtype("<i1"),
-    "INT16": np.dtype("<i2"),
-    "INT32": np.dtype("<i4"),
-    "INT64": np.dtype("<i8"),
-    "FP16": np.dtype("<f2"),
-    "FP32": np.dtype("<f4"),
-    "FP64": np.dtype("<f8"),
-}
-_NAME_TO_V2: dict[str, str] = {dt.name: v2 for v2, dt in V2_TO_NP.items()}
-# keyed by dtype: a dict lookup instead of the ``dtype.name`` property; big-endian dtypes miss
-DTYPE_TO_V2: dict[np.dtype[Any], str] = {dt: v2 for v2, dt in V2_TO_NP.items()}
-# the same types in this machine's byte order: what decoded tensors are converted to
-NATIVE: dict[str, np.dtype[Any]] = {v2: dt.newbyteorder("=") for v2, dt in V2_TO_NP.items()}
-
-
-def dtype_of(datatype: object) -> np.dtype[Any]:
-    """numpy dtype of a V2 datatype string (``object`` for BYTES); ``BadTensor`` for anything else."""
-    if datatype == "BYTES":
-        return BYTES_DTYPE
-    if not isinstance(datatype, str) or datatype not in V2_TO_NP:
-        raise BadTensor(f"unsupported datatype {datatype!r}; expected one of {sorted([*V2_TO_NP, 'BYTES'])}")
-    return V2_TO_NP[datatype]
-
-
-def datatype_of(dtype: np.dtype[Any] | str) -> str:
-    """V2 datatype string of a numpy dtype (or dtype name such as ``"float32"``)."""
-    if isinstance(dtype, np.dtype) and (v2 := DTYPE_TO_V2.get(dtype)) is not None:
-        return v2
-    name = np.dtype(dtype).name
-    if name == "object":
-        return "BYTES"
-    if name not in _NAME_TO_V2:
-        raise BadTensor(f"dtype {name} has no V2 datatype tiermesh serves")
-    return _NAME_TO_V2[name]
 
 
 # ---------------------------------------------------------------------------- requests
@@ -155,7 +104,7 @@ def result_fields(params: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _spec_json(s: TensorSpec) -> dict[str, Any]:
-    return {"name": s.name, "datatype": datatype_of(s.dtype), "shape": list(s.shape)}
+    return {"name": s.name, "datatype": datatype_named(s.dtype), "shape": list(s.shape)}
 
 
 def signature_to_metadata(sig: TaskSignature) -> dict[str, Any]:
@@ -170,7 +119,7 @@ def metadata_to_signature(meta: Mapping[str, Any]) -> TaskSignature:
     def specs(key: str) -> tuple[TensorSpec, ...]:
         out = []
         for t in meta.get(key) or []:
-            out.append(TensorSpec(str(t["name"]), dtype_of(t["datatype"]).newbyteorder("=").name,
+            out.append(TensorSpec(str(t["name"]), V2_TO_NAME[check_datatype(t["datatype"])],
                                   tuple(int(d) for d in t["shape"])))
         return tuple(out)
 

@@ -1,10 +1,10 @@
-"""Tensors of the Open Inference Protocol (KServe V2) codec: JSON ``data`` and the binary tensor
-extension, both ways, plus the body layout (JSON header, then raw tensor bytes). Pure functions;
-:mod:`mesh.v2.codec` builds requests and responses from them.
+"""Tensors of the Open Inference Protocol (KServe V2) codec as numpy arrays: JSON ``data`` and the binary
+tensor extension, both ways, and the numpy dtypes of the V2 datatypes. Pure functions; :mod:`mesh.v2.codec`
+builds requests and responses from them in the layout of :mod:`mesh.v2.body`. (:mod:`mesh.v2.plain` is the same
+encoding without numpy, for the SDK's base install.)
 
 Hot paths avoid what costs microseconds each on every request: ``dtype.name`` (a Python
-property), the stdlib's JSON (orjson reads and writes headers as bytes), ``bytes`` detours for
-tensor data.
+property), ``bytes`` detours for tensor data.
 """
 
 from __future__ import annotations
@@ -14,17 +14,35 @@ from collections.abc import Mapping
 from typing import Any, cast
 
 import numpy as np
-import orjson
 
 from mesh.bytes_tensor import bytes_items, deserialize_bytes, serialize_bytes
 from mesh.cache import BoundedCache
 from mesh.errors import BadTensor, PayloadTooLarge, RequestError
-from mesh.v2.params import DTYPE_TO_V2, NATIVE, V2_TO_NP, datatype_of, dtype_of
+from mesh.v2.datatypes import BYTES, FIXED, check_datatype, datatype_named
 
-__all__ = ["DESCS", "HEADER_LENGTH", "JSON_OPTS", "Spec", "arrays_at", "assemble", "binary_specs", "dumps",
-           "fast_binary_tensors", "read_tensors", "split_body", "tensor_data", "tensors_json"]
+__all__ = ["BYTES_DTYPE", "DESCS", "DTYPE_TO_V2", "NATIVE", "V2_TO_NP", "Spec", "arrays_at", "binary_specs",
+           "datatype_of", "dtype_of", "fast_binary_tensors", "read_tensors", "tensor_data", "tensors_json"]
 
-HEADER_LENGTH = "Inference-Header-Content-Length"
+# V2 datatype -> numpy dtype (explicitly little-endian: the binary extension is LE on the wire), from the one
+# table (mesh.v2.datatypes). BYTES is a numpy object array of bytes elements (``mesh.bytes_tensor``).
+V2_TO_NP: dict[str, np.dtype[Any]] = {v2: np.dtype("<" + fmt) for v2, (fmt, _) in FIXED.items()}
+BYTES_DTYPE: np.dtype[Any] = np.dtype(object)
+# keyed by dtype: a dict lookup instead of the ``dtype.name`` property; big-endian dtypes miss
+DTYPE_TO_V2: dict[np.dtype[Any], str] = {dt: v2 for v2, dt in V2_TO_NP.items()}
+# the same types in this machine's byte order: what decoded tensors are converted to
+NATIVE: dict[str, np.dtype[Any]] = {v2: dt.newbyteorder("=") for v2, dt in V2_TO_NP.items()}
+
+
+def dtype_of(datatype: object) -> np.dtype[Any]:
+    """numpy dtype of a V2 datatype string (``object`` for BYTES); ``BadTensor`` for anything else."""
+    return BYTES_DTYPE if check_datatype(datatype) == BYTES else V2_TO_NP[datatype]  # type: ignore[index]
+
+
+def datatype_of(dtype: np.dtype[Any] | str) -> str:
+    """V2 datatype string of a numpy dtype (or dtype name such as ``"float32"``)."""
+    if isinstance(dtype, np.dtype) and (v2 := DTYPE_TO_V2.get(dtype)) is not None:
+        return v2
+    return datatype_named(np.dtype(dtype).name)
 
 # no dimension of a tensor anyone sends is this long; numpy refuses some far shorter shapes of zero
 # elements (a dimension count it cannot index), which must be the caller's 400, not our 500
@@ -109,34 +127,6 @@ def _binary_size(t: Mapping[str, Any], where: str) -> int | None:
     if not isinstance(size, int) or isinstance(size, bool) or size < 0:
         raise BadTensor(f"{where}: binary_data_size must be a non-negative integer, got {size!r}")
     return size
-
-
-# orjson parses and writes a header in about a micro-second, bytes in and out (the stdlib needs
-# five to ten, plus a str round trip). It reads a memoryview, so the header is never sliced out of
-# the body. Its dialect is strict JSON: NaN/Infinity are refused on input and written as null.
-_loads = orjson.loads
-JSON_OPTS = orjson.OPT_SERIALIZE_NUMPY  # numpy scalars (np.float64 accuracies), as the stdlib wrote them
-
-
-def dumps(head: dict[str, Any]) -> bytes:
-    return orjson.dumps(head, option=JSON_OPTS)
-
-
-def split_body(body: bytes, header_length: int | None, max_bytes: int) -> tuple[dict[str, Any], memoryview]:
-    if len(body) > max_bytes:
-        raise PayloadTooLarge(f"body of {len(body)} bytes exceeds the limit of {max_bytes}")
-    if header_length is None:
-        header_length = len(body)
-    if header_length < 0 or header_length > len(body):
-        raise RequestError(f"{HEADER_LENGTH} is {header_length} but the body has {len(body)} bytes")
-    view = memoryview(body)
-    try:
-        head = _loads(view[:header_length] if header_length != len(body) else body)
-    except orjson.JSONDecodeError as exc:
-        raise RequestError(f"body is not valid JSON: {exc}") from exc
-    if type(head) is not dict:
-        raise RequestError("body must be a JSON object")
-    return head, view[header_length:]
 
 
 # name, wire dtype, shape, byte size: one binary tensor as a well-formed header declares it
@@ -262,15 +252,6 @@ def _strings(arr: np.ndarray, name: str) -> list[str]:
     except UnicodeDecodeError as exc:
         raise BadTensor(f"tensor {name!r}: BYTES element is not UTF-8, so it cannot be JSON: "
                         f"ask for binary data ({exc})") from exc
-
-
-def assemble(head: dict[str, Any], blobs: list[bytes | memoryview | None]) -> tuple[bytes, int | None]:
-    header = dumps(head)
-    parts: list[bytes | memoryview] = [header]
-    parts += [b for b in blobs if b is not None]
-    if len(parts) == 1:
-        return header, None
-    return b"".join(parts), len(header)
 
 
 # A binary tensor's JSON depends on its name, dtype and shape alone, which repeat reply after

@@ -36,7 +36,8 @@ from mesh.log import get_logger, kv
 from mesh.pki.curve import CurveKeyPair, curve_key_from_certificate, raw_curve_key, z85_encode
 from mesh.pki.files import PkiPaths, read_cert
 from mesh.pki.identity import Kind
-from mesh.pki.reload import Poller, TrustStore
+from mesh.pki.reload import Poller
+from mesh.pki.trust import TrustStore
 from mesh.zmq.pump import Pump, io_socket
 
 __all__ = ["ROTATION_GRACE_S", "ZAP_ENDPOINT", "CurveSecurity", "RateLimitedLog", "SiteKeys"]

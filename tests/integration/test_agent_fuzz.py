@@ -24,8 +24,7 @@ from edge_agent.agent import Agent, AgentConfig
 from mesh.etcd.server import EmbeddedEtcd
 from mesh.etcd.store import Store
 from mesh.types import SLO, InferRequest
-from mesh.v2.codec import TENANT_HEADER
-from mesh.v2.tensors import HEADER_LENGTH
+from mesh.v2.body import HEADER_LENGTH, TENANT_HEADER
 from mesh.zmq import protocol as wire
 from mesh.zmq.client import ZmqClient
 from tests.integration.test_quota_flood import BODY, TASK, _catalog, _topology

@@ -20,7 +20,7 @@ from mesh import errors
 from mesh.client import AsyncClient, Client
 from mesh.sdk_transport import AiohttpTransport
 from mesh.v2 import codec as codec
-from mesh.v2.tensors import HEADER_LENGTH
+from mesh.v2.body import HEADER_LENGTH
 from tests.helpers_dataplane import OnnxDataPlane, digits_model, serve_in_thread
 from tests.helpers_models import digits_split
 

@@ -16,7 +16,7 @@ from mesh.pki.curve import CurveKeyPair
 from mesh.pki.files import read_curve, write_file
 from mesh.pki.identity import Identity
 from mesh.pki.local import LocalPki
-from mesh.pki.reload import TrustStore
+from mesh.pki.trust import TrustStore
 
 pytestmark = pytest.mark.integration
 

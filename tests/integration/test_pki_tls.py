@@ -20,7 +20,8 @@ from mesh.pki.curve import CurveKeyPair
 from mesh.pki.files import cert_pem, key_pem, write_file
 from mesh.pki.identity import Identity
 from mesh.pki.local import LocalPki
-from mesh.pki.reload import ReloadingCredentials, TrustStore
+from mesh.pki.reload import ReloadingCredentials
+from mesh.pki.trust import TrustStore
 from mesh.pki.verify import peer_certificate
 from tests.helpers.waiting import eventually
 

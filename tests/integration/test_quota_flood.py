@@ -19,7 +19,7 @@ from edge_agent.agent import Agent, AgentConfig
 from mesh.etcd.server import EmbeddedEtcd
 from mesh.etcd.store import Store
 from mesh.types import SLO, InferRequest, TensorSpec
-from mesh.v2.codec import TENANT_HEADER
+from mesh.v2.body import TENANT_HEADER
 from mesh.zmq.client import ZmqClient
 from topology.loader import load_topology_file
 from topology.store_io import apply as apply_topology

@@ -21,7 +21,7 @@ from mesh.client import AsyncClient
 from mesh.errors import MeshError
 from mesh.types import InferRequest, InferResponse, TaskSignature, TensorSpec, check_inputs
 from mesh.v2 import codec as codec
-from mesh.v2.tensors import HEADER_LENGTH
+from mesh.v2.body import HEADER_LENGTH
 
 pytestmark = pytest.mark.integration
 

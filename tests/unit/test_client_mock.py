@@ -15,8 +15,8 @@ from mesh.client import AsyncClient, Client, InferResult
 from mesh.sdk_transport import MockTransport, Response
 from mesh.types import TaskSignature, TensorSpec, Timing
 from mesh.v2 import codec as codec
+from mesh.v2.body import HEADER_LENGTH, TENANT_HEADER
 from mesh.v2.params import signature_to_metadata
-from mesh.v2.tensors import HEADER_LENGTH
 
 pytestmark = pytest.mark.unit
 
@@ -43,7 +43,7 @@ class Server:
             x = dec.inputs["x"]
             logits = np.repeat(x.sum(axis=1, keepdims=True) * 2, 10, axis=1)
             params = {"site": "edge-a", "variant": "mlp.fp32", "accuracy": 0.97, "reason": "local_ok",
-                      "best_effort": False, "tenant": headers[codec.TENANT_HEADER],
+                      "best_effort": False, "tenant": headers[TENANT_HEADER],
                       "timing_ms_network": 0.5, "timing_ms_queue": 0.25, "timing_ms_compute": 1.0,
                       "timing_ms_total": 2.0, "hops": "edge-a", **self.extra}
             out, rl = codec.encode_infer_response("digit-classification", dec.request_id or "gen", {
@@ -68,7 +68,7 @@ async def test_infer_with_bare_array_fetches_and_caches_metadata() -> None:
                                                                       ["edge-a"])
     assert r1.timing == Timing(0.5, 0.25, 1.0, 2.0)
     _, _, headers, body = server.seen[1]
-    assert headers[codec.TENANT_HEADER] == "acme"
+    assert headers[TENANT_HEADER] == "acme"
     sent = json.loads(body[:int(headers[HEADER_LENGTH])])
     assert sent["id"] == "q1"
     assert sent["parameters"] == {"latency_ms": 20, "min_accuracy": 0.9, "prefer": "accuracy", "max_cost": 3,

@@ -15,8 +15,8 @@ from mesh.sdk_transport import MockTransport, Response
 from mesh.types import TaskSignature, TensorSpec
 from mesh.v2 import codec as codec
 from mesh.v2 import tensors as v2_tensors
+from mesh.v2.body import HEADER_LENGTH, TENANT_HEADER
 from mesh.v2.params import result_fields, result_values, signature_to_metadata
-from mesh.v2.tensors import HEADER_LENGTH
 
 pytestmark = pytest.mark.unit
 
@@ -40,7 +40,7 @@ class Echo:
         dec = codec.decode_infer_request(body, int(hlen) if hlen else None)
         self.seen.append((headers, head, dec.inputs["x"]))
         out, rl = codec.encode_infer_response("t", dec.request_id or "gen", {"y": dec.inputs["x"]},
-                                              {**PARAMS, "tenant": headers[codec.TENANT_HEADER]},
+                                              {**PARAMS, "tenant": headers[TENANT_HEADER]},
                                               dec.binary_default)
         return 200, ({HEADER_LENGTH: str(rl)} if rl else {}), out
 
@@ -74,7 +74,7 @@ async def test_a_changed_slo_shape_tenant_or_id_is_encoded_afresh() -> None:
         await c.infer("t", x, latency_ms=20.0, request_id="q-7")
         c.tenant = "other"
         r = await c.infer("t", x, latency_ms=20.0)
-    sent = [(h[codec.TENANT_HEADER], head) for h, head, _ in echo.seen]
+    sent = [(h[TENANT_HEADER], head) for h, head, _ in echo.seen]
     assert [json.dumps(head["parameters"]["latency_ms"]) for _, head in sent[:2]] == ["20.0", "20"]
     assert sent[2][1]["parameters"]["max_cost"] == 1.5 and sent[2][1]["parameters"]["prefer"] == "accuracy"
     assert sent[3][1]["inputs"][0]["shape"] == [2, 4]

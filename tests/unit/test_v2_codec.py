@@ -16,14 +16,13 @@ from mesh.types import SLO, InferResponse, TaskSignature, TensorSpec, Timing
 from mesh.v2 import codec as codec
 from mesh.v2.params import (
     DEFAULT_LATENCY_MS,
-    datatype_of,
-    dtype_of,
     metadata_to_signature,
     parse_slo,
     response_parameters,
     result_fields,
     signature_to_metadata,
 )
+from mesh.v2.tensors import datatype_of, dtype_of
 
 pytestmark = pytest.mark.unit
 
