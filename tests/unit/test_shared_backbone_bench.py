@@ -32,7 +32,7 @@ async def test_a_slow_poisson_draw_is_not_read_as_a_generator_that_fell_behind()
 
 async def test_a_generator_held_up_by_its_server_is_invalid() -> None:
     async def blocking(x: np.ndarray, deadline: float) -> BatchResult:
-        time.sleep(0.01)  # holds the event loop the generator runs on
+        time.sleep(0.01)  # noqa: ASYNC251 -- on purpose: holds the loop the generator runs on
         return BatchResult({"y": x}, 0.0, 0.0, 1)
 
     res = await open_loop([blocking], np.zeros((4, 2), np.float32), 1000.0, 30, seed=1, time_cap_s=30.0, slo_s=5.0)
