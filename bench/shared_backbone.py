@@ -250,6 +250,7 @@ async def run_shared_backbone(ctx: RunContext) -> Path:
     seconds = 1.0 if ctx.quick else 2.5
     rows: list[dict[str, Any]] = []
     ladders: list[dict[str, Any]] = []
+    light_rounds: list[dict[str, Any]] = []
     for n in TENANTS:
         mem = {mode: await _measure_memory(mode, n, root, cache) for mode in MODES}
         deps: dict[str, Deployment] = {}
@@ -269,7 +270,9 @@ async def run_shared_backbone(ctx: RunContext) -> Path:
                     if mode not in cap or best > cap[mode][0]:
                         cap[mode] = (best, capped)
                     ladders += [{"tenants": n, "mode": mode, "climb": rep, **st} for st in steps]
-            light, light_load = await _light(deps, xs, ctx, seed=1000 * n)
+            light, light_load, rounds = await _light(deps, xs, ctx, seed=1000 * n)
+            light_rounds += [{"tenants": n, "mode": m, "round": r, **c} for r, rd in enumerate(rounds)
+                             for m, c in rd.items()]
             common = 0.5 * cap["copies"][0] if cap["copies"][0] > 0 else LADDER_START_RPS
             for j, mode in enumerate(MODES if n % 2 == 0 else MODES[::-1]):
                 cell = await _cell_at(deps[mode], xs, common, seconds * 2, seed=7 * n + j)
@@ -288,13 +291,13 @@ async def run_shared_backbone(ctx: RunContext) -> Path:
         finally:
             for dep in deps.values():
                 await dep.close()
-    return _report(ctx, rows, ladders, info)
+    return _report(ctx, rows, {"model": info, "ladders": ladders, "light_rounds": light_rounds})
 
 
 async def _light(deps: dict[str, Deployment], xs: np.ndarray, ctx: RunContext,
-                 seed: int) -> tuple[dict[str, dict[str, Any]], float]:
+                 seed: int) -> tuple[dict[str, dict[str, Any]], float, list[dict[str, dict[str, Any]]]]:
     """Every mode at LIGHT_RPS in interleaved rounds (the same schedule for every mode in a round);
-    per mode the medians over the valid rounds, and the load average before the rounds."""
+    per mode the medians over the valid rounds, the load average before the rounds, the rounds."""
     load = await wait_quiet(QUIET_LOADAVG, ctx.pick(20, QUIET_WAIT_S))
     count = ctx.pick(200, LIGHT_COUNT)
 
@@ -302,7 +305,7 @@ async def _light(deps: dict[str, Deployment], xs: np.ndarray, ctx: RunContext,
         return await _cell_at(deps[mode], xs, LIGHT_RPS, count / LIGHT_RPS, seed + r)
 
     rounds = await interleaved_rounds(MODES, ctx.pick(2, LIGHT_ROUNDS), cell)
-    return median_of_rounds(rounds, ("p50_ms", "p99_ms", "mean_batch_rows")), load
+    return median_of_rounds(rounds, ("p50_ms", "p99_ms", "mean_batch_rows")), load, rounds
 
 
 def added_p50_ms(rows: list[dict[str, Any]], n: int, mode: str, base: str, rounds: int) -> float:
@@ -318,7 +321,8 @@ def _cell(rows: list[dict[str, Any]], n: int, mode: str) -> dict[str, Any]:
     return next(r for r in rows if r["tenants"] == n and r["mode"] == mode)
 
 
-def _report(ctx: RunContext, rows: list[dict[str, Any]], ladders: list[dict[str, Any]], info: dict[str, Any]) -> Path:
+def _report(ctx: RunContext, rows: list[dict[str, Any]], extra: dict[str, Any]) -> Path:
+    info = extra["model"]
     c, s = _cell(rows, 4, "copies"), _cell(rows, 4, "shared+batching")
     mem = ratio(s["rss_growth_mb"], c["rss_growth_mb"])
     # a copies' climb ended by the generator would make any ratio meaningless: not measured then
@@ -341,7 +345,7 @@ def _report(ctx: RunContext, rows: list[dict[str, Any]], ladders: list[dict[str,
         Panel("throughput at the SLO", "requests/s", groups, series("rps_at_slo")),
         Panel(f"p50 at a light load ({LIGHT_RPS:g} req/s)", "ms", groups, series("light_p50_ms")),
         Panel("p99 at half the copies' throughput", "ms (log)", groups, series("common_p99_ms"), log_y=True)])
-    return write_result(ctx, "shared_backbone", rows, targets, extra={"model": info, "ladders": ladders}, notes=(
+    return write_result(ctx, "shared_backbone", rows, targets, extra=extra, notes=(
         f"backbone: sklearn MLP {tuple(info['hidden'])} trained on sklearn digits, {info['params_backbone']} "
         f"parameters ({info['backbone_bytes'] / 2**20:.1f} MiB ONNX); heads: its output layer (digits, holdout "
         f"accuracy {info['accuracy_digits']}) and a logistic regression on its features (parity, "
@@ -367,7 +371,8 @@ def _report(ctx: RunContext, rows: list[dict[str, Any]], ladders: list[dict[str,
         f"batching happened); light_refused: requests refused or failed in those rounds; light_loadavg: the "
         f"1-minute load average before the rounds. The added-p50 target = light_p50_ms of shared + "
         f"batching minus that of copies at 4 tenants. common_*: every mode at half the copies' rps_at_slo "
-        f"(common_rps), one cell each, where queueing dominates. Steps of every ladder are in the JSON ('ladders')."))
+        f"(common_rps), one cell each, where queueing dominates. Steps of every ladder and every light-load "
+        f"round's cells are in the JSON ('ladders', 'light_rounds')."))
 
 
 def seconds_note(ctx: RunContext) -> str:
