@@ -31,13 +31,21 @@ async def test_a_slow_poisson_draw_is_not_read_as_a_generator_that_fell_behind()
 
 
 async def test_a_generator_held_up_by_its_server_is_invalid() -> None:
+    calls = 0
+
     async def blocking(x: np.ndarray, deadline: float) -> BatchResult:
-        time.sleep(0.01)  # noqa: ASYNC251 -- on purpose: holds the loop the generator runs on
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            time.sleep(1.5)  # noqa: ASYNC251 -- on purpose: holds the loop the generator runs on
         return BatchResult({"y": x}, 0.0, 0.0, 1)
 
-    res = await open_loop([blocking], np.zeros((4, 2), np.float32), 1000.0, 30, seed=1, time_cap_s=30.0, slo_s=5.0)
+    # a schedule of ~1 s; the first request holds the loop 1.5 s, so the rest goes out late (however
+    # the busy machine delays the first send, short of the whole second)
+    res = await open_loop([blocking], np.zeros((4, 2), np.float32), 100.0, 100, seed=1, time_cap_s=30.0, slo_s=5.0)
+    assert res["sent"] == 100
     assert res["valid"] is False
-    assert res["arrival_rps"] < 0.5 * res["offered_rps"]
+    assert res["arrival_rps"] < 0.8 * res["offered_rps"]
 
 
 async def test_rounds_take_turns_and_reverse_the_order_every_other_round() -> None:
