@@ -25,13 +25,13 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import REPO_ROOT, RunContext, run_standalone, target, write_result
+from bench.common import REPO_ROOT, RunContext, target, write_result
 from bench.geo import SYSTEMS, SystemRun, holdout, plot_geo, prebuild_home_async, run_system, system_row
 from bench.traces import Spike, Trace, TraceSpec, make_trace
 from tiermesh.workload import SloClass
 from topology.loader import load_topology_file
 
-__all__ = ["CLASSES", "FLASH_EDGE", "TOPOLOGY", "flash_window", "hetero_spec", "run", "run_geo_hetero"]
+__all__ = ["CLASSES", "FLASH_EDGE", "TOPOLOGY", "flash_window", "hetero_spec", "run_geo_hetero"]
 
 TOPOLOGY = REPO_ROOT / "examples" / "topology-hetero.yaml"
 FLASH_EDGE = "edge-par-1"
@@ -139,18 +139,3 @@ async def run_geo_hetero(ctx: RunContext, systems: tuple[str, ...] = SYSTEMS) ->
         "caps": caps, "trace": {"events": len(trace.events), "seed": spec.seed, "duration_s": spec.duration_s,
                                 "edges": list(spec.edges), "flash_window_s": list(window)}})
 
-
-def run(quick: bool) -> dict[str, Any]:
-    """Run the benchmark; returns the result document it wrote."""
-    return run_standalone("geo_hetero", quick, run_geo_hetero)
-
-
-if __name__ == "__main__":
-    import sys
-
-    result = run("--quick" in sys.argv[1:])
-    for row in result["rows"]:
-        print(f"{row['system']:10s} attainment {100 * row['slo_attainment']:.1f} %  flash "
-              f"{row['flash_attainment']}  res-s/1k {row['resource_s_per_1k']}  {row['violations_by']}")
-    for t in result["targets"]:
-        print(("MET " if t["met"] else "MISS") + f"  {t['name']}: {t['measured']} {t['op']} {t['target']}")
