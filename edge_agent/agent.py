@@ -164,7 +164,8 @@ class Agent(Service):
         self.host.on_load = lambda vid, prewarm: metrics.cold_start(vid, prewarm=prewarm)
         self.host.on_batch = metrics.batch_ran
         self.host.peer_sources = self._blob_peers
-        self.selfprof = SelfProfiler(self.site, self.host, self.view, wanted=self._placed)
+        self.selfprof = SelfProfiler(self.site, self.host, self.view, wanted=self._placed,
+                                     idle_s=lambda: self.dataplane.idle_s() if self.dataplane is not None else 0.0)
         self.curve = await self._open_curve()
         self.zmq_client = ZmqClient(security=self.curve, server_key_for=self._server_key)
         self.dataplane = SiteDataPlane(self.site, self.view, self.host, self.zmq_client,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Callable
 
@@ -33,6 +34,8 @@ from variant_store.meta import LatencyStats, Profile, VariantMeta
 __all__ = ["SelfProfiler", "sample_inputs", "time_batches"]
 
 log = get_logger(__name__)
+
+QUIET_S = 1.0  # idle seconds before a variant placement does not ask for is profiled
 
 # a sentence for text inputs (BYTES): timing depends on its length in tokens, not on its words
 _SAMPLE_TEXT = b"the central bank held interest rates steady as markets waited for new inflation figures"
@@ -80,11 +83,16 @@ class SelfProfiler:
     """Profiles this site's missing variants one at a time; :meth:`run` is its loop (it never dies)."""
 
     def __init__(self, site: str, host: VariantHost, view: MeshView, *, wanted: Callable[[], set[str]],
+                 idle_s: Callable[[], float] = lambda: math.inf,
                  batch_sizes: tuple[int, ...] = (1, 8), time_budget_s: float = 0.25) -> None:
         self.site = site
         self.host = host
         self.view = view
         self.wanted = wanted              # variants placement asks of this site (kept loaded after timing)
+        # seconds since this site last served a query (0 while one is in flight): variants placement does
+        # not ask for are timed only after QUIET_S of it, so speculative profiling never takes a capped
+        # site's little CPU from its traffic
+        self.idle_s = idle_s
         self.batch_sizes = batch_sizes
         self.time_budget_s = time_budget_s
         self.failed: dict[str, str] = {}  # variant -> why it cannot run here (not retried)
@@ -129,14 +137,19 @@ class SelfProfiler:
         return sorted(out, key=lambda m: (m.variant_id not in wanted, m.size_bytes, m.variant_id))
 
     async def run(self) -> None:
+        deferred = False
         while True:
             # asyncio.timeout, not wait_for: 3.11's wait_for swallows a cancel that lands as the event is set
             # (a view change during shutdown), and the agent's stop would then wait on this loop for ever
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(10.0):
+                async with asyncio.timeout(QUIET_S if deferred else 10.0):
                     await self._wake.wait()
             self._wake.clear()
+            deferred = False
             for meta in self.missing():
+                if meta.variant_id not in self.wanted() and self.idle_s() < QUIET_S:
+                    deferred = True  # the rest are speculative (wanted ones sort first): after a quiet spell
+                    break
                 try:
                     await self.profile(meta)
                     self.no_room.discard(meta.variant_id)

@@ -105,6 +105,7 @@ class SiteDataPlane:
         # the HTTP front, so that every way in (HTTP, in-process SDK, a ZeroMQ caller) pays
         self.quota = quota if quota is not None else DoorQuotas()
         self.inflight = 0
+        self.last_active = 0.0  # time.monotonic() when a query last ended here (see idle_s)
         self.served = 0
         self.forwarded = 0
         self.retried = 0  # queries served after a failed attempt
@@ -165,6 +166,7 @@ class SiteDataPlane:
                     resp = await self._route(req, received, hop)
             finally:
                 self.inflight -= 1
+                self.last_active = time.monotonic()
                 if door:
                     self.quota.release(req.tenant)
         except Exception as exc:
@@ -195,6 +197,10 @@ class SiteDataPlane:
             hop.failed(code)
             self.traces.add(req.request_id, trace_id_of(req.traceparent or ""), req.tenant, req.task, code,
                             hop.records)
+
+    def idle_s(self) -> float:
+        """Seconds since a query last ended here; 0 while one is in flight."""
+        return 0.0 if self.inflight else time.monotonic() - self.last_active
 
     async def infer_from_peer(self, req: InferRequest) -> InferResponse:
         """The ZeroMQ server's handler: :meth:`infer` for a query another site forwarded."""
