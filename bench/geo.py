@@ -270,7 +270,11 @@ def holdout() -> tuple[np.ndarray, np.ndarray]:
     return val.x[val.calib_count:], val.y[val.calib_count:]
 
 
-def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def headline_targets(rows: list[dict[str, Any]], *, infaas_ratio: float
+                     ) -> tuple[list[dict[str, Any]], dict[str, Any], list[dict[str, Any]]]:
+    """The targets every geo scenario has: tiermesh meets the SLO on more queries than the best baseline,
+    and INFaaS-style has ``infaas_ratio`` x its violations. Returns them, the best baseline's row and every
+    baseline's row."""
     by = {r["system"]: r for r in rows}
     tm = by["tiermesh"]
     base = [r for r in rows if r["system"] != "tiermesh"]
@@ -278,8 +282,14 @@ def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = [target(f"tiermesh SLO-met queries minus the best baseline's ({best['system']})",
                   float(tm["slo_met"] - best["slo_met"]), 1.0, op=">=", unit="queries")]
     if "infaas" in by:
-        ratio = by["infaas"]["violations"] / max(1, tm["violations"])
-        out.append(target("infaas violations / tiermesh violations", ratio, 2.0, op=">=", unit="x"))
+        out.append(target("INFaaS-style violations / tiermesh violations",
+                          by["infaas"]["violations"] / max(1, tm["violations"]), infaas_ratio, op=">=", unit="x"))
+    return out, best, base
+
+
+def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    tm = next(r for r in rows if r["system"] == "tiermesh")
+    out, _, base = headline_targets(rows, infaas_ratio=2.0)
     good = [r for r in base if r["slo_attainment"] >= 0.95] or base
     cheapest = min(good, key=lambda r: r["resource_s_per_1k"])
     ref = cheapest["resource_s_per_1k"]
