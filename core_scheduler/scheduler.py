@@ -42,6 +42,7 @@ log = get_logger(__name__)
 MAX_EVENTS = 200
 MIN_BACKOFF_S = 0.2  # between campaigns after a failure; doubled up to MAX_BACKOFF_S, jittered
 MAX_BACKOFF_S = 2.0
+MIN_ROUND_GAP_S = 0.1  # placement rounds woken early by a change are at least this far apart
 
 
 @dataclass(slots=True)
@@ -85,6 +86,19 @@ class Scheduler(Service):
         # Prometheus metrics (the console mounts core_scheduler.metrics.metrics_handler(self.metrics.registry))
         self.metrics = SchedulerMetrics()
         self.metrics.state = lambda: (self.is_leader, self.view.connected, self.terms)
+        # a round comes early (not before MIN_ROUND_GAP_S) when what placement can use changes: a site
+        # comes or goes, or a capped site publishes timings of a variant its class could not run before
+        self._wake = asyncio.Event()
+        self._usable: tuple[frozenset[str], frozenset[tuple[str, str, str]]] = (frozenset(), frozenset())
+        self.view.on_change(self._on_view_change)
+
+    def _on_view_change(self) -> None:
+        usable = (frozenset(self.view.live),
+                  frozenset((site, hb.hardware_class or "", vid) for site, hb in self.view.live.items()
+                            for vid in hb.profiles))
+        if usable != self._usable:
+            self._usable = usable
+            self._wake.set()
 
     @property
     def is_leader(self) -> bool:
@@ -141,8 +155,26 @@ class Scheduler(Service):
                 log.warning("placement round failed: %s", exc, extra=kv(event="round_failed"))
             except Exception:
                 log.exception("placement round error", extra=kv(event="round_failed"))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(election.lost.wait(), self.cfg.interval_s)
+            await self._pause(election)
+
+    async def _pause(self, election: Election) -> None:
+        """``interval_s`` between rounds, cut short (after MIN_ROUND_GAP_S) by a change placement can use."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(min(MIN_ROUND_GAP_S, self.cfg.interval_s)):
+                await election.lost.wait()
+        if election.lost.is_set() or self._wake.is_set():  # changed during the round or the gap: go now
+            self._wake.clear()
+            return
+        lost = asyncio.ensure_future(election.lost.wait())
+        woken = asyncio.ensure_future(self._wake.wait())
+        try:
+            await asyncio.wait({lost, woken}, timeout=max(0.0, self.cfg.interval_s - MIN_ROUND_GAP_S),
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (lost, woken):
+                t.cancel()
+            await asyncio.gather(lost, woken, return_exceptions=True)
+        self._wake.clear()
 
     # -- forecast state ----------------------------------------------------------------------
     async def restore_forecast(self) -> int:

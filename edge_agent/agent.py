@@ -165,7 +165,8 @@ class Agent(Service):
         self.host.on_batch = metrics.batch_ran
         self.host.peer_sources = self._blob_peers
         self.selfprof = SelfProfiler(self.site, self.host, self.view, wanted=self._placed,
-                                     idle_s=lambda: self.dataplane.idle_s() if self.dataplane is not None else 0.0)
+                                     idle_s=lambda: self.dataplane.idle_s() if self.dataplane is not None else 0.0,
+                                     published_cb=self._beat_now)
         self.curve = await self._open_curve()
         self.zmq_client = ZmqClient(security=self.curve, server_key_for=self._server_key)
         self.dataplane = SiteDataPlane(self.site, self.view, self.host, self.zmq_client,
@@ -470,6 +471,10 @@ class Agent(Service):
                 raise
             except Exception:
                 log.exception("reconcile failed", extra=kv(site=self.site))
+
+    async def _beat_now(self) -> None:
+        if self.liveness is not None:
+            await self.liveness.beat()
 
     def _placed(self) -> set[str]:
         """The variants placement asks of this site."""

@@ -150,6 +150,8 @@ class VariantHost:
         self._measured_bytes: dict[str, int] = {}
         # timings this site measured itself for variants the catalog has no profile of its class for
         self.self_profiles: dict[str, Profile] = {}
+        # timings other live sites of this class measured (adopted by the self-profiler), for the rest
+        self.class_profiles: dict[str, Profile] = {}
 
     # -- what is loaded ----------------------------------------------------------------------
     @property
@@ -185,7 +187,9 @@ class VariantHost:
 
         def compute(n: int) -> float:  # looked up per batch: a self-measured profile may arrive later
             # a head's self-measured time includes its backbone, which its backbone batcher times itself
-            prof = (None if meta.shared_base_digest else self.self_profiles.get(meta.variant_id)) or fallback
+            vid = meta.variant_id
+            prof = (None if meta.shared_base_digest
+                    else self.self_profiles.get(vid) or self.class_profiles.get(vid)) or fallback
             return prof.compute_ms(n) if prof is not None else 1.0 + 0.1 * n
 
         return compute, fallback.load_ms if fallback is not None else 1.0

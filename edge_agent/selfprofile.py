@@ -10,6 +10,13 @@ size: a six-layer encoder at batch 32 takes seconds under an edge's cap), keeps 
 placement wants it or a query used it meanwhile, and publishes the timings in its heartbeat
 (``profiles``), where every snapshot builder reads them for that class until the catalog has a profile
 of its own.
+
+Sites of one class share the work: a variant some live site of this class has already published timings
+for is not timed again here (its timings are adopted for this site's batch-cost estimates), and each site
+takes every n-th of the class's missing variants (from its rank among the class's n live sites) before
+the others' leftovers, so seventeen capped edges time seventeen different variants at once instead of the
+same one seventeen times. The smallest variant of each task goes first: the class can serve every task
+soonest. A site that dies takes its timings with it: whatever no live site publishes is missing again.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 
@@ -84,7 +91,8 @@ class SelfProfiler:
 
     def __init__(self, site: str, host: VariantHost, view: MeshView, *, wanted: Callable[[], set[str]],
                  idle_s: Callable[[], float] = lambda: math.inf,
-                 batch_sizes: tuple[int, ...] = (1, 8), time_budget_s: float = 0.25) -> None:
+                 batch_sizes: tuple[int, ...] = (1, 8), time_budget_s: float = 0.25,
+                 published_cb: Callable[[], Awaitable[None]] | None = None) -> None:
         self.site = site
         self.host = host
         self.view = view
@@ -98,6 +106,7 @@ class SelfProfiler:
         self.failed: dict[str, str] = {}  # variant -> why it cannot run here (not retried)
         self.no_room: set[str] = set()    # did not fit the memory budget when last tried (tried again)
         self._wake = asyncio.Event()
+        self.published_cb = published_cb  # tells the mesh at once (a heartbeat) what was just timed
 
     @property
     def hardware_class(self) -> str:
@@ -119,6 +128,31 @@ class SelfProfiler:
                 return vs[variant_id]
         return None
 
+    def class_peers(self) -> list[str]:
+        """Live sites of this site's hardware class, this one included, sorted by name."""
+        peers = {n for n, hb in self.view.live.items() if hb.hardware_class == self.hardware_class}
+        return sorted(peers | {self.site})
+
+    def peer_profiles(self) -> dict[str, MeasuredProfile]:
+        """Timings other live sites of this class publish (the first by site name per variant)."""
+        out: dict[str, MeasuredProfile] = {}
+        for name, hb in sorted(self.view.live.items()):
+            if name != self.site and hb.hardware_class == self.hardware_class:
+                for vid, prof in hb.profiles.items():
+                    out.setdefault(vid, prof)
+        return out
+
+    def adopt_peer_profiles(self) -> dict[str, MeasuredProfile]:
+        """The host's batch-cost estimates take the class's published timings for what this site did not
+        time itself; returns those timings."""
+        peers = self.peer_profiles()
+        self.host.class_profiles = {
+            vid: Profile(hardware_class=self.hardware_class, load_ms=p.load_ms,
+                         latency={b: LatencyStats(p50_ms=ms, p99_ms=ms) for b, ms in p.p50_ms.items()},
+                         peak_memory_bytes=0)
+            for vid, p in peers.items() if vid not in self.host.self_profiles}
+        return peers
+
     def wake(self) -> None:
         self._wake.set()
 
@@ -128,13 +162,29 @@ class SelfProfiler:
         return sum(1 for m in self.missing() if m.variant_id not in self.no_room)
 
     def missing(self) -> list[VariantMeta]:
-        """Variants with no profile for this class, neither measured here nor failed: those placement wants
-        here first, then the rest smallest first."""
+        """Variants with no profile for this class, neither measured here nor by a live site of this class, nor
+        failed here: those placement wants here first, then the rest smallest first, rotated to start at
+        this site's share of the class's list (see the module's docstring)."""
+        peers = self.adopt_peer_profiles()
         out = [m for vs in self.view.variants.values() for m in vs.values()
                if self.hardware_class not in m.profiles and m.variant_id not in self.host.self_profiles
-               and m.variant_id not in self.failed and m.task in self.view.signatures]
+               and m.variant_id not in peers and m.variant_id not in self.failed and m.task in self.view.signatures]
         wanted = self.wanted()
-        return sorted(out, key=lambda m: (m.variant_id not in wanted, m.size_bytes, m.variant_id))
+        first = sorted((m for m in out if m.variant_id in wanted), key=lambda m: (m.size_bytes, m.variant_id))
+        # the smallest variant of every task first (a task the class can serve at all), then the next...
+        by_task: dict[str, list[VariantMeta]] = {}
+        for m in sorted(out, key=lambda m: (m.size_bytes, m.variant_id)):
+            if m.variant_id not in wanted:
+                by_task.setdefault(m.task, []).append(m)
+        rest = sorted((m for ms in by_task.values() for m in ms),
+                      key=lambda m: (by_task[m.task].index(m), m.size_bytes, m.variant_id))
+        # this site's share (every n-th, from its rank) forward, then the others' leftovers backwards: a
+        # site done early takes what its peers would reach last, not the variant a peer is timing now
+        peers = self.class_peers()
+        rank, n = peers.index(self.site), len(peers)
+        mine = [m for i, m in enumerate(rest) if i % n == rank]
+        theirs = [m for i, m in enumerate(rest) if i % n != rank]
+        return first + mine + theirs[::-1]
 
     async def run(self) -> None:
         deferred = False
@@ -150,9 +200,13 @@ class SelfProfiler:
                 if meta.variant_id not in self.wanted() and self.idle_s() < QUIET_S:
                     deferred = True  # the rest are speculative (wanted ones sort first): after a quiet spell
                     break
+                if meta.variant_id in self.peer_profiles():  # a peer published it while this one timed another
+                    continue
                 try:
                     await self.profile(meta)
                     self.no_room.discard(meta.variant_id)
+                    if self.published_cb is not None:
+                        await self.published_cb()
                 except asyncio.CancelledError:
                     raise
                 except Overloaded as exc:  # no memory now: tried again when the view changes

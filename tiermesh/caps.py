@@ -76,7 +76,9 @@ def plan_caps(topology: Topology, names: list[str], *, machine_cpus: float, mach
     """Each of ``names``' share of this machine (pure: the caller says what the machine has).
 
     Non-core sites get ``machine_cpus x declared / all declared`` cores (at least ``min_cpu``); core
-    sites split what is left by their declared cores (at least ``min_cpu`` each). Model memory:
+    sites split what is left by their declared cores (at least ``min_cpu`` each); where the other sites'
+    floors alone take the whole machine, a core site gets its own ``machine_cpus x declared / all declared``
+    instead (the caps then add up to more than the machine: they are limits, not reservations). Model memory:
     declared x fraction, scaled by ``min(1, machine_memory / 2 / sum of those)`` (MiB)."""
     if machine_cpus <= 0:
         raise ConfigError(f"machine_cpus must be positive, got {machine_cpus}")
@@ -89,8 +91,12 @@ def plan_caps(topology: Topology, names: list[str], *, machine_cpus: float, mach
     cores = [s for s in sites if s.tier == "core"]
     rest = max(machine_cpus - sum(cpu.values()), min_cpu * len(cores))
     core_declared = sum(s.hardware.cpu_cores for s in cores) or 1
+    oversubscribed = sum(cpu.values()) >= machine_cpus
     for s in cores:
-        cpu[s.name] = max(min_cpu, rest * s.hardware.cpu_cores / core_declared)
+        # where the other sites' floors alone take the whole machine (many small edges), caps are limits,
+        # not reservations: a core keeps its proportional share rather than fall to the floor below them
+        fair = machine_cpus * s.hardware.cpu_cores / declared if oversubscribed else 0.0
+        cpu[s.name] = max(min_cpu, fair, rest * s.hardware.cpu_cores / core_declared)
     budgets = {s.name: s.hardware.memory_mb * model_memory_fraction for s in sites}
     total = sum(budgets.values()) or 1.0
     scale = min(1.0, machine_memory / 2 / total) if machine_memory > 0 else 1.0

@@ -48,6 +48,21 @@ def test_edges_get_a_fraction_middles_more_and_cores_the_rest() -> None:
     assert plan["edge-b"].model_memory_mb == 1024 and plan["core"].model_memory_mb == 32768
 
 
+def test_many_small_sites_do_not_starve_the_core() -> None:
+    """Twenty edges at the floor take the whole machine: the core keeps its proportional share
+    (caps are limits, not reservations) instead of falling to the floor below the edges."""
+    sites = {f"edge-{i}": Site(name=f"edge-{i}", tier="edge", region="r", lat=0.0, lon=0.0,
+                               hardware=Hardware(cpu_cores=2, memory_mb=4096, price_per_hour=0.1))
+             for i in range(20)}
+    sites["core"] = Site(name="core", tier="core", region="r", lat=0.0, lon=0.0,
+                         hardware=Hardware(cpu_cores=32, memory_mb=131072, price_per_hour=1.0))
+    topo = Topology(sites=sites, links=tuple(Link(f"edge-{i}", "core", 10, 100) for i in range(20)))
+    plan = plan_caps(topo, list(sites), machine_cpus=2.0, machine_memory=1 << 20)
+    assert plan["edge-0"].cpu == MIN_CPU
+    assert plan["core"].cpu == pytest.approx(2 * 32 / (32 + 40), abs=1e-3)
+    assert plan["core"].cpu > plan["edge-0"].cpu  # type: ignore[operator]
+
+
 def test_model_memory_is_scaled_down_to_half_the_machine() -> None:
     plan = plan_caps(_topology(), list(SITES), machine_cpus=2.0, machine_memory=8192)
     total = sum(c.model_memory_mb for c in plan.values())
@@ -141,6 +156,9 @@ async def test_speculative_profiling_waits_for_a_quiet_site() -> None:
     timed: list[str] = []
 
     class Probe(SelfProfiler):
+        def peer_profiles(self) -> dict[str, MeasuredProfile]:
+            return {}
+
         def missing(self) -> list[VariantMeta]:
             return [meta(v) for v in ("placed", "spare") if v not in timed]
 
@@ -168,3 +186,40 @@ async def test_speculative_profiling_waits_for_a_quiet_site() -> None:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+def test_sites_of_one_class_split_the_profiling() -> None:
+    """A variant a live peer of this class published is adopted, not timed again; the rest is walked from
+    each site's own starting point, so two edges of one class start on different variants."""
+    view = _view({"mlp": {"load_ms": 9.0, "p50_ms": {"1": 7.5, "8": 30.0}}})
+    view._apply("live/edge-a", {"hardware_class": "cpu-x-cap0.10", "capacity": 2})  # has timed nothing yet
+    view.signatures["digits"] = TaskSignature(task="digits", inputs=(TensorSpec("x", "float32", (-1, 4)),),
+                                              outputs=(TensorSpec("y", "float32", (-1, 2)),))
+    for i in range(4):
+        meta = VariantMeta(task="digits", family="mlp", variant_id=f"v{i}", format="onnx", precision="fp32",
+                           runtime="onnxruntime", blob_digest="ab" * 32, size_bytes=i + 1, accuracy=0.9,
+                           profiles={"cpu-x": Profile(hardware_class="cpu-x", load_ms=1.0,
+                                                      latency={1: LatencyStats(1.0, 1.0)}, peak_memory_bytes=1)})
+        view._apply(f"catalog/digits/v{i}", meta.to_json())
+
+    class Host:
+        hardware_class = "cpu-x-cap0.10"
+
+        def __init__(self, own: dict[str, Profile]) -> None:
+            self.self_profiles = own
+            self.class_profiles: dict[str, Profile] = {}
+
+    def order(site: str) -> list[str]:
+        timed = Profile(hardware_class="cpu-x-cap0.10", load_ms=9.0, latency={1: LatencyStats(7.5, 7.5)},
+                        peak_memory_bytes=1)
+        host = Host({"mlp": timed} if site == "edge-b" else {})
+        prof = SelfProfiler(site, cast(Any, host), view, wanted=set)
+        out = [m.variant_id for m in prof.missing()]
+        assert "mlp" not in out
+        if site == "edge-a":
+            assert host.class_profiles["mlp"].compute_ms(1) == 7.5  # adopted from edge-b
+        return out
+
+    a, b = order("edge-a"), order("edge-b")
+    assert sorted(a) == sorted(b) == ["v0", "v1", "v2", "v3"]
+    assert a[0] != b[0]                                   # each starts on its own share
