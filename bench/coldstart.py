@@ -43,7 +43,8 @@ import numpy as np
 from bench.common import Panel, RunContext, plot_panels, run_standalone, target, write_result
 from bench.geo import QUICK_SITES, TOPOLOGY, holdout, prebuild_home_async
 from bench.traces import DailyPeak, Replayed, Trace, TraceSpec, make_trace, peak_windows, replay
-from tiermesh.harness import LocalMesh, MeshOptions
+from tiermesh.harness import LocalMesh
+from tiermesh.mesh_options import MeshOptions
 from tiermesh.workload import SloClass
 from topology.loader import load_topology_file
 from topology.paths import topology_paths

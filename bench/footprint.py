@@ -108,7 +108,8 @@ def sdk_install() -> dict[str, Any]:
 async def agent_rss(prebuilt: Path, workdir: Path) -> dict[str, Any]:
     """RSS / PSS of one edge agent, idle and then with the digits family loaded."""
     from mesh.etcd.keys import live_key, placement_key
-    from tiermesh.harness import LocalMesh, MeshOptions
+    from tiermesh.harness import LocalMesh
+    from tiermesh.mesh_options import MeshOptions
     from variant_store.catalog import Catalog
 
     home = workdir / "agent-home"

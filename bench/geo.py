@@ -43,7 +43,8 @@ import numpy as np
 from bench.common import REPO_ROOT, RunContext, percentile, run_standalone, target, write_result
 from bench.traces import Replayed, Spike, Trace, TraceSpec, make_trace, replay
 from mesh.etcd.keys import live_key
-from tiermesh.harness import LocalMesh, MeshOptions
+from tiermesh.harness import LocalMesh
+from tiermesh.mesh_options import MeshOptions
 from topology.loader import load_topology_file
 from topology.schema import Topology
 

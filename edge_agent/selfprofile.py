@@ -180,8 +180,8 @@ class SelfProfiler:
                       key=lambda m: (by_task[m.task].index(m), m.size_bytes, m.variant_id))
         # this site's share (every n-th, from its rank) forward, then the others' leftovers backwards: a
         # site done early takes what its peers would reach last, not the variant a peer is timing now
-        peers = self.class_peers()
-        rank, n = peers.index(self.site), len(peers)
+        class_peers = self.class_peers()
+        rank, n = class_peers.index(self.site), len(class_peers)
         mine = [m for i, m in enumerate(rest) if i % n == rank]
         theirs = [m for i, m in enumerate(rest) if i % n != rank]
         return first + mine + theirs[::-1]

@@ -30,22 +30,20 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from console import ConsoleConfig, ConsoleServer, new_token
 from console.app import Route
-from core_scheduler.scheduler import Scheduler, SchedulerConfig
+from core_scheduler.scheduler import Scheduler
 from edge_agent.agent import BLOB_PEER
 from mesh.errors import ConfigError, MeshError, StoreError
 from mesh.etcd import rbac
 from mesh.etcd.cluster import EtcdCluster
-from mesh.etcd.keys import live_key
 from mesh.etcd.server import EmbeddedEtcd
 from mesh.etcd.store import Store
 from mesh.lifecycle import Service, cancel_and_wait
@@ -56,13 +54,14 @@ from mesh.pki.local import LocalPki
 from mesh.types import DEFAULT_TENANT
 from tiermesh.caps import CpuCgroups, SiteCaps, machine_memory_mb, plan_caps
 from tiermesh.control import ControlOptions, ControlProcesses, PrefixedEtcd, terminate
-from tiermesh.delayproxy import LinkShape, ProxyPool
+from tiermesh.delayproxy import ProxyPool
 from tiermesh.drills import crosses_link
-from tiermesh.launcher import AgentLauncher, ForkedChild
+from tiermesh.launcher import AgentLauncher
+from tiermesh.mesh_options import MeshOptions, SiteProcess, free_port, path_shape
 from tiermesh.netns import DrillKind, NetnsLab
+from tiermesh.readiness import Readiness
 from tiermesh.secure import OPERATOR, SCHEDULER, MeshCredentials, rbac_plan
 from topology.loader import load_topology_file
-from topology.paths import topology_paths
 from topology.schema import Topology
 from topology.store_io import apply as apply_topology
 from variant_store.access import StoreTls
@@ -72,7 +71,7 @@ from variant_store.build_text import ensure_text_family
 from variant_store.catalog import Catalog
 from variant_store.server import VariantStoreServer
 
-__all__ = ["LocalMesh", "MeshOptions", "SiteProcess", "path_shape"]
+__all__ = ["LocalMesh"]
 
 log = get_logger(__name__)
 # the console's identities in a local mesh: it serves as CONSOLE_SERVER, scrapes the agents as CONSOLE_SCRAPER,
@@ -82,95 +81,7 @@ CONSOLE_SCRAPER = Identity("admin", "console")
 CONSOLE_ADMIN = Identity("admin", "admin")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def path_shape(topology: Topology, src: str, dst: str, *, jitter: bool = True) -> LinkShape:
-    """The delay proxy's shape from ``src`` to ``dst``: the one-way latency and bottleneck bandwidth
-    of the path routing plans on (:mod:`topology.paths`, so an equal-cost tie resolves the same
-    way here and in the RTT table). ``jitter``: the largest declared jitter of a link at either
-    end, at most a quarter of the latency (the blob proxy runs without)."""
-    paths = topology_paths(topology)
-    one_way = paths.path_latency_ms(src, dst)
-    bandwidth = paths.bottleneck_bandwidth_mbps(src, dst)
-    if not jitter:
-        return LinkShape(latency_ms=one_way, bandwidth_mbps=bandwidth)
-    spread = max((lk.jitter_ms for lk in topology.links if src in lk.ends or dst in lk.ends), default=0.0)
-    return LinkShape(latency_ms=one_way, jitter_ms=min(spread, one_way / 4), bandwidth_mbps=bandwidth)
-
-
-@dataclass(slots=True)
-class MeshOptions:
-    topology: Path
-    home: Path
-    prefix: str = "/tiermesh/"
-    lease_ttl_s: float = 3.0
-    wan: bool = True                 # delay proxies between sites (False: direct loopback)
-    scheduler: bool = True
-    sites: list[str] | None = None   # None: every site of the topology
-    agent_log_level: str = "WARNING"
-    startup_timeout_s: float = 90.0
-    mode: str = "tiermesh"          # routing + placement mode (baselines for benchmarks)
-    proactive: bool = True           # scheduler forecasts demand and prewarms
-    agent_env: dict[str, str] = field(default_factory=dict)  # extra environment of every agent
-    site_env: dict[str, dict[str, str]] = field(default_factory=dict)  # ... and of one site's agent
-    # where the variant store lives in the topology (None: the first core site): with ``wan``,
-    # every other site fetches blobs over that site's path, so a cold start pays a real WAN fetch
-    store_site: str | None = None
-    etcd_members: int = 1            # >1: a local etcd cluster (agents and scheduler get every member's URL)
-    # scheduler knobs (None: SchedulerConfig / PlacementConfig defaults); benchmarks compress time
-    interval_s: float | None = None
-    forecast_horizon_s: float | None = None
-    forecast_period_s: float | None = None
-    forecast_bin_s: float | None = None
-    idle_evict_s: float | None = None
-    min_residency_s: float | None = None
-    netns: bool = False              # every participant in its own network namespace (root)
-    tls: bool = False                # edge APIs over mutual TLS, certificates issued into home/pki
-    # CURVE between sites: a CA in <home>/pki (made if missing) and a certificate + CURVE key per site
-    curve: bool = False
-    # each agent gets the CPU (a cgroup quota) and model memory its topology entry declares, scaled to this
-    # machine (:mod:`tiermesh.caps`); where cgroups are not writable the sites run uncapped and say so
-    caps: bool = False
-    machine_cpus: float | None = None   # with caps: the cores to share out (None: this process's CPUs)
-    # the text family's encoders (None: none; else the backbones, [] meaning all): built once into a
-    # cache (``variant_store.build_text``), so off by default for tests that serve digits only
-    text_backbones: list[str] | None = None
-    console: bool = False            # the admin console beside the scheduler (not with netns yet)
-    console_port: int = 0            # 0: any free port (LocalMesh.console.url says which)
-    # agents forked from one launcher that imported their code once (tiermesh.launcher), rather than one fresh
-    # interpreter each; never with netns (a child would have to enter its namespace)
-    fork_agents: bool = True
-
-    def scheduler_config(self, candidate_id: str) -> SchedulerConfig:
-        cfg = SchedulerConfig(candidate_id=candidate_id, mode=self.mode, proactive=self.proactive)
-        for name in ("interval_s", "forecast_horizon_s", "forecast_period_s", "forecast_bin_s"):
-            value = getattr(self, name)
-            if value is not None:
-                setattr(cfg, name, value)
-        if self.idle_evict_s is not None:
-            cfg.placement = replace(cfg.placement, idle_evict_s=self.idle_evict_s)
-        if self.min_residency_s is not None:
-            cfg.placement = replace(cfg.placement, min_residency_s=self.min_residency_s)
-        return cfg
-
-
-@dataclass(slots=True)
-class SiteProcess:
-    name: str
-    zmq_port: int
-    proc: asyncio.subprocess.Process | ForkedChild | None = None
-    http: str | None = None
-    zmq: str | None = None           # the endpoint it advertises
-    log_path: Path | None = None
-    peer_map_path: Path | None = None
-    extra_env: dict[str, str] = field(default_factory=dict)
-
-
-class LocalMesh(Service):
+class LocalMesh(Readiness, Service):
     def __init__(self, opts: MeshOptions) -> None:
         self.opts = opts
         self.topology: Topology = load_topology_file(opts.topology)
@@ -194,8 +105,8 @@ class LocalMesh(Service):
         self._sched_store: Store | None = None     # the in-process scheduler's own etcd identity (with tls)
         self.site_caps: dict[str, SiteCaps] = {}
         self.cgroups: CpuCgroups | None = None
-        self.etcd_port = 2379 if opts.netns else _free_port()
-        self.etcd_peer_port = 2380 if opts.netns else _free_port()
+        self.etcd_port = 2379 if opts.netns else free_port()
+        self.etcd_peer_port = 2380 if opts.netns else free_port()
 
     @property
     def etcd_url(self) -> str:
@@ -634,91 +545,6 @@ class LocalMesh(Service):
         proc, sp.proc = sp.proc, None
         if proc is not None:
             await terminate(proc, graceful=graceful)
-
-    async def wait_live(self, names: list[str] | None = None, timeout: float = 30.0) -> None:  # noqa: ASYNC109
-        assert self.store is not None
-        deadline = time.monotonic() + timeout
-        for name in names or list(self.sites):
-            while await self.store.get(live_key(name)) is None:
-                if time.monotonic() > deadline:
-                    raise MeshError(f"site {name} not live after {timeout} s")
-                await asyncio.sleep(0.1)
-
-    async def wait_placed(self, timeout: float = 60.0) -> None:  # noqa: ASYNC109
-        """Until every site holds what its placement asks (or the timeout: placement keeps going)."""
-        assert self.store is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            pending = 0
-            for name in self.sites:
-                place = await self.store.get(f"placement/{name}")
-                live = await self.store.get(live_key(name))
-                if place is None or live is None:
-                    pending += 1
-                    continue
-                want = {v["variant_id"] for v in place.value.get("variants", [])}
-                have = set(live.value.get("loaded") or {})
-                pending += len(want - have)
-            if pending == 0:
-                return
-            await asyncio.sleep(0.25)
-        log.warning("placement not complete after %.0f s", timeout, extra=kv(event="placement_wait"))
-
-    async def wait_servable(self, timeout: float = 60.0) -> dict[str, int]:  # noqa: ASYNC109
-        """Until every site is live and holds what placement asks of it, and every task of the catalog has a
-        placed variant loaded somewhere (on a capped mesh: some site has timed one under its cap and
-        placement has put it there: the warm floor holds public tasks; a tenant's private task is placed
-        when its demand comes), or the timeout. Returns what each site still has to time under its
-        cap (sites keep timing the rest in the background, serving meanwhile)."""
-        assert self.store is not None and self.catalog is not None
-        deadline = time.monotonic() + timeout
-        metas = await self.catalog.list_variants()
-        tasks = {m.variant_id: m.task for m in metas}
-        public = {m.task for m in metas if m.owner == "public"}
-        pending: dict[str, int] = {}
-        while True:
-            served: set[str] = set()
-            unplaced = 0
-            pending = {}
-            for name in self.sites:
-                place = await self.store.get(f"placement/{name}")
-                live = await self.store.get(live_key(name))
-                if live is None:
-                    unplaced += 1
-                    continue
-                want = {v["variant_id"] for v in place.value.get("variants", [])} if place is not None else set()
-                have = set(live.value.get("loaded") or {})
-                unplaced += len(want - have)
-                served |= {tasks.get(v, "") for v in want & have}
-                if left := int(live.value.get("profiling_pending", 0)):
-                    pending[name] = left
-            missing = public - served
-            if unplaced == 0 and not missing:
-                return pending
-            if time.monotonic() > deadline:
-                log.warning("after %.0f s: %d placed variants not loaded yet; tasks with nothing placed: %s",
-                            timeout, unplaced, sorted(missing), extra=kv(event="servable_wait"))
-                return pending
-            await asyncio.sleep(0.2)
-
-    async def wait_profiled(self, timeout: float = 120.0) -> dict[str, int]:  # noqa: ASYNC109
-        """Until no site has variants left to profile for its (capped) hardware class, or the timeout;
-        returns what each site still had pending (empty when all are done)."""
-        assert self.store is not None
-        deadline = time.monotonic() + timeout
-        pending: dict[str, int] = {}
-        while time.monotonic() < deadline:
-            pending = {}
-            for name in self.sites:
-                live = await self.store.get(live_key(name))
-                left = int(live.value.get("profiling_pending", 0)) if live is not None else -1
-                if left != 0:
-                    pending[name] = left
-            if not pending:
-                return {}
-            await asyncio.sleep(0.5)
-        log.warning("sites still profiling after %.0f s: %s", timeout, pending, extra=kv(event="profile_wait"))
-        return pending
 
     def edge_urls(self) -> dict[str, str]:
         return {n: sp.http for n, sp in self.sites.items()

@@ -22,7 +22,8 @@ import pytest_asyncio
 from mesh.client import AsyncClient
 from mesh.errors import MeshError
 from tests.system.conftest import SMALL_TOPOLOGY, TASK
-from tiermesh.harness import LocalMesh, MeshOptions
+from tiermesh.harness import LocalMesh
+from tiermesh.mesh_options import MeshOptions
 from tiermesh.workload import DEFAULT_CLASSES
 from variant_store.families.datasets import load_validation_npz
 

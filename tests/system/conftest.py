@@ -23,7 +23,8 @@ import pytest_asyncio
 from mesh.client import AsyncClient
 from mesh.errors import MeshError
 from mesh.etcd.keys import live_key
-from tiermesh.harness import LocalMesh, MeshOptions
+from tiermesh.harness import LocalMesh
+from tiermesh.mesh_options import MeshOptions
 from tiermesh.workload import DEFAULT_CLASSES
 from variant_store.catalog import Catalog
 from variant_store.families.datasets import load_validation_npz

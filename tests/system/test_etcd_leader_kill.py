@@ -17,7 +17,8 @@ from mesh.etcd.cluster import EtcdCluster
 from mesh.etcd.keys import live_key, placement_key
 from tests.helpers.waiting import eventually
 from tests.system.conftest import SMALL_TOPOLOGY, Holdout, wait_warm
-from tiermesh.harness import LocalMesh, MeshOptions
+from tiermesh.harness import LocalMesh
+from tiermesh.mesh_options import MeshOptions
 from tiermesh.workload import DEFAULT_CLASSES, run_workload, summarise
 
 pytestmark = [pytest.mark.system, pytest.mark.slow]

@@ -18,7 +18,8 @@ from mesh.etcd.keys import live_key, placement_key
 from mesh.etcd.store import Store
 from mesh.etcd.watch import Watch, WatchEvent
 from tests.helpers.waiting import eventually
-from tiermesh.harness import LocalMesh, MeshOptions
+from tiermesh.harness import LocalMesh
+from tiermesh.mesh_options import MeshOptions
 from tiermesh.workload import SloClass, run_workload, summarise
 from variant_store.families.datasets import load_validation_npz
 

@@ -22,7 +22,8 @@ import pytest
 from bench.sdk_venv import clean_env, make_sdk_venv
 from mesh.etcd.keys import live_key, placement_key
 from tests.system.conftest import SMALL_TOPOLOGY, TASK
-from tiermesh.harness import LocalMesh, MeshOptions
+from tiermesh.harness import LocalMesh
+from tiermesh.mesh_options import MeshOptions
 from variant_store.catalog import Catalog
 from variant_store.runtimes import open_runtime
 

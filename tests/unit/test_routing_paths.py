@@ -14,7 +14,7 @@ from core_scheduler.policy.routing import Query, RoutingTable
 from core_scheduler.state.heartbeat import Heartbeat
 from core_scheduler.state.snapshot import build_snapshot
 from core_scheduler.state.view import MeshView
-from tiermesh.harness import path_shape
+from tiermesh.mesh_options import path_shape
 from topology.paths import topology_paths
 from topology.schema import Hardware, Link, Site, Topology
 from variant_store.meta import LatencyStats, Profile, VariantMeta

@@ -31,7 +31,8 @@ from mesh.errors import MeshError
 from mesh.log import get_logger, kv
 from tiermesh.chaos.faults import ChaosMesh, Fault
 from tiermesh.chaos.invariants import LATE_S, TARGET, WINDOW_S, FaultWindow, Verdict, check, timeline
-from tiermesh.harness import LocalMesh, MeshOptions
+from tiermesh.harness import LocalMesh
+from tiermesh.mesh_options import MeshOptions
 from tiermesh.workload import DEFAULT_CLASSES, QueryRecord, SloClass, infer_one, run_workload, summarise
 from variant_store.families.datasets import load_validation_npz
 

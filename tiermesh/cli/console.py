@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from mesh.errors import ConfigError
-from tiermesh.harness import LocalMesh, MeshOptions
+from tiermesh.harness import LocalMesh
+from tiermesh.mesh_options import MeshOptions
 from tiermesh.workload import run_workload
 
 __all__ = ["CHROMIUM", "register", "screenshot"]

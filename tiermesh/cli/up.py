@@ -39,7 +39,8 @@ from mesh.etcd.server import clear_record, find_running, write_record
 from mesh.settings import MeshSettings
 from tiermesh.cli.agent import INSECURE_WARNING
 from tiermesh.drills import LinkDrill, crosses_link, drill_report, parse_kill, parse_link_drill
-from tiermesh.harness import LocalMesh, MeshOptions
+from tiermesh.harness import LocalMesh
+from tiermesh.mesh_options import MeshOptions
 from tiermesh.netns import require_netns
 from tiermesh.secure import OPERATOR
 from tiermesh.workload import DEFAULT_CLASSES, TEXT_CLASS, SloClass, render_table, run_workload, summarise

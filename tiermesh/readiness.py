@@ -1,0 +1,113 @@
+"""Waiting for a local mesh to be ready, by what its sites publish in etcd: live, placed, every public task
+servable, self-profiling done. A mixin of :class:`tiermesh.harness.LocalMesh` (it reads the mesh's store,
+catalog and sites)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+from mesh.errors import MeshError
+from mesh.etcd.keys import live_key
+from mesh.log import get_logger, kv
+
+if TYPE_CHECKING:
+    from mesh.etcd.store import Store
+    from tiermesh.mesh_options import SiteProcess
+    from variant_store.catalog import Catalog
+
+__all__ = ["Readiness"]
+
+log = get_logger("tiermesh.harness")
+
+
+class Readiness:
+    store: Store | None
+    catalog: Catalog | None
+    sites: dict[str, SiteProcess]
+
+    async def wait_live(self, names: list[str] | None = None, timeout: float = 30.0) -> None:  # noqa: ASYNC109
+        assert self.store is not None
+        deadline = time.monotonic() + timeout
+        for name in names or list(self.sites):
+            while await self.store.get(live_key(name)) is None:
+                if time.monotonic() > deadline:
+                    raise MeshError(f"site {name} not live after {timeout} s")
+                await asyncio.sleep(0.1)
+
+    async def wait_placed(self, timeout: float = 60.0) -> None:  # noqa: ASYNC109
+        """Until every site holds what its placement asks (or the timeout: placement keeps going)."""
+        assert self.store is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pending = 0
+            for name in self.sites:
+                place = await self.store.get(f"placement/{name}")
+                live = await self.store.get(live_key(name))
+                if place is None or live is None:
+                    pending += 1
+                    continue
+                want = {v["variant_id"] for v in place.value.get("variants", [])}
+                have = set(live.value.get("loaded") or {})
+                pending += len(want - have)
+            if pending == 0:
+                return
+            await asyncio.sleep(0.25)
+        log.warning("placement not complete after %.0f s", timeout, extra=kv(event="placement_wait"))
+
+    async def wait_servable(self, timeout: float = 60.0) -> dict[str, int]:  # noqa: ASYNC109
+        """Until every site is live and holds what placement asks of it, and every task of the catalog has a
+        placed variant loaded somewhere (on a capped mesh: some site has timed one under its cap and
+        placement has put it there: the warm floor holds public tasks; a tenant's private task is placed
+        when its demand comes), or the timeout. Returns what each site still has to time under its
+        cap (sites keep timing the rest in the background, serving meanwhile)."""
+        assert self.store is not None and self.catalog is not None
+        deadline = time.monotonic() + timeout
+        metas = await self.catalog.list_variants()
+        tasks = {m.variant_id: m.task for m in metas}
+        public = {m.task for m in metas if m.owner == "public"}
+        pending: dict[str, int] = {}
+        while True:
+            served: set[str] = set()
+            unplaced = 0
+            pending = {}
+            for name in self.sites:
+                place = await self.store.get(f"placement/{name}")
+                live = await self.store.get(live_key(name))
+                if live is None:
+                    unplaced += 1
+                    continue
+                want = {v["variant_id"] for v in place.value.get("variants", [])} if place is not None else set()
+                have = set(live.value.get("loaded") or {})
+                unplaced += len(want - have)
+                served |= {tasks.get(v, "") for v in want & have}
+                if left := int(live.value.get("profiling_pending", 0)):
+                    pending[name] = left
+            missing = public - served
+            if unplaced == 0 and not missing:
+                return pending
+            if time.monotonic() > deadline:
+                log.warning("after %.0f s: %d placed variants not loaded yet; tasks with nothing placed: %s",
+                            timeout, unplaced, sorted(missing), extra=kv(event="servable_wait"))
+                return pending
+            await asyncio.sleep(0.2)
+
+    async def wait_profiled(self, timeout: float = 120.0) -> dict[str, int]:  # noqa: ASYNC109
+        """Until no site has variants left to profile for its (capped) hardware class, or the timeout;
+        returns what each site still had pending (empty when all are done)."""
+        assert self.store is not None
+        deadline = time.monotonic() + timeout
+        pending: dict[str, int] = {}
+        while time.monotonic() < deadline:
+            pending = {}
+            for name in self.sites:
+                live = await self.store.get(live_key(name))
+                left = int(live.value.get("profiling_pending", 0)) if live is not None else -1
+                if left != 0:
+                    pending[name] = left
+            if not pending:
+                return {}
+            await asyncio.sleep(0.5)
+        log.warning("sites still profiling after %.0f s: %s", timeout, pending, extra=kv(event="profile_wait"))
+        return pending
