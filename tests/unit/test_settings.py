@@ -52,3 +52,12 @@ def test_unknown_keyword_is_refused_and_every_field_is_documented() -> None:
 def test_reads_os_environ_when_built(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TIERMESH_LOG_LEVEL", "DEBUG")
     assert MeshSettings().log_level == "DEBUG"
+
+
+def test_the_cli_exits_2_on_a_setting_that_does_not_parse(monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from tiermesh.cli.main import EXIT_BAD_INPUT, main
+
+    monkeypatch.setenv("TIERMESH_MAX_BODY_BYTES", "lots")
+    assert main(["topology", "validate", "nothing.yaml"]) == EXIT_BAD_INPUT
+    assert "TIERMESH_MAX_BODY_BYTES" in capsys.readouterr().err

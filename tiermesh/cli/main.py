@@ -165,7 +165,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from mesh.settings import MeshSettings
 
-    settings = MeshSettings()
+    try:
+        settings = MeshSettings()
+    except ConfigError as exc:  # a TIERMESH_* variable that does not parse
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     configure(args.log_level or settings.log_level, "json" if args.log_json else settings.log_format)
     if not getattr(args, "func", None):
         parser.print_help()
