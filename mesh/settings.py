@@ -80,7 +80,7 @@ class MeshSettings:
     advertise: str | None = field(default=None, metadata=_setting(
         "Address peers should dial, written into the live record and the variant store's announcement. None: the "
         "bind address.", _optional(str)))
-    console_token: str | None = field(default=None, metadata=_setting(
+    console_token: str | None = field(default=None, repr=False, metadata=_setting(  # a secret: not in repr
         "Token the admin console asks for when it runs without TLS (`tiermesh scheduler --insecure`). None: a fresh "
         "one, printed.", _optional(str)))
 
