@@ -16,7 +16,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from core_scheduler.policy.modes import Router, make_router
 from core_scheduler.state.heartbeat import Heartbeat, LoadedVariant
@@ -29,7 +29,6 @@ from edge_agent.host import VariantHost
 from edge_agent.http_api import DEFAULT_MAX_BODY, EdgeHttpServer
 from edge_agent.liveness import Liveness
 from edge_agent.metrics import AgentMetrics, Gauges
-from edge_agent.mtls import EdgeTls
 from edge_agent.observe import Observe
 from edge_agent.quota import DoorQuotas, limits_from_view
 from edge_agent.selfprofile import SelfProfiler
@@ -41,14 +40,17 @@ from mesh.errors import ConfigError, MeshError, PkiError
 from mesh.etcd.store import Store
 from mesh.lifecycle import Service, State, cancel_and_wait
 from mesh.log import get_logger, kv
-from mesh.pki.curve import CurveKeyPair
 from mesh.pki.files import PkiPaths, read_curve
 from mesh.pki.identity import Identity
 from mesh.zmq.client import ZmqClient
-from mesh.zmq.curve import CurveSecurity, SiteKeys
 from mesh.zmq.server import ZmqServer
 from topology.paths import topology_paths
 from variant_store.hardware import cpu_cap_cores, gpu_available, local_hardware_class
+
+if TYPE_CHECKING:  # CURVE and mutual TLS load cryptography: imported where a secured agent builds them, so an
+    # --insecure agent never loads it (the edge footprint)
+    from mesh.pki.curve import CurveKeyPair
+    from mesh.zmq.curve import CurveSecurity
 
 __all__ = ["BLOB_PEER", "Agent", "AgentConfig"]
 
@@ -177,7 +179,11 @@ class Agent(Service):
         self.zmq_server = ZmqServer(self.dataplane.infer_from_peer, bind=tcp_endpoint(cfg.bind, cfg.zmq_port),
                                     max_bytes=cfg.max_body_bytes, security=self.curve)
         await self.zmq_server.start()
-        tls = EdgeTls(self._pki_paths(), self.site) if cfg.tls else None
+        tls = None
+        if cfg.tls:
+            from edge_agent.mtls import EdgeTls
+
+            tls = EdgeTls(self._pki_paths(), self.site)
         self.http = EdgeHttpServer(self.dataplane, host=cfg.bind, port=cfg.http_port,
                                    advertise=self.advertise_host, max_body_bytes=cfg.max_body_bytes,
                                    tls=tls, observe=Observe(self.metrics, self.traces, tls),
@@ -258,6 +264,8 @@ class Agent(Service):
                         "`tiermesh pki issue --site %s`)", paths.root, self.site,
                         extra=kv(site=self.site, event="insecure"))
             return None
+        from mesh.zmq.curve import CurveSecurity, SiteKeys
+
         keys = read_curve(paths.curve(me))
         sites = SiteKeys(paths)
         # our own certificate must bind our own key, or no peer would ever admit us

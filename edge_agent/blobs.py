@@ -12,14 +12,17 @@ import asyncio
 import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from edge_agent.mtls import EdgeTls
 from edge_agent.observe import Route
 from mesh.errors import BadTensor, CatalogError, PermissionDenied
 from variant_store.blobs import is_digest
 from variant_store.meta import VariantMeta
+
+if TYPE_CHECKING:  # mutual TLS (cryptography) is loaded only by an agent that serves it
+    from edge_agent.mtls import EdgeTls
 
 __all__ = ["PEER_FETCH_TIMEOUT_S", "blob_routes", "peer_sources"]
 

@@ -27,12 +27,12 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 from importlib import metadata
+from typing import TYPE_CHECKING
 
 from aiohttp import hdrs, web
 from multidict import CIMultiDict
 
 from edge_agent.dataplane import DataPlane
-from edge_agent.mtls import EdgeTls
 from edge_agent.observe import Observe, Route
 from mesh.addresses import DEFAULT_BIND, advertised_host, http_url, normalise_host
 from mesh.errors import (
@@ -51,6 +51,9 @@ from mesh.types import DEFAULT_TENANT, InferRequest
 from mesh.v2 import codec as codec
 from mesh.v2.body import HEADER_LENGTH, TENANT_HEADER
 from mesh.v2.params import parse_slo, response_parameters, signature_to_metadata
+
+if TYPE_CHECKING:  # mutual TLS (cryptography) is loaded only by an agent that serves it
+    from edge_agent.mtls import EdgeTls
 
 __all__ = [
     "DEFAULT_MAX_BODY",

@@ -18,14 +18,17 @@ tenant in the ``X-Tiermesh-Tenant`` header, which then sees only its own (as wit
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from edge_agent.metrics import CONTENT_TYPE, AgentMetrics
-from edge_agent.mtls import EdgeTls
 from edge_agent.traces import TraceStore
 from mesh.errors import MeshError, PermissionDenied, RequestError
 from mesh.v2.body import TENANT_HEADER
+
+if TYPE_CHECKING:  # mutual TLS (cryptography) is loaded only by an agent that serves it
+    from edge_agent.mtls import EdgeTls
 
 __all__ = ["MAX_LIST", "Observe", "Route"]
 

@@ -30,7 +30,6 @@ from mesh.etcd.store import KV, Store
 from mesh.etcd.watch import KeyRange
 from mesh.lifecycle import Service, cancel_and_wait
 from mesh.log import get_logger, kv
-from mesh.pki.crl import crl_pem_from_record
 from mesh.types import TaskSignature
 from topology.schema import Link, Site, Tenant, Topology
 from variant_store.catalog import signature_from_json
@@ -252,6 +251,8 @@ class MeshView(Service):
             elif kind == "service":
                 _set(self.services, names[0], value)
             elif kind == "crl":
+                from mesh.pki.crl import crl_pem_from_record  # cryptography: only once a mesh publishes one
+
                 self.crl = None if value is None else crl_pem_from_record(value)
         except (KeyError, TypeError, ValueError) as exc:
             log.warning("ignoring malformed value at %s: %s", key, exc, extra=kv(site=self.site))

@@ -12,13 +12,12 @@ site certificate unusable for etcd client auth.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from cryptography import x509
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
-from cryptography.x509.oid import NameOID
+from typing import TYPE_CHECKING
 
 from mesh.errors import ConfigError
+
+if TYPE_CHECKING:  # cryptography is imported where keys are made or certificates read: an agent without
+    from cryptography import x509  # credentials (--insecure) never loads it (edge footprint)
 
 __all__ = [
     "CURVE_KEY_PREFIX",
@@ -91,12 +90,18 @@ class CurveKeyPair:
 
     @classmethod
     def generate(cls) -> CurveKeyPair:
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
         return cls.from_secret(z85_encode(X25519PrivateKey.generate().private_bytes(
             serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption())))
 
     @classmethod
     def from_secret(cls, secret: bytes | str) -> CurveKeyPair:
         """The pair whose secret is ``secret`` (Z85): the public key is derived, so the two always match."""
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
         raw = raw_curve_key(secret)
         public = X25519PrivateKey.from_private_bytes(raw).public_key().public_bytes(
             serialization.Encoding.Raw, serialization.PublicFormat.Raw)
@@ -105,6 +110,9 @@ class CurveKeyPair:
 
 def curve_key_attribute(public: bytes | str) -> x509.NameAttribute:
     """The subject attribute that binds a CURVE public key to a site certificate."""
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
     value = CURVE_KEY_PREFIX + z85_encode(raw_curve_key(public)).decode()
     return x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, value)
 
@@ -112,6 +120,8 @@ def curve_key_attribute(public: bytes | str) -> x509.NameAttribute:
 def curve_key_from_certificate(cert: x509.Certificate) -> bytes | None:
     """The Z85 CURVE public key bound to ``cert``; None if it binds none. A malformed binding, or two, is a
     ``ConfigError`` (the verifier turns it into ``Unauthenticated``)."""
+    from cryptography.x509.oid import NameOID
+
     bound = [str(a.value) for a in cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)
              if str(a.value).startswith(CURVE_KEY_PREFIX)]
     if not bound:

@@ -18,14 +18,15 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-
-from cryptography import x509
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec
+from typing import TYPE_CHECKING
 
 from mesh.errors import PkiError
 from mesh.pki.curve import CurveKeyPair
 from mesh.pki.identity import Identity, Kind
+
+if TYPE_CHECKING:  # imported by the functions that parse or write PEM: paths and CURVE files need none of it
+    from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric import ec
 
 __all__ = ["PkiPaths", "cert_pem", "curve_text", "key_pem", "read_cert", "read_curve", "read_key", "write_file"]
 
@@ -96,6 +97,8 @@ def _read(path: Path, what: str) -> bytes:
 
 
 def read_cert(path: Path) -> x509.Certificate:
+    from cryptography import x509
+
     try:
         return x509.load_pem_x509_certificate(_read(path, "certificate"))
     except ValueError as exc:
@@ -103,6 +106,9 @@ def read_cert(path: Path) -> x509.Certificate:
 
 
 def read_key(path: Path) -> ec.EllipticCurvePrivateKey:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
     try:
         key = serialization.load_pem_private_key(_read(path, "private key"), password=None)
     except (ValueError, TypeError) as exc:
@@ -113,11 +119,15 @@ def read_key(path: Path) -> ec.EllipticCurvePrivateKey:
 
 
 def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
     return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                              serialization.NoEncryption())
 
 
 def cert_pem(cert: x509.Certificate) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
     return cert.public_bytes(serialization.Encoding.PEM)
 
 

@@ -27,7 +27,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -37,7 +37,9 @@ from mesh.pki.curve import CurveKeyPair, curve_key_from_certificate, raw_curve_k
 from mesh.pki.files import PkiPaths, read_cert
 from mesh.pki.identity import Kind
 from mesh.pki.reload import Poller
-from mesh.pki.trust import TrustStore
+
+if TYPE_CHECKING:  # the trust store (cryptography) is built when CURVE is on, not by every importer of
+    from mesh.pki.trust import TrustStore  # RateLimitedLog (an --insecure agent)
 from mesh.zmq.pump import Pump, io_socket
 
 __all__ = ["ROTATION_GRACE_S", "ZAP_ENDPOINT", "CurveSecurity", "RateLimitedLog", "SiteKeys"]
@@ -85,6 +87,8 @@ class SiteKeys(Poller):
 
     def __init__(self, paths: PkiPaths, trust: TrustStore | None = None, *, interval_s: float = 1.0,
                  rotation_grace_s: float = ROTATION_GRACE_S) -> None:
+        from mesh.pki.trust import TrustStore
+
         self.paths, self.interval_s, self.rotation_grace_s = paths, interval_s, rotation_grace_s
         self.trust = trust or TrustStore.under(paths, interval_s=interval_s)
         self._by_key: dict[bytes, str] = {}

