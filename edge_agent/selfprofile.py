@@ -15,7 +15,7 @@ Sites of one class share the work: a variant some live site of this class has al
 for is not timed again here (its timings are adopted for this site's batch-cost estimates), and each site
 takes every n-th of the class's missing variants (from its rank among the class's n live sites) before
 the others' leftovers, so seventeen capped edges time seventeen different variants at once instead of the
-same one seventeen times. The smallest variant of each task goes first: the class can serve every task
+same one seventeen times. The cheapest variant of each task goes first: the class can serve every task
 soonest. A site that dies takes its timings with it: whatever no live site publishes is missing again.
 """
 
@@ -84,6 +84,13 @@ def time_batches(infer: InferFn, inputs_for: Callable[[int], dict[str, np.ndarra
         arr = np.asarray(times)
         out[bs] = LatencyStats(p50_ms=float(np.percentile(arr, 50)), p99_ms=float(np.percentile(arr, 99)))
     return out
+
+
+def _cost(meta: VariantMeta) -> float:
+    """How dear ``meta`` is to time, by the cheapest profile the catalog has of it (any class): its load and
+    a batch of 8. Not its file's size: a head of a few kilobytes brings a 90 MB encoder with it."""
+    costs = [p.load_ms + p.compute_ms(8) for p in meta.profiles.values()]
+    return min(costs) if costs else math.inf  # none anywhere: last
 
 
 class SelfProfiler:
@@ -163,21 +170,21 @@ class SelfProfiler:
 
     def missing(self) -> list[VariantMeta]:
         """Variants with no profile for this class, neither measured here nor by a live site of this class, nor
-        failed here: those placement wants here first, then the rest smallest first, rotated to start at
-        this site's share of the class's list (see the module's docstring)."""
+        failed here: those placement wants here first, then the rest cheapest first, this site's share
+        of the class's list before the others' (see the module's docstring)."""
         peers = self.adopt_peer_profiles()
         out = [m for vs in self.view.variants.values() for m in vs.values()
                if self.hardware_class not in m.profiles and m.variant_id not in self.host.self_profiles
                and m.variant_id not in peers and m.variant_id not in self.failed and m.task in self.view.signatures]
         wanted = self.wanted()
         first = sorted((m for m in out if m.variant_id in wanted), key=lambda m: (m.size_bytes, m.variant_id))
-        # the smallest variant of every task first (a task the class can serve at all), then the next...
+        # the cheapest variant of every task first (a task the class can serve at all), then the next...
         by_task: dict[str, list[VariantMeta]] = {}
-        for m in sorted(out, key=lambda m: (m.size_bytes, m.variant_id)):
+        for m in sorted(out, key=lambda m: (_cost(m), m.variant_id)):
             if m.variant_id not in wanted:
                 by_task.setdefault(m.task, []).append(m)
         rest = sorted((m for ms in by_task.values() for m in ms),
-                      key=lambda m: (by_task[m.task].index(m), m.size_bytes, m.variant_id))
+                      key=lambda m: (by_task[m.task].index(m), _cost(m), m.variant_id))
         # this site's share (every n-th, from its rank) forward, then the others' leftovers backwards: a
         # site done early takes what its peers would reach last, not the variant a peer is timing now
         class_peers = self.class_peers()

@@ -57,41 +57,38 @@ class Readiness:
         log.warning("placement not complete after %.0f s", timeout, extra=kv(event="placement_wait"))
 
     async def wait_servable(self, timeout: float = 60.0) -> dict[str, int]:  # noqa: ASYNC109
-        """Until every site is live and holds what placement asks of it, and every task of the catalog has a
-        placed variant loaded somewhere (on a capped mesh: some site has timed one under its cap and
-        placement has put it there: the warm floor holds public tasks; a tenant's private task is placed
-        when its demand comes), or the timeout. Returns what each site still has to time under its
-        cap (sites keep timing the rest in the background, serving meanwhile)."""
+        """Until every site is live and every public task of the catalog has a variant placement asked for
+        loaded somewhere, so the mesh answers every task (on a capped mesh: some site has timed one under its
+        cap and placement has put it there; a tenant's private task is placed when its demand comes), or
+        the timeout. Placed variants still loading and timings still running go on in the background.
+        Returns what each site still has to time under its cap."""
         assert self.store is not None and self.catalog is not None
         deadline = time.monotonic() + timeout
         metas = await self.catalog.list_variants()
         tasks = {m.variant_id: m.task for m in metas}
         public = {m.task for m in metas if m.owner == "public"}
-        pending: dict[str, int] = {}
         while True:
             served: set[str] = set()
-            unplaced = 0
-            pending = {}
+            dead: list[str] = []
+            pending: dict[str, int] = {}
             for name in self.sites:
                 place = await self.store.get(f"placement/{name}")
                 live = await self.store.get(live_key(name))
                 if live is None:
-                    unplaced += 1
+                    dead.append(name)
                     continue
                 want = {v["variant_id"] for v in place.value.get("variants", [])} if place is not None else set()
-                have = set(live.value.get("loaded") or {})
-                unplaced += len(want - have)
-                served |= {tasks.get(v, "") for v in want & have}
+                served |= {tasks.get(v, "") for v in want & set(live.value.get("loaded") or {})}
                 if left := int(live.value.get("profiling_pending", 0)):
                     pending[name] = left
             missing = public - served
-            if unplaced == 0 and not missing:
+            if not dead and not missing:
                 return pending
             if time.monotonic() > deadline:
-                log.warning("after %.0f s: %d placed variants not loaded yet; tasks with nothing placed: %s",
-                            timeout, unplaced, sorted(missing), extra=kv(event="servable_wait"))
+                log.warning("after %.0f s: sites not live %s; public tasks with nothing placed and loaded %s",
+                            timeout, dead, sorted(missing), extra=kv(event="servable_wait"))
                 return pending
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.1)
 
     async def wait_profiled(self, timeout: float = 120.0) -> dict[str, int]:  # noqa: ASYNC109
         """Until no site has variants left to profile for its (capped) hardware class, or the timeout;

@@ -134,7 +134,7 @@ async def run_up(args: argparse.Namespace) -> int:
         capped = mesh.cgroups is not None and mesh.cgroups.available
         with console.status("placement warming the sites" + (" (capped sites time their variants under their caps "
                                                               "first: their class is new)..." if capped else "...")):
-            # ready when every task can be served: timing the rest goes on in the background
+            # ready when every task can be served: loading and timing the rest go on in the background
             pending = await mesh.wait_servable(timeout=60)
         console.print(f"[bold green]mesh up[/] in {time.perf_counter() - t_start:.1f} s — etcd {mesh.etcd_url}")
         if pending:
@@ -158,9 +158,12 @@ async def run_up(args: argparse.Namespace) -> int:
             console.print("serving; Ctrl-C to stop")
             await stop.wait()
             return 0
-        if pending:  # the workload measures the mesh as placed with every timing in, not half-timed
-            with console.status("capped sites finishing their timings before the workload..."):
+        # the workload measures the mesh as placed, with every timing in: not half-loaded, half-timed
+        with console.status("placement loading the rest, capped sites finishing their timings, before the "
+                            "workload..."):
+            if pending:
                 await mesh.wait_profiled(timeout=45)
+            await mesh.wait_placed(timeout=60)
         rc = await _drive(mesh, args, console, kill, drills, stop)
         print_console(mesh, console, serving=args.then_serve)
         if args.then_serve and rc == 0 and not stop.is_set():
