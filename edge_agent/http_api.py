@@ -35,6 +35,7 @@ from edge_agent.dataplane import DataPlane
 from edge_agent.mtls import EdgeTls
 from edge_agent.observe import Observe, Route
 from mesh.addresses import DEFAULT_BIND, advertised_host, http_url, normalise_host
+from mesh.cache import BoundedCache
 from mesh.errors import (
     BadTensor,
     MeshError,
@@ -90,7 +91,17 @@ def _version() -> str:
 
 _JSON = "application/json"
 _OCTETS = "application/octet-stream"
-_BINARY_HEADERS = CIMultiDict({hdrs.CONTENT_TYPE: _OCTETS})
+# A binary reply's headers differ only by the JSON header's length, which takes a few dozen values: each set
+# is built once. aiohttp copies the headers it is given into the response (one fast multidict copy), so
+# sharing them is safe; building them per reply from a dict costs a copy more, key by key.
+_BINARY_HEADERS: BoundedCache[int, CIMultiDict[str]] = BoundedCache(256)
+
+
+def _binary_headers(hlen: int) -> CIMultiDict[str]:
+    found = _BINARY_HEADERS.get(hlen)
+    if found is None:
+        found = _BINARY_HEADERS.put(hlen, CIMultiDict({hdrs.CONTENT_TYPE: _OCTETS, HEADER_LENGTH: str(hlen)}))
+    return found
 
 
 def _error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> web.Response:
@@ -246,10 +257,7 @@ class _Handlers:
             return _error(500, "internal", "internal server error")
         if hlen is None:
             return web.Response(body=out, content_type=_JSON)
-        # a copy of a ready CIMultiDict: aiohttp would build one from a dict, key by key
-        headers = _BINARY_HEADERS.copy()
-        headers[HEADER_LENGTH] = str(hlen)
-        return web.Response(body=out, headers=headers)
+        return web.Response(body=out, headers=_binary_headers(hlen))
 
 
 def make_app(dp: DataPlane, *, max_body_bytes: int = DEFAULT_MAX_BODY,
