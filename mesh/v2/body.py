@@ -61,12 +61,12 @@ def split_body(body: bytes, header_length: int | None, max_bytes: int) -> tuple[
 
 
 def assemble(head: dict[str, Any], blobs: list[bytes | memoryview | None]) -> tuple[bytes, int | None]:
-    header = dumps(head)
-    parts: list[bytes | memoryview] = [header]
-    parts += [b for b in blobs if b is not None]
-    if len(parts) == 1:
+    header = orjson.dumps(head, option=JSON_OPTS)
+    if None in blobs:  # a JSON tensor among them: its data is in the header
+        blobs = [b for b in blobs if b is not None]
+    if not blobs:
         return header, None
-    return b"".join(parts), len(header)
+    return b"".join([header, *blobs]), len(header)
 
 
 def request_head(tensors: list[dict[str, Any]], parameters: Mapping[str, Any], request_id: str | None,
