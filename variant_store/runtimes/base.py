@@ -75,7 +75,10 @@ class Runtime(ABC):
 
     def infer_sync(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Check ``inputs`` against the signature, then run them (for callers with unchecked inputs)."""
-        return self.run_checked_sync(check_inputs(self.input_specs, inputs))
+        checked = check_inputs(self.input_specs, inputs)
+        if not self.ready:  # run_checked_sync's check, in line: a tiny variant's run is a few calls deep
+            raise RuntimeLoadError(f"{self.name}: {self.model_path.name} is not loaded")
+        return self._run(checked)
 
     def run_checked_sync(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run inputs that already passed ``mesh.types.check_inputs`` (the serving path: the data
