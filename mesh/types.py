@@ -179,10 +179,10 @@ def check_inputs(specs: Sequence[TensorSpec], inputs: Mapping[str, Any]) -> dict
     return _check_inputs(specs, inputs)
 
 
-_NDARRAY: list[type] = []
+_NDARRAY: list[type[np.ndarray]] = []
 
 
-def _ndarray() -> type:
+def _ndarray() -> type[np.ndarray]:
     """``numpy.ndarray``, imported on first use (a server's path: the SDK on a device may have no numpy, see the
     module docstring) and kept: an ``import`` statement per query costs more than the check itself."""
     if not _NDARRAY:

@@ -69,9 +69,9 @@ class OnnxRuntime(Runtime):
         # provider fallback only ever applies to a GPU provider; on a tiny variant they cost a third of the run.
         # One RunOptions is kept: without one the binding builds a default per call. Anything else (a GPU
         # provider, a text model fed by its tokenizer, a binding without ``_sess``) goes through the wrapper.
-        native = getattr(sess, "_sess", None)
-        self._native_run = (native.run if self.providers_in_use == ["CPUExecutionProvider"] and self._text is None
-                            and callable(getattr(native, "run", None)) else None)
+        native_run = getattr(getattr(sess, "_sess", None), "run", None)
+        self._native_run = (native_run if self.providers_in_use == ["CPUExecutionProvider"] and self._text is None
+                            and callable(native_run) else None)
         self._run_options = ort.RunOptions()
 
     def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
