@@ -220,7 +220,7 @@ class _Handlers:
             dec = codec.decode_infer_request(body, _header_length(request.headers.get(HEADER_LENGTH)),
                                              max_bytes=self.max_body, copy=False)
             params = dec.parameters
-            slo = parse_slo(params)
+            slo = dec.slo if dec.slo is not None else parse_slo(params)
             claimed = params.get("tenant")
             if claimed is not None and claimed != tenant:
                 # The body must not choose the tenant: identity comes from the connection.

@@ -230,6 +230,19 @@ def test_server_side_decode_without_copy_is_read_only_and_cache_safe() -> None:
     assert codec.decode_infer_request(body, hlen).inputs["x"].flags.writeable  # default copies
 
 
+def test_kept_header_brings_its_parsed_slo_and_a_bad_slo_is_never_kept() -> None:
+    x = np.ones((1, 64), dtype=np.float32)
+    body, hlen = codec.encode_infer_request({"x": x}, {"latency_ms": 25.0, "min_accuracy": 0.5}, binary=True)
+    first, again = (codec.decode_infer_request(body, hlen, copy=False) for _ in range(2))
+    assert first.slo == again.slo == parse_slo(first.parameters) == SLO(25.0, 0.5)
+    bad, blen = codec.encode_infer_request({"x": x}, {"latency_ms": -1.0}, binary=True)
+    for _ in range(2):  # the second decode must not come from a kept plan that skipped the check
+        dec = codec.decode_infer_request(bad, blen, copy=False)
+        assert dec.slo is None
+        with pytest.raises(RequestError, match="latency_ms must be positive"):
+            parse_slo(dec.parameters)
+
+
 def test_shared_backbone_parameters() -> None:
     from mesh.types import InferResponse
     from mesh.v2.params import backbone_tenants, response_parameters
