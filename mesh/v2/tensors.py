@@ -217,10 +217,18 @@ def read_tensors(items: object, tail: memoryview, kind: str, max_bytes: int,
     return out
 
 
+# Up to this size a little-endian tensor's bytes are copied out in one call rather than lent through a
+# buffer export: exporting, checking and casting a memoryview costs more than copying a few KB twice (once
+# here, once into the body); the two cross near 24 KB on this machine.
+COPY_MAX_BYTES = 16 << 10
+
+
 def _raw(arr: np.ndarray, little: bool) -> bytes | memoryview:
     """A tensor's bytes as the binary extension lays them out (``little``: its dtype is LE)."""
     if arr.dtype.hasobject:
         return serialize_bytes(arr)
+    if little and arr.nbytes <= COPY_MAX_BYTES:
+        return arr.tobytes()  # C order whatever the array's layout
     view = memoryview(arr) if little and arr.size else None  # type: ignore[arg-type]
     if view is not None and view.c_contiguous:
         # already little-endian and contiguous: lend the bytes; the body's join copies them once
