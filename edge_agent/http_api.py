@@ -217,8 +217,9 @@ class _Handlers:
             except web.HTTPRequestEntityTooLarge as exc:
                 raise PayloadTooLarge(f"body exceeds the limit of {self.max_body} bytes") from exc
             # copy=False: the inputs are read-only views of the body, which they keep alive
-            dec = codec.decode_infer_request(body, _header_length(request.headers.get(HEADER_LENGTH)),
-                                             max_bytes=self.max_body, copy=False)
+            raw = request.headers.get(HEADER_LENGTH)
+            dec = codec.decode_infer_request(body, int(raw) if raw is not None and raw.isdecimal()
+                                             else _header_length(raw), max_bytes=self.max_body, copy=False)
             params = dec.parameters
             slo = dec.slo if dec.slo is not None else parse_slo(params)
             claimed = params.get("tenant")

@@ -33,7 +33,7 @@ from mesh.errors import RequestError
 from mesh.types import SLO
 from mesh.v2.body import DecodedResponse, assemble, request_head, response_meta, split_body
 from mesh.v2.params import parse_slo
-from mesh.v2.tensors import Spec, arrays_at, binary_specs, fast_binary_tensors, read_tensors, tensors_json
+from mesh.v2.tensors import Spec, arrays_at, binary_specs, read_tensors, tensors_json
 
 __all__ = [
     "DecodedRequest",
@@ -141,8 +141,8 @@ def decode_infer_response(body: bytes, header_length: int | None = None, *,
     """Parse a V2 infer response; ``copy`` as for ``decode_infer_request`` (the SDK keeps the
     default, so callers own writable outputs)."""
     head, tail = split_body(body, header_length, max_bytes)
-    outputs = fast_binary_tensors(head.get("outputs"), tail, max_bytes, copy)
-    if outputs is None:
-        outputs = read_tensors(head.get("outputs", []), tail, "output", max_bytes, copy)
+    specs = binary_specs(head.get("outputs"), len(tail), max_bytes)
+    outputs = (arrays_at(specs, tail, 0, copy) if specs is not None
+               else read_tensors(head.get("outputs", []), tail, "output", max_bytes, copy))
     rid, params = response_meta(head)
     return DecodedResponse(rid, outputs, params)

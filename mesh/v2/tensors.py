@@ -21,7 +21,7 @@ from mesh.errors import BadTensor, PayloadTooLarge, RequestError
 from mesh.v2.datatypes import BYTES, FIXED, check_datatype, datatype_named
 
 __all__ = ["BYTES_DTYPE", "DESCS", "DTYPE_TO_V2", "NATIVE", "V2_TO_NP", "Spec", "arrays_at", "binary_specs",
-           "datatype_of", "dtype_of", "fast_binary_tensors", "read_tensors", "tensor_data", "tensors_json"]
+           "datatype_of", "dtype_of", "read_tensors", "tensor_data", "tensors_json"]
 
 # V2 datatype -> numpy dtype (explicitly little-endian: the binary extension is LE on the wire), from the one
 # table (mesh.v2.datatypes). BYTES is a numpy object array of bytes elements (``mesh.bytes_tensor``).
@@ -178,12 +178,6 @@ def arrays_at(specs: tuple[Spec, ...], buf: bytes | memoryview, offset: int, cop
             out[name] = arr.astype(dt.newbyteorder("="))
         offset += size
     return out
-
-
-def fast_binary_tensors(items: object, tail: memoryview, max_bytes: int,
-                         copy: bool) -> dict[str, np.ndarray] | None:
-    specs = binary_specs(items, len(tail), max_bytes)
-    return None if specs is None else arrays_at(specs, tail, 0, copy)
 
 
 def read_tensors(items: object, tail: memoryview, kind: str, max_bytes: int,
