@@ -153,7 +153,7 @@ def check_inputs(specs: Sequence[TensorSpec], inputs: Mapping[str, Any]) -> dict
 
     The one input check, made at the data plane's door (and by a runtime called directly);
     what has passed it is not checked again on the same hop."""
-    ndarray = _ndarray()
+    ndarray = _NDARRAY[0] if _NDARRAY else _ndarray()
     out: dict[str, np.ndarray] = {}
     if len(inputs) == len(specs):
         # the common case in a few comparisons: exact arrays, the spec's dtype and shape
@@ -162,8 +162,8 @@ def check_inputs(specs: Sequence[TensorSpec], inputs: Mapping[str, Any]) -> dict
             if type(arr) is not ndarray:
                 break
             shape, want = arr.shape, spec.shape
-            if (arr.dtype != _dtype(spec.dtype) or len(shape) != len(want) or not arr.flags.c_contiguous
-                    or (shape and not shape[0])):
+            if (arr.dtype != (_DTYPES.get(spec.dtype) or _dtype(spec.dtype)) or len(shape) != len(want)
+                    or not arr.flags.c_contiguous or (shape and not shape[0])):
                 break
             i = 0
             for w in want:  # an index, not zip(): this runs on every query

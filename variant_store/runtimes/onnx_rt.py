@@ -82,6 +82,8 @@ class OnnxRuntime(Runtime):
         outs = (native(self._out_names, inputs, self._run_options) if native is not None
                 else self._sess.run(self._out_names, inputs, self._run_options))
         # tensors come back as arrays already; asarray only for a sequence or map output
+        if len(outs) == 1 and type(outs[0]) is np.ndarray:  # one output: no comprehension (a frame of its own)
+            return {self._out_names[0]: outs[0]}
         return {n: o if type(o) is np.ndarray else np.asarray(o)
                 for n, o in zip(self._out_names, outs, strict=True)}
 
