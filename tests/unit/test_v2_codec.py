@@ -240,6 +240,17 @@ def test_tensor_bytes_are_the_same_whether_copied_or_lent(rows: int) -> None:
     np.testing.assert_array_equal(codec.decode_infer_response(*want).outputs["y"], y)
 
 
+def test_replies_alternating_layouts_each_read_as_they_say() -> None:
+    replies = [codec.encode_infer_response("t", f"r{n}", {"y": np.full((n, 10), n, np.float32)}, {}, True)
+               for n in (1, 2, 1, 3)]
+    for n, (body, hlen) in zip((1, 2, 1, 3), replies, strict=True):
+        np.testing.assert_array_equal(codec.decode_infer_response(body, hlen).outputs["y"],
+                                      np.full((n, 10), n, np.float32))
+    body, hlen = replies[-1]  # the same outputs as the last reply, but bytes missing: still refused
+    with pytest.raises(BadTensor, match="truncated"):
+        codec.decode_infer_response(body[:-4], hlen)
+
+
 def test_kept_header_brings_its_parsed_slo_and_a_bad_slo_is_never_kept() -> None:
     x = np.ones((1, 64), dtype=np.float32)
     body, hlen = codec.encode_infer_request({"x": x}, {"latency_ms": 25.0, "min_accuracy": 0.5}, binary=True)
