@@ -278,7 +278,7 @@ class AsyncClient:
         if shape_key and request_id is None and self.binary:
             # types are part of the key: 20 == 20.0 but they are written differently
             key = (task, shape_key, latency_ms, type(latency_ms), min_accuracy, type(min_accuracy), max_cost,
-                   type(max_cost), prefer, self.tenant, self.timeout, trace)
+                   type(max_cost), prefer, self._tenant, self.timeout, trace)
             try:
                 plan = self._plans.get(key)
             except TypeError:  # an unhashable argument: encode it in full, let the edge judge it
