@@ -61,7 +61,7 @@ def split_body(body: bytes, header_length: int | None, max_bytes: int) -> tuple[
 
 
 def assemble(head: dict[str, Any], blobs: list[bytes | memoryview | None]) -> tuple[bytes, int | None]:
-    header = orjson.dumps(head, option=JSON_OPTS)
+    header = dumps(head)
     # a JSON tensor's blob is None: its data is in the header
     data = cast("list[bytes | memoryview]", blobs) if None not in blobs else [b for b in blobs if b is not None]
     if not data:
