@@ -62,9 +62,11 @@ InferFn = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
 # has one lane; a shared backbone's batcher (edge_agent.backbone) has one per head.
 Part = tuple[str, int]
 # Windows that caught no companion before the batcher stops holding batches open, and for how many
-# batches it then does not (see Batcher.__init__).
+# batches it then does not: SKIP_WINDOWS, doubled after each further futile probe up to SKIP_WINDOWS_MAX
+# (see Batcher.__init__).
 FUTILE_WINDOWS = 3
 SKIP_WINDOWS = 64
+SKIP_WINDOWS_MAX = 1024
 # Batches remembered per batcher (tenants of each), so tests and the console can see who shared one.
 MEMBERSHIP_KEPT = 256
 
@@ -145,9 +147,12 @@ class Batcher:
         self.ewma_gap_s: float | None = None  # mean time between arrivals, for the window
         # Windows that caught no companion: callers that wait for each reply (closed loop) never
         # send a second request while one is held, however short their gap looks. After a few
-        # futile windows, stop holding batches open for a while, then probe again with one window.
+        # futile windows, stop holding batches open for a while, then probe again with one window;
+        # while probes stay futile, the skip doubles. A window that catches a companion starts over.
         self._futile = 0
         self._skip_windows = 0
+        self._skip_next = SKIP_WINDOWS
+        self.windows_held = 0  # windows held open for companions (a number to watch)
         # inline runs: the profile bound (0 turns them off) and the stall back-off
         self.inline_max_ms = inline_max_ms
         self.inline_runs = 0
@@ -370,11 +375,16 @@ class Batcher:
         if self._skip_windows:
             self._skip_windows -= 1
         elif waited:
-            self._futile = self._futile + 1 if len(self._queue) == 1 else 0
+            self.windows_held += 1
+            if len(self._queue) == 1:
+                self._futile += 1
+            else:
+                self._futile, self._skip_next = 0, SKIP_WINDOWS
             if self._futile >= FUTILE_WINDOWS:
                 # the caller was shown closed-loop already: after the skip, one more futile window (not
-                # FUTILE_WINDOWS) skips again; a window that catches a companion starts the count over
-                self._futile, self._skip_windows = FUTILE_WINDOWS - 1, SKIP_WINDOWS
+                # FUTILE_WINDOWS) skips again, for twice as long
+                self._futile, self._skip_windows = FUTILE_WINDOWS - 1, self._skip_next
+                self._skip_next = min(SKIP_WINDOWS_MAX, 2 * self._skip_next)
         batch: list[_Item] = []
         rows = 0
         now = time.monotonic()
