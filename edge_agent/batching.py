@@ -61,6 +61,12 @@ InferFn = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
 # One request's share of a batch, as ``Batcher._execute`` sees it: (lane, rows). A plain batcher
 # has one lane; a shared backbone's batcher (edge_agent.backbone) has one per head.
 Part = tuple[str, int]
+# Windows that caught no companion before the batcher stops holding batches open, and for how many
+# batches it then does not: SKIP_WINDOWS, doubled after each further futile probe up to SKIP_WINDOWS_MAX
+# (see Batcher.__init__).
+FUTILE_WINDOWS = 3
+SKIP_WINDOWS = 64
+SKIP_WINDOWS_MAX = 1024
 # Batches remembered per batcher (tenants of each), so tests and the console can see who shared one.
 MEMBERSHIP_KEPT = 256
 
@@ -141,9 +147,12 @@ class Batcher:
         self.ewma_gap_s: float | None = None  # mean time between arrivals, for the window
         # Windows that caught no companion: callers that wait for each reply (closed loop) never
         # send a second request while one is held, however short their gap looks. After a few
-        # futile windows, stop holding batches open for a while, then probe again.
+        # futile windows, stop holding batches open for a while, then probe again with one window;
+        # while probes stay futile, the skip doubles. A window that catches a companion starts over.
         self._futile = 0
         self._skip_windows = 0
+        self._skip_next = SKIP_WINDOWS
+        self.windows_held = 0  # windows held open for companions (a number to watch)
         # inline runs: the profile bound (0 turns them off) and the stall back-off
         self.inline_max_ms = inline_max_ms
         self.inline_runs = 0
@@ -153,6 +162,8 @@ class Batcher:
         self._inline_clean = 0
         self.membership: deque[tuple[str, ...]] = deque(maxlen=MEMBERSHIP_KEPT)
         self._inline_blocked = False  # the last slow inline run blocked the loop over INLINE_BLOCK_MS
+        # a subclass that routes parts to heads (edge_agent.backbone) runs every batch through its _execute
+        self._plain_execute = type(self)._execute is Batcher._execute
 
     def start(self) -> None:
         if self._task is None:
@@ -259,10 +270,13 @@ class Batcher:
             self._skip_windows -= 1
         self.membership.append((tenant,))
         try:
-            out = self._execute(inputs, [(lane, rows)])[0]
-            if isinstance(out, Exception):
-                raise out
-            outputs = out
+            if self._plain_execute:  # one part of a plain batcher: what _execute would return, called directly
+                outputs = self._infer(inputs)
+            else:
+                out = self._execute(inputs, [(lane, rows)])[0]
+                if isinstance(out, Exception):
+                    raise out
+                outputs = out
         except MeshError:
             raise
         except Exception as exc:
@@ -361,9 +375,16 @@ class Batcher:
         if self._skip_windows:
             self._skip_windows -= 1
         elif waited:
-            self._futile = self._futile + 1 if len(self._queue) == 1 else 0
-            if self._futile >= 3:
-                self._futile, self._skip_windows = 0, 64
+            self.windows_held += 1
+            if len(self._queue) == 1:
+                self._futile += 1
+            else:
+                self._futile, self._skip_next = 0, SKIP_WINDOWS
+            if self._futile >= FUTILE_WINDOWS:
+                # the caller was shown closed-loop already: after the skip, one more futile window (not
+                # FUTILE_WINDOWS) skips again, for twice as long
+                self._futile, self._skip_windows = FUTILE_WINDOWS - 1, self._skip_next
+                self._skip_next = min(SKIP_WINDOWS_MAX, 2 * self._skip_next)
         batch: list[_Item] = []
         rows = 0
         now = time.monotonic()

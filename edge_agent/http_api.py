@@ -35,6 +35,7 @@ from multidict import CIMultiDict
 from edge_agent.dataplane import DataPlane
 from edge_agent.observe import Observe, Route
 from mesh.addresses import DEFAULT_BIND, advertised_host, http_url, normalise_host
+from mesh.cache import BoundedCache
 from mesh.errors import (
     BadTensor,
     MeshError,
@@ -93,7 +94,17 @@ def _version() -> str:
 
 _JSON = "application/json"
 _OCTETS = "application/octet-stream"
-_BINARY_HEADERS = CIMultiDict({hdrs.CONTENT_TYPE: _OCTETS})
+# A binary reply's headers differ only by the JSON header's length, which takes a few dozen values: each set
+# is built once. aiohttp copies the headers it is given into the response (one fast multidict copy), so
+# sharing them is safe; building them per reply from a dict costs a copy more, key by key.
+_BINARY_HEADERS: BoundedCache[int, CIMultiDict[str]] = BoundedCache(256)
+
+
+def _binary_headers(hlen: int) -> CIMultiDict[str]:
+    found = _BINARY_HEADERS.get(hlen)
+    if found is None:
+        found = _BINARY_HEADERS.put(hlen, CIMultiDict({hdrs.CONTENT_TYPE: _OCTETS, HEADER_LENGTH: str(hlen)}))
+    return found
 
 
 def _error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> web.Response:
@@ -209,10 +220,11 @@ class _Handlers:
             except web.HTTPRequestEntityTooLarge as exc:
                 raise PayloadTooLarge(f"body exceeds the limit of {self.max_body} bytes") from exc
             # copy=False: the inputs are read-only views of the body, which they keep alive
-            dec = codec.decode_infer_request(body, _header_length(request.headers.get(HEADER_LENGTH)),
-                                             max_bytes=self.max_body, copy=False)
+            raw = request.headers.get(HEADER_LENGTH)
+            dec = codec.decode_infer_request(body, int(raw) if raw is not None and raw.isdecimal()
+                                             else _header_length(raw), max_bytes=self.max_body, copy=False)
             params = dec.parameters
-            slo = parse_slo(params)
+            slo = dec.slo if dec.slo is not None else parse_slo(params)
             claimed = params.get("tenant")
             if claimed is not None and claimed != tenant:
                 # The body must not choose the tenant: identity comes from the connection.
@@ -249,10 +261,7 @@ class _Handlers:
             return _error(500, "internal", "internal server error")
         if hlen is None:
             return web.Response(body=out, content_type=_JSON)
-        # a copy of a ready CIMultiDict: aiohttp would build one from a dict, key by key
-        headers = _BINARY_HEADERS.copy()
-        headers[HEADER_LENGTH] = str(hlen)
-        return web.Response(body=out, headers=headers)
+        return web.Response(body=out, headers=_binary_headers(hlen))
 
 
 def make_app(dp: DataPlane, *, max_body_bytes: int = DEFAULT_MAX_BODY,

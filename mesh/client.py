@@ -258,7 +258,8 @@ class AsyncClient:
                     request_id: str | None = None, trace: bool = False) -> InferResult:
         """Run ``task`` on ``inputs`` within the SLO. A bare array feeds the task's single input.
         ``trace``: ask the mesh to record its decisions for this query (``InferResult.trace_id``)."""
-        self._open()
+        if self._state is not _State.OPEN:
+            self._open()
         spent = 0.0  # of the budget's wait, before the request itself (a first call's metadata lookup)
         named: Mapping[str, Any] | None = None if wire.is_single(inputs) else inputs
         sig = None
@@ -277,7 +278,7 @@ class AsyncClient:
         if shape_key and request_id is None and self.binary:
             # types are part of the key: 20 == 20.0 but they are written differently
             key = (task, shape_key, latency_ms, type(latency_ms), min_accuracy, type(min_accuracy), max_cost,
-                   type(max_cost), prefer, self.tenant, self.timeout, trace)
+                   type(max_cost), prefer, self._tenant, self.timeout, trace)
             try:
                 plan = self._plans.get(key)
             except TypeError:  # an unhashable argument: encode it in full, let the edge judge it
@@ -302,12 +303,15 @@ class AsyncClient:
             raise DeadlineExceeded(f"{task}: no answer within {plan.bound:.3f} s (budget {latency_ms} ms)") from exc
         if status >= 400:
             raise _error_from(status, rb, rh)
-        raw_len = _header(rh, HEADER_LENGTH)
+        raw_len = rh.get(HEADER_LENGTH)  # aiohttp's headers: case-insensitive already
+        if raw_len is None:
+            raw_len = _header(rh, HEADER_LENGTH)
         dec = wire.decode_infer_response(rb, int(raw_len) if raw_len is not None else None)
-        trace_id = dec.parameters.get("trace_id")
-        return InferResult(dec.outputs, *result_values(dec.parameters), request_id=dec.request_id,
+        params = dec.parameters
+        trace_id = params.get("trace_id")
+        return InferResult(dec.outputs, *result_values(params), request_id=dec.request_id,
                            trace_id=trace_id if type(trace_id) is str else "",
-                           backbone_tenants=backbone_tenants(dec.parameters))
+                           backbone_tenants=backbone_tenants(params) if "backbone_batch_tenants" in params else 0)
 
     async def _metadata_within(self, task: str, latency_ms: float) -> tuple[TaskSignature, float]:
         """The task's signature, and the seconds its lookup took. The caller's wait is bounded from its call, not

@@ -94,15 +94,18 @@ class AiohttpTransport:
 
     async def request(self, method: str, path: str, headers: Mapping[str, str], body: bytes, *,
                       limit_s: float | None = None) -> Response:
-        session = self._get_session()
+        # the cached session, URL and timeout looked up here rather than through their methods: this
+        # runs for every query
+        session = self._session or self._get_session()
         if self._refresh is not None and (now := time.monotonic()) >= self._next_refresh:
             self._next_refresh = now + self._refresh_s
             self._refresh()
-        url = self._url(path)
+        url = self._urls.get(path) or self._url(path)
         bound = self.timeout if limit_s is None else limit_s
+        timeout = self._timeouts.get(bound) or self._timeout(bound)
         try:
             async with session.request(method, url, headers=headers, data=body or None,
-                                       timeout=self._timeout(bound)) as resp:
+                                       timeout=timeout) as resp:
                 data = await resp.read()
                 # the read-only view needs no copy: it outlives the response it came from
                 return resp.status, resp.headers, data

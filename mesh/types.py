@@ -153,19 +153,23 @@ def check_inputs(specs: Sequence[TensorSpec], inputs: Mapping[str, Any]) -> dict
 
     The one input check, made at the data plane's door (and by a runtime called directly);
     what has passed it is not checked again on the same hop."""
-    import numpy as np  # a server's path: the SDK on a device may have no numpy (module docstring)
-
+    ndarray = _NDARRAY[0] if _NDARRAY else _ndarray()
     out: dict[str, np.ndarray] = {}
     if len(inputs) == len(specs):
         # the common case in a few comparisons: exact arrays, the spec's dtype and shape
         for spec in specs:
             arr = inputs.get(spec.name)
-            if (type(arr) is not np.ndarray or arr.dtype != _dtype(spec.dtype) or not arr.flags.c_contiguous
-                    or len(arr.shape) != len(spec.shape) or (arr.shape and not arr.shape[0])):
+            if type(arr) is not ndarray:
                 break
-            for want, got in zip(spec.shape, arr.shape, strict=True):
-                if want != -1 and want != got:
+            shape, want = arr.shape, spec.shape
+            if (arr.dtype != (_DTYPES.get(spec.dtype) or _dtype(spec.dtype)) or len(shape) != len(want)
+                    or not arr.flags.c_contiguous or (shape and not shape[0])):
+                break
+            i = 0
+            for w in want:  # an index, not zip(): this runs on every query
+                if w != -1 and w != shape[i]:
                     break
+                i += 1
             else:
                 out[spec.name] = arr
                 continue
@@ -173,6 +177,19 @@ def check_inputs(specs: Sequence[TensorSpec], inputs: Mapping[str, Any]) -> dict
         else:
             return out
     return _check_inputs(specs, inputs)
+
+
+_NDARRAY: list[type[np.ndarray]] = []
+
+
+def _ndarray() -> type[np.ndarray]:
+    """``numpy.ndarray``, imported on first use (a server's path: the SDK on a device may have no numpy, see the
+    module docstring) and kept: an ``import`` statement per query costs more than the check itself."""
+    if not _NDARRAY:
+        import numpy as np
+
+        _NDARRAY.append(np.ndarray)
+    return _NDARRAY[0]
 
 
 def _check_inputs(specs: Sequence[TensorSpec], inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import orjson
 
@@ -62,11 +62,11 @@ def split_body(body: bytes, header_length: int | None, max_bytes: int) -> tuple[
 
 def assemble(head: dict[str, Any], blobs: list[bytes | memoryview | None]) -> tuple[bytes, int | None]:
     header = dumps(head)
-    parts: list[bytes | memoryview] = [header]
-    parts += [b for b in blobs if b is not None]
-    if len(parts) == 1:
+    # a JSON tensor's blob is None: its data is in the header
+    data = cast("list[bytes | memoryview]", blobs) if None not in blobs else [b for b in blobs if b is not None]
+    if not data:
         return header, None
-    return b"".join(parts), len(header)
+    return b"".join([header, *data]), len(header)
 
 
 def request_head(tensors: list[dict[str, Any]], parameters: Mapping[str, Any], request_id: str | None,

@@ -80,12 +80,18 @@ ResultValues = tuple[str, str, float, str, bool, str, Timing, list[str]]
 def result_values(params: Mapping[str, Any]) -> ResultValues:
     """``result_fields`` as a tuple in that order (site, variant, accuracy, reason, best_effort,
     tenant, timing, hops): what the SDK builds its result from, with no dict in between."""
+    # _text and _num written out for the types a reply carries (str, float): ten calls per reply otherwise
     get = params.get
-    hops = get("hops")
-    return (_text(get("site", "")), _text(get("variant", "")), _num(get("accuracy", 0.0)),
-            _text(get("reason", "")), get("best_effort") is True, _text(get("tenant", "")),
-            Timing(_num(get("timing_ms_network", 0.0)), _num(get("timing_ms_queue", 0.0)),
-                   _num(get("timing_ms_compute", 0.0)), _num(get("timing_ms_total", 0.0))),
+    site, variant, reason, tenant = get("site", ""), get("variant", ""), get("reason", ""), get("tenant", "")
+    acc, network, queue = get("accuracy", 0.0), get("timing_ms_network", 0.0), get("timing_ms_queue", 0.0)
+    compute, total, hops = get("timing_ms_compute", 0.0), get("timing_ms_total", 0.0), get("hops")
+    return (site if type(site) is str else str(site), variant if type(variant) is str else str(variant),
+            acc if type(acc) is float else _num(acc), reason if type(reason) is str else str(reason),
+            get("best_effort") is True, tenant if type(tenant) is str else str(tenant),
+            Timing(network if type(network) is float else _num(network),
+                   queue if type(queue) is float else _num(queue),
+                   compute if type(compute) is float else _num(compute),
+                   total if type(total) is float else _num(total)),
             [h for h in _text(hops).split(",") if h] if hops else [])
 
 

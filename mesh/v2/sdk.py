@@ -75,9 +75,13 @@ def _plain_input(name: str, value: Any, spec: Any) -> Tensor:
 
 
 def _numpy_key(tensors: dict[str, Any]) -> ShapeKey:
-    if any(t.dtype.hasobject for t in tensors.values()):
-        return ()
-    return tuple((k, t.dtype, t.shape) for k, t in tensors.items())
+    key = []
+    for k, t in tensors.items():
+        dt = t.dtype
+        if dt.hasobject:
+            return ()
+        key.append((k, dt, t.shape))
+    return tuple(key)
 
 
 def _plain_key(tensors: dict[str, Any]) -> ShapeKey:
@@ -91,6 +95,11 @@ _input, _key = (_numpy_input, _numpy_key) if NUMPY else (_plain_input, _plain_ke
 
 
 def prepare(named: Mapping[str, Any], sig: TaskSignature | None) -> tuple[dict[str, Any], ShapeKey]:
+    if NUMPY and len(named) == 1:
+        # the common case, one array of numbers: no signature needed, nothing to convert
+        (name, value), = named.items()
+        if type(value) is np.ndarray and value.dtype.kind not in "USOV":
+            return {name: value}, ((name, value.dtype, value.shape),)
     specs = _specs(sig)
     tensors = {k: _input(k, v, specs.get(k)) for k, v in named.items()}
     return tensors, _key(tensors)

@@ -21,7 +21,7 @@ from mesh.errors import BadTensor, PayloadTooLarge, RequestError
 from mesh.v2.datatypes import BYTES, FIXED, check_datatype, datatype_named
 
 __all__ = ["BYTES_DTYPE", "DESCS", "DTYPE_TO_V2", "NATIVE", "V2_TO_NP", "Spec", "arrays_at", "binary_specs",
-           "datatype_of", "dtype_of", "fast_binary_tensors", "read_tensors", "tensor_data", "tensors_json"]
+           "datatype_of", "dtype_of", "read_tensors", "tensor_data", "tensors_json"]
 
 # V2 datatype -> numpy dtype (explicitly little-endian: the binary extension is LE on the wire), from the one
 # table (mesh.v2.datatypes). BYTES is a numpy object array of bytes elements (``mesh.bytes_tensor``).
@@ -180,12 +180,6 @@ def arrays_at(specs: tuple[Spec, ...], buf: bytes | memoryview, offset: int, cop
     return out
 
 
-def fast_binary_tensors(items: object, tail: memoryview, max_bytes: int,
-                         copy: bool) -> dict[str, np.ndarray] | None:
-    specs = binary_specs(items, len(tail), max_bytes)
-    return None if specs is None else arrays_at(specs, tail, 0, copy)
-
-
 def read_tensors(items: object, tail: memoryview, kind: str, max_bytes: int,
                   copy: bool) -> dict[str, np.ndarray]:
     if not isinstance(items, list):
@@ -217,10 +211,18 @@ def read_tensors(items: object, tail: memoryview, kind: str, max_bytes: int,
     return out
 
 
+# Up to this size a little-endian tensor's bytes are copied out in one call rather than lent through a
+# buffer export: exporting, checking and casting a memoryview costs more than copying a few KB twice (once
+# here, once into the body); the two cross near 24 KB on this machine.
+COPY_MAX_BYTES = 16 << 10
+
+
 def _raw(arr: np.ndarray, little: bool) -> bytes | memoryview:
     """A tensor's bytes as the binary extension lays them out (``little``: its dtype is LE)."""
     if arr.dtype.hasobject:
         return serialize_bytes(arr)
+    if little and arr.nbytes <= COPY_MAX_BYTES:
+        return arr.tobytes()  # C order whatever the array's layout
     view = memoryview(arr) if little and arr.size else None  # type: ignore[arg-type]
     if view is not None and view.c_contiguous:
         # already little-endian and contiguous: lend the bytes; the body's join copies them once

@@ -91,6 +91,25 @@ async def test_closed_loop_caller_is_not_held_for_the_window(tmp_path: Path) -> 
             await b.stop()
 
 
+async def test_a_closed_loop_caller_is_probed_ever_more_rarely() -> None:
+    """Futile probes double the skip: 3 windows to learn, then one probe after 64, 128, 256 batches (the skip
+    fixed at 64 would hold 10 windows over these 500 queries, and three per probe 22)."""
+    def fast(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"logits": inputs["x"][:, :10]}
+
+    with ThreadPoolExecutor(1) as pool:
+        b = Batcher("fast", fast, executor=pool, compute_ms=lambda n: 0.01, max_batch=32, max_window_ms=50,
+                    inline_max_ms=0.0)  # every query through the queue, where windows are held
+        b.start()
+        try:
+            for _ in range(500):
+                await b.submit({"x": np.ones((1, 64), np.float32)}, time.monotonic() + 5)
+            # at most 6 (fewer only if a stalled machine made the caller's gap outlast the window)
+            assert 3 <= b.windows_held <= 6, b.windows_held
+        finally:
+            await b.stop()
+
+
 async def test_one_slow_batch_does_not_refuse_tight_requests_for_ever(tmp_path: Path) -> None:
     """A burst of contention makes one batch slow and raises the learnt overhead. Refused requests
     never run, so nothing would bring the estimate down again: it must fade with time instead."""

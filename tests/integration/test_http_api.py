@@ -163,6 +163,8 @@ BAD: list[tuple[str, str, Callable[[], tuple[bytes, dict[str, str]]], int, str, 
     ("declared binary too large", TASK, lambda: _bin(X1, declared=MAX_BODY * 4), 413, "too_large", "exceeds"),
     ("truncated binary", TASK, lambda: _bin(X1, cut=8), 400, "bad_tensor", "truncated"),
     ("bad header length", TASK, lambda: (b"{}", {HEADER_LENGTH: "ten"}), 400, "bad_request", "integer"),
+    # a digit int() refuses (superscript two): still the caller's 400, never a 500
+    ("digit header length", TASK, lambda: (b"{}", {HEADER_LENGTH: "\u00b2"}), 400, "bad_request", "integer"),
     ("unknown output", TASK,
      lambda: (json.dumps({**_json_infer(X1), "outputs": [{"name": "probs"}]}).encode(), {}),
      400, "bad_tensor", "no output"),

@@ -22,7 +22,7 @@ from mesh.v2.params import (
     result_fields,
     signature_to_metadata,
 )
-from mesh.v2.tensors import datatype_of, dtype_of
+from mesh.v2.tensors import COPY_MAX_BYTES, datatype_of, dtype_of
 
 pytestmark = pytest.mark.unit
 
@@ -228,6 +228,40 @@ def test_server_side_decode_without_copy_is_read_only_and_cache_safe() -> None:
     with pytest.raises((RequestError, BadTensor)):         # a cached header still checks the body
         codec.decode_infer_request(body[:-8], hlen, copy=False)
     assert codec.decode_infer_request(body, hlen).inputs["x"].flags.writeable  # default copies
+
+
+@pytest.mark.parametrize("rows", [3, 2 * COPY_MAX_BYTES // 40])  # copied out, and lent as a buffer
+def test_tensor_bytes_are_the_same_whether_copied_or_lent(rows: int) -> None:
+    y = np.arange(rows * 10, dtype=np.float32).reshape(10, rows).T  # not C-contiguous
+    want = codec.encode_infer_response("t", "r", {"y": np.ascontiguousarray(y)}, {}, True)
+    assert codec.encode_infer_response("t", "r", {"y": y}, {}, True) == want
+    big_endian = codec.encode_infer_response("t", "r", {"y": y.astype(">f4")}, {}, True)
+    assert big_endian == want
+    np.testing.assert_array_equal(codec.decode_infer_response(*want).outputs["y"], y)
+
+
+def test_replies_alternating_layouts_each_read_as_they_say() -> None:
+    replies = [codec.encode_infer_response("t", f"r{n}", {"y": np.full((n, 10), n, np.float32)}, {}, True)
+               for n in (1, 2, 1, 3)]
+    for n, (body, hlen) in zip((1, 2, 1, 3), replies, strict=True):
+        np.testing.assert_array_equal(codec.decode_infer_response(body, hlen).outputs["y"],
+                                      np.full((n, 10), n, np.float32))
+    body, hlen = replies[-1]  # the same outputs as the last reply, but bytes missing: still refused
+    with pytest.raises(BadTensor, match="truncated"):
+        codec.decode_infer_response(body[:-4], hlen)
+
+
+def test_kept_header_brings_its_parsed_slo_and_a_bad_slo_is_never_kept() -> None:
+    x = np.ones((1, 64), dtype=np.float32)
+    body, hlen = codec.encode_infer_request({"x": x}, {"latency_ms": 25.0, "min_accuracy": 0.5}, binary=True)
+    first, again = (codec.decode_infer_request(body, hlen, copy=False) for _ in range(2))
+    assert first.slo == again.slo == parse_slo(first.parameters) == SLO(25.0, 0.5)
+    bad, blen = codec.encode_infer_request({"x": x}, {"latency_ms": -1.0}, binary=True)
+    for _ in range(2):  # the second decode must not come from a kept plan that skipped the check
+        dec = codec.decode_infer_request(bad, blen, copy=False)
+        assert dec.slo is None
+        with pytest.raises(RequestError, match="latency_ms must be positive"):
+            parse_slo(dec.parameters)
 
 
 def test_shared_backbone_parameters() -> None:

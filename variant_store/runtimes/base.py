@@ -75,14 +75,20 @@ class Runtime(ABC):
 
     def infer_sync(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Check ``inputs`` against the signature, then run them (for callers with unchecked inputs)."""
-        return self.run_checked_sync(check_inputs(self.input_specs, inputs))
+        checked = check_inputs(self.input_specs, inputs)
+        if not self.ready:  # run_checked_sync's check, in line: a tiny variant's run is a few calls deep
+            raise self._not_loaded()
+        return self._run(checked)
 
     def run_checked_sync(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run inputs that already passed ``mesh.types.check_inputs`` (the serving path: the data
         plane's door checked them once; a batch of checked rows is still checked)."""
         if not self.ready:
-            raise RuntimeLoadError(f"{self.name}: {self.model_path.name} is not loaded")
+            raise self._not_loaded()
         return self._run(inputs)
+
+    def _not_loaded(self) -> RuntimeLoadError:
+        return RuntimeLoadError(f"{self.name}: {self.model_path.name} is not loaded")
 
     def unload_sync(self) -> None:
         with self._state_lock:
