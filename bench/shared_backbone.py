@@ -6,6 +6,12 @@
 * ``shared+batching``: ``edge_agent.host.VariantHost`` as it serves heads now: one backbone instance,
   one ``BackboneBatcher`` whose batches span tenants, each head run once per batch over its rows.
 
+Every variant (full model or head) declares the same largest batch, ``MAX_BATCH``, and each of the
+first two modes' batchers batches up to it. The backbone batcher's batch holds one such batch of
+every head on it (capped at ``edge_agent.backbone.BATCH_CAP``): one run carries what the copies
+would run as N separate batches. That is the sharing measured; the copies' configuration is what a
+site gives any variant of that profile.
+
 The model: the committed digits backbone is ~50 KB, so small that the ONNX Runtime session overhead
 (not weights) is what each copy costs; sharing it cannot show. So this scenario trains a wider one,
 for real (``bench.wide_backbone``: scikit-learn's MLP, three 2048-wide ReLU layers, on the bundled digits
@@ -52,7 +58,7 @@ from bench.common import (
 )
 from bench.openloop import Submit, climb, interleaved_rounds, median_of_rounds, open_loop, wait_quiet
 from bench.wide_backbone import HIDDEN, build_models
-from edge_agent.backbone import measure_compute_ms
+from edge_agent.backbone import BATCH_CAP, measure_compute_ms
 from edge_agent.batching import Batcher
 from edge_agent.host import VariantHost
 from variant_store.blobs import sha256_file
@@ -352,7 +358,8 @@ def _report(ctx: RunContext, rows: list[dict[str, Any]], extra: dict[str, Any]) 
         f"{info['accuracy_parity']}), alternating across tenants. Memory: RSS growth of a fresh process loading "
         f"the mode and running one {MAX_BATCH}-row batch per tenant (accounted_mb: what the host counts). "
         f"{THREADS} executor threads, 1 intra-op thread per session, window {WINDOW_MS:g} ms, max batch "
-        f"{MAX_BATCH}; open-loop Poisson arrivals of one-row requests, tenant drawn uniformly, SLO "
+        f"{MAX_BATCH} per variant (the shared backbone's batch: {MAX_BATCH} per head on it, up to {BATCH_CAP}); "
+        f"open-loop Poisson arrivals of one-row requests, tenant drawn uniformly, SLO "
         f"{SLO_S * 1000:g} ms (refused up front when the batcher predicts a miss), latency from scheduled "
         f"arrival. rps_at_slo: the best goodput of a ladder of offered rates ({LADDER_START_RPS:g} req/s, x"
         f"{LADDER_STEP:g} per step, {seconds_note(ctx)} each, modes taking turns, a failed step tried twice; "

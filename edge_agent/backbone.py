@@ -30,6 +30,12 @@ from variant_store.runtimes.base import Runtime
 __all__ = ["BackboneBatcher", "measure_compute_ms"]
 
 ComputeFn = Callable[[int], float]
+# The most rows one backbone run takes, however many heads feed it. On CPU a 2048-wide MLP backbone
+# costs 210 us a row in batches of 32, 140 in 64, 122 in 128 (one core): past ~128 little is left to win,
+# and a bigger batch only holds its rows longer.
+BATCH_CAP = 128
+# Batch sizes a backbone is timed at when it loads (its cost model interpolates between them).
+TIMED_SIZES = (1, 32, BATCH_CAP)
 
 
 class BackboneBatcher(Batcher):
@@ -38,7 +44,8 @@ class BackboneBatcher(Batcher):
     shared_backbone = True
 
     def __init__(self, name: str, base: Runtime, *, executor: Executor | None, compute_ms: ComputeFn,
-                 max_batch: int = 32, max_window_ms: float = 4.0, site: str = "", parallel: int = 1) -> None:
+                 max_batch: int = 32, max_window_ms: float = 4.0, site: str = "", parallel: int = 1,
+                 batch_cap: int = BATCH_CAP) -> None:
         # lane -> (head runtime, its input name, its profile). Read from executor threads: a dict
         # lookup is atomic, and a head removed mid-batch fails only its own rows.
         self._heads: dict[str, tuple[Runtime, str, ComputeFn]] = {}
@@ -49,9 +56,14 @@ class BackboneBatcher(Batcher):
         # variant has its own; here all the site's heads of this backbone share one queue, so one batch
         # at a time would leave the other inference threads idle: up to ``parallel`` run together
         # (``InferenceSession.run`` is thread-safe).
-        self._parallel = max(1, parallel)
-        self._slots = asyncio.Semaphore(self._parallel)
+        self.parallel = max(1, parallel)
+        self._slots = asyncio.Semaphore(self.parallel)
         self._running: set[asyncio.Task[None]] = set()
+        self._own_batch = max(1, max_batch)
+        self.batch_cap = max(self._own_batch, batch_cap)
+        self._head_batch: dict[str, int] = {}
+        self._costs: dict[int, float] = {}
+        self._ends: dict[asyncio.Task[Any] | None, float] = {}  # expected end of each batch computing
         self._slot_taken = False
         self._window_s = 0.0
         super().__init__(name, base.run_checked_sync, executor=executor, compute_ms=self._cost,
@@ -64,7 +76,7 @@ class BackboneBatcher(Batcher):
     # would otherwise keep the window open for every request).
     @property  # type: ignore[override]
     def max_window_s(self) -> float:
-        return self._window_s if len(self._running) >= self._parallel - 1 else 0.0
+        return self._window_s if len(self._running) >= self.parallel - 1 else 0.0
 
     @max_window_s.setter
     def max_window_s(self, value: float) -> None:
@@ -79,17 +91,45 @@ class BackboneBatcher(Batcher):
             if not self._slot_taken:  # nothing ran (every request had expired or given up)
                 self._slots.release()
 
+    def _began(self, ends: float) -> None:
+        # called from the batch's own task (``_run_held``): a slot is free until all are taken
+        self._ends[asyncio.current_task()] = ends
+        self._busy_until = min(self._ends.values()) if len(self._ends) >= self.parallel else 0.0
+
+    def _ended(self) -> None:
+        self._ends.pop(asyncio.current_task(), None)
+        self._busy_until = min(self._ends.values()) if len(self._ends) >= self.parallel else 0.0
+        self._costs.clear()
+        # a window held because every other slot was busy closes now that one is free
+        if self._queue:
+            self._wake.set()
+
     def _cost(self, rows: int) -> float:
-        # the backbone's measured cost plus the dearest head's: heads are small next to a backbone
-        heads = [h[2](rows) for h in list(self._heads.values())]
-        return self._base_ms(rows) + (max(heads) if heads else 0.0)
+        # the backbone's measured cost plus the dearest head's: heads are small next to a backbone.
+        # Asked for twice per request; the heads' profiles can change (self-measured ones arrive), so
+        # the answers are kept only until the next batch ends or a head comes or goes.
+        cost = self._costs.get(rows)
+        if cost is None:
+            heads = [h[2](rows) for h in list(self._heads.values())]
+            cost = self._costs[rows] = self._base_ms(rows) + (max(heads) if heads else 0.0)
+        return cost
 
     @property
     def heads(self) -> frozenset[str]:
         return frozenset(self._heads)
 
-    def add_head(self, lane: str, head: Runtime, compute_ms: ComputeFn) -> None:
+    def add_head(self, lane: str, head: Runtime, compute_ms: ComputeFn, max_batch: int | None = None) -> None:
+        """Route ``lane``'s rows to ``head``. ``max_batch``: the most rows the head's variant batches
+        (its profile's largest batch); a batch of the backbone may hold that many of every head's."""
         self._heads[lane] = (head, head.input_specs[0].name, compute_ms)
+        self._head_batch[lane] = max(1, max_batch or self._own_batch)
+        self._resize()
+        self._costs.clear()
+
+    def _resize(self) -> None:
+        # One backbone run serves every head's rows: a batch may hold a full batch of each head, up to
+        # the backbone's own cap. With one head it batches as that head's own batcher would.
+        self.max_batch = max(self._own_batch, min(self.batch_cap, sum(self._head_batch.values())))
 
     def infer_for(self, lane: str) -> InferFn:
         """The backbone then ``lane``'s head, on one batch (raises ``Overloaded`` if the head is not loaded)."""
@@ -105,6 +145,9 @@ class BackboneBatcher(Batcher):
         """Stop routing rows to ``lane``; returns once no batch that may still use its head runs,
         so the caller can close the head's session. Rows still queued for it fail (``Overloaded``)."""
         self._heads.pop(lane, None)
+        self._head_batch.pop(lane, None)
+        self._resize()
+        self._costs.clear()
         # batches started from now on look the head up and miss it; wait for those already running
         # (inline runs hold the event loop, so none of them can be under way here)
         if self._running:
@@ -137,7 +180,8 @@ class BackboneBatcher(Batcher):
         by_lane: dict[str, list[int]] = {}
         for i, (lane, _) in enumerate(parts):
             by_lane.setdefault(lane, []).append(i)
-        starts = np.cumsum([0] + [rows for _, rows in parts])
+        single = all(rows == 1 for _, rows in parts)  # one-row requests: part i is row i
+        starts = None if single else np.cumsum([0] + [rows for _, rows in parts])
         out: list[dict[str, np.ndarray] | Exception] = [Overloaded("no head")] * len(parts)
         for lane, idx in by_lane.items():
             head = self._heads.get(lane)
@@ -149,8 +193,10 @@ class BackboneBatcher(Batcher):
             runtime, in_name, _ = head
             if len(idx) == len(parts):
                 lane_feats = feats
+            elif starts is None:
+                lane_feats = feats[idx]  # one gather
             else:
-                lane_feats = np.concatenate([feats[starts[i]:starts[i + 1]] for i in idx], axis=0)
+                lane_feats = feats[np.concatenate([np.arange(starts[i], starts[i + 1]) for i in idx])]
             try:
                 res = runtime.run_checked_sync({in_name: lane_feats})
             except Exception as exc:  # one head failing fails its own rows only
@@ -165,10 +211,13 @@ class BackboneBatcher(Batcher):
         return out
 
 
-def measure_compute_ms(runtime: Runtime, sizes: tuple[int, ...] = (1, 32), repeats: int = 5) -> ComputeFn:
-    """A linear cost model (ms per batch of n rows) from timing ``runtime`` on zero inputs at two batch
-    sizes (median of ``repeats``). Used for a backbone, whose profile a head's metadata does not carry;
-    a few milliseconds at load time, off the event loop."""
+def measure_compute_ms(runtime: Runtime, sizes: tuple[int, ...] = TIMED_SIZES, repeats: int = 5,
+                       budget_ms: float = 50.0) -> ComputeFn:
+    """A piecewise-linear cost model (ms per batch of n rows) from timing ``runtime`` on zero inputs at
+    ``sizes`` (median of ``repeats`` each; a size whose run took over ``budget_ms`` is the last timed,
+    so a heavy encoder loads in a few hundred ms at most). Between two timed sizes it interpolates;
+    past the ends it extends the nearest segment. Used for a backbone, whose profile a head's metadata
+    does not carry; off the event loop."""
     def zeros(dtype: Any, shape: tuple[int, ...]) -> np.ndarray:
         if np.dtype(dtype) == np.dtype(object):  # a BYTES (text) input: a short sentence per row
             return np.full(shape, b"a short sentence to time the encoder with", dtype=object)
@@ -185,8 +234,28 @@ def measure_compute_ms(runtime: Runtime, sizes: tuple[int, ...] = (1, 32), repea
             times.append((time.perf_counter() - t0) * 1000.0)
         return float(np.median(times))
 
-    lo, hi = min(sizes), max(sizes)
-    a, b = once(lo), once(hi)
-    slope = max(0.0, (b - a) / max(1, hi - lo))
-    fixed = max(0.0, a - slope * lo)
-    return lambda n: fixed + slope * n
+    xs: list[int] = []
+    ys: list[float] = []
+    for n in sorted(set(sizes)):
+        xs.append(n)
+        ys.append(once(n))
+        if ys[-1] > budget_ms:
+            break
+    return _piecewise(xs, ys)
+
+
+def _piecewise(xs: list[int], ys: list[float]) -> ComputeFn:
+    """Through the points (xs ascending), never decreasing, extended linearly past both ends."""
+    ys = list(np.maximum.accumulate(ys))
+    if len(xs) == 1:
+        return lambda n: ys[0] * max(1, n) / xs[0]
+    segs = [(xs[i], ys[i], (ys[i + 1] - ys[i]) / max(1, xs[i + 1] - xs[i])) for i in range(len(xs) - 1)]
+
+    def cost(n: int) -> float:
+        for x0, y0, slope in reversed(segs):
+            if n >= x0:
+                return y0 + slope * (n - x0)
+        x0, y0, slope = segs[0]
+        return max(0.0, y0 - slope * (x0 - n))
+
+    return cost

@@ -117,6 +117,8 @@ class Batcher:
     arrival order), so who shared a batch is recorded rather than assumed."""
 
     shared_backbone = False  # a backbone batcher says so in every result
+    # batches that may compute at once; a plain batcher runs one at a time (a backbone's, several)
+    parallel = 1
 
     def __init__(self, variant_id: str, infer: InferFn, *, executor: Executor | None,
                  compute_ms: Callable[[int], float], max_batch: int = 32, max_window_ms: float = 4.0,
@@ -136,6 +138,7 @@ class Batcher:
         self.site = site
         self._queue: deque[_Item] = deque()
         self._queued_rows = 0
+        self._tightest = math.inf  # the earliest deadline queued (at most: items that left may linger)
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._busy_until = 0.0
@@ -177,6 +180,7 @@ class Batcher:
             if not item.future.done():
                 item.future.set_exception(Overloaded(f"variant {self.variant_id} unloaded"))
         self._queued_rows = 0
+        self._tightest = math.inf
 
     @property
     def overhead_ms(self) -> float:
@@ -204,7 +208,7 @@ class Batcher:
         now = time.monotonic() if now is None else now
         busy = max(0.0, self._busy_until - now) * 1000.0
         full_batches = self._queued_rows // self.max_batch
-        return busy + full_batches * self._compute_ms(self.max_batch)
+        return busy + full_batches * self._compute_ms(self.max_batch) / self.parallel
 
     async def submit(self, inputs: dict[str, np.ndarray], deadline: float, *, lane: str = "",
                      tenant: str = "") -> BatchResult:
@@ -233,7 +237,9 @@ class Batcher:
         if self._busy_until > now:
             expected += (self._busy_until - now) * 1000.0
         if self._queued_rows >= self.max_batch:
-            expected += self._queued_rows // self.max_batch * (self._profile_ms(self.max_batch) + overhead)
+            # full batches queued ahead, drained ``parallel`` at a time
+            expected += (self._queued_rows // self.max_batch * (self._profile_ms(self.max_batch) + overhead)
+                         / self.parallel)
         if expected > remaining_ms:
             raise Overloaded(f"{self.variant_id}: expected {expected:.1f} ms > {remaining_ms:.1f} ms left")
         if self._last_arrival:
@@ -247,7 +253,13 @@ class Batcher:
         fut: asyncio.Future[BatchResult] = asyncio.get_running_loop().create_future()
         self._queue.append(_Item(inputs, rows, deadline, now, fut, lane, tenant))
         self._queued_rows += rows
-        self._wake.set()
+        # Wake the loop only when this arrival changes what it waits for: a first request, a full
+        # batch, or a tighter deadline (which shortens the window). Any other arrival would only make
+        # it recompute the same window end (a task switch per request, under load).
+        if len(self._queue) == 1 or self._queued_rows >= self.max_batch or deadline < self._tightest:
+            self._wake.set()
+        if deadline < self._tightest:
+            self._tightest = deadline
         return await fut
 
     def _inline_ok(self, rows: int, now: float, deadline: float, profile_ms: float,
@@ -357,10 +369,9 @@ class Batcher:
         waited = False
         while self._queued_rows < self.max_batch and self._skip_windows == 0:
             now = time.monotonic()
-            slacks = [it.deadline - now for it in self._queue]
             rows = min(self._queued_rows, self.max_batch)
             window_end = self._queue[0].enqueued + batch_window_s(
-                slacks, self._compute_ms(max(rows, 1)) / 1000.0, self.max_window_s,
+                [self._tightest - now], self._compute_ms(max(rows, 1)) / 1000.0, self.max_window_s,
                 expected_gap_s=self.ewma_gap_s)
             wait = window_end - now
             if wait <= 0:
@@ -398,8 +409,17 @@ class Batcher:
                 continue
             batch.append(item)
             rows += item.rows
+        self._tightest = min((it.deadline for it in self._queue), default=math.inf)
         if batch:
             await self._run(batch, rows)
+
+    def _began(self, ends: float) -> None:
+        """A batch started computing, expected to end at ``ends``: ``_busy_until`` = when the next batch
+        could start (a subclass running several at once keeps the earliest end once all are taken)."""
+        self._busy_until = ends
+
+    def _ended(self) -> None:
+        self._busy_until = 0.0
 
     async def _run(self, batch: list[_Item], rows: int) -> None:
         names = list(batch[0].inputs)
@@ -408,7 +428,7 @@ class Batcher:
         tenants = tuple(it.tenant for it in batch)
         self.membership.append(tenants)
         started = time.monotonic()
-        self._busy_until = started + self._compute_ms(rows) / 1000.0
+        self._began(started + self._compute_ms(rows) / 1000.0)
         loop = asyncio.get_running_loop()
         try:
             parts = await loop.run_in_executor(self._executor, self._execute, merged,
@@ -420,7 +440,7 @@ class Batcher:
                     it.future.set_exception(err)
             return
         finally:
-            self._busy_until = 0.0
+            self._ended()
         done = time.monotonic()
         compute_ms = (done - started) * 1000.0
         self._learn(compute_ms, done, self._profile_ms(rows), self._overhead_at(done))

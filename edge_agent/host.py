@@ -283,7 +283,7 @@ class VariantHost:
             if bkey is not None and base_path is not None:
                 bb = self.bases.get(bkey) or await self._open_backbone(bkey, base_path, max_batch)
                 bb.holders.add(key)
-                bb.batcher.add_head(meta.variant_id, runtime, compute)
+                bb.batcher.add_head(meta.variant_id, runtime, compute, max_batch)
                 batcher = bb.batcher
             else:
                 batcher = Batcher(meta.variant_id if not key[1] else f"{meta.variant_id}@{key[1]}",
