@@ -9,6 +9,7 @@ place, so two processes racing to build never see half a family.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -46,7 +47,13 @@ def _key() -> str:
     return h.hexdigest()[:16]
 
 
+_STAMP = ".verified"  # the files' sizes and mtimes when their digests last matched the manifest
+
+
 def _verified(root: Path) -> dict[str, Any] | None:
+    """The family's manifest when every file it names has its digest, else ``None``. Hashing some
+    hundred megabytes of encoders costs a few tenths of a second on every start, so a stamp keeps the
+    files' sizes and mtimes from the last full check: unchanged files are not hashed again."""
     import json
 
     try:
@@ -55,10 +62,19 @@ def _verified(root: Path) -> dict[str, Any] | None:
         files += [(f["file"], f["sha256"]) for f in manifest["dataset"]["files"].values()]
     except (OSError, ValueError, KeyError, TypeError):
         return None
+    stats: list[list[Any]] | None = None
+    with contextlib.suppress(OSError):  # a missing file: no stamp can hold, the check below says which
+        stats = [[name, digest, (st := (root / name).stat()).st_size, st.st_mtime_ns] for name, digest in files]
+    with contextlib.suppress(OSError, ValueError):
+        if stats is not None and json.loads((root / _STAMP).read_text()) == stats:
+            return manifest
     for name, digest in files:
         if not (root / name).is_file() or _sha256(root / name) != digest:
             log.warning("cached text family %s: %s does not match its manifest; rebuilding", root, name)
             return None
+    if stats is not None:
+        with contextlib.suppress(OSError):
+            (root / _STAMP).write_text(json.dumps(stats))
     return manifest
 
 
@@ -96,7 +112,7 @@ async def ensure_text_family(catalog: Catalog, blobs: BlobStore, *, backbones: S
     backbone as ``shared_base_digest``; ``backbones`` limits it to some encoders. Families that already
     have variants are left alone unless ``force``. Returns one report per task built."""
     root = await _off_loop(text_family_dir, cache_dir)
-    manifest = await _off_loop(_verified, root)
+    manifest = await _off_loop(_verified, root)  # stamped by text_family_dir's check: not hashed again
     if manifest is None:
         raise VariantBuildError(f"the text family in {root} does not verify")
     have = {(v.task, v.family) for v in await catalog.list_variants()}
