@@ -89,13 +89,13 @@ class Scheduler(Service):
         # a round comes early (not before MIN_ROUND_GAP_S) when what placement can use changes: a site
         # comes or goes, or a capped site publishes timings of a variant its class could not run before
         self._wake = asyncio.Event()
-        self._usable: tuple[frozenset[str], frozenset[tuple[str, str, str]]] = (frozenset(), frozenset())
+        self._usable: frozenset[tuple[str, str, int]] = frozenset()
         self.view.on_change(self._on_view_change)
 
     def _on_view_change(self) -> None:
-        usable = (frozenset(self.view.live),
-                  frozenset((site, hb.hardware_class or "", vid) for site, hb in self.view.live.items()
-                            for vid in hb.profiles))
+        # a site's self-measured timings only grow while it lives: their count says when they change, at a
+        # cost per site, not per site and variant, on every debounced batch of heartbeats
+        usable = frozenset((site, hb.hardware_class or "", len(hb.profiles)) for site, hb in self.view.live.items())
         if usable != self._usable:
             self._usable = usable
             self._wake.set()
