@@ -179,12 +179,13 @@ class SelfProfiler:
         wanted = self.wanted()
         first = sorted((m for m in out if m.variant_id in wanted), key=lambda m: (m.size_bytes, m.variant_id))
         # the cheapest variant of every task first (a task the class can serve at all), then the next...
-        by_task: dict[str, list[VariantMeta]] = {}
+        place: dict[str, int] = {}  # variant -> its place among its task's variants, cheapest 0
+        per_task: dict[str, int] = {}
         for m in sorted(out, key=lambda m: (_cost(m), m.variant_id)):
             if m.variant_id not in wanted:
-                by_task.setdefault(m.task, []).append(m)
-        rest = sorted((m for ms in by_task.values() for m in ms),
-                      key=lambda m: (by_task[m.task].index(m), _cost(m), m.variant_id))
+                place[m.variant_id] = per_task[m.task] = per_task.get(m.task, -1) + 1
+        rest = sorted((m for m in out if m.variant_id in place),
+                      key=lambda m: (place[m.variant_id], _cost(m), m.variant_id))
         # this site's share (every n-th, from its rank) forward, then the others' leftovers backwards: a
         # site done early takes what its peers would reach last, not the variant a peer is timing now
         class_peers = self.class_peers()
@@ -212,8 +213,6 @@ class SelfProfiler:
                 try:
                     await self.profile(meta)
                     self.no_room.discard(meta.variant_id)
-                    if self.published_cb is not None:
-                        await self.published_cb()
                 except asyncio.CancelledError:
                     raise
                 except Overloaded as exc:  # no memory now: tried again when the view changes
@@ -227,6 +226,9 @@ class SelfProfiler:
                 except Exception:
                     log.exception("profiling %s failed", meta.variant_id, extra=kv(site=self.site))
                     self.failed[meta.variant_id] = "error (see log)"
+                else:  # timed: a failure to say so now is not the variant's (the next heartbeat says it)
+                    if self.published_cb is not None:
+                        await self.published_cb()
 
     async def profile(self, meta: VariantMeta) -> Profile:
         """Load ``meta`` (if not loaded), time it under this site's caps, record the profile."""
