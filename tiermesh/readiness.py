@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mesh.errors import MeshError
 from mesh.etcd.keys import live_key
@@ -36,21 +36,28 @@ class Readiness:
                     raise MeshError(f"site {name} not live after {timeout} s")
                 await asyncio.sleep(0.1)
 
+    async def _placed_and_live(self) -> list[tuple[str, set[str] | None, dict[str, Any] | None]]:
+        """Per site: the variants its placement asks for and its live record (``None`` where there is none)."""
+        assert self.store is not None
+        out: list[tuple[str, set[str] | None, dict[str, Any] | None]] = []
+        for name in self.sites:
+            place = await self.store.get(f"placement/{name}")
+            live = await self.store.get(live_key(name))
+            out.append((name, None if place is None else {v["variant_id"] for v in place.value.get("variants", [])},
+                        None if live is None else live.value))
+        return out
+
     async def wait_placed(self, timeout: float = 60.0) -> None:  # noqa: ASYNC109
         """Until every site holds what its placement asks (or the timeout: placement keeps going)."""
         assert self.store is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             pending = 0
-            for name in self.sites:
-                place = await self.store.get(f"placement/{name}")
-                live = await self.store.get(live_key(name))
-                if place is None or live is None:
+            for _, want, live in await self._placed_and_live():
+                if want is None or live is None:
                     pending += 1
                     continue
-                want = {v["variant_id"] for v in place.value.get("variants", [])}
-                have = set(live.value.get("loaded") or {})
-                pending += len(want - have)
+                pending += len(want - set(live.get("loaded") or {}))
             if pending == 0:
                 return
             await asyncio.sleep(0.25)
@@ -71,15 +78,12 @@ class Readiness:
             served: set[str] = set()
             dead: list[str] = []
             pending: dict[str, int] = {}
-            for name in self.sites:
-                place = await self.store.get(f"placement/{name}")
-                live = await self.store.get(live_key(name))
+            for name, want, live in await self._placed_and_live():
                 if live is None:
                     dead.append(name)
                     continue
-                want = {v["variant_id"] for v in place.value.get("variants", [])} if place is not None else set()
-                served |= {tasks.get(v, "") for v in want & set(live.value.get("loaded") or {})}
-                if left := int(live.value.get("profiling_pending", 0)):
+                served |= {tasks.get(v, "") for v in (want or set()) & set(live.get("loaded") or {})}
+                if left := int(live.get("profiling_pending", 0)):
                     pending[name] = left
             missing = public - served
             if not dead and not missing:
