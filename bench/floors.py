@@ -144,7 +144,7 @@ async def _curve_ends() -> AsyncIterator[tuple[ZmqServer, ZmqClient, _BareZmqEch
         keys = pki.curve(site)
         security = CurveSecurity(keys, SiteKeys(pki.paths))
         server = ZmqServer(_echo_handler, security=security)
-        client = ZmqClient(security=security, server_key_for=lambda _ep: keys.public)
+        client = ZmqClient(security=security, server_key_for=lambda _ep, _lost: keys.public)
         floor = _BareZmqEcho((keys, keys))
         try:
             await server.start()

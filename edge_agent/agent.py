@@ -30,6 +30,7 @@ from edge_agent.http_api import DEFAULT_MAX_BODY, EdgeHttpServer
 from edge_agent.liveness import Liveness
 from edge_agent.metrics import AgentMetrics, Gauges
 from edge_agent.observe import Observe
+from edge_agent.peer_keys import PeerKeys
 from edge_agent.quota import DoorQuotas, limits_from_view
 from edge_agent.selfprofile import SelfProfiler
 from edge_agent.site_dataplane import SiteDataPlane
@@ -118,7 +119,7 @@ class Agent(Service):
         self.zmq_server: ZmqServer | None = None
         self.zmq_client: ZmqClient | None = None
         self.curve: CurveSecurity | None = None
-        self._dialled_keys: dict[str, bytes | None] = {}  # endpoint -> the CURVE key its socket was opened with
+        self.peer_keys: PeerKeys | None = None  # the CURVE key each peer is dialled with (CURVE on)
         self.http: EdgeHttpServer | None = None
         self.liveness: Liveness | None = None
         self.dataplane: SiteDataPlane | None = None
@@ -170,7 +171,11 @@ class Agent(Service):
                                      idle_s=lambda: self.dataplane.idle_s() if self.dataplane is not None else 0.0,
                                      published_cb=self._beat_now)
         self.curve = await self._open_curve()
-        self.zmq_client = ZmqClient(security=self.curve, server_key_for=self._server_key)
+        if self.curve is not None:
+            view = self.view
+            self.peer_keys = PeerKeys(self.site, self.curve.sites, lambda: view.live, self._peer_endpoint)
+        self.zmq_client = ZmqClient(security=self.curve,
+                                    server_key_for=self.peer_keys.server_key if self.peer_keys else None)
         self.dataplane = SiteDataPlane(self.site, self.view, self.host, self.zmq_client,
                                        table=lambda: self.table, peer_endpoint=self._peer_endpoint,
                                        demand=self.demand, quota=self.quota, metrics=self.metrics,
@@ -307,47 +312,15 @@ class Agent(Service):
         finally:
             self._rekeying = None
 
-    def _server_key(self, endpoint: str) -> bytes | None:
-        """``ZmqClient``'s ``server_key_for``: :meth:`_lookup_key`, remembered for :meth:`_redial_rotated`."""
-        key = self._dialled_keys[endpoint] = self._lookup_key(endpoint)
-        return key
-
-    def _lookup_key(self, endpoint: str) -> bytes | None:
-        """The CURVE key of the site behind ``endpoint``: the one its certificate binds where we have it
-        (a live record that disagrees is refused), else the one its live record publishes."""
-        if self.view is None or self.curve is None:
-            return None
-        for site, hb in self.view.live.items():
-            if self._peer_endpoint(site) != endpoint:
-                continue
-            bound = self.curve.sites.key_of(site)
-            if bound is None and self.curve.sites.refuses(site):
-                return None  # its certificate is here and refused (revoked, expired): never dialled
-            published = hb.curve_key.encode() if hb.curve_key else None
-            if bound is None or published is None:
-                return bound or published
-            # the key it serves with: the one its certificate binds, or the one before a re-issue (it takes
-            # the new one within a second or so, and says so in its live record)
-            if published in (bound, self.curve.sites.previous_key(site)):
-                return published
-            if self.curve.sites.refresh():  # re-issued since we last read the certificates: look again
-                return self._lookup_key(endpoint)
-            log.warning("%s publishes a CURVE key its certificate does not bind: not dialled", site,
-                        extra=kv(site=self.site, peer=site, event="curve_mismatch"))
-            return None
-        return None
-
     def _redial_rotated(self) -> None:
         """A peer whose CURVE key changed (re-issued certificate): its socket has the old key and would fail
         every handshake, so re-dial it with the new one; what was pending to it is re-sent over that."""
-        assert self.zmq_client is not None
-        for endpoint, key in list(self._dialled_keys.items()):
-            if (new := self._lookup_key(endpoint)) != key:
-                self._dialled_keys.pop(endpoint, None)
-                if new is None:  # nothing to dial it with (refused, or gone): what waits for it fails now
-                    self.zmq_client.fail_peer(endpoint, "its CURVE key changed")
-                else:
-                    self.zmq_client.redial(endpoint, "its CURVE key changed")
+        assert self.zmq_client is not None and self.peer_keys is not None
+        for endpoint, new in self.peer_keys.rotated():
+            if new is None:  # nothing to dial it with (refused, or gone): what waits for it fails now
+                self.zmq_client.fail_peer(endpoint, "its CURVE key changed")
+            else:
+                self.zmq_client.redial(endpoint, "its CURVE key changed")
 
     def _adopt_crl(self) -> None:
         """Hand a changed ``pki/crl`` to the edge TLS and CURVE trust stores; each adopts it only if it is

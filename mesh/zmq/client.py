@@ -14,9 +14,9 @@ heard, and one that never completes its handshake is given up ``handshake_ms`` (
 socket opened. Either way the endpoint is then marked *unreachable* here, locally: its pending
 requests wait (below) or fail with ``PeerUnavailable``, new requests to it fail so at once, unsent,
 and listeners (``add_reachability_listener``) hear of it so that routing can leave it out.
-Its socket is replaced by a fresh one that only probes: libzmq reconnects it (back-off capped at
-``reconnect_max_ms``) and the first completed handshake clears the mark. The old socket goes
-because whatever it still queued would reach the peer late, with the budget it had when sent.
+Its socket is replaced by a fresh one that only probes: libzmq reconnects it (after ``reconnect_ms``,
+doubling up to ``reconnect_max_ms``) and the first completed handshake clears the mark. The old socket
+goes because whatever it still queued would reach the peer late, with the budget it had when sent.
 So the bound from the last byte heard to "unreachable" is 1.25 s for an established connection
 and 2 s for a new one (plus an event-loop turn).
 
@@ -28,6 +28,12 @@ and half the budget it had left, then ``PeerUnavailable`` (a dead peer's request
 site; :mod:`mesh.zmq.calls`). Requests are inferences, idempotent: a peer that got the first copy computes
 it twice; one answer arrives. A probe whose handshake fails asks ``server_key_for`` again and re-dials if
 the key changed. ``attempt_ms`` counts from the send that reached a working connection.
+
+The key to dial. ``server_key_for(endpoint, lost)`` names it; ``lost`` is the key of the connection that
+just dropped or failed its handshake (None on a first dial), so a lookup that knows two keys the peer may
+serve with (the one its live record publishes and the one its re-issued certificate binds) answers with
+the other one: a peer that re-keyed is dialled with its new key at the next reconnect, without waiting for
+its live record to say so, and one that has not is dialled back with the old one at the next failure.
 """
 
 from __future__ import annotations
@@ -72,13 +78,15 @@ _WRITABLE_POLL_S = 0.05  # re-check a full send queue this often even if no POLL
 
 
 ReachabilityListener = Callable[[str, bool], None]
+# (endpoint, key of the connection to it just lost or None) -> the peer's CURVE public key to dial
+KeyLookup = Callable[[str, bytes | None], bytes | None]
 
 
 class ZmqClient(Service):
     """One DEALER per peer endpoint, shared by every caller; replies dispatched by the peer's pump."""
 
     def __init__(self, *, ctx: zmq.asyncio.Context | None = None, security: SocketSecurity | None = None,
-                 server_key_for: Callable[[str], bytes | None] | None = None,
+                 server_key_for: KeyLookup | None = None,
                  max_bytes: int = DEFAULT_MAX_BYTES, heartbeat: Heartbeat = DEFAULT_HEARTBEAT) -> None:
         # None until the first peer opens: then the shared context, or its own when ``security`` is set
         self._given_ctx = ctx
@@ -193,10 +201,11 @@ class ZmqClient(Service):
             self._notify(endpoint, False)
         return failed
 
-    def redial(self, endpoint: str, reason: str) -> int:
+    def redial(self, endpoint: str, reason: str, *, lost: bytes | None = None) -> int:
         """Replace the socket to ``endpoint`` by a fresh one (``server_key_for`` asked again: the peer's key
         changed), carrying its pending requests over: they are sent again once the new socket's handshake
-        completes (see the module's "Re-sent, not lost"). An unreachable mark stays until then. Returns how
+        completes (see the module's "Re-sent, not lost"). An unreachable mark stays until then. ``lost``: the
+        key the replaced socket failed with, if that is why (see the module's "The key to dial"). Returns how
         many requests it carries."""
         peer = self._peers.get(endpoint)
         if peer is None or self._state is not State.RUNNING:
@@ -204,12 +213,14 @@ class ZmqClient(Service):
         calls = dict(peer.pending)
         peer.pending.clear()
         self._drop_peer(peer, reason)
-        return len(calls) if self._reopen(endpoint, calls, reason) else 0
+        return len(calls) if self._reopen(endpoint, calls, reason, lost=lost) else 0
 
     def drop_idle(self) -> int:
         """Drop the sockets of peers with nothing pending (security settings changed: the next request opens
-        a fresh one with them); busy ones are left to finish. Returns how many were dropped."""
-        idle = [p for p in self._peers.values() if not p.pending]
+        a fresh one with them); busy ones are left to finish, and so are probes of unreachable peers (dropping
+        one would leave a mark no handshake lifts; what it dials with stays admitted through a rotation's
+        grace period). Returns how many were dropped."""
+        idle = [p for p in self._peers.values() if not p.pending and p.endpoint not in self._down]
         for peer in idle:
             self._drop_peer(peer, "security settings changed")
         return len(idle)
@@ -228,7 +239,7 @@ class ZmqClient(Service):
 
     # ------------------------------------------------------------ internals
 
-    def _open_peer(self, endpoint: str) -> Peer:
+    def _open_peer(self, endpoint: str, lost: bytes | None = None) -> Peer:
         if self._ctx is None:
             self._ctx = open_context(self._security)
         sock = self._ctx.socket(zmq.DEALER)
@@ -239,7 +250,7 @@ class ZmqClient(Service):
         key: bytes | None = None
         try:
             if self._security is not None:
-                key = self._server_key_for(endpoint) if self._server_key_for is not None else None
+                key = self._server_key_for(endpoint, lost) if self._server_key_for is not None else None
                 self._security.apply_client(sock, key)
             # watch before connecting so no disconnect can slip past
             monitor = sock.get_monitor_socket(_MONITORED)
@@ -305,7 +316,7 @@ class ZmqClient(Service):
                 return
             # a probe's failed attempt: libzmq tries again, unless the key to dial changed meanwhile
             if self._key_changed(peer):
-                self.redial(peer.endpoint, f"{reason}; its server key changed")
+                self.redial(peer.endpoint, f"{reason}; its server key changed", lost=peer.key)
                 return
 
     def _handshake_overdue(self, peer: Peer) -> None:
@@ -338,17 +349,20 @@ class ZmqClient(Service):
         self._down[peer.endpoint] = clock.monotonic()
         log.warning("peer %s unreachable (%s): failed %d pending, %d wait to be re-sent; probing", peer.endpoint,
                     reason, n, len(calls))
-        if self._reopen(peer.endpoint, calls, reason, marked=False):  # the probe: libzmq reconnects it until
-            self._notify(peer.endpoint, True)                           # a handshake succeeds
+        # the probe: libzmq reconnects it until a handshake succeeds
+        if self._reopen(peer.endpoint, calls, reason, marked=False, lost=peer.key):
+            self._notify(peer.endpoint, True)
 
-    def _reopen(self, endpoint: str, calls: dict[str, Call], reason: str, *, marked: bool = True) -> bool:
+    def _reopen(self, endpoint: str, calls: dict[str, Call], reason: str, *, marked: bool = True,
+                lost: bytes | None = None) -> bool:
         """Open a fresh socket to ``endpoint`` (a probe if it is marked) and hand it ``calls`` to send once up.
-        False (``calls`` failed) if it cannot be opened. ``marked``: listeners heard of its mark, if any."""
+        False (``calls`` failed) if it cannot be opened. ``marked``: listeners heard of its mark, if any;
+        ``lost``: the key of the connection it replaces, if that one dropped or failed."""
         if self._state is not State.RUNNING:
             fail(calls.values(), f"{endpoint}: {reason}")
             return False
         try:
-            peer = self._open_peer(endpoint)
+            peer = self._open_peer(endpoint, lost)
         except MeshError as exc:
             # nothing can dial it (e.g. its CURVE key went with its live record): forget the mark, so the
             # next request dials afresh and says why it cannot, instead of a mark no probe lifts
@@ -370,7 +384,7 @@ class ZmqClient(Service):
         if self._security is None or self._server_key_for is None:
             return False
         try:
-            key = self._server_key_for(peer.endpoint)
+            key = self._server_key_for(peer.endpoint, peer.key)
         except Exception:  # the lookup's bug must not stop the monitor
             log.exception("server key lookup failed for %s", peer.endpoint)
             return False

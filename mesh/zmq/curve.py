@@ -16,7 +16,8 @@ callers see ``PeerUnavailable`` or their deadline). A site revoked while connect
 :meth:`CurveSecurity.peer` within one refresh (1 s by default), so its requests are refused, and its open
 connections are shut down then (:meth:`CurveSecurity.close_connections`: libzmq cannot drop one ROUTER peer, so
 the TCP connection a site's frames came from — ``ZMQ_SRCFD`` — is shut down under it; its reconnect meets ZAP).
-A site re-issued a certificate (rotation) is not revoked: its connections stay.
+A site re-issued a certificate (rotation) is not revoked: its connections stay, and its first handshake with
+the new key reads the certificates again rather than waiting for the next poll.
 """
 
 from __future__ import annotations
@@ -201,6 +202,7 @@ def _stat(path: Path) -> tuple[int, int]:
 
 
 _MAX_CONNECTIONS = 4096
+_REREAD_GAP_S = 0.1  # an unknown client key re-reads the site certificates at most this often
 
 
 def _sockname(fd: int) -> Any:
@@ -236,6 +238,17 @@ class _ZapHandler:
             raise
         self.pump = Pump(io_socket(self.sock), self._on_request, "zap handler")
         self.users = 0
+        self._reread_at = 0.0
+
+    def _may_reread(self) -> bool:
+        """An unknown key may be a peer that took its re-issued certificate's key before our poll read that
+        certificate: look at the files again, at most every ``_REREAD_GAP_S`` (a flood of garbage costs
+        no more than that)."""
+        now = time.monotonic()
+        if now - self._reread_at < _REREAD_GAP_S:
+            return False
+        self._reread_at = now
+        return True
 
     def _on_request(self, msg: list[zmq.Frame]) -> None:
         parts = [f.bytes for f in msg]
@@ -247,6 +260,8 @@ class _ZapHandler:
         site = None
         if mechanism == b"CURVE" and len(parts) == 9 and len(parts[8]) == 32:
             site = self.sites.site_of(parts[8])
+            if site is None and self._may_reread() and self.sites.refresh():
+                site = self.sites.site_of(parts[8])  # a site re-issued (rotated) since the last poll
         if site is None:
             self.refusals.warn(address or "?", "refused a %s handshake from %s: its key is not bound to a valid "
                                "site certificate", mechanism.decode(errors="replace"), address,

@@ -45,6 +45,7 @@ log = get_logger("mesh.zmq")
 Handler = Callable[[InferRequest], Awaitable[InferResponse]]
 # messages queued per peer connection before libzmq stops reading it: with max_bytes, its memory bound
 DEFAULT_RCVHWM = 256
+_REBIND_LINGER_MS = 200  # a re-bound listener's old socket: answers queued at its close still go out
 _PEER: contextvars.ContextVar[str | None] = contextvars.ContextVar("zmq_peer", default=None)
 
 
@@ -104,16 +105,21 @@ class ZmqServer(Service):
 
     async def rebind(self, *, drain_s: float = 1.0, retry_s: float = 3.0) -> None:
         """Open the listening socket again on the same endpoint, so that changed security settings (a site's
-        re-issued CURVE key) hold for every connection: waits up to ``drain_s`` for the requests in flight to
-        be answered, then closes the socket (its peers reconnect) and binds anew (retried for ``retry_s``
-        while the old listener lets go of the port)."""
+        re-issued CURVE key) hold for every connection: waits up to ``drain_s`` until no request is in flight
+        (those arriving meanwhile included: the close would lose their answers), then closes the socket (its
+        peers reconnect; answers still queued get ``_REBIND_LINGER_MS`` to leave) and binds anew (retried for
+        ``retry_s`` while the old listener lets go of the port)."""
         self._require_running("rebind")
         assert self._ctx is not None and self._sock is not None and self._pump is not None
-        if self._inflight:
-            await asyncio.wait(list(self._inflight), timeout=drain_s)
+        give_up = time.monotonic() + drain_s
+        while self._inflight:  # bounded: drain_s. Requests still arrive meanwhile: wait for those too
+            left = give_up - time.monotonic()
+            if left <= 0:
+                break
+            await asyncio.wait(list(self._inflight), timeout=left)
         old, old_pump = self._sock, self._pump
         old_pump.close()
-        old.close(linger=0)
+        old.close(linger=_REBIND_LINGER_MS)
         self._sock = self._pump = None  # until the new one is bound (a failed rebind leaves it stopped)
         give_up = time.monotonic() + retry_s
         try:

@@ -85,7 +85,8 @@ async def sites(tmp_path: Path) -> AsyncIterator[Sites]:
                 await server.start()
                 servers[who] = (server, security)
             published = {servers[w][0].endpoint: pki.curve(w).public for w in (CORE, MID)}
-            client = ZmqClient(security=CurveSecurity(pki.curve(EDGE), keys), server_key_for=published.get)
+            client = ZmqClient(security=CurveSecurity(pki.curve(EDGE), keys),
+                               server_key_for=lambda ep, _lost: published.get(ep))
             async with client:
                 yield Sites(pki, keys, servers, published, client)
         finally:
@@ -134,3 +135,76 @@ async def test_a_peer_that_does_not_come_back_fails_its_requests_with_time_left(
     assert all(isinstance(r, PeerUnavailable) for r in results), results
     # at most redial_ms (and half the 3 s budget), not the deadline: time left to try another site
     assert waited < DEFAULT_HEARTBEAT.redial_ms / 1000.0 + NOISE_S, waited
+
+
+async def test_a_re_keyed_peer_is_redialled_with_its_certificate_key_before_its_live_record_says_so(
+        sites: Sites) -> None:
+    """The edge already holds the peers' re-issued certificates but their live records still publish the old
+    keys (etcd and the view are slower): a connection lost with the old key is re-dialled with the key the
+    certificate binds at the next reconnect, so what was in flight comes back well within the redial wait,
+    with no ``redial`` from a view change and no new key published."""
+    old = dict(sites.published)
+    bound: dict[str, bytes] = {}
+
+    def lookup(endpoint: str, lost: bytes | None) -> bytes | None:  # as edge_agent.peer_keys: published first,
+        keys = [old[endpoint], *([bound[endpoint]] if endpoint in bound else [])]  # then the certificate's
+        return next((k for k in keys if k != lost), keys[0])
+
+    sites.client._server_key_for = lookup  # the fixture's client, with the agent's rule
+    tasks = await _in_flight(sites, 4, attempt_ms=400.0)
+    t0 = time.monotonic()
+    new = await sites.rekey_both()
+    for who in (CORE, MID):
+        bound[sites.endpoint(who)] = new[who]
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    waited = time.monotonic() - t0
+    failed = [r for r in results if isinstance(r, BaseException)]
+    assert not failed, f"{len(failed)} of {len(results)} requests failed: {failed[:3]}"
+    # re-sent over a connection with the new key; a request held past the redial wait would have failed
+    assert waited < DEFAULT_HEARTBEAT.redial_ms / 1000.0, waited
+    assert sites.client.unreachable() == {}
+    assert sites.published == old  # nothing was published: the certificate's key did it
+
+
+async def test_a_client_re_keyed_before_the_servers_poll_is_admitted_at_its_first_handshake(tmp_path: Path) -> None:
+    """The server polls the site certificates only every 60 s here: a peer that took its re-issued key is
+    admitted anyway, because an unknown key makes the ZAP handler read the certificates again."""
+    pki = LocalPki.under(tmp_path)
+    pki.init()
+    for who in (EDGE, CORE):
+        pki.issue(who)
+    server_keys, client_keys = SiteKeys(pki.paths, interval_s=60.0), SiteKeys(pki.paths, interval_s=60.0)
+    server = ZmqServer(slow_echo, security=CurveSecurity(pki.curve(CORE), server_keys))
+    await server.start()
+    try:
+        pki.issue(EDGE)  # the edge re-issued: the server's SiteKeys has not read it
+        assert server_keys.key_of("edge-a") != pki.curve(EDGE).public
+        async with ZmqClient(security=CurveSecurity(pki.curve(EDGE), client_keys),
+                             server_key_for=lambda _ep, _lost: pki.curve(CORE).public) as client:
+            resp = await client.request(server.endpoint, make_req(3.0))
+        assert resp.variant == "edge-a"
+        assert server_keys.key_of("edge-a") == pki.curve(EDGE).public
+    finally:
+        await server.stop()
+
+
+async def test_dropping_idle_sockets_at_a_re_key_keeps_probing_an_unreachable_peer(sites: Sites) -> None:
+    """A site taking its new key drops its idle client sockets so the next ones carry it. A peer marked
+    unreachable has only its probe, idle too: that one must stay, or the mark is never lifted (a request to a
+    marked peer fails at once, unsent)."""
+    mid = sites.endpoint(MID)
+    assert (await sites.client.request(mid, make_req(3.0))).variant == "edge-a"
+    server, security = sites.servers[MID]
+    await server.stop()
+    deadline = time.monotonic() + 5.0
+    while mid not in sites.client.unreachable():  # bounded: 5 s
+        assert time.monotonic() < deadline, "the stopped peer was never marked unreachable"
+        await asyncio.sleep(0.02)
+    sites.client.drop_idle()
+    back = ZmqServer(slow_echo, bind=mid, security=security)
+    await back.start()
+    sites.servers[MID] = (back, security)  # the fixture stops this one
+    while mid in sites.client.unreachable():  # bounded: 5 s
+        assert time.monotonic() < deadline + 5.0, "the probe was dropped: the mark is never lifted"
+        await asyncio.sleep(0.02)
+    assert (await sites.client.request(mid, make_req(3.0))).variant == "edge-a"

@@ -55,7 +55,7 @@ class Mesh:
     def client(self, keys: CurveKeyPair | None) -> ZmqClient:
         if keys is None:
             return ZmqClient()
-        return ZmqClient(security=CurveSecurity(keys, self.keys), server_key_for=lambda _ep: self.server_key)
+        return ZmqClient(security=CurveSecurity(keys, self.keys), server_key_for=lambda _ep, _lost: self.server_key)
 
 
 @pytest.fixture
@@ -103,7 +103,7 @@ async def test_a_curve_key_bound_to_no_certificate_is_refused(mesh: Mesh) -> Non
 
 
 async def test_a_client_without_the_servers_key_does_not_connect(mesh: Mesh) -> None:
-    client = ZmqClient(security=CurveSecurity(mesh.pki.curve(EDGE), mesh.keys), server_key_for=lambda _ep: None)
+    client = ZmqClient(security=CurveSecurity(mesh.pki.curve(EDGE), mesh.keys), server_key_for=lambda _ep, _lost: None)
     async with client:
         with pytest.raises(PeerUnavailable, match="no CURVE key"):
             await client.request(mesh.server.endpoint, make_req())
@@ -178,10 +178,12 @@ async def test_a_server_rebinds_with_its_re_issued_key(mesh: Mesh) -> None:
     mesh.security.keys = new
     await mesh.server.rebind()
     assert mesh.server.endpoint == endpoint
-    client = ZmqClient(security=CurveSecurity(mesh.pki.curve(EDGE), mesh.keys), server_key_for=lambda _ep: new.public)
+    client = ZmqClient(security=CurveSecurity(mesh.pki.curve(EDGE), mesh.keys),
+                       server_key_for=lambda _ep, _lost: new.public)
     async with client:
         assert (await client.request(endpoint, make_req(deadline_s=5.0))).variant == "edge-a"
-    stale = ZmqClient(security=CurveSecurity(mesh.pki.curve(EDGE), mesh.keys), server_key_for=lambda _ep: old.public)
+    stale = ZmqClient(security=CurveSecurity(mesh.pki.curve(EDGE), mesh.keys),
+                      server_key_for=lambda _ep, _lost: old.public)
     async with stale:
         await assert_refused(stale, endpoint)
 
