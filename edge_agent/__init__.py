@@ -2,4 +2,4 @@
 
 from mesh.extras import require
 
-require("agent", "aetcd", "grpc", "zmq", "msgpack", "onnxruntime")
+require("agent", "aetcd", "grpclib", "zmq", "msgpack", "onnxruntime")

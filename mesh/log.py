@@ -66,7 +66,7 @@ def configure(level: str = "INFO", fmt: str = "text") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    for noisy in ("aetcd", "grpc", "asyncio", "aiohttp.access"):
+    for noisy in ("grpclib", "hpack", "asyncio", "aiohttp.access"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 

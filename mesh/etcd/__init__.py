@@ -1,5 +1,6 @@
-"""The one room that talks to etcd (aetcd, and gRPC for its TLS channels); a server role's extra brings them."""
+"""The one room that talks to etcd (gRPC on grpclib, etcd's messages from aetcd's package); a server role's extra
+brings them."""
 
 from mesh.extras import require
 
-require(("agent", "scheduler", "store"), "aetcd", "grpc")
+require(("agent", "scheduler", "store"), "aetcd", "grpclib")

@@ -1,4 +1,5 @@
-"""gRPC channels to the members of an etcd cluster, and which member requests go to now.
+"""Channels to the members of an etcd cluster (gRPC on grpclib, :mod:`mesh.etcd.wire`), and which member
+requests go to now.
 
 Failover is done here rather than by gRPC's own load balancing over a multi-address target
 (``ipv4:a:1,b:2`` with ``pick_first``/``round_robin``) because:
@@ -10,8 +11,8 @@ Failover is done here rather than by gRPC's own load balancing over a multi-addr
 - ``ipv4:``/``ipv6:`` targets take address literals only, while members are named by host names; and
   with TLS each member's certificate is checked against the name used to dial *that* member.
 
-So there is one channel per member, opened lazily and kept open (a dead member's channel reconnects
-in the background, cheaply, with the short back-off below); requests go to the *current* member; a
+So there is one channel per member, opened lazily and kept open (a dead member's channel connects again on
+the next request to it, at once: no back-off to wait out); requests go to the *current* member; a
 request that fails with ``UNAVAILABLE`` or times out moves the store to the next member
 (:meth:`Channels.failover`), once per failure (a generation number stops fifty concurrent requests
 failing on one dead member from moving fifty times). :meth:`Channels.call` then retries the request on
@@ -19,8 +20,8 @@ the next member when that is safe (reads, puts, deletes, lease calls; never a tx
 until the request's timeout is spent; each attempt gets a share of it, so a black-holed member cannot
 eat it all. Watches and keep-alives (streams) fail over too; their owners retry.
 
-TLS: ``grpc.aio.secure_channel`` with ``grpc.ssl_channel_credentials(ca, key, cert)`` and the same stubs
-aetcd's client builds (aetcd 1.0 itself only opens insecure channels).
+TLS: each member's certificate is checked against the CA and the name dialled; the client certificate, where
+given, is presented (:func:`mesh.etcd.wire.client_context`).
 """
 
 from __future__ import annotations
@@ -32,37 +33,22 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import grpc
-from aetcd import rpc
-
 from mesh.errors import StoreError, StoreUnavailable
 from mesh.etcd.endpoints import EtcdEndpoints
+from mesh.etcd.wire import RpcError, Service, StatusCode, WireChannel
 from mesh.log import get_logger, kv
 
-__all__ = ["CHANNEL_OPTIONS", "DOWN_CODES", "FAILOVER_CODES", "RECONNECT_GRACE_S", "Channels", "Member",
+__all__ = ["DOWN_CODES", "FAILOVER_CODES", "RECONNECT_GRACE_S", "Channels", "Member",
            "StorePermissionDenied", "not_sent", "rpc_errors", "tls_hint", "translate"]
 
 log = get_logger("mesh.etcd")
 T = TypeVar("T")
 
-# gRPC reconnects with exponential back-off up to 120 s by default: far too slow to notice that a
-# restarted etcd is back. Keepalive finds streams whose TCP connection died silently; etcd refuses
-# pings more often than every 5 s.
-CHANNEL_OPTIONS: dict[str, Any] = {
-    "grpc.initial_reconnect_backoff_ms": 100,
-    "grpc.min_reconnect_backoff_ms": 100,
-    "grpc.max_reconnect_backoff_ms": 1000,
-    "grpc.keepalive_time_ms": 10_000,
-    "grpc.keepalive_timeout_ms": 5_000,
-    "grpc.keepalive_permit_without_calls": 1,
-    "grpc.max_receive_message_length": 16 * 1024 * 1024,
-}
-
 # how long a request to a single member that could not connect is tried again
 RECONNECT_GRACE_S = 1.5
-DOWN_CODES = {rpc.StatusCode.UNAVAILABLE, rpc.StatusCode.DEADLINE_EXCEEDED, rpc.StatusCode.CANCELLED}
+DOWN_CODES = {StatusCode.UNAVAILABLE, StatusCode.DEADLINE_EXCEEDED, StatusCode.CANCELLED}
 # a member that answers these is dead, unreachable, or has no leader: try the next one
-FAILOVER_CODES = {rpc.StatusCode.UNAVAILABLE, rpc.StatusCode.DEADLINE_EXCEEDED}
+FAILOVER_CODES = {StatusCode.UNAVAILABLE, StatusCode.DEADLINE_EXCEEDED}
 
 
 class StorePermissionDenied(StoreError):
@@ -73,8 +59,8 @@ class StorePermissionDenied(StoreError):
 def translate(exc: BaseException, what: str) -> StoreError:
     """A gRPC failure as the store's error (``StoreUnavailable`` when etcd looks down,
     ``StorePermissionDenied`` when RBAC refused it)."""
-    if isinstance(exc, rpc.AioRpcError):
-        if exc.code() == rpc.StatusCode.PERMISSION_DENIED:
+    if isinstance(exc, RpcError):
+        if exc.code() == StatusCode.PERMISSION_DENIED:
             return StorePermissionDenied(f"{what}: permission denied by etcd RBAC ({exc.details()}): the client "
                                          f"certificate's identity may not do this")
         cls = StoreUnavailable if exc.code() in DOWN_CODES else StoreError
@@ -84,15 +70,15 @@ def translate(exc: BaseException, what: str) -> StoreError:
     return StoreError(f"{what}: {exc!r}")
 
 
-def not_sent(exc: rpc.AioRpcError) -> bool:
+def not_sent(exc: RpcError) -> bool:
     """The request never reached a member (no connection), so even a txn may be sent again."""
-    return exc.code() == rpc.StatusCode.UNAVAILABLE and "failed to connect" in (exc.details() or "").lower()
+    return exc.code() == StatusCode.UNAVAILABLE and "failed to connect" in (exc.details() or "").lower()
 
 
 def tls_hint(details: str, endpoints: EtcdEndpoints) -> str:
     low = details.lower()
     tlsish = any(w in low for w in ("ssl", "tls", "handshake", "certificate", "socket closed",
-                                    "connection reset", "end of tcp stream"))
+                                    "connection reset", "end of tcp stream", "connection lost"))
     if endpoints.tls is None and tlsish:
         return " (TLS? the member may require https:// with --etcd-ca and a client certificate)"
     if endpoints.tls is not None and tlsish:
@@ -106,16 +92,16 @@ def tls_hint(details: str, endpoints: EtcdEndpoints) -> str:
 def rpc_errors(what: str) -> Iterator[None]:
     try:
         yield
-    except (rpc.AioRpcError, TimeoutError) as exc:
+    except (RpcError, TimeoutError) as exc:
         raise translate(exc, what) from exc
 
 
 @dataclass(slots=True)
 class Member:
-    """One member's channel and the stubs built on it (as ``aetcd.Client.connect`` builds them)."""
+    """One member's channel and its services."""
 
     target: str
-    channel: Any
+    channel: WireChannel
     kv: Any
     lease: Any
     watch: Any
@@ -141,16 +127,9 @@ class Channels:
         return self.endpoints.targets[self._index]
 
     def _open(self, target: str) -> Member:
-        options = list(CHANNEL_OPTIONS.items())
-        tls = self.endpoints.tls
-        if tls is None:
-            channel = rpc.insecure_channel(target, options=options)
-        else:
-            creds = grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=tls.key,
-                                                 certificate_chain=tls.cert)
-            channel = rpc.secure_channel(target, creds, options=options)
-        return Member(target, channel, rpc.KVStub(channel), rpc.LeaseStub(channel), rpc.WatchStub(channel),
-                      rpc.MaintenanceStub(channel), rpc.AuthStub(channel))
+        channel = WireChannel(target, self.endpoints.tls)
+        return Member(target, channel, Service(channel, "KV"), Service(channel, "Lease"), Service(channel, "Watch"),
+                      Service(channel, "Maintenance"), Service(channel, "Auth"))
 
     def current(self) -> tuple[int, Member]:
         """(generation, member) to send the next request to."""
@@ -178,7 +157,7 @@ class Channels:
 
     def failed(self, generation: int, exc: BaseException) -> None:
         """A request to the member of ``generation`` failed: move on if the member looks down."""
-        if isinstance(exc, rpc.AioRpcError) and exc.code() in FAILOVER_CODES:
+        if isinstance(exc, RpcError) and exc.code() in FAILOVER_CODES:
             self.failover(generation, f"{exc.code().name}: {exc.details()}")
         elif isinstance(exc, TimeoutError):
             self.failover(generation, "timed out")
@@ -201,12 +180,12 @@ class Channels:
             remaining = deadline - time.monotonic()
             try:
                 return await call(member, max(min(attempt_s, remaining), 0.05))
-            except rpc.AioRpcError as exc:
+            except RpcError as exc:
                 self.failed(generation, exc)
                 tries += 1
                 now = time.monotonic()
-                # one member: only a request that never left, briefly (gRPC's reconnect back-off is
-                # at most 1 s), so a restarted etcd is waited for but a dead one is reported soon
+                # one member: only a request that never left, and only briefly, so a restarted etcd is
+                # waited for but a dead one is reported soon
                 may_retry = n > 1 or (not_sent(exc) and now - started < RECONNECT_GRACE_S)
                 again = (may_retry and exc.code() in FAILOVER_CODES and (idempotent or not_sent(exc))
                          and deadline - now > 0.1)
@@ -219,4 +198,6 @@ class Channels:
         self.closed = True
         members, self._members = self._members, {}
         for m in members.values():
-            await m.channel.close()
+            m.channel.close()
+        if members:
+            await asyncio.sleep(0)  # a loop turn for the transports to let go of their sockets

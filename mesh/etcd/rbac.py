@@ -26,9 +26,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from aetcd import rpc
-from aetcd import utils as aetcd_utils
-
 from mesh.errors import ConfigError, StoreError
 from mesh.etcd.keys import (
     CATALOG,
@@ -42,6 +39,7 @@ from mesh.etcd.keys import (
     live_key,
 )
 from mesh.etcd.store import Store
+from mesh.etcd.wire import prefix_end, rpc
 from mesh.pki.identity import Identity
 
 __all__ = ["ROOT_ROLE", "ROOT_USER", "Grant", "RbacPlan", "apply", "plan"]
@@ -64,7 +62,7 @@ class Grant:
 
     def permission(self) -> Any:
         k = self.key.encode()
-        end = bytes(aetcd_utils.prefix_range_end(k)) if self.prefix else b""
+        end = prefix_end(k) if self.prefix else b""
         return rpc.Permission(permType=_PERM[self.access], key=k, range_end=end)
 
 

@@ -1,9 +1,9 @@
-"""The one wrapper over etcd. Nothing else in tiermesh imports ``aetcd``.
+"""The one wrapper over etcd. Nothing else in tiermesh talks to it.
 
 Keys given to a :class:`Store` are relative to its prefix (default ``/tiermesh/``); values are JSON.
-aetcd only provides the gRPC channel and generated stubs here: requests are built on the stubs
-directly because aetcd drops the response header (so the revision) of txns, and its watcher does
-not survive an etcd restart (its stream task cannot be restarted once it failed).
+Requests are etcd's gRPC API, built here on its messages and sent over :mod:`mesh.etcd.wire` (gRPC on
+grpclib): every response header (so the revision) is kept, and a watch stream that failed is simply opened
+again.
 
 Leases (:mod:`mesh.etcd.lease`) and watches (:mod:`mesh.etcd.watch`) keep their own state and logic in
 their modules but reach etcd only through the store; their classes are re-exported here. Leader
@@ -30,19 +30,17 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
-
-from aetcd import rpc
-from aetcd import utils as aetcd_utils
 
 from mesh.errors import ConflictError, StoreError, StoreUnavailable
 from mesh.etcd.channels import Channels, Member, StorePermissionDenied, rpc_errors, tls_hint, translate
 from mesh.etcd.endpoints import EtcdEndpoints, parse_endpoints
 from mesh.etcd.lease import Lease
 from mesh.etcd.watch import Compacted, KeyRange, Watch, WatchEvent
+from mesh.etcd.wire import RpcError, StatusCode, prefix_end, rpc
 from mesh.lifecycle import Service, State
 from mesh.log import get_logger
 
@@ -68,8 +66,8 @@ T = TypeVar("T")
 # a member cut off from the quorum cannot hold a watch silent
 _WATCH_MD = (("hasleader", "true"),)
 # what connecting retries (a member restarting, or electing a leader); anything else fails at once
-_RETRY_CONNECT = frozenset({rpc.StatusCode.UNAVAILABLE, rpc.StatusCode.DEADLINE_EXCEEDED,
-                            rpc.StatusCode.UNKNOWN})  # etcd: "context deadline exceeded" mid-election
+_RETRY_CONNECT = frozenset({StatusCode.UNAVAILABLE, StatusCode.DEADLINE_EXCEEDED,
+                            StatusCode.UNKNOWN})  # etcd: "context deadline exceeded" mid-election
 # etcd's --max-txn-ops default: a txn with more operations in a branch is refused outright
 MAX_TXN_OPS = 128
 _OPS = {"==": rpc.Compare.EQUAL, "!=": rpc.Compare.NOT_EQUAL, "<": rpc.Compare.LESS, ">": rpc.Compare.GREATER}
@@ -162,7 +160,7 @@ def chunk_ops(ops: Sequence[Op], max_ops: int = MAX_TXN_OPS, max_bytes: int = 1 
 
 
 def _range_end(prefix: bytes) -> bytes:
-    return bytes(aetcd_utils.prefix_range_end(prefix))
+    return prefix_end(prefix)
 
 
 class Store(Service):
@@ -212,8 +210,8 @@ class Store(Service):
                 try:
                     await asyncio.wait_for(self._revision_once(wait), wait + 0.5)
                     return
-                except rpc.AioRpcError as exc:
-                    if exc.code() == rpc.StatusCode.PERMISSION_DENIED:
+                except RpcError as exc:
+                    if exc.code() == StatusCode.PERMISSION_DENIED:
                         raise translate(exc, f"connect [{target}]") from exc
                     details = f"{exc.code().name}: {exc.details()}"
                     errors[target] = f"{details}{tls_hint(details, self.endpoints)}"
@@ -375,7 +373,7 @@ class Store(Service):
             await self._unary("lease revoke", lambda m, t: m.lease.LeaseRevoke(req, timeout=t))
         except StoreError as exc:
             cause = exc.__cause__
-            if isinstance(cause, rpc.AioRpcError) and cause.code() == rpc.StatusCode.NOT_FOUND:
+            if isinstance(cause, RpcError) and cause.code() == StatusCode.NOT_FOUND:
                 return False
             raise
         return True
@@ -386,16 +384,13 @@ class Store(Service):
         generation, member = self._member()
         try:
             with rpc_errors(f"lease keep-alive [{member.target}]"):
-                call = member.lease.LeaseKeepAlive(iter([req]), timeout=timeout)
-                try:
-                    async for reply in call:
-                        return int(reply.TTL)
-                finally:
-                    call.cancel()
+                async with member.lease.LeaseKeepAlive.open(timeout=timeout) as call:
+                    await call.send(req)
+                    reply = await call.recv()
         except StoreError as exc:
             self._failed(generation, exc.__cause__ or exc)
             raise
-        return 0
+        return 0 if reply is None else int(reply.TTL)
 
     # -- watches --------------------------------------------------------------------------------
     def watch_prefix(self, prefix: str, *, start_revision: int | None = None) -> Watch:
@@ -426,38 +421,35 @@ class Store(Service):
             key, end = self._range_keys(r)
             creates.append(rpc.WatchCreateRequest(key=key, range_end=end, start_revision=start,
                                                   progress_notify=True, watch_id=i + 1))
-        forever = asyncio.Event()
         what = f"watch {ranges[0]}" + (f" (+{len(ranges) - 1} ranges)" if len(ranges) > 1 else "")
-
-        async def requests() -> AsyncIterator[Any]:
-            for create in creates:
-                yield rpc.WatchRequest(create_request=create)
-            await forever.wait()  # keep our half of the stream open
-
         generation, member = self._member()
-        call = member.watch.Watch(requests(), metadata=_WATCH_MD)
         try:
             with rpc_errors(f"{what} [{member.target}]"):
-                async for resp in call:
-                    if resp.compact_revision:
-                        raise Compacted(int(resp.compact_revision))
-                    if resp.canceled:
-                        raise StoreError(f"watch canceled by etcd: {resp.cancel_reason}")
-                    i = int(resp.watch_id) - 1
-                    if not 0 <= i < len(ranges):
-                        continue  # not one of ours (cannot happen with explicit ids; never index by it)
-                    events: list[WatchEvent] = []
-                    for ev in resp.events:
-                        kind: Literal["put", "delete"] = "delete" if ev.type == rpc.Event.DELETE else "put"
-                        value = _decode(ev.kv.value) if kind == "put" else None
-                        events.append(WatchEvent(kind, self._rel(ev.kv.key), value, int(ev.kv.mod_revision),
-                                                 len(ev.kv.key) + len(ev.kv.value)))
-                    yield i, events, bool(resp.created), int(resp.header.revision)
+                # our half of the stream stays open (no end): etcd ends it only when we reset it
+                async with member.watch.Watch.open(metadata=_WATCH_MD) as call:
+                    for create in creates:
+                        await call.send(rpc.WatchRequest(create_request=create))
+                    async for resp in call:
+                        if resp.compact_revision:
+                            raise Compacted(int(resp.compact_revision))
+                        if resp.canceled:
+                            raise StoreError(f"watch canceled by etcd: {resp.cancel_reason}")
+                        i = int(resp.watch_id) - 1
+                        if not 0 <= i < len(ranges):
+                            continue  # not one of ours (cannot happen with explicit ids; never index by it)
+                        yield i, self._events(resp.events), bool(resp.created), int(resp.header.revision)
         except StoreError as exc:
             self._failed(generation, exc.__cause__ or exc)  # the next stream goes to the next member
             raise
-        finally:
-            call.cancel()
+
+    def _events(self, raw: Any) -> list[WatchEvent]:
+        events: list[WatchEvent] = []
+        for ev in raw:
+            kind: Literal["put", "delete"] = "delete" if ev.type == rpc.Event.DELETE else "put"
+            value = _decode(ev.kv.value) if kind == "put" else None
+            events.append(WatchEvent(kind, self._rel(ev.kv.key), value, int(ev.kv.mod_revision),
+                                     len(ev.kv.key) + len(ev.kv.value)))
+        return events
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def close(self) -> None:

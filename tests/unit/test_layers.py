@@ -55,7 +55,7 @@ def test_the_contracts_hold_on_this_tree(tmp_path: Path, lint_available: None) -
     ("topology/schema.py", "import variant_store.meta", "Layers"),
     ("edge_agent/agent.py", "import tiermesh.harness", "Layers"),
     ("mesh/client.py", "import mesh.etcd.store", "Inside mesh"),
-    ("core_scheduler/state/view.py", "import aetcd", "Only mesh.etcd"),
+    ("core_scheduler/state/view.py", "import grpclib", "Only mesh.etcd"),
     ("edge_agent/site_dataplane.py", "import zmq", "Only mesh.zmq"),
     ("mesh/pki/curve.py", "import zmq", "Only mesh.zmq"),  # CURVE keys are made without pyzmq
     ("console/app.py", "import edge_agent.mtls", "Layers"),  # the console stands beside the agent, not on it
@@ -79,14 +79,15 @@ def test_importing_the_sdk_loads_no_server_code() -> None:
                          check=True)
     loaded = set(res.stdout.split())
     assert "mesh.client" in loaded
-    for banned in ("mesh.etcd", "mesh.zmq", "aetcd", "zmq", "grpc", "core_scheduler", "edge_agent", "tiermesh",
-                   "topology", "variant_store", "onnxruntime", "scipy", "sklearn", "pydantic"):
+    for banned in ("mesh.etcd", "mesh.zmq", "aetcd", "zmq", "grpc", "grpclib", "core_scheduler", "edge_agent",
+                   "tiermesh", "topology", "variant_store", "onnxruntime", "scipy", "sklearn", "pydantic"):
         assert not any(m == banned or m.startswith(banned + ".") for m in loaded), banned
 
 
 def test_an_idle_agent_loads_no_heavy_library() -> None:
     # an edge agent with nothing placed is a small process (bench/footprint.py): ONNX Runtime comes with the first
-    # variant it loads, cryptography with credentials (CURVE, mutual TLS), never with the import
+    # variant it loads, cryptography with credentials (CURVE, mutual TLS), never with the import; etcd is spoken
+    # through grpclib, never grpcio's C core (mesh/etcd/wire.py), nor aetcd's client
     probe = ("import sys, tiermesh.cli.agent, edge_agent.agent; "
              "print(' '.join(sorted(m for m in sys.modules)))")
     res = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60,
@@ -94,5 +95,5 @@ def test_an_idle_agent_loads_no_heavy_library() -> None:
     loaded = set(res.stdout.split())
     assert "edge_agent.agent" in loaded
     for banned in ("onnxruntime", "ai_edge_litert", "tokenizers", "scipy", "sklearn", "networkx", "onnx",
-                   "cryptography", "pydantic", "pydantic_settings", "ruamel", "rich"):
+                   "cryptography", "pydantic", "pydantic_settings", "ruamel", "rich", "grpc", "aetcd"):
         assert not any(m == banned or m.startswith(banned + ".") for m in loaded), banned

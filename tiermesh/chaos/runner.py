@@ -290,8 +290,8 @@ def _leaks(children_before: set[int], sockets_before: set[str], ports: set[tuple
     listening = sorted(p for p in ports if _listening(*p))
     if listening:
         leaks.append(f"still listening: {listening}")
-    # anonymous unix sockets are left out: grpc's asyncio engine keeps a socket pair for its poller for as
-    # long as the engine lives (process-wide, not per channel); both ends are ours, nothing reaches out
+    # anonymous unix sockets are left out: the event loop's self-pipe and the like are socket pairs that live
+    # as long as the process; both ends are ours, nothing reaches out
     extra = [d for d in _describe_sockets(_sockets() - sockets_before) if d.strip() != "unix"]
     if extra:
         leaks.append(f"sockets opened by the run and still open: {extra}")
