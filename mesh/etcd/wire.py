@@ -256,9 +256,3 @@ class WireChannel:
 
     def close(self) -> None:
         self.h2.close()
-
-
-async def close_quietly(channel: WireChannel) -> None:
-    """Close ``channel`` and give its transport a loop turn to let go of the socket."""
-    channel.close()
-    await asyncio.sleep(0)
