@@ -159,10 +159,6 @@ def chunk_ops(ops: Sequence[Op], max_ops: int = MAX_TXN_OPS, max_bytes: int = 1 
     return out
 
 
-def _range_end(prefix: bytes) -> bytes:
-    return prefix_end(prefix)
-
-
 class Store(Service):
     """A connection to an etcd cluster under one key prefix. Create with ``await Store.connect(urls)``."""
 
@@ -257,14 +253,14 @@ class Store(Service):
         return await self._unary(what, call, idempotent=idempotent)
 
     async def _revision_once(self, timeout: float) -> int:  # noqa: ASYNC109
-        req = rpc.RangeRequest(key=self._bprefix, range_end=_range_end(self._bprefix), count_only=True)
+        req = rpc.RangeRequest(key=self._bprefix, range_end=prefix_end(self._bprefix), count_only=True)
         _, member = self._member()
         resp = await member.kv.Range(req, timeout=timeout)
         return int(resp.header.revision)
 
     async def _range(self, prefix: str) -> tuple[list[KV], int]:
         k = self._k(prefix)
-        req = rpc.RangeRequest(key=k, range_end=_range_end(k), sort_order=rpc.RangeRequest.ASCEND,
+        req = rpc.RangeRequest(key=k, range_end=prefix_end(k), sort_order=rpc.RangeRequest.ASCEND,
                                sort_target=rpc.RangeRequest.KEY)
         resp = await self._unary(f"get_prefix {prefix!r}", lambda m, t: m.kv.Range(req, timeout=t))
         return [self._kv(x) for x in resp.kvs], resp.header.revision
@@ -301,11 +297,11 @@ class Store(Service):
 
     async def delete_prefix(self, prefix: str) -> int:
         k = self._k(prefix)
-        return await self._delete(k, _range_end(k), f"delete_prefix {prefix!r}")
+        return await self._delete(k, prefix_end(k), f"delete_prefix {prefix!r}")
 
     async def revision(self) -> int:
         """The current revision of the whole etcd key space."""
-        req = rpc.RangeRequest(key=self._bprefix, range_end=_range_end(self._bprefix), count_only=True)
+        req = rpc.RangeRequest(key=self._bprefix, range_end=prefix_end(self._bprefix), count_only=True)
         resp = await self._unary("revision", lambda m, t: m.kv.Range(req, timeout=t))
         return int(resp.header.revision)
 
@@ -407,7 +403,7 @@ class Store(Service):
     def _range_keys(self, r: KeyRange) -> tuple[bytes, bytes]:
         k = self._k(r.start)
         if r.prefix:
-            return k, _range_end(k)
+            return k, prefix_end(k)
         return k, (self._k(r.end) if r.end is not None else b"")
 
     async def _watch_stream(self, ranges: Sequence[KeyRange], start_revisions: Sequence[int],
