@@ -2,4 +2,4 @@
 
 from mesh.extras import require
 
-require("agent", "aetcd", "grpclib", "zmq", "msgpack", "onnxruntime")
+require("agent", "grpclib", "zmq", "msgpack", "onnxruntime")

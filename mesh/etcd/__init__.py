@@ -1,6 +1,6 @@
-"""The one room that talks to etcd (gRPC on grpclib, etcd's messages from aetcd's package); a server role's extra
-brings them."""
+"""The one room that talks to etcd (gRPC on grpclib; etcd's messages are its own, mesh.etcd.messages); a server
+role's extra brings grpclib."""
 
 from mesh.extras import require
 
-require(("agent", "scheduler", "store"), "aetcd", "grpclib")
+require(("agent", "scheduler", "store"), "grpclib")

@@ -105,7 +105,6 @@ class Member:
     kv: Any
     lease: Any
     watch: Any
-    maintenance: Any
     auth: Any
 
 
@@ -129,7 +128,7 @@ class Channels:
     def _open(self, target: str) -> Member:
         channel = WireChannel(target, self.endpoints.tls)
         return Member(target, channel, Service(channel, "KV"), Service(channel, "Lease"), Service(channel, "Watch"),
-                      Service(channel, "Maintenance"), Service(channel, "Auth"))
+                      Service(channel, "Auth"))
 
     def current(self) -> tuple[int, Member]:
         """(generation, member) to send the next request to."""

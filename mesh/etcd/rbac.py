@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from mesh.errors import ConfigError, StoreError
+from mesh.etcd import messages as rpc
 from mesh.etcd.keys import (
     CATALOG,
     ELECTION_SCHEDULER,
@@ -39,7 +40,7 @@ from mesh.etcd.keys import (
     live_key,
 )
 from mesh.etcd.store import Store
-from mesh.etcd.wire import prefix_end, rpc
+from mesh.etcd.wire import prefix_end
 from mesh.pki.identity import Identity
 
 __all__ = ["ROOT_ROLE", "ROOT_USER", "Grant", "RbacPlan", "apply", "plan"]

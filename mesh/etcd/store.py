@@ -36,11 +36,12 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from mesh.errors import ConflictError, StoreError, StoreUnavailable
+from mesh.etcd import messages as rpc
 from mesh.etcd.channels import Channels, Member, StorePermissionDenied, rpc_errors, tls_hint, translate
 from mesh.etcd.endpoints import EtcdEndpoints, parse_endpoints
 from mesh.etcd.lease import Lease
 from mesh.etcd.watch import Compacted, KeyRange, Watch, WatchEvent
-from mesh.etcd.wire import RpcError, StatusCode, prefix_end, rpc
+from mesh.etcd.wire import RpcError, StatusCode, prefix_end
 from mesh.lifecycle import Service, State
 from mesh.log import get_logger
 

@@ -2,11 +2,10 @@
 
 Why not grpcio: its C core was the largest thing an idle edge agent held (about 11 MiB of its pages resident,
 14 MiB with aetcd's client), for a handful of unary calls and two streams. grpclib is gRPC over the ``h2``
-state machine on asyncio, in Python: about 2 MiB, messages included.
+state machine on asyncio, in Python: about 2.5 MiB.
 
-The messages are etcd's protos as aetcd generated them (``rpc_pb2``, ``kv_pb2``, ``auth_pb2``), loaded from
-its package under this module's name without importing aetcd itself (whose client imports grpcio). ``rpc``
-holds them all by name: ``rpc.RangeRequest``, ``rpc.Compare.EQUAL``, ``rpc.Event.DELETE``.
+The messages are :mod:`mesh.etcd.messages` (etcd's, in protobuf's wire format, without the protobuf runtime),
+which callers import as ``rpc``: ``rpc.RangeRequest``, ``rpc.Compare.EQUAL``, ``rpc.Event.DELETE``.
 
 Calls. ``Member.kv.Range(req, timeout=s)`` and the like are unary calls named as in etcd's services;
 ``Member.watch.Watch.open(metadata=...)`` and ``Member.lease.LeaseKeepAlive.open(timeout=s)`` are streams,
@@ -23,11 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
-import importlib.util
 import os
 import ssl
-import sys
 import tempfile
 import types
 from collections.abc import AsyncIterator, Iterator
@@ -38,12 +34,14 @@ from grpclib.client import Channel as H2Channel
 from grpclib.client import Stream
 from grpclib.config import Configuration
 from grpclib.const import Cardinality, Status
+from grpclib.encoding.proto import ProtoCodec
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 from h2.exceptions import H2Error
 
+from mesh.etcd import messages as rpc
 from mesh.etcd.endpoints import TLSFiles
 
-__all__ = ["RpcError", "Service", "StatusCode", "StreamCall", "WireChannel", "client_context", "prefix_end", "rpc"]
+__all__ = ["RpcError", "Service", "StatusCode", "StreamCall", "WireChannel", "client_context", "prefix_end"]
 
 StatusCode = Status
 CONNECT_TIMEOUT_S = 3.0  # a stream's connect to a member that does not answer (see StreamCall)
@@ -54,24 +52,6 @@ _CONFIG = Configuration(_keepalive_time=10.0, _keepalive_timeout=5.0, _keepalive
                         _http2_max_pings_without_data=0)
 
 
-def _load_messages() -> types.SimpleNamespace:
-    spec = importlib.util.find_spec("aetcd")  # finds the package without running its __init__ (grpcio)
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("etcd's messages come from the aetcd package: install tiermesh's agent, scheduler "
-                          "or store extra")
-    name = f"{__name__}_pb"
-    pkg = sys.modules.get(name)
-    if pkg is None:
-        pkg = types.ModuleType(name)
-        pkg.__path__ = [str(Path(next(iter(spec.submodule_search_locations))) / "rpc")]
-        sys.modules[name] = pkg
-    mods = [importlib.import_module(f"{name}.{m}") for m in ("auth_pb2", "kv_pb2", "rpc_pb2")]
-    names = {n: getattr(m, n) for m in mods for n in dir(m) if not n.startswith("_")}
-    names["DESCRIPTOR"] = mods[-1].DESCRIPTOR
-    return types.SimpleNamespace(**names)
-
-
-rpc = _load_messages()
 
 
 def prefix_end(prefix: bytes) -> bytes:
@@ -228,18 +208,18 @@ class StreamCall:
 
 
 class Service:
-    """A service's methods by name (``KV``, ``Lease``, ``Watch``, ``Maintenance``, ``Auth``), from the descriptor."""
+    """A service's methods by name (``KV``, ``Lease``, ``Watch``, ``Auth``), from ``rpc.SERVICES``."""
 
     def __init__(self, channel: WireChannel, name: str) -> None:
-        self._channel, self._desc = channel, rpc.DESCRIPTOR.services_by_name[name]
+        self._channel, self._name, self._methods = channel, name, rpc.SERVICES[name]
 
     def __getattr__(self, name: str) -> Any:
-        m = self._desc.methods_by_name.get(name)
+        m = self._methods.get(name)
         if m is None:
-            raise AttributeError(f"etcd service {self._desc.name} has no method {name}")
-        path = f"/{self._desc.full_name}/{m.name}"
-        req, reply = getattr(rpc, m.input_type.name), getattr(rpc, m.output_type.name)
-        method: Any = (StreamMethod(self._channel, path, req, reply) if m.client_streaming or m.server_streaming
+            raise AttributeError(f"etcd service {self._name} has no method {name}")
+        path = f"/{rpc.PACKAGE}.{self._name}/{name}"
+        (req, reply), streaming = map(rpc.message_class, m[:2]), m[2]
+        method: Any = (StreamMethod(self._channel, path, req, reply) if streaming
                        else UnaryCall(self._channel, path, reply))
         setattr(self, name, method)
         return method
@@ -252,7 +232,7 @@ class WireChannel:
         self.target = target
         host, _, port = target.rpartition(":")
         self.h2 = H2Channel(host.strip("[]"), int(port), ssl=client_context(tls) if tls is not None else None,
-                            config=_CONFIG)
+                            config=_CONFIG, codec=ProtoCodec())
 
     def close(self) -> None:
         self.h2.close()

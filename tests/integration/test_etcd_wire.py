@@ -9,9 +9,10 @@ import socket
 
 import pytest
 
+from mesh.etcd import messages as rpc
 from mesh.etcd.channels import not_sent
 from mesh.etcd.server import EmbeddedEtcd
-from mesh.etcd.wire import RpcError, Service, StatusCode, WireChannel, prefix_end, rpc
+from mesh.etcd.wire import RpcError, Service, StatusCode, WireChannel, prefix_end
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 
+from mesh.etcd import messages as rpc
 from mesh.etcd.channels import not_sent
-from mesh.etcd.wire import RpcError, StatusCode, _errors, prefix_end, rpc
+from mesh.etcd.wire import RpcError, StatusCode, _errors, prefix_end
 
 pytestmark = pytest.mark.unit
 
@@ -21,10 +22,11 @@ def test_prefix_end_is_etcds_rule() -> None:
 
 
 def test_the_messages_are_etcds() -> None:
+    # the full check against etcd's protos is tests/unit/test_etcd_messages.py
     req = rpc.RangeRequest(key=b"k", range_end=b"l", sort_order=rpc.RangeRequest.ASCEND)
     assert rpc.RangeRequest.FromString(req.SerializeToString()).key == b"k"
     assert rpc.Compare.EQUAL != rpc.Compare.GREATER and rpc.Event.DELETE != rpc.Event.PUT
-    assert {"KV", "Lease", "Watch", "Auth", "Maintenance"} <= set(rpc.DESCRIPTOR.services_by_name)
+    assert {"KV", "Lease", "Watch", "Auth"} <= set(rpc.SERVICES)
 
 
 @pytest.mark.parametrize(("exc", "code"), [

