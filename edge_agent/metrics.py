@@ -1,10 +1,10 @@
 """An agent's Prometheus metrics: what its door answered, what it served, and its state at scrape time.
 
 Cheap on the query path: a query adds to plain Python counters and histogram buckets keyed by a label
-tuple (a dict lookup and an add, all on the event loop's thread), and they are turned into Prometheus
-families only when ``/metrics`` is scraped (:meth:`AgentMetrics.collect`; each agent has its own
-``CollectorRegistry``, so several agents can share a process). Gauges (loaded variants, memory, queues,
-peers, etcd) are read from the agent at scrape time, not kept up to date per query.
+tuple (a dict lookup and an add, all on the event loop's thread), and they are written as Prometheus text
+only when ``/metrics`` is scraped (:meth:`AgentMetrics.render`, with :mod:`edge_agent.exposition`; each agent
+has its own, so several agents can share a process). Gauges (loaded variants, memory, queues, peers, etcd) are
+read from the agent at scrape time, not kept up to date per query.
 
 Counted once per query, at the door that received it (HTTP, SDK, a ZeroMQ caller):
 ``tiermesh_requests_total{task,tenant,site,variant,outcome,reason}`` (outcome ``ok`` or the error code;
@@ -24,19 +24,15 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.registry import Collector
-
 from core_scheduler.policy.routing import REASONS
 from edge_agent.demand import slo_class
+from edge_agent.exposition import counter, escape, gauge, histogram
 from mesh.cache import BoundedCache
 from mesh.errors import MeshError
 from mesh.types import SLO, InferResponse
 
-__all__ = ["CONTENT_TYPE", "OTHER", "AgentMetrics", "Gauges", "error_codes"]
+__all__ = ["OTHER", "AgentMetrics", "Gauges", "error_codes"]
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 OTHER = "other"
 LATENCY_BOUNDS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0, 10.0)
 BATCH_BOUNDS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0)
@@ -103,11 +99,9 @@ class Gauges:
     inflight: int = 0
 
 
-class AgentMetrics(Collector):
+class AgentMetrics:
     def __init__(self, site: str) -> None:
         self.site = site
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(self)
         self.gauges: Callable[[], Gauges] = Gauges
         self.tasks: frozenset[str] = frozenset()
         self.tenants: frozenset[str] = frozenset({"public"})
@@ -223,33 +217,27 @@ class AgentMetrics(Collector):
         self.forwards[dest] = self.forwards.get(dest, 0) + 1
 
     # -- scrape --------------------------------------------------------------------------------
-    def collect(self) -> Iterator[Metric]:
+    def render(self) -> bytes:
+        """The Prometheus text exposition: tiermesh's families, then Triton's, as Triton writes them."""
+        return "".join((*self._families(), *self._gauges(), self._triton_text())).encode()
+
+    def _families(self) -> Iterator[str]:
         site = self.site
-        fam = CounterMetricFamily("tiermesh_requests", "Queries answered at this door, by outcome and routing reason",
-                                  labels=["task", "tenant", "site", "variant", "outcome", "reason"])
-        for (task, tenant, variant, outcome, reason), n in sorted(self.requests.items()):
-            fam.add_metric([task, tenant, site, variant, outcome, reason], n)
-        yield fam
-        fam = CounterMetricFamily("tiermesh_slo", "Queries answered at this door within their SLO (met) or not",
-                                  labels=["tenant", "slo_class", "result"])
-        for key, n in sorted(self.slo.items()):
-            fam.add_metric(list(key), n)
-        yield fam
-        hist = HistogramMetricFamily("tiermesh_request_latency_seconds",
-                                     "Latency of queries answered at this door, by component",
-                                     labels=["task", "component"])
-        for (task, comp), h in sorted(self.latency.items()):
-            hist.add_metric([task, comp], h.buckets(), h.sum)
-        yield hist
-        fam = CounterMetricFamily("tiermesh_served", "Queries run at this site (role: local or forwarded here)",
-                                  labels=["task", "tenant", "site", "variant", "role"])
-        for (task, tenant, variant, role), n in sorted(self.served.items()):
-            fam.add_metric([task, tenant, site, variant, role], n)
-        yield fam
-        hist = HistogramMetricFamily("tiermesh_batch_size", "Rows per executed batch", labels=["variant"])
-        for variant, h in sorted(self.batch.items()):
-            hist.add_metric([variant], h.buckets(), h.sum)
-        yield hist
+        yield counter("tiermesh_requests", "Queries answered at this door, by outcome and routing reason",
+                      ("task", "tenant", "site", "variant", "outcome", "reason"),
+                      (((task, tenant, site, variant, outcome, reason), n)
+                       for (task, tenant, variant, outcome, reason), n in sorted(self.requests.items())))
+        yield counter("tiermesh_slo", "Queries answered at this door within their SLO (met) or not",
+                      ("tenant", "slo_class", "result"), sorted(self.slo.items()))
+        yield histogram("tiermesh_request_latency_seconds", "Latency of queries answered at this door, by component",
+                        ("task", "component"),
+                        ((key, h.buckets(), h.sum) for key, h in sorted(self.latency.items())))
+        yield counter("tiermesh_served", "Queries run at this site (role: local or forwarded here)",
+                      ("task", "tenant", "site", "variant", "role"),
+                      (((task, tenant, site, variant, role), n)
+                       for (task, tenant, variant, role), n in sorted(self.served.items())))
+        yield histogram("tiermesh_batch_size", "Rows per executed batch", ("variant",),
+                        (((variant,), h.buckets(), h.sum) for variant, h in sorted(self.batch.items())))
         for name, doc, counts, label in (
                 ("tiermesh_cold_starts", "Variant loads a query waited for", self.cold_starts, "variant"),
                 ("tiermesh_prewarms", "Variant loads placement asked for ahead of demand", self.prewarms, "variant"),
@@ -257,40 +245,27 @@ class AgentMetrics(Collector):
                  "destination"),
                 ("tiermesh_quota_rejections", "Queries refused at this door over the tenant's quota",
                  self.quota_rejections, "tenant")):
-            fam = CounterMetricFamily(name, doc, labels=[label])
-            for value, n in sorted(counts.items()):
-                fam.add_metric([value], n)
-            yield fam
-        yield from self._gauges()
+            yield counter(name, doc, (label,), (((value,), n) for value, n in sorted(counts.items())))
 
-    def _gauges(self) -> Iterator[Metric]:
+    def _gauges(self) -> Iterator[str]:
         g = self.gauges()
-        yield GaugeMetricFamily("tiermesh_loaded_variants", "Variants loaded at this site", value=len(g.loaded))
-        mem = GaugeMetricFamily("tiermesh_variant_memory_bytes", "Memory a loaded variant's runtime holds",
-                                labels=["variant"])
-        depth = GaugeMetricFamily("tiermesh_queue_depth", "Rows queued for a loaded variant", labels=["variant"])
-        for variant, (nbytes, rows) in sorted(g.loaded.items()):
-            mem.add_metric([self._variant(variant)], nbytes)
-            depth.add_metric([self._variant(variant)], rows)
-        yield mem
-        yield depth
-        peers = GaugeMetricFamily("tiermesh_peer_reachable", "1 if the transport reaches a live peer site",
-                                  labels=["peer"])
-        for peer, ok in sorted(g.peers.items()):
-            peers.add_metric([peer if peer in self.sites else OTHER], 1.0 if ok else 0.0)
-        yield peers
-        yield GaugeMetricFamily("tiermesh_etcd_connected", "1 while this agent's view follows etcd",
-                                value=1.0 if g.etcd_connected else 0.0)
-        yield GaugeMetricFamily("tiermesh_inflight", "Queries in flight at this site", value=g.inflight)
-
-    def render(self) -> bytes:
-        """The Prometheus text exposition: the registry's families, then Triton's, as Triton writes them."""
-        return generate_latest(self.registry) + self._triton_text().encode()
+        yield gauge("tiermesh_loaded_variants", "Variants loaded at this site", (), [((), len(g.loaded))])
+        loaded = sorted(g.loaded.items())
+        yield gauge("tiermesh_variant_memory_bytes", "Memory a loaded variant's runtime holds", ("variant",),
+                    (((self._variant(variant),), nbytes) for variant, (nbytes, _) in loaded))
+        yield gauge("tiermesh_queue_depth", "Rows queued for a loaded variant", ("variant",),
+                    (((self._variant(variant),), rows) for variant, (_, rows) in loaded))
+        yield gauge("tiermesh_peer_reachable", "1 if the transport reaches a live peer site", ("peer",),
+                    (((peer if peer in self.sites else OTHER,), 1.0 if ok else 0.0)
+                     for peer, ok in sorted(g.peers.items())))
+        yield gauge("tiermesh_etcd_connected", "1 while this agent's view follows etcd", (),
+                    [((), 1.0 if g.etcd_connected else 0.0)])
+        yield gauge("tiermesh_inflight", "Queries in flight at this site", (), [((), g.inflight)])
 
     def _triton_text(self) -> str:
         rows: dict[str, list[str]] = {k: [] for k in _TRITON}
         for variant, tr in sorted(self.triton.items()):
-            labels = f'model="{_escape(variant)}",version="1"'
+            labels = f'model="{escape(variant)}",version="1"'
             for name, value in (("nv_inference_request_success", tr.success),
                                 ("nv_inference_count", tr.count),
                                 ("nv_inference_queue_duration_us", tr.queue_us),
@@ -299,7 +274,7 @@ class AgentMetrics(Collector):
                 rows[name].append(f"{name}{{{labels}}} {float(value)!r}\n")
             for reason, n in sorted(tr.failure.items()):
                 rows["nv_inference_request_failure"].append(
-                    f'nv_inference_request_failure{{{labels},reason="{_escape(reason)}"}} {float(n)!r}\n')
+                    f'nv_inference_request_failure{{{labels},reason="{escape(reason)}"}} {float(n)!r}\n')
         out = []
         for name, doc in _TRITON.items():
             out.append(f"# HELP {name} {doc}\n# TYPE {name} counter\n")
@@ -316,6 +291,3 @@ _TRITON = {
     "nv_inference_request_duration_us": "Cumulative inference request duration in microseconds",
 }
 
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

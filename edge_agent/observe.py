@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from edge_agent.metrics import CONTENT_TYPE, AgentMetrics
+from edge_agent.exposition import CONTENT_TYPE
+from edge_agent.metrics import AgentMetrics
 from edge_agent.traces import TraceStore
 from mesh.errors import MeshError, PermissionDenied, RequestError
 from mesh.v2.body import TENANT_HEADER
