@@ -26,14 +26,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from core_scheduler.policy import (
-    MeshSnapshot,
-    Query,
-    RoutingTable,
-    SiteInfo,
-    SiteLoad,
-    VariantInfo,
-)
+from core_scheduler.policy.routing import Query, RoutingTable
+from core_scheduler.policy.snapshot import MeshSnapshot, SiteInfo, SiteLoad, VariantInfo
 
 __all__ = ["build_snapshot", "main", "measure"]
 

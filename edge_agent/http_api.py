@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from importlib import metadata
 from typing import TYPE_CHECKING
 
 from aiohttp import hdrs, web
@@ -86,6 +85,8 @@ def _anyone(request: web.Request) -> object:
 
 
 def _version() -> str:
+    from importlib import metadata  # only when asked: it costs an idle agent ~0.4 MiB (zipfile, csv, email)
+
     try:
         return metadata.version("tiermesh")
     except metadata.PackageNotFoundError:

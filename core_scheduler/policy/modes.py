@@ -12,7 +12,8 @@ benchmarks can run every system on the same trace, harness and code path:
 
 Implementations of the baselines live in ``core_scheduler.policy.baselines``; this module joins
 them with tiermesh's own into one registry, so the agent and the scheduler need not know which
-modes exist.
+modes exist. The baselines (and the placement policy they call) are imported only when a baseline is
+named: an agent routing as tiermesh never loads them.
 """
 
 from __future__ import annotations
@@ -20,12 +21,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from core_scheduler.policy import baselines
 from core_scheduler.policy.routing import Decision, Query, RoutingTable
 from core_scheduler.policy.snapshot import MeshSnapshot
 from mesh.errors import ConfigError
 
-__all__ = ["PLACERS", "ROUTERS", "Placer", "Router", "make_router", "mode_names", "placer_for"]
+__all__ = ["Placer", "Router", "make_router", "mode_names", "placer_for"]
 
 
 class Router(Protocol):
@@ -37,23 +37,32 @@ RouterFactory = Callable[[MeshSnapshot, str], Router]
 Placer = Callable[[MeshSnapshot, dict[str, tuple[str, ...]], dict[str, tuple[str, ...]], Any],
                   dict[str, tuple[str, ...]]]
 
-ROUTERS: dict[str, RouterFactory] = {"tiermesh": RoutingTable.build, **baselines.ROUTERS}
-PLACERS: dict[str, Placer] = {**baselines.PLACERS}
+TIERMESH = "tiermesh"
+
+
+def _registry() -> tuple[dict[str, RouterFactory], dict[str, Placer]]:
+    from core_scheduler.policy import baselines
+
+    return {TIERMESH: RoutingTable.build, **baselines.ROUTERS}, dict(baselines.PLACERS)
 
 
 def mode_names() -> list[str]:
-    return sorted(ROUTERS)
+    return sorted(_registry()[0])
 
 
 def make_router(mode: str, snap: MeshSnapshot, here: str) -> Router:
+    if mode == TIERMESH:
+        return RoutingTable.build(snap, here)
+    routers, _ = _registry()
     try:
-        factory = ROUTERS[mode]
+        factory = routers[mode]
     except KeyError as exc:
-        raise ConfigError(f"unknown routing mode {mode!r}; known: {sorted(ROUTERS)}") from exc
+        raise ConfigError(f"unknown routing mode {mode!r}; known: {sorted(routers)}") from exc
     return factory(snap, here)
 
 
 def placer_for(mode: str) -> Placer | None:
-    if mode not in ROUTERS:
-        raise ConfigError(f"unknown mode {mode!r}; known: {sorted(ROUTERS)}")
-    return PLACERS.get(mode)
+    routers, placers = _registry()
+    if mode not in routers:
+        raise ConfigError(f"unknown mode {mode!r}; known: {sorted(routers)}")
+    return placers.get(mode)

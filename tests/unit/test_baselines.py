@@ -6,10 +6,11 @@ import dataclasses
 
 import pytest
 
-from core_scheduler.policy import Demand, MeshSnapshot, Query, RoutingTable, SiteInfo, SiteLoad, VariantInfo
 from core_scheduler.policy import baselines as b
 from core_scheduler.policy.modes import make_router, mode_names, placer_for
-from core_scheduler.policy.placement import plan_placement
+from core_scheduler.policy.placement import Demand, plan_placement
+from core_scheduler.policy.routing import Query, RoutingTable
+from core_scheduler.policy.snapshot import MeshSnapshot, SiteInfo, SiteLoad, VariantInfo
 from mesh.errors import NoRoute
 
 pytestmark = pytest.mark.unit

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from core_scheduler.policy import Query, RoutingTable
 from core_scheduler.policy.explain import explain
+from core_scheduler.policy.routing import Query, RoutingTable
 from tests.unit.test_routing import ALL, snap
 
 pytestmark = pytest.mark.unit

@@ -6,8 +6,18 @@ import math
 
 import pytest
 
-from core_scheduler.policy import Demand, DemandForecaster, EwmaTrend, forecast, update, with_forecast
-from core_scheduler.policy.forecast import Seasonal, seasonal_peak, seasonal_update, seasonal_value
+from core_scheduler.policy.forecast import (
+    DemandForecaster,
+    EwmaTrend,
+    Seasonal,
+    forecast,
+    seasonal_peak,
+    seasonal_update,
+    seasonal_value,
+    update,
+    with_forecast,
+)
+from core_scheduler.policy.placement import Demand
 
 pytestmark = pytest.mark.unit
 

@@ -87,7 +87,8 @@ def test_importing_the_sdk_loads_no_server_code() -> None:
 def test_an_idle_agent_loads_no_heavy_library() -> None:
     # an edge agent with nothing placed is a small process (bench/footprint.py): ONNX Runtime comes with the first
     # variant it loads, cryptography with credentials (CURVE, mutual TLS), never with the import; etcd is spoken
-    # through grpclib, never grpcio's C core (mesh/etcd/wire.py), nor aetcd's client
+    # through grpclib, never grpcio's C core (mesh/etcd/wire.py), in messages of its own (mesh/etcd/messages.py):
+    # no protobuf runtime
     probe = ("import sys, tiermesh.cli.agent, edge_agent.agent; "
              "print(' '.join(sorted(m for m in sys.modules)))")
     res = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60,
@@ -95,5 +96,6 @@ def test_an_idle_agent_loads_no_heavy_library() -> None:
     loaded = set(res.stdout.split())
     assert "edge_agent.agent" in loaded
     for banned in ("onnxruntime", "ai_edge_litert", "tokenizers", "scipy", "sklearn", "networkx", "onnx",
-                   "cryptography", "pydantic", "pydantic_settings", "ruamel", "rich", "grpc", "aetcd"):
+                   "cryptography", "pydantic", "pydantic_settings", "ruamel", "rich", "grpc", "aetcd", "google",
+                   "core_scheduler.policy.placement", "core_scheduler.policy.baselines", "prometheus_client"):
         assert not any(m == banned or m.startswith(banned + ".") for m in loaded), banned

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from core_scheduler.policy import RoutingTable
+from core_scheduler.policy.routing import RoutingTable
 from edge_agent.demand import DemandMeter
 from edge_agent.paths import ATTEMPT_SLACK_MS, BEST_EFFORT_GRACE_MS, MIN_RETRY_MS, PathEstimates, attempt_ms
 from edge_agent.site_dataplane import RETRIED, SiteDataPlane

@@ -7,18 +7,9 @@ import random
 
 import pytest
 
-from core_scheduler.policy import (
-    Demand,
-    DemandForecaster,
-    MeshSnapshot,
-    PlacementConfig,
-    PlacementPlan,
-    SiteInfo,
-    SiteLoad,
-    VariantInfo,
-    plan_placement,
-    with_forecast,
-)
+from core_scheduler.policy.forecast import DemandForecaster, with_forecast
+from core_scheduler.policy.placement import Demand, PlacementConfig, PlacementPlan, plan_placement
+from core_scheduler.policy.snapshot import MeshSnapshot, SiteInfo, SiteLoad, VariantInfo
 
 pytestmark = pytest.mark.unit
 

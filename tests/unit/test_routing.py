@@ -7,7 +7,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from core_scheduler.policy import MeshSnapshot, Query, RoutingTable, SiteInfo, SiteLoad, VariantInfo
+from core_scheduler.policy.routing import Query, RoutingTable
+from core_scheduler.policy.snapshot import MeshSnapshot, SiteInfo, SiteLoad, VariantInfo
 from mesh.errors import ImpossibleSLO, NoRoute, UnknownTask
 
 pytestmark = pytest.mark.unit

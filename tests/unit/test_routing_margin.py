@@ -5,8 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from core_scheduler.policy import MeshSnapshot, Query, RoutingTable
-from core_scheduler.policy.snapshot import TAIL_FRAC, TAIL_MIN_MS, path_jitter_ms, path_tables, tail_margin_ms
+from core_scheduler.policy.routing import Query, RoutingTable
+from core_scheduler.policy.snapshot import (
+    TAIL_FRAC,
+    TAIL_MIN_MS,
+    MeshSnapshot,
+    path_jitter_ms,
+    path_tables,
+    tail_margin_ms,
+)
 from mesh.errors import ImpossibleSLO
 from tests.unit.test_routing import ALL, LINKS, sites, variants
 from topology.loader import load_topology_file
