@@ -40,6 +40,7 @@ from h2.exceptions import H2Error
 
 from mesh.etcd import messages as rpc
 from mesh.etcd.endpoints import TLSFiles
+from mesh.etcd.protowire import message_class
 
 __all__ = ["RpcError", "Service", "StatusCode", "StreamCall", "WireChannel", "client_context", "prefix_end"]
 
@@ -218,7 +219,7 @@ class Service:
         if m is None:
             raise AttributeError(f"etcd service {self._name} has no method {name}")
         path = f"/{rpc.PACKAGE}.{self._name}/{name}"
-        (req, reply), streaming = map(rpc.message_class, m[:2]), m[2]
+        (req, reply), streaming = map(message_class, m[:2]), m[2]
         method: Any = (StreamMethod(self._channel, path, req, reply) if streaming
                        else UnaryCall(self._channel, path, reply))
         setattr(self, name, method)

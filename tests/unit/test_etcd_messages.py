@@ -1,6 +1,7 @@
-"""mesh.etcd.messages against etcd's own protos: every field's number, type and cardinality as protobuf generates
-them (aetcd ships etcd 3.5's ``rpc.proto``, ``kv.proto`` and ``auth.proto`` compiled; a dev dependency), every
-service method's types, and bytes that protobuf reads back as we meant them and that we read back from protobuf.
+"""mesh.etcd.messages (on mesh.etcd.protowire) against etcd's own protos: every field's number, type and
+cardinality as protobuf generates them (aetcd ships etcd 3.5's ``rpc.proto``, ``kv.proto`` and ``auth.proto``
+compiled; a dev dependency), every service method's types, and bytes that protobuf reads back as we meant them
+and that we read back from protobuf.
 
 The generated modules are loaded from aetcd's package without running its ``__init__`` (which imports grpcio)."""
 
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 
 from mesh.etcd import messages as rpc
+from mesh.etcd.protowire import Field, Message, message_class
 
 pytestmark = pytest.mark.unit
 
@@ -42,7 +44,7 @@ def _generated() -> dict[str, Any]:
 
 GEN = _generated()
 OURS = sorted(n for n, c in vars(rpc).items()
-              if isinstance(c, type) and issubclass(c, rpc.Message) and c is not rpc.Message)
+              if isinstance(c, type) and issubclass(c, Message) and c is not Message)
 
 
 def _label_repeated(f: Any) -> bool:
@@ -55,7 +57,7 @@ def _label_repeated(f: Any) -> bool:
 @pytest.mark.parametrize("name", OURS)
 def test_every_field_is_etcds(name: str) -> None:
     desc = GEN[name].DESCRIPTOR
-    ours = rpc.message_class(name)
+    ours = message_class(name)
     theirs = {f.name: f for f in desc.fields}
     assert [f.name for f in ours.FIELDS] == [f.name for f in desc.fields], f"{name}: not etcd's fields"
     for f in ours.FIELDS:
@@ -74,8 +76,8 @@ def test_every_enum_value_is_etcds(name: str) -> None:
     desc = GEN[name].DESCRIPTOR
     for enum in desc.enum_types:
         for v in enum.values:
-            if hasattr(rpc.message_class(name), v.name):
-                assert getattr(rpc.message_class(name), v.name) == v.number, (name, v.name)
+            if hasattr(message_class(name), v.name):
+                assert getattr(message_class(name), v.name) == v.number, (name, v.name)
 
 
 def test_every_method_is_etcds() -> None:
@@ -89,9 +91,9 @@ def test_every_method_is_etcds() -> None:
             assert streaming == (m.client_streaming or m.server_streaming), method
 
 
-def _random(cls: type[rpc.Message], rng: random.Random, depth: int = 0) -> rpc.Message:
+def _random(cls: type[Message], rng: random.Random, depth: int = 0) -> Message:
     values: dict[str, Any] = {}
-    oneofs: dict[str, list[rpc.Field]] = {}
+    oneofs: dict[str, list[Field]] = {}
     for f in cls.FIELDS:
         if f.oneof:
             oneofs.setdefault(f.oneof, []).append(f)
@@ -107,9 +109,9 @@ def _random(cls: type[rpc.Message], rng: random.Random, depth: int = 0) -> rpc.M
     return cls(**values)
 
 
-def _value(f: rpc.Field, rng: random.Random, depth: int, zero_ok: bool = False) -> Any:
+def _value(f: Field, rng: random.Random, depth: int, zero_ok: bool = False) -> Any:
     if f.kind == "message":
-        return _random(rpc.message_class(f.message), rng, depth + 1)
+        return _random(message_class(f.message), rng, depth + 1)
     if f.kind == "bool":
         return rng.random() < 0.5 or (not zero_ok and True)
     if f.kind == "bytes":
@@ -125,7 +127,7 @@ def _value(f: rpc.Field, rng: random.Random, depth: int, zero_ok: bool = False) 
     return pick or 1 if not zero_ok else pick
 
 
-def _same(ours: Any, theirs: Any, cls: type[rpc.Message]) -> None:
+def _same(ours: Any, theirs: Any, cls: type[Message]) -> None:
     for f in cls.FIELDS:
         a = getattr(ours, f.name)
         if f.repeated:
@@ -133,14 +135,14 @@ def _same(ours: Any, theirs: Any, cls: type[rpc.Message]) -> None:
             assert len(a) == len(b), f.name
             for x, y in zip(a, b, strict=True):
                 if f.kind == "message":
-                    _same(x, y, rpc.message_class(f.message))
+                    _same(x, y, message_class(f.message))
                 else:
                     assert x == y, f.name
         elif f.kind == "message" or f.oneof:
             present = theirs.HasField(f.name)
             assert (a is not None) == present, f.name
             if present and f.kind == "message":
-                _same(a, getattr(theirs, f.name), rpc.message_class(f.message))
+                _same(a, getattr(theirs, f.name), message_class(f.message))
             elif present:
                 assert a == getattr(theirs, f.name), f.name
         else:
@@ -149,7 +151,7 @@ def _same(ours: Any, theirs: Any, cls: type[rpc.Message]) -> None:
 
 @pytest.mark.parametrize("name", OURS)
 def test_bytes_round_trip_through_protobuf(name: str) -> None:
-    cls, gen = rpc.message_class(name), GEN[name]
+    cls, gen = message_class(name), GEN[name]
     rng = random.Random(name)
     for _ in range(40):
         msg = _random(cls, rng)
