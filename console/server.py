@@ -114,7 +114,8 @@ class ConsoleServer(Service):
         self._closing.set()  # event streams end at their next wake-up
         if self._runner is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._runner.cleanup(), 10)
+                async with asyncio.timeout(10):
+                    await self._runner.cleanup()
             self._runner = None
         await self.model.stop()
         await self.scraper.stop()

@@ -91,7 +91,8 @@ class ConsoleState(Service):
         """The snapshot once it is newer than ``version`` (or the current one after ``timeout``)."""
         async with self._changed:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait_for(lambda: self.version > version), timeout)
+                async with asyncio.timeout(timeout):
+                    await self._changed.wait_for(lambda: self.version > version)
         return self.snapshot
 
     def live_urls(self) -> dict[str, str]:
@@ -122,7 +123,8 @@ class ConsoleState(Service):
                 log.exception("console refresh failed; the last snapshot stays")
             period = self.tick_s if self.watching else max(self.tick_s, IDLE_TICK_S)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), max(0.05, period - (time.monotonic() - started)))
+                async with asyncio.timeout(max(0.05, period - (time.monotonic() - started))):
+                    await self._wake.wait()
 
     async def refresh(self) -> None:
         """One round: read events and the last apply, scrape every live agent, rebuild the snapshot."""

@@ -227,7 +227,8 @@ class Agent(Service):
             if step is None:
                 continue
             try:
-                await asyncio.wait_for(step(), 10.0)
+                async with asyncio.timeout(10.0):
+                    await step()
             except Exception:
                 log.exception("shutdown step failed", extra=kv(site=self.site))
 

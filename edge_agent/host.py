@@ -231,7 +231,8 @@ class VariantHost:
         task.add_done_callback(self._background.discard)
         task.add_done_callback(_retrieve)
         try:
-            return await asyncio.wait_for(asyncio.shield(task), max(0.0, deadline - time.monotonic()))
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                return await asyncio.shield(task)
         except TimeoutError:
             raise DeadlineExceeded(f"{self.site}: {meta.variant_id} still loading at the query's deadline") from None
 

@@ -65,7 +65,8 @@ class Liveness(Service):
         await cancel_and_wait(self._task)
         if self.lease is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.lease.revoke(), 2.0)
+                async with asyncio.timeout(2.0):
+                    await self.lease.revoke()
             self.lease = None
 
     async def _loop(self) -> None:
@@ -122,14 +123,16 @@ class Liveness(Service):
                 self.skipped += 1
                 return
             value = record.to_json()
-            await asyncio.wait_for(self.store.put(live_key(self.site), value, lease=lease), self.ttl_s)
+            async with asyncio.timeout(self.ttl_s):
+                await self.store.put(live_key(self.site), value, lease=lease)
             self.last, self._last_at = record, now
             self.writes += 1
             self.bytes_written += len(json.dumps(value, separators=(",", ":")))
             if old is not None:
                 self.lease_renewals += 1
                 with contextlib.suppress(StoreError, TimeoutError):
-                    await asyncio.wait_for(old.revoke(), self.ttl_s)
+                    async with asyncio.timeout(self.ttl_s):
+                        await old.revoke()
         except (StoreError, TimeoutError) as exc:
             if self.degraded_since is None:
                 self.degraded_since = time.monotonic()

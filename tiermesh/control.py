@@ -36,7 +36,8 @@ async def terminate(proc: asyncio.subprocess.Process | ForkedChild, *, graceful:
     with contextlib.suppress(ProcessLookupError):
         proc.send_signal(signal.SIGTERM if graceful else signal.SIGKILL)
     try:
-        await asyncio.wait_for(proc.wait(), grace_s)
+        async with asyncio.timeout(grace_s):
+            await proc.wait()
     except TimeoutError:
         with contextlib.suppress(ProcessLookupError):
             proc.kill()

@@ -200,7 +200,8 @@ class LocalMesh(Readiness, Service):
                      self.variant_server.stop if self.variant_server else None):
             if step is not None:
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(step(), 10)
+                    async with asyncio.timeout(10):
+                        await step()
         self.scheduler = None
         self.variant_server = None
         self.console = None

@@ -246,7 +246,8 @@ class AgentLauncher(Service):
             stdout=asyncio.subprocess.PIPE, env={**(os.environ if self._env is None else self._env), **_LAUNCHER_ENV})
         self._reader = asyncio.create_task(self._read(), name="launcher-read")
         try:
-            await asyncio.wait_for(asyncio.shield(self._ready), self._timeout)
+            async with asyncio.timeout(self._timeout):
+                await asyncio.shield(self._ready)
         except TimeoutError as exc:
             raise MeshError(f"the agent launcher did not start in {self._timeout:.0f} s") from exc
 
@@ -297,7 +298,8 @@ class AgentLauncher(Service):
                                                "cgroup": str(cgroup_procs) if cgroup_procs else None}).encode()
                                    + b"\n")
             await self._proc.stdin.drain()
-            return await asyncio.wait_for(fut, self._timeout)
+            async with asyncio.timeout(self._timeout):
+                return await fut
 
     async def _stop(self) -> None:
         proc, self._proc = self._proc, None
@@ -306,7 +308,8 @@ class AgentLauncher(Service):
         if proc.stdin is not None:
             proc.stdin.close()
         try:
-            await asyncio.wait_for(proc.wait(), STOP_GRACE_S + 10.0)
+            async with asyncio.timeout(STOP_GRACE_S + 10.0):
+                await proc.wait()
         except TimeoutError:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
@@ -314,7 +317,8 @@ class AgentLauncher(Service):
         finally:
             if self._reader is not None:
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(asyncio.shield(self._reader), 5.0)
+                    async with asyncio.timeout(5.0):
+                        await asyncio.shield(self._reader)
                 await cancel_and_wait(self._reader)
 
 

@@ -115,7 +115,8 @@ class Election:
         if lease is None:
             return
         try:
-            await asyncio.wait_for(lease.revoke(), self._store.timeout)
+            async with asyncio.timeout(self._store.timeout):
+                await lease.revoke()
         except (StoreError, TimeoutError):
             self._orphans.add(lease.id)
 

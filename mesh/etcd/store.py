@@ -205,7 +205,8 @@ class Store(Service):
                 wait = min(per_member, max(left, 0.2))
                 self._channels.use(i)
                 try:
-                    await asyncio.wait_for(self._revision_once(wait), wait + 0.5)
+                    async with asyncio.timeout(wait + 0.5):
+                        await self._revision_once(wait)
                     return
                 except RpcError as exc:
                     if exc.code() == StatusCode.PERMISSION_DENIED:
@@ -458,7 +459,8 @@ class Store(Service):
         for lease in list(self._leases):
             # Revoking makes this process's leased keys vanish now rather than a TTL later.
             with contextlib.suppress(StoreError, TimeoutError):
-                await asyncio.wait_for(lease.revoke(), min(self.timeout, 2.0))
+                async with asyncio.timeout(min(self.timeout, 2.0)):
+                    await lease.revoke()
         await self._channels.close()
 
     def __repr__(self) -> str:

@@ -118,7 +118,8 @@ class Pump:
         self._writable.append(fut)
         self.kick()  # POLLOUT may already be set; the drain looks
         try:
-            await asyncio.wait_for(fut, within_s)
+            async with asyncio.timeout(within_s):
+                await fut
         except TimeoutError:
             pass
         finally:

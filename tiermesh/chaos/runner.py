@@ -222,7 +222,8 @@ async def run_chaos(profile: Profile, *, topology: Path, home: Path | None = Non
                                         classes=profile.classes, seed=11,
                                         max_queries=int(profile.qps * profile.duration_s * 2), on_tick=tick,
                                         request_ids=True)
-            await asyncio.wait_for(faults, 120)
+            async with asyncio.timeout(120):
+                await faults
         finally:
             if not faults.done():
                 faults.cancel()

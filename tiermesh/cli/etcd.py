@@ -80,7 +80,8 @@ async def run_etcd(args: argparse.Namespace) -> int:
         print(f"etcd data in {home / 'etcd'}, log {logs}; Ctrl-C to stop", file=sys.stderr, flush=True)
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 1.0)
+                async with asyncio.timeout(1.0):
+                    await stop.wait()
             dead = [m for m in members if not m.running()]
             if dead:
                 print(f"error: etcd exited; see {dead[0].log_path}", file=sys.stderr)
