@@ -145,7 +145,8 @@ async def test_non_admin_is_refused(console_mesh: LocalMesh, browser: Any, tmp_p
         page = await ctx.new_page()
         with pytest.raises(Exception, match=r"ERR_|net::|closed|reset|certificate"):
             await page.goto(f"{url}/", timeout=10_000)
-        await page.screenshot(path=str(tmp_path / "refused-no-certificate.png"))
+        # no screenshot here: what is on screen is Chromium's own error page, and capturing it
+        # after a failed navigation is refused now and then ("Unable to capture screenshot")
     finally:
         await ctx.close()
 
