@@ -90,21 +90,59 @@ async def wait_quiet(limit: float, max_wait_s: int) -> float:
 
 
 async def climb(modes: Sequence[str], cell: Callable[[str, float, int], Awaitable[dict[str, Any]]], *,
-                start: float, step: float, max_rate: float,
-                attained: float) -> dict[str, tuple[list[dict[str, Any]], float, bool]]:
+                start: float, step: float, max_rate: float, attained: float,
+                refine: int = 0) -> dict[str, tuple[list[dict[str, Any]], float, bool]]:
     """Per mode: raise the offered rate from ``start`` by ``step`` while ``attained`` of the requests
     finish within the SLO (``cell(mode, rate, turn)`` offers one step). The modes take turns (the
     order alternating), so a noisy spell of a shared machine does not land on one mode only; a failed
     step is tried once more before it ends that mode's climb. A step the generator cannot offer ends
-    the climb too, marked (the mode's real limit is higher), as does passing ``max_rate``. Returns per
-    mode: the steps, the best goodput of a passing step, and whether the generator ended the climb."""
+    the climb too, marked (the mode's real limit is higher), as does passing ``max_rate``.
+
+    ``refine`` > 0: once a step has failed twice, that many more steps bisect (geometrically) between
+    the last rate that passed and the one that failed, each failure again tried once more, so the limit
+    is known to within ``step ** (1 / 2 ** refine)`` rather than ``step``. Returns per mode: the steps,
+    the best goodput of a passing step, and whether the generator ended the climb."""
     steps: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     best = dict.fromkeys(modes, 0.0)
     capped = dict.fromkeys(modes, False)
     rate = dict.fromkeys(modes, start)
     fails = dict.fromkeys(modes, 0)
+    bracket: dict[str, tuple[float, float, int]] = {}  # mode -> (passed, failed, bisections left)
     alive = list(modes)
     turn = 0
+
+    def passed(mode: str, goodput: float) -> None:
+        fails[mode] = 0
+        best[mode] = max(best[mode], goodput)
+        if mode in bracket:
+            _, hi, left = bracket[mode]
+            bisect(mode, rate[mode], hi, left)
+            return
+        rate[mode] *= step
+        if rate[mode] > max_rate:
+            capped[mode] = True
+            alive.remove(mode)
+
+    def failed(mode: str) -> None:
+        fails[mode] += 1
+        if fails[mode] < 2:
+            return
+        fails[mode] = 0
+        if mode in bracket:
+            lo, _, left = bracket[mode]
+            bisect(mode, lo, rate[mode], left)
+        elif refine > 0 and best[mode] > 0:
+            bisect(mode, rate[mode] / step, rate[mode], refine)
+        else:
+            alive.remove(mode)
+
+    def bisect(mode: str, lo: float, hi: float, left: int) -> None:
+        if left <= 0:
+            alive.remove(mode)
+            return
+        bracket[mode] = (lo, hi, left - 1)
+        rate[mode] = math.sqrt(lo * hi)
+
     while alive:
         for mode in list(alive if turn % 2 == 0 else alive[::-1]):
             res = await cell(mode, rate[mode], turn)
@@ -113,16 +151,9 @@ async def climb(modes: Sequence[str], cell: Callable[[str, float, int], Awaitabl
                 capped[mode] = True
                 alive.remove(mode)
             elif res["attained"] < attained:
-                fails[mode] += 1
-                if fails[mode] >= 2:
-                    alive.remove(mode)
+                failed(mode)
             else:
-                fails[mode] = 0
-                best[mode] = max(best[mode], float(res["goodput_rps"]))
-                rate[mode] *= step
-                if rate[mode] > max_rate:
-                    capped[mode] = True
-                    alive.remove(mode)
+                passed(mode, float(res["goodput_rps"]))
         turn += 1
     return {m: (steps[m], best[m], capped[m]) for m in modes}
 

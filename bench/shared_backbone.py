@@ -88,6 +88,7 @@ LADDER_START_RPS = 500.0
 LADDER_STEP = 1.3
 LADDER_MAX_RPS = 60_000.0
 ATTAINED = 0.99
+LADDER_REFINE = 3  # bisections after the first failure: the limit is known to within 1.3 ** (1/8), ~3 %
 LADDERS = 2  # climbs per mode in a full run; the best counts
 # This machine is shared: before each climb, wait (bounded) for the 1-minute load average to fall
 # below QUIET_LOADAVG, so that a climb measures the server rather than a neighbour's test suite.
@@ -101,6 +102,10 @@ LIGHT_ROUNDS = 5
 MAX_BATCH = 32
 WINDOW_MS = 4.0   # the host's default
 THREADS = 2
+# The compute ceiling: rows/s of the bare ONNX Runtime sessions, THREADS threads running batches of each
+# size back to back (no batcher, no generator, no Python per request): what no mode can exceed
+CEILING_BATCHES = (1, 5, 10, 20, 32, 64, 128)
+CEILING_S = 1.0
 
 
 # ---------------------------------------------------------------- the three deployments
@@ -229,6 +234,49 @@ async def _measure_memory(mode: str, n: int, root: Path, cache: Path) -> dict[st
     return dict(json.loads(out.decode().strip().splitlines()[-1]))
 
 
+# ---------------------------------------------------------------- the compute ceiling
+
+
+def _rows_per_s(runtimes: list[Runtime], batch: int, seconds: float) -> float:
+    """Rows/s of THREADS threads each running ``batch``-row batches back to back for ``seconds``,
+    every thread taking the sessions in turn (a copy per tenant: their weights take turns in cache)."""
+    feed = {"x": np.zeros((batch, 64), np.float32)}
+    for rt in runtimes:
+        rt.run_checked_sync(feed)  # warm: arenas
+
+    def worker(offset: int) -> int:
+        done, i = 0, offset
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            runtimes[i % len(runtimes)].run_checked_sync(feed)
+            done += batch
+            i += 1
+        return done
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=THREADS) as pool:
+        rows = sum(pool.map(worker, range(THREADS)))
+    return rows / (time.perf_counter() - t0)
+
+
+def measure_ceiling(root: Path, seconds: float) -> dict[str, dict[str, float]]:
+    """Per batch size, rows/s of the bare backbone (one session, as the shared modes hold it) and of
+    four full-model copies taken in turn (as the copies hold them at 4 tenants). Off the event loop."""
+    out: dict[str, dict[str, float]] = {"backbone": {}, "copies x4": {}}
+    backbone = open_runtime("onnx", root / "backbone.onnx", intra_op_threads=1)
+    copies = [open_runtime("onnx", root / "full-digits.onnx", intra_op_threads=1) for _ in range(4)]
+    try:
+        for rt in [backbone, *copies]:
+            rt.load_sync()
+        for b in CEILING_BATCHES:
+            out["backbone"][str(b)] = round(_rows_per_s([backbone], b, seconds), 1)
+            out["copies x4"][str(b)] = round(_rows_per_s(copies, b, seconds), 1)
+    finally:
+        for rt in [backbone, *copies]:
+            rt.unload_sync()
+    return out
+
+
 # ---------------------------------------------------------------- load
 
 
@@ -266,6 +314,8 @@ async def run_shared_backbone(ctx: RunContext) -> Path:
         profiles[name] = measure_compute_ms(rt, repeats=20)
         rt.unload_sync()
     seconds = 1.0 if ctx.quick else 2.5
+    await wait_quiet(QUIET_LOADAVG, ctx.pick(20, QUIET_WAIT_S))
+    ceiling = await loop.run_in_executor(None, measure_ceiling, root, 0.3 if ctx.quick else CEILING_S)
     rows: list[dict[str, Any]] = []
     ladders: list[dict[str, Any]] = []
     light_rounds: list[dict[str, Any]] = []
@@ -283,7 +333,7 @@ async def run_shared_backbone(ctx: RunContext) -> Path:
                     load_before = await wait_quiet(QUIET_LOADAVG, ctx.pick(20, QUIET_WAIT_S))
                     climbs = await climb(MODES, _climb_cell(deps, xs, seconds, 100 * n + rep, slo),
                                          start=LADDER_START_RPS, step=LADDER_STEP, max_rate=LADDER_MAX_RPS,
-                                         attained=ATTAINED)
+                                         attained=ATTAINED, refine=LADDER_REFINE)
                     for mode, (steps, best, capped) in climbs.items():
                         for st in steps:
                             st["loadavg_before_climb"] = load_before
@@ -314,7 +364,8 @@ async def run_shared_backbone(ctx: RunContext) -> Path:
         finally:
             for dep in deps.values():
                 await dep.close()
-    return _report(ctx, rows, {"model": info, "ladders": ladders, "light_rounds": light_rounds})
+    return _report(ctx, rows, {"model": info, "ceiling_rows_per_s": ceiling, "ladders": ladders,
+                               "light_rounds": light_rounds})
 
 
 async def _light(deps: dict[str, Deployment], xs: np.ndarray, ctx: RunContext,
@@ -391,8 +442,11 @@ def _report(ctx: RunContext, rows: list[dict[str, Any]], extra: dict[str, Any]) 
         f"miss, latency from scheduled arrival. Throughput of shared + batching / copies: "
         f"{'; '.join(f'{k}: {v}' for k, v in extra['throughput_ratios'].items())} (sharing saves weight reads, "
         f"not FLOPs: it pays where a tenant's own traffic cannot fill an efficient batch within the SLO). "
+        f"{_ceiling_note(rows, extra['ceiling_rows_per_s'])} "
         f"rps_at_slo / rps_at_tight_slo: the best goodput of a ladder of offered rates ({LADDER_START_RPS:g} req/s, x"
-        f"{LADDER_STEP:g} per step, {seconds_note(ctx)} each, modes taking turns, a failed step tried twice; "
+        f"{LADDER_STEP:g} per step, {seconds_note(ctx)} each, modes taking turns, a failed step tried twice, then "
+        f"{LADDER_REFINE} geometric bisections between the last rate that passed and the one that failed, so the "
+        f"limit is known to within {LADDER_STEP ** (1 / 2 ** LADDER_REFINE):.3f}x; "
         f"best of {ctx.pick(1, LADDERS)} climbs, each started once the 1-minute load average of this shared "
         f"machine was below {QUIET_LOADAVG:g} or {ctx.pick(20, QUIET_WAIT_S)} s had passed: see "
         f"loadavg_before_climb) while >= {ATTAINED:.0%} finish within the SLO; "
@@ -410,6 +464,19 @@ def _report(ctx: RunContext, rows: list[dict[str, Any]], extra: dict[str, Any]) 
         f"batching minus that of copies at 4 tenants. common_*: every mode at half the copies' rps_at_slo "
         f"(common_rps), one cell each, where queueing dominates. Steps of every ladder and every light-load "
         f"round's cells are in the JSON ('ladders', 'light_rounds')."))
+
+
+def _ceiling_note(rows: list[dict[str, Any]], ceiling: dict[str, dict[str, float]]) -> str:
+    """What the bare sessions can do (ceiling_rows_per_s), and how near to it the modes came."""
+    top = max(CEILING_BATCHES)
+    bb, cp = ceiling["backbone"], ceiling["copies x4"]
+    best = {m: max(float(r["rps_at_tight_slo"]) for r in rows if r["mode"] == m) for m in MODES}
+    near = ", ".join(f"{m} {best[m] / bb[str(top)]:.0%}" for m in MODES)
+    return (f"ceiling_rows_per_s: rows/s of the bare ONNX Runtime sessions, {THREADS} threads running batches "
+            f"back to back for {CEILING_S:g} s per size (no batcher, no generator): the backbone alone "
+            f"{bb['1']:.0f} at batch 1, {bb['20']:.0f} at 20, {bb[str(top)]:.0f} at {top}; four full copies taken "
+            f"in turn {cp['1']:.0f} / {cp['20']:.0f} / {cp[str(top)]:.0f}. The best throughput at the tight SLO "
+            f"over all tenant counts, as a share of the backbone's ceiling at {top}: {near}.")
 
 
 def seconds_note(ctx: RunContext) -> str:

@@ -107,3 +107,27 @@ async def test_climb_retries_a_failed_step_once_and_marks_a_step_the_generator_c
     assert (best, capped) == (200.0, False)
     steps, best, capped = out["capped"]
     assert (len(steps), best, capped) == (3, 200.0, True)  # 100, 200 pass; 400 cannot be offered
+
+
+async def test_climb_refines_between_the_last_pass_and_the_failure() -> None:
+    limit = 300.0
+    seen: list[float] = []
+
+    async def cell(mode: str, rate: float, turn: int) -> dict[str, Any]:
+        seen.append(rate)
+        ok = rate <= limit
+        return {"valid": True, "attained": 1.0 if ok else 0.5, "goodput_rps": rate if ok else rate / 2}
+
+    out = await climb(["m"], cell, start=100.0, step=2.0, max_rate=1e6, attained=0.99, refine=3)
+    steps, best, capped = out["m"]
+    assert len(steps) == len(seen)
+    assert not capped
+    # 100, 200 pass; 400 fails twice; then sqrt(200*400)=283 passes, sqrt(283*400)=336 fails twice,
+    # sqrt(283*336)=308 fails twice: the limit is bracketed within 2 ** (1/8)
+    assert [round(r) for r in seen] == [100, 200, 400, 400, 283, 336, 336, 308, 308]
+    assert best == pytest.approx(282.84, abs=0.01)
+    assert best <= limit < best * 2 ** (1 / 8)
+    # refine=0 keeps the old behaviour: the ladder's own step is the resolution
+    seen.clear()
+    _, best0, _ = (await climb(["m"], cell, start=100.0, step=2.0, max_rate=1e6, attained=0.99))["m"]
+    assert best0 == 200.0 and len(seen) == 4
