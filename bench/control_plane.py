@@ -43,8 +43,9 @@ from core_scheduler.state.snapshot import SnapshotBuilder, build_snapshot
 from core_scheduler.state.view import MeshView
 from edge_agent.liveness import Liveness
 from mesh.etcd.keys import PLACEMENT, catalog_key
+from mesh.etcd.ops import Put, chunk_ops
 from mesh.etcd.server import EmbeddedEtcd
-from mesh.etcd.store import Put, Store, chunk_ops
+from mesh.etcd.store import Store
 from topology.schema import Hardware, Link, Site, Topology
 from topology.store_io import _meta, desired_state
 from variant_store.meta import LatencyStats, Profile, VariantMeta

@@ -32,7 +32,8 @@ from core_scheduler.state.view import MeshView
 from mesh.errors import StoreError
 from mesh.etcd.election import Election
 from mesh.etcd.keys import EVENTS_PLACEMENT, placement_key
-from mesh.etcd.store import Compare, CreateRevision, Put, Store, chunk_ops
+from mesh.etcd.ops import Compare, CreateRevision, Put, chunk_ops
+from mesh.etcd.store import Store
 from mesh.lifecycle import Service, cancel_and_wait
 from mesh.log import get_logger, kv
 

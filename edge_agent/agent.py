@@ -5,7 +5,7 @@ store -> view (watch) -> variant host -> ZeroMQ server + client -> HTTP front ->
 placement follower. Every background task is owned here and cancelled on stop.
 
 The revocation list published at etcd ``pki/crl`` reaches both trust stores (edge TLS and CURVE) through the
-view, so a revocation takes effect here even when this site's own ``crl.pem`` is stale.
+view, so a revocation takes effect here even when this site's own ``crl.pem`` is stale (:mod:`edge_agent.agent_trust`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import json
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,10 +22,12 @@ from core_scheduler.state.heartbeat import Heartbeat, LoadedVariant
 from core_scheduler.state.scope import Scope
 from core_scheduler.state.snapshot import SnapshotBuilder
 from core_scheduler.state.view import MeshView
+from edge_agent.agent_config import BLOB_PEER, AgentConfig
+from edge_agent.agent_trust import AgentTrust
 from edge_agent.blobs import blob_routes, peer_sources
 from edge_agent.demand import DemandMeter
 from edge_agent.host import VariantHost
-from edge_agent.http_api import DEFAULT_MAX_BODY, EdgeHttpServer
+from edge_agent.http_api import EdgeHttpServer
 from edge_agent.liveness import Liveness
 from edge_agent.metrics import AgentMetrics, Gauges
 from edge_agent.observe import Observe
@@ -36,13 +37,11 @@ from edge_agent.selfprofile import SelfProfiler
 from edge_agent.site_dataplane import SiteDataPlane
 from edge_agent.traces import TraceStore
 from mesh import clock
-from mesh.addresses import DEFAULT_BIND, advertised_host, tcp_endpoint
-from mesh.errors import ConfigError, MeshError, PkiError
+from mesh.addresses import advertised_host, tcp_endpoint
+from mesh.errors import ConfigError, MeshError
 from mesh.etcd.store import Store
 from mesh.lifecycle import Service, State, cancel_and_wait
 from mesh.log import get_logger, kv
-from mesh.pki.files import PkiPaths, read_curve
-from mesh.pki.identity import Identity
 from mesh.zmq.client import ZmqClient
 from mesh.zmq.server import ZmqServer
 from topology.paths import topology_paths
@@ -50,64 +49,17 @@ from variant_store.hardware import cpu_cap_cores, gpu_available, local_hardware_
 
 if TYPE_CHECKING:  # CURVE and mutual TLS load cryptography: imported where a secured agent builds them, so an
     # --insecure agent never loads it (the edge footprint)
-    from mesh.pki.curve import CurveKeyPair
     from mesh.zmq.curve import CurveSecurity
 
-__all__ = ["BLOB_PEER", "Agent", "AgentConfig"]
+__all__ = ["Agent", "load_peer_map"]
 
 log = get_logger(__name__)
-# Peer-map key of the variant store (not a site: '@' is not allowed in site names). With WAN
-# emulation the harness maps it to a delay proxy, so blob fetches travel the site's real path.
-BLOB_PEER = "@variant-store"
 # Batching keeps a core busy with several queries in flight; past this many per core the
 # queue wait dominates and routing should look elsewhere.
 INFLIGHT_PER_CORE = 8
 
 
-@dataclass(slots=True)
-class AgentConfig:
-    site: str
-    etcd: str                          # member URLs, comma-separated
-    etcd_ca: Path | None = None        # TLS to etcd (https:// URLs): CA, client certificate and key
-    etcd_cert: Path | None = None
-    etcd_key: Path | None = None
-    prefix: str = "/tiermesh/"
-    home: Path = Path(".tiermesh")
-    http_port: int = 0
-    zmq_port: int = 0
-    bind: str = DEFAULT_BIND          # address HTTP and ZeroMQ listen on (0.0.0.0 / ::: every interface)
-    advertise: str | None = None      # what peers dial (live record); None: the bind address
-    peer_map: dict[str, str] = field(default_factory=dict)  # site -> endpoint (WAN emulation proxies);
-    # BLOB_PEER -> the variant store's URL as this site reaches it
-    lease_ttl_s: float = 3.0
-    heartbeat_s: float = 1.0          # how often the live record is looked at (written when it has news)
-    # the view follows the heartbeats of the route_peers nearest sites and the route_per_tier nearest of
-    # each tier (core_scheduler.state.scope); a mesh of at most route_peers + 1 sites is followed whole
-    route_peers: int = 48
-    route_per_tier: int = 2
-    idle_unload_s: float = 120.0
-    demand_window_s: float = 10.0     # demand reported per task and SLO class, averaged over this
-    model_memory_fraction: float = 0.25  # share of the site's memory its models may take
-    model_memory_mb: int | None = None   # ... or this budget (a harness scaling sites to one machine)
-    # the CPU cap (cores) its launcher set: used only when the agent cannot read its own cgroup
-    cpu_cap: float | None = None
-    routing_mode: str = "tiermesh"      # or a baseline (core_scheduler.policy.modes), for benchmarks
-    max_body_bytes: int = DEFAULT_MAX_BODY  # largest request body (HTTP) and tensor payload (ZeroMQ)
-    # the edge HTTP API over mutual TLS with the site's certificate from home/pki (`tiermesh agent` turns it
-    # on unless --insecure); False: plain HTTP, the tenant taken from a header (development only)
-    tls: bool = False
-    # the PKI directory of both (None: <home>/pki). CURVE between sites is on when this site's certificate
-    # and CURVE key are there (missing from the default directory: "not secured yet", with a warning; from
-    # an explicit one: an error). ``insecure`` turns CURVE off whatever is there (with a warning).
-    pki_dir: Path | None = None
-    insecure: bool = False
-    # decision traces: the share of queries traced without asking (0: only those that ask, with
-    # parameters.trace), and how many traces this door keeps for GET /v2/traces/{request_id}
-    trace_sample_rate: float = 0.01
-    trace_buffer: int = 1000
-
-
-class Agent(Service):
+class Agent(AgentTrust, Service):
     def __init__(self, cfg: AgentConfig) -> None:
         self.cfg = cfg
         self.site = cfg.site
@@ -250,99 +202,6 @@ class Agent(Service):
         if self.view is None or site not in self.view.live:
             return None
         return self.cfg.peer_map.get(site) or self.view.live[site].endpoint
-
-    def _pki_paths(self) -> PkiPaths:
-        """The PKI directory of the edge certificate and the CURVE keys (``--pki-dir``, else HOME/pki)."""
-        return PkiPaths(self.cfg.pki_dir) if self.cfg.pki_dir is not None else PkiPaths.under(self.cfg.home)
-
-    async def _open_curve(self) -> CurveSecurity | None:
-        cfg, me = self.cfg, Identity("site", self.site)
-        if cfg.insecure:
-            log.warning("--insecure: ZeroMQ links between sites are NOT authenticated or encrypted",
-                        extra=kv(site=self.site, event="insecure"))
-            return None
-        paths = self._pki_paths()
-        if not (paths.cert(me).exists() and paths.curve(me).exists()):
-            if cfg.pki_dir is not None:
-                raise ConfigError(f"no certificate or CURVE key for site {self.site} in {paths.root} "
-                                  f"(run `tiermesh pki issue --site {self.site}`, or pass --insecure)")
-            log.warning("no site credentials in %s: ZeroMQ links are NOT secured (issue them with "
-                        "`tiermesh pki issue --site %s`)", paths.root, self.site,
-                        extra=kv(site=self.site, event="insecure"))
-            return None
-        from mesh.zmq.curve import CurveSecurity, SiteKeys
-
-        keys = read_curve(paths.curve(me))
-        sites = SiteKeys(paths)
-        # our own certificate must bind our own key, or no peer would ever admit us
-        sites.trust.verify(paths.cert(me).read_bytes(), use="server", kinds=(me.kind,), curve_public=keys.public)
-        await sites.start()
-        log.info("CURVE on: %d site keys admitted", len(sites.sites()), extra=kv(site=self.site, event="curve"))
-        sites.on_change.append(self._check_own_key)
-        return CurveSecurity(keys, sites)
-
-    def _check_own_key(self) -> None:
-        """Our certificate was re-issued with a new CURVE key (rotation): take the new pair without a restart.
-        Only once the key file on disk holds the pair the valid certificate binds (files are replaced one by
-        one)."""
-        if self.curve is None or self._rekeying is not None:
-            return
-        bound = self.curve.sites.key_of(self.site)
-        if bound is None or bound == self.curve.keys.public:
-            return
-        try:
-            keys = read_curve(self._pki_paths().curve(Identity("site", self.site)))
-        except (MeshError, OSError) as exc:
-            log.warning("re-issued CURVE key not readable yet: %s", exc, extra=kv(site=self.site, event="rekey"))
-            return
-        if keys.public != bound:
-            return  # the key file is not the certificate's yet: the next refresh looks again
-        self._rekeying = asyncio.create_task(self._rekey(keys), name=f"rekey:{self.site}")
-
-    async def _rekey(self, keys: CurveKeyPair) -> None:
-        assert self.curve is not None and self.zmq_server is not None and self.zmq_client is not None
-        try:
-            self.curve.keys = keys             # new sockets (server and client) use the new pair ...
-            await self.zmq_server.rebind()     # ... and the listener now, so that peers dialling the key our
-            self.zmq_client.drop_idle()        # certificate binds get through; idle client sockets reopen
-            if self.liveness is not None:      # say so at once: peers dial the key our live record publishes
-                await self.liveness.beat()
-            log.info("CURVE key rotated without a restart", extra=kv(site=self.site, event="rekey"))
-        except Exception:
-            log.exception("CURVE key rotation failed", extra=kv(site=self.site, event="rekey"))
-        finally:
-            self._rekeying = None
-
-    def _redial_rotated(self) -> None:
-        """A peer whose CURVE key changed (re-issued certificate): its socket has the old key and would fail
-        every handshake, so re-dial it with the new one; what was pending to it is re-sent over that."""
-        assert self.zmq_client is not None and self.peer_keys is not None
-        for endpoint, new in self.peer_keys.rotated():
-            if new is None:  # nothing to dial it with (refused, or gone): what waits for it fails now
-                self.zmq_client.fail_peer(endpoint, "its CURVE key changed")
-            else:
-                self.zmq_client.redial(endpoint, "its CURVE key changed")
-
-    def _adopt_crl(self) -> None:
-        """Hand a changed ``pki/crl`` to the edge TLS and CURVE trust stores; each adopts it only if it is
-        signed by its CA and newer than what it holds. A bad list is logged and the held one stays."""
-        pem = self.view.crl if self.view is not None else None
-        if pem is None or pem == self._crl_seen:
-            return
-        self._crl_seen = pem
-        holders = [("edge TLS", self.http.tls if self.http else None),
-                   ("CURVE", self.curve.sites if self.curve else None)]
-        for what, holder in holders:
-            if holder is None:
-                continue
-            try:
-                adopted = holder.load_crl(pem)
-            except PkiError as exc:
-                log.warning("revocation list from etcd not adopted by %s: %s", what, exc,
-                            extra=kv(site=self.site, event="crl_refused"))
-                continue
-            if adopted:
-                log.info("revocation list from etcd adopted by %s", what, extra=kv(site=self.site, event="crl"))
 
     def _blob_peers(self, digest: str) -> list[str]:
         """Where a blob can be fetched from before the variant store: live peers holding it, nearest first."""

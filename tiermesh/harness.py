@@ -33,14 +33,12 @@ import os
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from console import ConsoleConfig, ConsoleServer, new_token
 from console.app import Route
 from core_scheduler.scheduler import Scheduler
-from edge_agent.agent import BLOB_PEER
 from mesh.errors import ConfigError, MeshError, StoreError
 from mesh.etcd import rbac
 from mesh.etcd.cluster import EtcdCluster
@@ -48,19 +46,18 @@ from mesh.etcd.server import EmbeddedEtcd
 from mesh.etcd.store import Store
 from mesh.lifecycle import Service, cancel_and_wait
 from mesh.log import get_logger, kv
-from mesh.pki.files import write_file
 from mesh.pki.identity import Identity
 from mesh.pki.local import LocalPki
-from mesh.types import DEFAULT_TENANT
 from tiermesh.caps import CpuCgroups, SiteCaps, machine_memory_mb, plan_caps
 from tiermesh.control import ControlOptions, ControlProcesses, PrefixedEtcd, terminate
 from tiermesh.delayproxy import ProxyPool
-from tiermesh.drills import crosses_link
+from tiermesh.identities import CONSOLE_SCRAPER, CONSOLE_SERVER, MeshIdentities
 from tiermesh.launcher import AgentLauncher
-from tiermesh.mesh_options import MeshOptions, SiteProcess, free_port, path_shape
-from tiermesh.netns import DrillKind, NetnsLab
+from tiermesh.mesh_options import MeshOptions, SiteProcess, free_port
+from tiermesh.netns import NetnsLab
 from tiermesh.readiness import Readiness
 from tiermesh.secure import OPERATOR, SCHEDULER, MeshCredentials, rbac_plan
+from tiermesh.wan import WanLinks
 from topology.loader import load_topology_file
 from topology.schema import Topology
 from topology.store_io import apply as apply_topology
@@ -74,14 +71,9 @@ from variant_store.server import VariantStoreServer
 __all__ = ["LocalMesh"]
 
 log = get_logger(__name__)
-# the console's identities in a local mesh: it serves as CONSOLE_SERVER, scrapes the agents as CONSOLE_SCRAPER,
-# and CONSOLE_ADMIN (PEM and PKCS#12) is for the person at the browser
-CONSOLE_SERVER = Identity("scheduler", "console")
-CONSOLE_SCRAPER = Identity("admin", "console")
-CONSOLE_ADMIN = Identity("admin", "admin")
 
 
-class LocalMesh(Readiness, Service):
+class LocalMesh(Readiness, MeshIdentities, WanLinks, Service):
     def __init__(self, opts: MeshOptions) -> None:
         self.opts = opts
         self.topology: Topology = load_topology_file(opts.topology)
@@ -279,52 +271,6 @@ class LocalMesh(Readiness, Service):
 
         return [("GET", "/metrics", metrics_handler(self.scheduler.metrics.registry))]
 
-    # -- identities ------------------------------------------------------------------------
-    def tenants(self) -> list[str]:
-        """Every tenant a caller may be: the topology's, and the default ``public``."""
-        return sorted({DEFAULT_TENANT, *self.topology.tenants})
-
-    def _issue_certificates(self, names: list[str]) -> None:
-        """With ``tls``: the CA (kept if the home has one) and a fresh certificate for every identity of
-        :mod:`tiermesh.secure`. Re-issuing is rotation: running processes reload the files."""
-        if self.creds is None:
-            return
-        sites = {n: self._address(n) for n in names}
-        sites.setdefault(self._store_identity(), self._address("ctl"))
-        self.creds.issue(sites, self.tenants(), etcd_address=self._address("etcd"))
-        if self.opts.console:  # the console's server and scrape identities, and one for a person's browser
-            pki = self.creds.pki
-            pki.issue(CONSOLE_SERVER, addresses=["127.0.0.1", "localhost"])
-            for admin in (CONSOLE_SCRAPER, CONSOLE_ADMIN):
-                pki.issue(admin)
-            password = new_token()
-            pki.export_pkcs12(CONSOLE_ADMIN, password)
-            write_file(pki.paths.cert(CONSOLE_ADMIN).with_suffix(".p12.password"), password.encode() + b"\n",
-                       private=True)
-
-    def rotate_certificates(self) -> None:
-        """Re-issue every certificate (and every site's CURVE key) in place, as an operator rotating would;
-        running processes pick them up from the files, none restarts."""
-        if self.creds is None:
-            raise ConfigError("this mesh runs without TLS (MeshOptions.tls is off): there are no certificates")
-        self._issue_certificates(sorted(self.sites))
-
-    def tenant_files(self, tenant: str) -> dict[str, Path]:
-        """``cert``, ``key`` and ``ca`` for an SDK client of ``tenant`` (``AsyncClient(url, **files)``)."""
-        if self.pki is None:
-            raise ConfigError("this mesh runs without TLS (MeshOptions.tls is off): there are no certificates")
-        who = Identity("tenant", tenant)
-        return {"cert": self.pki.paths.cert(who), "key": self.pki.paths.key(who), "ca": self.pki.paths.ca_cert}
-
-    def admin_files(self, name: str = CONSOLE_ADMIN.name) -> dict[str, Path]:
-        """``cert``, ``key``, ``ca``, ``p12`` and ``p12_password`` (a file) of an admin, for the console."""
-        if self.pki is None:
-            raise ConfigError("this mesh runs without TLS (MeshOptions.tls is off): the console takes a token")
-        who = Identity("admin", name)
-        cert = self.pki.paths.cert(who)
-        return {"cert": cert, "key": self.pki.paths.key(who), "ca": self.pki.paths.ca_cert,
-                "p12": cert.with_suffix(".p12"), "p12_password": cert.with_suffix(".p12.password")}
-
     def addresses(self) -> dict[str, Any]:
         """What each participant listens on (for the report): per site its host address, HTTP URL
         and ZeroMQ endpoint (and namespace), plus etcd, the variant store and the proxies' address."""
@@ -384,24 +330,6 @@ class LocalMesh(Readiness, Service):
             with contextlib.suppress(Exception):
                 await self.etcd.stop(keep_data=True)
 
-    # -- WAN emulation ---------------------------------------------------------------------
-    async def _start_proxies(self) -> None:
-        for src in self.sites:
-            peer_map: dict[str, str] = {}
-            for dst, sp in self.sites.items():
-                if dst == src:
-                    continue
-                shape = path_shape(self.topology, src, dst)
-                proxy = await self.proxies.add(src, dst, (self._address(dst), sp.zmq_port), shape)
-                peer_map[dst] = proxy.endpoint
-            blob_proxy = await self._blob_proxy(src)
-            if blob_proxy is not None:
-                peer_map[BLOB_PEER] = blob_proxy
-            path = self.opts.home / "sites" / src / "peers.json"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(peer_map, indent=1))
-            self.sites[src].peer_map_path = path
-
     async def _connect_as(self, who: Identity) -> Store:
         """A Store on this mesh's etcd, with ``who``'s client certificate when the mesh is secured."""
         if self.creds is None:
@@ -420,67 +348,6 @@ class LocalMesh(Readiness, Service):
             return self.opts.store_site
         cores = sorted(n for n, s in self.topology.sites.items() if s.tier == "core")
         return cores[0] if cores else None
-
-    async def _blob_proxy(self, src: str) -> str | None:
-        """URL through which ``src`` reaches the variant store over its path to the store's site."""
-        home_site = self._store_site()
-        if home_site is None or home_site == src or self.store_url is None:
-            return None
-        url = urlsplit(self.store_url)
-        if url.hostname is None or url.port is None:
-            return None
-        shape = path_shape(self.topology, src, home_site, jitter=False)
-        proxy = await self.proxies.add(src, BLOB_PEER, (url.hostname, url.port), shape)
-        return f"{url.scheme}://{proxy.listen_host}:{proxy.port}"  # TLS goes through the TCP proxy
-
-    def pairs_over(self, a: str, b: str) -> list[tuple[str, str]]:
-        """The directed proxies (src, dst) whose planned path crosses the link ``a``-``b`` (a blob
-        proxy's path ends at the store's site); without such a link, the pair's own two."""
-        crosses = crosses_link(self.topology, a, b)
-        store_site = self._store_site() or ""
-        return sorted((src, dst) for src, dst in self.proxies.proxies
-                      if crosses(src, store_site if dst == BLOB_PEER else dst))
-
-    async def drill(self, kind: DrillKind, a: str, b: str) -> list[tuple[str, str]]:
-        """Fail the link ``a``-``b`` both ways for every path that crosses it (:meth:`pairs_over`);
-        ``cut``: connections are reset; ``blackhole``: packets vanish, connections stay open (a
-        gray failure). Without netns the delay proxies do it. Returns the directed pairs it failed."""
-        for site in (a, b):
-            if site not in self.topology.sites:
-                raise ConfigError(f"--{kind} {a}-{b}: {site!r} is not a site of {self.opts.topology}")
-        if not self.opts.wan:  # no proxies: the two sites' own traffic
-            if self.lab is None:
-                raise ConfigError(f"--{kind} needs the delay proxies or --netns (it was started with no WAN)")
-            await self.lab.block(a, peer=self._address(b), port=None, kind=kind)
-            return [(a, b), (b, a)]
-        pairs = self.pairs_over(a, b)
-        for src, dst in pairs:
-            proxy = self.proxies.proxies[(src, dst)]
-            if self.lab is None and kind == "cut":
-                await proxy.cut()
-            elif self.lab is None:
-                proxy.blackhole()
-            else:  # src reaches dst through this proxy's port on the root address
-                await self.lab.block(src, peer=self.lab.root_address, port=proxy.port, kind=kind)
-        return pairs
-
-    async def heal(self, a: str, b: str) -> None:
-        """Undo :meth:`drill` on ``a``-``b`` (with netns: every drill rule in the namespaces involved)."""
-        if self.lab is not None and not self.opts.wan:
-            await self.lab.unblock(a)
-        for src, dst in self.pairs_over(a, b):
-            if self.lab is None:
-                self.proxies.proxies[(src, dst)].restore()
-            else:
-                await self.lab.unblock(src)
-
-    def _issue_site_credentials(self, names: list[str]) -> None:
-        """What `tiermesh pki init` (unless a CA is there) and `tiermesh pki issue --site S` do."""
-        pki = LocalPki.under(self.opts.home)
-        if not pki.exists():
-            pki.init()
-        for name in names:
-            pki.issue(Identity("site", name))
 
     # -- sites -----------------------------------------------------------------------------
     async def start_site(self, name: str) -> None:

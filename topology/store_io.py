@@ -24,7 +24,8 @@ from typing import Any
 
 from mesh.errors import ConflictError, StoreError
 from mesh.etcd.keys import LINKS, SITES, TENANTS, TOPOLOGY_LAST_APPLY, TOPOLOGY_META, link_key, site_key, tenant_key
-from mesh.etcd.store import KV, Compare, CreateRevision, Delete, ModRevision, Op, Put, Store
+from mesh.etcd.ops import KV, Compare, CreateRevision, Delete, ModRevision, Op, Put
+from mesh.etcd.store import Store
 from mesh.log import get_logger, kv
 from topology.schema import SCHEMA_VERSION, Link, Site, Tenant, Topology
 

@@ -19,7 +19,8 @@ import time
 from typing import Any
 
 from mesh.etcd.keys import FORECAST_STATE
-from mesh.etcd.store import Compare, Delete, Op, Put, Store, chunk_ops
+from mesh.etcd.ops import Compare, Delete, Op, Put, chunk_ops
+from mesh.etcd.store import Store
 
 __all__ = ["CHUNK_BYTES", "load_forecast", "save_forecast"]
 

@@ -26,7 +26,8 @@ from core_scheduler.state.heartbeat import Heartbeat
 from core_scheduler.state.scope import Scope, view_ranges
 from mesh.errors import StoreError
 from mesh.etcd.keys import parse_key
-from mesh.etcd.store import KV, Store
+from mesh.etcd.ops import KV
+from mesh.etcd.store import Store
 from mesh.etcd.watch import KeyRange
 from mesh.lifecycle import Service, cancel_and_wait
 from mesh.log import get_logger, kv

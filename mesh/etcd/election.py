@@ -17,7 +17,8 @@ from types import TracebackType
 
 from mesh.errors import StoreError
 from mesh.etcd.lease import Lease
-from mesh.etcd.store import CreateRevision, Put, Store
+from mesh.etcd.ops import CreateRevision, Put
+from mesh.etcd.store import Store
 from mesh.lifecycle import cancel_and_wait
 from mesh.log import get_logger, kv
 

@@ -27,11 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import math
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -40,25 +38,24 @@ from mesh.etcd import messages as rpc
 from mesh.etcd.channels import Channels, Member, StorePermissionDenied, rpc_errors, tls_hint, translate
 from mesh.etcd.endpoints import EtcdEndpoints, parse_endpoints
 from mesh.etcd.lease import Lease
+from mesh.etcd.ops import (
+    KV,
+    Compare,
+    CreateRevision,
+    ModRevision,
+    Op,
+    Put,
+    TxnResult,
+    ValueEquals,
+    decode_value,
+    encode_value,
+)
 from mesh.etcd.watch import Compacted, KeyRange, Watch, WatchEvent
 from mesh.etcd.wire import RpcError, StatusCode, prefix_end
 from mesh.lifecycle import Service, State
 from mesh.log import get_logger
 
-__all__ = [
-    "KV",
-    "MAX_TXN_OPS",
-    "Compare",
-    "CreateRevision",
-    "Delete",
-    "ModRevision",
-    "Op",
-    "Put",
-    "Store",
-    "TxnResult",
-    "ValueEquals",
-    "chunk_ops",
-]
+__all__ = ["Store"]
 
 log = get_logger(__name__)
 T = TypeVar("T")
@@ -69,95 +66,7 @@ _WATCH_MD = (("hasleader", "true"),)
 # what connecting retries (a member restarting, or electing a leader); anything else fails at once
 _RETRY_CONNECT = frozenset({StatusCode.UNAVAILABLE, StatusCode.DEADLINE_EXCEEDED,
                             StatusCode.UNKNOWN})  # etcd: "context deadline exceeded" mid-election
-# etcd's --max-txn-ops default: a txn with more operations in a branch is refused outright
-MAX_TXN_OPS = 128
 _OPS = {"==": rpc.Compare.EQUAL, "!=": rpc.Compare.NOT_EQUAL, "<": rpc.Compare.LESS, ">": rpc.Compare.GREATER}
-CmpOp = Literal["==", "!=", "<", ">"]
-
-
-@dataclass(frozen=True)
-class KV:
-    key: str
-    value: Any
-    mod_revision: int
-    create_revision: int
-    lease: int
-
-
-@dataclass(frozen=True)
-class TxnResult:
-    succeeded: bool
-    revision: int
-
-
-@dataclass(frozen=True)
-class ModRevision:
-    key: str
-    op: CmpOp
-    revision: int
-
-
-@dataclass(frozen=True)
-class CreateRevision:
-    """``CreateRevision(key, "==", 0)`` holds when the key is absent."""
-
-    key: str
-    op: CmpOp
-    revision: int
-
-
-@dataclass(frozen=True)
-class ValueEquals:
-    key: str
-    value: Any
-
-
-@dataclass(frozen=True)
-class Put:
-    key: str
-    value: Any
-    lease: Lease | None = None
-
-
-@dataclass(frozen=True)
-class Delete:
-    key: str
-
-
-Compare = ModRevision | CreateRevision | ValueEquals
-Op = Put | Delete
-
-
-def _encode(value: Any) -> bytes:
-    try:
-        return json.dumps(value, separators=(",", ":"), sort_keys=True).encode()
-    except (TypeError, ValueError) as exc:
-        raise StoreError(f"value is not JSON-serialisable: {exc}") from exc
-
-
-def _decode(raw: bytes) -> Any:
-    try:
-        return json.loads(raw)
-    except ValueError:
-        # Written by something other than tiermesh: hand it over as text rather than fail a loop.
-        return raw.decode("utf-8", errors="replace")
-
-
-def chunk_ops(ops: Sequence[Op], max_ops: int = MAX_TXN_OPS, max_bytes: int = 1 << 20) -> list[list[Op]]:
-    """``ops`` cut, in order, into runs etcd accepts in one txn: at most ``max_ops`` operations and about
-    ``max_bytes`` of keys and values each (etcd's request limit is 1.5 MiB by default)."""
-    if max_ops < 1:
-        raise ValueError(f"max_ops must be at least 1, got {max_ops}")
-    out: list[list[Op]] = []
-    size = 0
-    for op in ops:
-        n = len(op.key) + (len(_encode(op.value)) if isinstance(op, Put) else 0)
-        if not out or len(out[-1]) >= max_ops or (out[-1] and size + n > max_bytes):
-            out.append([])
-            size = 0
-        out[-1].append(op)
-        size += n
-    return out
 
 
 class Store(Service):
@@ -233,7 +142,7 @@ class Store(Service):
         return key[len(self._bprefix):].decode()
 
     def _kv(self, raw: Any) -> KV:
-        return KV(self._rel(raw.key), _decode(raw.value), raw.mod_revision, raw.create_revision, raw.lease)
+        return KV(self._rel(raw.key), decode_value(raw.value), raw.mod_revision, raw.create_revision, raw.lease)
 
     def _member(self) -> tuple[int, Member]:
         if self.state is State.STOPPED or self._channels.closed:
@@ -285,7 +194,7 @@ class Store(Service):
         return [self._kv(x) for x in resp.kvs]
 
     async def put(self, key: str, value: Any, *, lease: Lease | None = None) -> int:
-        req = rpc.PutRequest(key=self._k(key), value=_encode(value), lease=lease.id if lease else 0)
+        req = rpc.PutRequest(key=self._k(key), value=encode_value(value), lease=lease.id if lease else 0)
         resp = await self._unary(f"put {key!r}", lambda m, t: m.kv.Put(req, timeout=t))
         return int(resp.header.revision)
 
@@ -316,7 +225,7 @@ class Store(Service):
     def _compare(self, c: Compare) -> Any:
         if isinstance(c, ValueEquals):
             return rpc.Compare(key=self._k(c.key), result=rpc.Compare.EQUAL, target=rpc.Compare.VALUE,
-                               value=_encode(c.value))
+                               value=encode_value(c.value))
         if isinstance(c, ModRevision):
             return rpc.Compare(key=self._k(c.key), result=_OPS[c.op], target=rpc.Compare.MOD,
                                mod_revision=c.revision)
@@ -326,7 +235,7 @@ class Store(Service):
     def _op(self, op: Op) -> Any:
         if isinstance(op, Put):
             return rpc.RequestOp(request_put=rpc.PutRequest(
-                key=self._k(op.key), value=_encode(op.value), lease=op.lease.id if op.lease else 0))
+                key=self._k(op.key), value=encode_value(op.value), lease=op.lease.id if op.lease else 0))
         return rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=self._k(op.key)))
 
     async def _txn_raw(self, compares: list[Compare], success: list[Any], failure: list[Any]) -> Any:
@@ -444,7 +353,7 @@ class Store(Service):
         events: list[WatchEvent] = []
         for ev in raw:
             kind: Literal["put", "delete"] = "delete" if ev.type == rpc.Event.DELETE else "put"
-            value = _decode(ev.kv.value) if kind == "put" else None
+            value = decode_value(ev.kv.value) if kind == "put" else None
             events.append(WatchEvent(kind, self._rel(ev.kv.key), value, int(ev.kv.mod_revision),
                                      len(ev.kv.key) + len(ev.kv.value)))
         return events

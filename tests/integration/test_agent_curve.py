@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from edge_agent.agent import Agent, AgentConfig
+from edge_agent.agent import Agent
+from edge_agent.agent_config import AgentConfig
 from mesh.errors import ConfigError
 from mesh.etcd.server import EmbeddedEtcd
 from mesh.etcd.store import Store

@@ -20,7 +20,8 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from edge_agent.agent import Agent, AgentConfig
+from edge_agent.agent import Agent
+from edge_agent.agent_config import AgentConfig
 from mesh.etcd.server import EmbeddedEtcd
 from mesh.etcd.store import Store
 from mesh.types import SLO, InferRequest

@@ -9,7 +9,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from edge_agent.agent import Agent, AgentConfig
+from edge_agent.agent import Agent
+from edge_agent.agent_config import AgentConfig
 from mesh.etcd.server import EmbeddedEtcd
 from mesh.etcd.store import Store
 from mesh.settings import MeshSettings

@@ -12,7 +12,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from edge_agent.agent import Agent, AgentConfig
+from edge_agent.agent import Agent
+from edge_agent.agent_config import AgentConfig
 from mesh.errors import PkiError
 from mesh.etcd.server import EmbeddedEtcd
 from mesh.etcd.store import Store

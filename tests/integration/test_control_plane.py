@@ -19,7 +19,8 @@ from core_scheduler.state.view import MeshView
 from edge_agent.liveness import Liveness
 from mesh.errors import StoreError
 from mesh.etcd.keys import PLACEMENT, catalog_key, live_key, placement_key
-from mesh.etcd.store import Put, Store, chunk_ops
+from mesh.etcd.ops import Put, chunk_ops
+from mesh.etcd.store import Store
 from mesh.etcd.watch import KeyRange
 from tests.helpers.waiting import eventually
 from topology.schema import Hardware, Link, Site, Topology

@@ -16,7 +16,8 @@ from urllib.parse import urlsplit
 import aiohttp
 import pytest
 
-from edge_agent.agent import Agent, AgentConfig
+from edge_agent.agent import Agent
+from edge_agent.agent_config import AgentConfig
 from mesh.etcd.keys import PKI_CRL
 from mesh.etcd.server import EmbeddedEtcd
 from mesh.etcd.store import Store

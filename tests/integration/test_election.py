@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from mesh.etcd.election import Election
+from mesh.etcd.ops import CreateRevision, Put
 from mesh.etcd.server import EmbeddedEtcd
-from mesh.etcd.store import CreateRevision, Put, Store
+from mesh.etcd.store import Store
 
 pytestmark = pytest.mark.integration
 

@@ -13,7 +13,8 @@ import aiohttp
 import numpy as np
 import pytest
 
-from edge_agent.agent import Agent, AgentConfig
+from edge_agent.agent import Agent
+from edge_agent.agent_config import AgentConfig
 from mesh.errors import UnknownTask
 from mesh.etcd.keys import blobs_key, live_key
 from mesh.etcd.server import EmbeddedEtcd

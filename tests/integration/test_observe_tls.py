@@ -11,7 +11,8 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from edge_agent.agent import Agent, AgentConfig
+from edge_agent.agent import Agent
+from edge_agent.agent_config import AgentConfig
 from mesh.etcd.server import EmbeddedEtcd
 from mesh.etcd.store import Store
 from mesh.pki.identity import Identity

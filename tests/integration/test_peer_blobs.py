@@ -13,7 +13,8 @@ import aiohttp
 import numpy as np
 import pytest
 
-from edge_agent.agent import Agent, AgentConfig
+from edge_agent.agent import Agent
+from edge_agent.agent_config import AgentConfig
 from mesh.errors import BlobError, RuntimeLoadError
 from mesh.etcd.server import EmbeddedEtcd
 from mesh.etcd.store import Store

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from core_scheduler.policy.quota import FLOOR
-from edge_agent.agent import Agent, AgentConfig
+from edge_agent.agent import Agent
+from edge_agent.agent_config import AgentConfig
 from mesh.etcd.server import EmbeddedEtcd
 from mesh.etcd.store import Store
 from mesh.types import SLO, InferRequest, TensorSpec

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from mesh.errors import ConflictError, StoreError, StoreUnavailable
+from mesh.etcd.ops import CreateRevision, Delete, ModRevision, Put, ValueEquals
 from mesh.etcd.server import EmbeddedEtcd
-from mesh.etcd.store import CreateRevision, Delete, ModRevision, Put, Store, ValueEquals
+from mesh.etcd.store import Store
 from mesh.etcd.watch import WatchEvent
 
 pytestmark = pytest.mark.integration

@@ -318,7 +318,7 @@ async def test_unknown_tenant_is_refused_and_a_known_tenant_is_served(
 async def test_blob_fetches_travel_each_sites_path_to_the_variant_store(small_mesh: LocalMesh) -> None:
     """The variant store lives at the core: every other site fetched the blobs it loaded through
     its own delay proxy, so a cold start there paid at least one round trip of that path."""
-    from edge_agent.agent import BLOB_PEER
+    from edge_agent.agent_config import BLOB_PEER
     from mesh.etcd.keys import live_key
 
     store = small_mesh.store

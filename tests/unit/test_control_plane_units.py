@@ -15,7 +15,7 @@ from core_scheduler.state.heartbeat import DemandSample, Heartbeat, LoadedVarian
 from core_scheduler.state.scope import Scope, live_ranges, route_set, view_ranges
 from core_scheduler.state.snapshot import SnapshotBuilder, build_snapshot
 from core_scheduler.state.view import MeshView
-from mesh.etcd.store import MAX_TXN_OPS, Delete, Put, chunk_ops
+from mesh.etcd.ops import MAX_TXN_OPS, Delete, Put, chunk_ops
 from mesh.etcd.watch import KeyRange
 from topology.schema import Hardware, Link, Site, Topology
 from variant_store.meta import LatencyStats, Profile, VariantMeta

@@ -14,7 +14,8 @@ import ssl
 import sys
 from pathlib import Path
 
-from edge_agent.agent import Agent, AgentConfig, load_peer_map
+from edge_agent.agent import Agent, load_peer_map
+from edge_agent.agent_config import AgentConfig
 from mesh.errors import ConfigError
 from mesh.pki.files import PkiPaths
 from mesh.pki.identity import Identity

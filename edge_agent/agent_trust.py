@@ -1,0 +1,138 @@
+"""The agent's trust: its CURVE keys and the sites' (on unless ``--insecure``), a re-issued key of its own
+taken without a restart, peers re-dialled when theirs change, and the revocation list from etcd handed to
+both trust stores (edge TLS and CURVE). A mixin of :class:`edge_agent.agent.Agent`.
+
+CURVE and mutual TLS load ``cryptography``: imported where a secured agent builds them, so an ``--insecure``
+agent never loads it (the edge footprint)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from mesh.errors import ConfigError, MeshError, PkiError
+from mesh.log import get_logger, kv
+from mesh.pki.files import PkiPaths, read_curve
+from mesh.pki.identity import Identity
+
+if TYPE_CHECKING:
+    from core_scheduler.state.view import MeshView
+    from edge_agent.agent_config import AgentConfig
+    from edge_agent.http_api import EdgeHttpServer
+    from edge_agent.liveness import Liveness
+    from edge_agent.peer_keys import PeerKeys
+    from mesh.pki.curve import CurveKeyPair
+    from mesh.zmq.client import ZmqClient
+    from mesh.zmq.curve import CurveSecurity
+    from mesh.zmq.server import ZmqServer
+
+__all__ = ["AgentTrust"]
+
+log = get_logger("edge_agent.agent")
+
+
+class AgentTrust:
+    site: str
+    view: MeshView | None
+    curve: CurveSecurity | None
+    peer_keys: PeerKeys | None
+    zmq_server: ZmqServer | None
+    zmq_client: ZmqClient | None
+    http: EdgeHttpServer | None
+    liveness: Liveness | None
+    _crl_seen: bytes | None
+    _rekeying: asyncio.Task[None] | None
+    cfg: AgentConfig
+
+    def _pki_paths(self) -> PkiPaths:
+        """The PKI directory of the edge certificate and the CURVE keys (``--pki-dir``, else HOME/pki)."""
+        return PkiPaths(self.cfg.pki_dir) if self.cfg.pki_dir is not None else PkiPaths.under(self.cfg.home)
+
+    async def _open_curve(self) -> CurveSecurity | None:
+        cfg, me = self.cfg, Identity("site", self.site)
+        if cfg.insecure:
+            log.warning("--insecure: ZeroMQ links between sites are NOT authenticated or encrypted",
+                        extra=kv(site=self.site, event="insecure"))
+            return None
+        paths = self._pki_paths()
+        if not (paths.cert(me).exists() and paths.curve(me).exists()):
+            if cfg.pki_dir is not None:
+                raise ConfigError(f"no certificate or CURVE key for site {self.site} in {paths.root} "
+                                  f"(run `tiermesh pki issue --site {self.site}`, or pass --insecure)")
+            log.warning("no site credentials in %s: ZeroMQ links are NOT secured (issue them with "
+                        "`tiermesh pki issue --site %s`)", paths.root, self.site,
+                        extra=kv(site=self.site, event="insecure"))
+            return None
+        from mesh.zmq.curve import CurveSecurity, SiteKeys
+
+        keys = read_curve(paths.curve(me))
+        sites = SiteKeys(paths)
+        # our own certificate must bind our own key, or no peer would ever admit us
+        sites.trust.verify(paths.cert(me).read_bytes(), use="server", kinds=(me.kind,), curve_public=keys.public)
+        await sites.start()
+        log.info("CURVE on: %d site keys admitted", len(sites.sites()), extra=kv(site=self.site, event="curve"))
+        sites.on_change.append(self._check_own_key)
+        return CurveSecurity(keys, sites)
+
+    def _check_own_key(self) -> None:
+        """Our certificate was re-issued with a new CURVE key (rotation): take the new pair without a restart.
+        Only once the key file on disk holds the pair the valid certificate binds (files are replaced one by
+        one)."""
+        if self.curve is None or self._rekeying is not None:
+            return
+        bound = self.curve.sites.key_of(self.site)
+        if bound is None or bound == self.curve.keys.public:
+            return
+        try:
+            keys = read_curve(self._pki_paths().curve(Identity("site", self.site)))
+        except (MeshError, OSError) as exc:
+            log.warning("re-issued CURVE key not readable yet: %s", exc, extra=kv(site=self.site, event="rekey"))
+            return
+        if keys.public != bound:
+            return  # the key file is not the certificate's yet: the next refresh looks again
+        self._rekeying = asyncio.create_task(self._rekey(keys), name=f"rekey:{self.site}")
+
+    async def _rekey(self, keys: CurveKeyPair) -> None:
+        assert self.curve is not None and self.zmq_server is not None and self.zmq_client is not None
+        try:
+            self.curve.keys = keys             # new sockets (server and client) use the new pair ...
+            await self.zmq_server.rebind()     # ... and the listener now, so that peers dialling the key our
+            self.zmq_client.drop_idle()        # certificate binds get through; idle client sockets reopen
+            if self.liveness is not None:      # say so at once: peers dial the key our live record publishes
+                await self.liveness.beat()
+            log.info("CURVE key rotated without a restart", extra=kv(site=self.site, event="rekey"))
+        except Exception:
+            log.exception("CURVE key rotation failed", extra=kv(site=self.site, event="rekey"))
+        finally:
+            self._rekeying = None
+
+    def _redial_rotated(self) -> None:
+        """A peer whose CURVE key changed (re-issued certificate): its socket has the old key and would fail
+        every handshake, so re-dial it with the new one; what was pending to it is re-sent over that."""
+        assert self.zmq_client is not None and self.peer_keys is not None
+        for endpoint, new in self.peer_keys.rotated():
+            if new is None:  # nothing to dial it with (refused, or gone): what waits for it fails now
+                self.zmq_client.fail_peer(endpoint, "its CURVE key changed")
+            else:
+                self.zmq_client.redial(endpoint, "its CURVE key changed")
+
+    def _adopt_crl(self) -> None:
+        """Hand a changed ``pki/crl`` to the edge TLS and CURVE trust stores; each adopts it only if it is
+        signed by its CA and newer than what it holds. A bad list is logged and the held one stays."""
+        pem = self.view.crl if self.view is not None else None
+        if pem is None or pem == self._crl_seen:
+            return
+        self._crl_seen = pem
+        holders = [("edge TLS", self.http.tls if self.http else None),
+                   ("CURVE", self.curve.sites if self.curve else None)]
+        for what, holder in holders:
+            if holder is None:
+                continue
+            try:
+                adopted = holder.load_crl(pem)
+            except PkiError as exc:
+                log.warning("revocation list from etcd not adopted by %s: %s", what, exc,
+                            extra=kv(site=self.site, event="crl_refused"))
+                continue
+            if adopted:
+                log.info("revocation list from etcd adopted by %s", what, extra=kv(site=self.site, event="crl"))

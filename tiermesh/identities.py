@@ -1,0 +1,94 @@
+"""Who is who in a local mesh: the certificates of every site, tenant, operator, scheduler and the
+console's people (with ``tls``), or the sites' CURVE keys alone (with ``curve``), and the files an SDK
+client or a browser needs. A mixin of :class:`tiermesh.harness.LocalMesh`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from console import new_token
+from mesh.errors import ConfigError
+from mesh.pki.files import write_file
+from mesh.pki.identity import Identity
+from mesh.pki.local import LocalPki
+from mesh.types import DEFAULT_TENANT
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from tiermesh.mesh_options import MeshOptions, SiteProcess
+    from tiermesh.secure import MeshCredentials
+    from topology.schema import Topology
+
+__all__ = ["CONSOLE_ADMIN", "CONSOLE_SCRAPER", "CONSOLE_SERVER", "MeshIdentities"]
+
+# the console's identities in a local mesh: it serves as CONSOLE_SERVER, scrapes the agents as CONSOLE_SCRAPER,
+# and CONSOLE_ADMIN (PEM and PKCS#12) is for the person at the browser
+CONSOLE_SERVER = Identity("scheduler", "console")
+CONSOLE_SCRAPER = Identity("admin", "console")
+CONSOLE_ADMIN = Identity("admin", "admin")
+
+
+class MeshIdentities:
+    opts: MeshOptions
+    topology: Topology
+    sites: dict[str, SiteProcess]
+    pki: LocalPki | None
+    creds: MeshCredentials | None
+
+    if TYPE_CHECKING:
+        def _address(self, role: str) -> str: ...
+        def _store_identity(self) -> str: ...
+
+    def tenants(self) -> list[str]:
+        """Every tenant a caller may be: the topology's, and the default ``public``."""
+        return sorted({DEFAULT_TENANT, *self.topology.tenants})
+
+    def _issue_certificates(self, names: list[str]) -> None:
+        """With ``tls``: the CA (kept if the home has one) and a fresh certificate for every identity of
+        :mod:`tiermesh.secure`. Re-issuing is rotation: running processes reload the files."""
+        if self.creds is None:
+            return
+        sites = {n: self._address(n) for n in names}
+        sites.setdefault(self._store_identity(), self._address("ctl"))
+        self.creds.issue(sites, self.tenants(), etcd_address=self._address("etcd"))
+        if self.opts.console:  # the console's server and scrape identities, and one for a person's browser
+            pki = self.creds.pki
+            pki.issue(CONSOLE_SERVER, addresses=["127.0.0.1", "localhost"])
+            for admin in (CONSOLE_SCRAPER, CONSOLE_ADMIN):
+                pki.issue(admin)
+            password = new_token()
+            pki.export_pkcs12(CONSOLE_ADMIN, password)
+            write_file(pki.paths.cert(CONSOLE_ADMIN).with_suffix(".p12.password"), password.encode() + b"\n",
+                       private=True)
+
+    def rotate_certificates(self) -> None:
+        """Re-issue every certificate (and every site's CURVE key) in place, as an operator rotating would;
+        running processes pick them up from the files, none restarts."""
+        if self.creds is None:
+            raise ConfigError("this mesh runs without TLS (MeshOptions.tls is off): there are no certificates")
+        self._issue_certificates(sorted(self.sites))
+
+    def tenant_files(self, tenant: str) -> dict[str, Path]:
+        """``cert``, ``key`` and ``ca`` for an SDK client of ``tenant`` (``AsyncClient(url, **files)``)."""
+        if self.pki is None:
+            raise ConfigError("this mesh runs without TLS (MeshOptions.tls is off): there are no certificates")
+        who = Identity("tenant", tenant)
+        return {"cert": self.pki.paths.cert(who), "key": self.pki.paths.key(who), "ca": self.pki.paths.ca_cert}
+
+    def admin_files(self, name: str = CONSOLE_ADMIN.name) -> dict[str, Path]:
+        """``cert``, ``key``, ``ca``, ``p12`` and ``p12_password`` (a file) of an admin, for the console."""
+        if self.pki is None:
+            raise ConfigError("this mesh runs without TLS (MeshOptions.tls is off): the console takes a token")
+        who = Identity("admin", name)
+        cert = self.pki.paths.cert(who)
+        return {"cert": cert, "key": self.pki.paths.key(who), "ca": self.pki.paths.ca_cert,
+                "p12": cert.with_suffix(".p12"), "p12_password": cert.with_suffix(".p12.password")}
+
+    def _issue_site_credentials(self, names: list[str]) -> None:
+        """What `tiermesh pki init` (unless a CA is there) and `tiermesh pki issue --site S` do."""
+        pki = LocalPki.under(self.opts.home)
+        if not pki.exists():
+            pki.init()
+        for name in names:
+            pki.issue(Identity("site", name))
