@@ -19,6 +19,10 @@ set, cached under ``.tiermesh/bench-models``); its hidden layers are the backbon
 the digits head its output layer, the parity head a logistic regression on its features. Heads alternate
 between the two across tenants. Accuracies are measured on held-out rows and reported.
 
+The hosts settle the heap after each load, as an agent's do (``mesh.heap``: what is alive then is frozen, out
+of the collector's full passes; the settle is process-wide, so the unbatched mode, deployed between two hosts,
+has it too).
+
 Memory: each (mode, N) is loaded in a fresh subprocess, which runs one full batch through every tenant
 (ORT allocates arenas on first run) and reports its resident-set growth over a baseline taken after
 ONNX Runtime itself was initialised, next to what the host accounts. Throughput and latency: open-loop
@@ -139,7 +143,7 @@ async def deploy(mode: str, n: int, root: Path, cache: Path,
         return await _deploy_shared_unbatched(kinds, root, prof)
     await asyncio.get_running_loop().run_in_executor(None, _seed_cache, root, cache)
     host = VariantHost(f"bench-{mode}", cache, hardware_class="cpu", memory_budget_bytes=1 << 40, threads=THREADS,
-                       max_window_ms=WINDOW_MS)
+                       max_window_ms=WINDOW_MS, settle_heap=True)  # as an agent's host (mesh.heap)
     host.blob_url = "http://127.0.0.1:9"  # never dialled: every blob is in the cache already
     submits: list[Submit] = []
     for i, kind in enumerate(kinds):

@@ -40,6 +40,7 @@ from mesh import clock
 from mesh.addresses import advertised_host, tcp_endpoint
 from mesh.errors import ConfigError, MeshError
 from mesh.etcd.store import Store
+from mesh.heap import settle
 from mesh.lifecycle import Service, State, cancel_and_wait
 from mesh.log import get_logger, kv
 from mesh.zmq.client import ZmqClient
@@ -114,7 +115,7 @@ class Agent(AgentTrust, Service):
         cache = cfg.home / "sites" / self.site / "blobs"
         cache.mkdir(parents=True, exist_ok=True)
         self.host = VariantHost(self.site, cache, hardware_class=self.hardware_class,
-                                memory_budget_bytes=budget, threads=min(2, me.hardware.cpu_cores))
+                                memory_budget_bytes=budget, threads=min(2, me.hardware.cpu_cores), settle_heap=True)
         metrics = self.metrics
         self.host.on_load = lambda vid, prewarm: metrics.cold_start(vid, prewarm=prewarm)
         self.host.on_batch = metrics.batch_ran
@@ -159,6 +160,7 @@ class Agent(AgentTrust, Service):
         self._tasks.append(asyncio.create_task(self._reconcile_loop(), name=f"reconcile:{self.site}"))
         self._tasks.append(asyncio.create_task(self.selfprof.run(), name=f"self-profile:{self.site}"))
         self.selfprof.wake()
+        settle("agent start")  # what start made is long-lived: out of the collector's full passes (mesh.heap)
         log.info("agent up: zmq %s (bound %s) http %s (%s%s)", self.zmq_endpoint, self.zmq_server.endpoint,
                  self.http.url,
                  self.hardware_class, "" if self.gpu_ok else f"; {self.gpu_note}",

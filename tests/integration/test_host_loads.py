@@ -103,3 +103,24 @@ async def test_a_query_waits_for_a_slow_load_only_until_its_deadline(tmp_path: P
         assert lv.meta.variant_id == backbone.variant_id and host.cold_starts == 1
     finally:
         await host.close()
+
+
+async def test_a_settling_host_frees_an_unloaded_variant(tmp_path: Path, slow_store: str) -> None:
+    """With ``settle_heap`` (as an agent runs it) loads freeze the heap; an unload thaws and collects, so the
+    unloaded variant's runtime and batcher (reference cycles: a batcher's task holds the batcher) are freed."""
+    import gc
+    import weakref
+
+    host = VariantHost("s", tmp_path / "cache", hardware_class="cpu", memory_budget_bytes=1 << 30,
+                       settle_heap=True)
+    host.blob_url = slow_store
+    try:
+        lv = await host.ensure(_meta("digits.full", DIGITS / "head-digits.onnx"))
+        assert gc.get_freeze_count() > 0
+        refs = [weakref.ref(lv.runtime), weakref.ref(lv.batcher)]
+        del lv
+        await host.unload("digits.full")
+        assert [r() for r in refs] == [None, None]
+    finally:
+        await host.close()
+        gc.unfreeze()
