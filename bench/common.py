@@ -101,7 +101,12 @@ def target(name: str, measured: float, limit: float, *, op: Literal["<=", ">="] 
     """One target row: ``met`` is False for a NaN measurement (not measured is not met)."""
     ok = bool(np.isfinite(measured)) and (measured <= limit if op == "<=" else measured >= limit)
     return {"name": name, "target": limit, "op": op, "unit": unit,
-            "measured": None if not np.isfinite(measured) else round(float(measured), 3), "met": ok}
+            "measured": None if not np.isfinite(measured) else _shown(float(measured)), "met": ok}
+
+
+def _shown(v: float) -> float:
+    # three decimals, but three significant digits for a tiny value (an FP32 error of 1e-5 is not 0.0)
+    return round(v, 3) if abs(v) >= 0.01 or v == 0.0 else float(f"{v:.3g}")
 
 
 # ------------------------------------------------------------------ measurement
@@ -190,7 +195,8 @@ def git_commit(repo: Path = REPO_ROOT) -> str:
                                 ":(exclude)bench/results", ":(exclude)BENCHMARKS.md"], cwd=repo,
                                capture_output=True, text=True, timeout=10, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        # a copied tree without .git (a lent GPU machine): the commit it was copied from, when the copier says
+        return os.environ.get("TIERMESH_SOURCE_COMMIT", "unknown")
     return head + ("+dirty" if dirty else "")
 
 

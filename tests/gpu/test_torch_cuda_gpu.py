@@ -2,14 +2,16 @@
 looser), accuracy on the digits holdout, CUDA graphs equal to eager, concurrent callers, and the GPU
 hardware class in profiles. Skipped, with the reason, where PyTorch sees no CUDA device.
 
-MiniLM runs too when ``TIERMESH_MINILM_DIR`` names a directory holding ``minilm-l6.fp32.onnx`` and
-``tokenizer.json`` (built by ``python -m variant_store.families.minilm``, the ``convert`` extra)."""
+The text family's FP32 encoder runs too where :func:`bench.gpu_text.find_text_family` finds it
+(``TIERMESH_TEXT_FAMILY_DIR``, a copy packed by ``python -m bench.gpu_text pack OUT``, or the local cache)."""
 
 from __future__ import annotations
 
-import os
+import json
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -95,26 +97,47 @@ def test_profile_records_the_gpu_class() -> None:
     assert {r.runtime: r.ok for r in runtime_support()}["torch-cuda"]
 
 
-def _minilm_dir() -> Path:
-    d = os.environ.get("TIERMESH_MINILM_DIR")
-    if not d or not (Path(d) / "minilm-l6.fp32.onnx").is_file():
-        pytest.skip("MiniLM not built here: set TIERMESH_MINILM_DIR (python -m variant_store.families.minilm)")
-    return Path(d)
+@pytest.fixture(scope="module")
+def text_family() -> Iterator[Path]:
+    from bench.gpu_text import find_text_family, unpacked_family
+
+    d = find_text_family()
+    if d is None:
+        pytest.skip("the text family is not here: set TIERMESH_TEXT_FAMILY_DIR (python -m bench.gpu_text pack OUT)")
+    with unpacked_family(d) as u:
+        yield u
+
+
+def _embed(rt: Any, texts: np.ndarray) -> np.ndarray:
+    return np.concatenate([rt.infer_sync({"text": texts[i:i + 64]})["embedding"] for i in range(0, len(texts), 64)])
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
-def test_minilm_matches_onnxruntime(precision: str) -> None:
-    d = _minilm_dir()
-    from variant_store.families.minilm import cosine_rows, sentences, tokenize
+def test_text_encoder_takes_text_and_both_heads_keep_their_accuracy(text_family: Path, precision: str) -> None:
+    import onnxruntime as ort
 
-    feeds = tokenize(sentences(64, seed=1), d / "tokenizer.json")
-    ref = _ort(d / "minilm-l6.fp32.onnx", feeds)
-    rt = open_runtime("torch-cuda", d / "minilm-l6.fp32.onnx", precision=precision)
+    from variant_store.families.text_corpus import Corpus, load_corpus
+    from variant_store.runtimes.text import TEXT_SPEC
+
+    x, y = load_corpus().holdout()
+    ref_rt = open_runtime("onnx", text_family / "minilm-l6.onnx", intra_op_threads=4)
+    ref_rt.load_sync()
+    ref = _embed(ref_rt, x)
+    ref_rt.unload_sync()
+    rt = open_runtime("torch-cuda", text_family / "minilm-l6.onnx", precision=precision)
     rt.load_sync()
     try:
-        out = rt.infer_sync(feeds)["embedding"]
+        assert rt.input_specs == [TEXT_SPEC]
+        emb = _embed(rt, x)
+        assert not rt.graph_failures  # type: ignore[attr-defined]
     finally:
         rt.unload_sync()
-    cos = cosine_rows(out.astype(np.float64), ref.astype(np.float64))
-    assert out.dtype == np.float32 and out.shape == (64, 384)
+    assert emb.dtype == np.float32 and emb.shape == (len(x), 384)
+    cos = np.sum(emb * ref, axis=1) / (np.linalg.norm(emb, axis=1) * np.linalg.norm(ref, axis=1))
     assert float(cos.min()) >= (0.999 if precision == "fp16" else 0.99999), float(cos.min())
+    manifest = json.loads((text_family / "manifest.json").read_text())
+    for task, labels in (("text-topic", y), ("text-group", Corpus.group_of(y))):
+        head = next(m for m in manifest["models"] if m["task"] == task and m.get("backbone") == "minilm-l6.onnx")
+        sess = ort.InferenceSession(str(text_family / head["file"]), providers=["CPUExecutionProvider"])
+        acc = float(np.mean(np.asarray(sess.run(None, {"embedding": emb})[0]).argmax(1) == labels))
+        assert abs(acc - head["accuracy"]) <= (3 if precision == "fp16" else 1) / len(y), (task, acc)

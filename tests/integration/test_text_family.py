@@ -40,6 +40,24 @@ def test_encoder_matches_the_published_model(family: Path) -> None:
     np.testing.assert_allclose(np.linalg.norm(emb, axis=1), 1.0, atol=1e-5)
 
 
+def test_the_torch_runtime_takes_text_like_onnxruntime(family: Path) -> None:
+    """The GPU runtime's interpreter, run on the CPU: same tokenizer from the file, same embeddings."""
+    pytest.importorskip("torch", reason="torch is not installed (the 'convert' or 'gpu' extra)")
+    texts = np.array([b"This is an example sentence", b"Each sentence is converted", "\u00e9t\u00e9".encode()],
+                     dtype=object)
+    out = {}
+    for fmt, opts in (("onnx", {}), ("torch-cuda", {"device": "cpu"})):
+        rt = open_runtime(fmt, family / "minilm-l6.onnx", **opts)
+        rt.load_sync()
+        try:
+            assert rt.input_specs == [TensorSpec("text", "object", (-1,))]
+            out[fmt] = rt.infer_sync({"text": texts})["embedding"]
+        finally:
+            rt.unload_sync()
+    assert out["torch-cuda"].dtype == np.float32
+    np.testing.assert_allclose(out["torch-cuda"], out["onnx"], atol=1e-5)
+
+
 def test_int8_encoder_is_close_to_fp32_and_smaller(family: Path) -> None:
     from variant_store.families.text_corpus import load_corpus
 

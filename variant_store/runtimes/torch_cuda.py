@@ -12,6 +12,10 @@ Thread safety: one lock per runtime around each call. A replayed graph reads and
 device buffers, so two threads must not interleave on one graph; the GPU runs one stream's
 kernels in order anyway, so the lock costs little beyond the host copies it also serialises.
 ``device="cpu"`` runs the same graph on the CPU (for tests on machines without a GPU).
+
+A text model (the text family's encoders) carries its tokenizer in its metadata, as for ONNX Runtime
+(:mod:`variant_store.runtimes.text`): the runtime takes the BYTES ``text`` tensor and tokenizes on the
+host before the graph runs; each padded length is its own input shape (its own CUDA graph).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import numpy as np
 from mesh.errors import RuntimeLoadError
 from variant_store.hardware import torch_cuda_available
 from variant_store.runtimes.base import Runtime
+from variant_store.runtimes.text import TEXT_SPEC, TextFront, text_front
 
 __all__ = ["TorchCudaRuntime"]
 
@@ -46,6 +51,7 @@ class TorchCudaRuntime(Runtime):
         self._graphs: dict[tuple[Any, ...], tuple[Any, dict[str, Any], dict[str, Any]]] = {}
         self._graph: Any = None
         self._torch: Any = None
+        self._text: TextFront | None = None
         self._device_bytes = 0
 
     def _load(self) -> None:
@@ -78,6 +84,10 @@ class TorchCudaRuntime(Runtime):
             torch.cuda.synchronize()
             self._device_bytes = torch.cuda.memory_allocated() - before
         self.input_specs, self.output_specs = self._graph.input_specs, self._graph.output_specs
+        self._text = text_front({p.key: p.value for p in model.metadata_props},
+                                tuple(s.name for s in self.input_specs))
+        if self._text is not None:
+            self.input_specs = [TEXT_SPEC]
         mode = "graphs" if self.cuda_graphs else "eager"
         self.providers_in_use = [f"torch-{'cuda' if on_cuda else 'cpu'}-{self.precision}-{mode}"]
 
@@ -86,6 +96,8 @@ class TorchCudaRuntime(Runtime):
 
     def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         torch = self._torch
+        if self._text is not None:
+            inputs = self._text.encode(inputs["text"])
         with self._lock, torch.inference_mode():
             key = tuple((n, a.shape, a.dtype.str) for n, a in inputs.items())
             if self.cuda_graphs and key not in self.graph_failures and (
@@ -125,6 +137,7 @@ class TorchCudaRuntime(Runtime):
     def _close(self) -> None:
         self._graphs.clear()
         self._graph = None
+        self._text = None
         if self._torch is not None and self.device.startswith("cuda"):
             self._torch.cuda.empty_cache()
         self._device_bytes = 0

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The GPU checks of issue 16, as one script for a lent GPU machine (it has CUDA PyTorch, onnx and a
+# CPU-only onnxruntime, and reaches no package index). It runs the `gpu` tests, then
+# `python -m bench --only gpu_profile`, writing logs, JSON and plot under $OUT (default /tmp/gpu-out).
+#
+# Prepared here first (both ignored by git; .devcarry is carried to the machine):
+#   python -m bench.gpu_text pack .devcarry/text            # the text family's encoder, ~41 MiB
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+#       -d .devcarry/whl grpclib h2 hpack hyperframe orjson  # what the machine lacks of the imports
+#
+# Exit status: 3 when the carried wheels do not install, else the tests' status (the profile's own
+# status is in its log and in whether gpu_profile.json came back).
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+if compgen -G ".devcarry/whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .devcarry/whl/*.whl || exit 3
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+if [ -d .devcarry/text ]; then export TIERMESH_TEXT_FAMILY_DIR=$PWD/.devcarry/text; fi
+{ nvidia-smi; python3 -c 'import torch, onnx, onnxruntime, numpy; print("torch", torch.__version__, "cuda",
+  torch.version.cuda, torch.cuda.is_available(), "onnx", onnx.__version__, "ort", onnxruntime.__version__,
+  "numpy", numpy.__version__)'; } 2>&1 | tee "$OUT/device.txt"
+python3 -m pytest -q -p no:cacheprovider -o addopts="--tb=short" -W ignore::pytest.PytestConfigWarning \
+  tests/gpu tests/unit/test_onnx_torch.py tests/unit/test_hardware_runtimes.py 2>&1 | tee "$OUT/gpu-tests.log"
+tests=${PIPESTATUS[0]}
+python3 -m bench --only gpu_profile --no-report --results "$OUT" ${GPU_PROFILE_QUICK:+--quick} 2>&1 \
+  | tee "$OUT/gpu-profile.log"
+exit "$tests"
