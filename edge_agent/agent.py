@@ -46,7 +46,7 @@ from mesh.log import get_logger, kv
 from mesh.zmq.client import ZmqClient
 from mesh.zmq.server import ZmqServer
 from topology.paths import topology_paths
-from variant_store.hardware import cpu_cap_cores, gpu_available, local_hardware_class
+from variant_store.hardware import cpu_cap_cores, gpu_available, local_hardware_class, torch_serving
 
 if TYPE_CHECKING:  # CURVE and mutual TLS load cryptography: imported where a secured agent builds them, so an
     # --insecure agent never loads it (the edge footprint)
@@ -96,6 +96,8 @@ class Agent(AgentTrust, Service):
         self.cpu_cap = cpu_cap_cores() or cfg.cpu_cap
         self.hardware_class = local_hardware_class(self.cpu_cap)
         self.gpu_ok, self.gpu_note = gpu_available()
+        if not self.gpu_ok and torch_serving()[0]:
+            self.gpu_ok, self.gpu_note = True, f"{torch_serving()[1]} through PyTorch (torch-cuda runtime)"
 
     # -- lifecycle -------------------------------------------------------------------------
     async def _start(self) -> None:

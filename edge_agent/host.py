@@ -48,6 +48,7 @@ from mesh.lifecycle import cancel_and_wait
 from mesh.log import get_logger, kv
 from variant_store.blobs import sha256_file
 from variant_store.fetch import fetch_blob
+from variant_store.hardware import serving_runtime
 from variant_store.meta import Profile, VariantMeta
 from variant_store.runtimes import open_runtime
 from variant_store.runtimes.base import Runtime
@@ -280,8 +281,7 @@ class VariantHost:
     async def _open_instance(self, meta: VariantMeta, key: InstanceKey, head_path: Path,
                              base_path: Path | None, bkey: InstanceKey | None, started: float) -> LoadedVariant:
         """Open the session (and the backbone instance if it has none yet); the caller holds the lock."""
-        runtime = open_runtime(meta.format, head_path, intra_op_threads=1)
-        await runtime.load()
+        runtime = await self._open_runtime(meta.format, head_path)
         self._measured_bytes[meta.variant_id] = runtime.memory_bytes
         compute, _ = self._compute_fn(meta)
         max_batch = max(meta.batch_sizes) if meta.batch_sizes else 32
@@ -307,9 +307,24 @@ class VariantHost:
         self.instances[key] = lv
         return lv
 
+    async def _open_runtime(self, fmt: str, path: Path) -> Runtime:
+        """A loaded runtime for the file: on a torch-served GPU an ONNX file runs through ``torch-cuda``,
+        or through ONNX Runtime on the CPU when the interpreter refuses it (an op it lacks, say INT8's)."""
+        name = serving_runtime(fmt)
+        runtime = open_runtime(name, path, intra_op_threads=1)
+        try:
+            await runtime.load()
+        except RuntimeLoadError as exc:
+            if name == fmt:
+                raise
+            log.warning("%s does not run on %s (%s); serving it on the CPU", path.name, name, exc,
+                        extra=kv(site=self.site, event="runtime_fallback"))
+            runtime = open_runtime(fmt, path, intra_op_threads=1)
+            await runtime.load()
+        return runtime
+
     async def _open_backbone(self, bkey: InstanceKey, path: Path, max_batch: int) -> _Backbone:
-        base = open_runtime("onnx", path, intra_op_threads=1)
-        await base.load()
+        base = await self._open_runtime("onnx", path)
         self._measured_bytes[f"base:{bkey[0]}"] = base.memory_bytes
         try:
             compute = await asyncio.get_running_loop().run_in_executor(self.executor, measure_compute_ms, base)

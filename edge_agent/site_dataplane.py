@@ -237,6 +237,7 @@ class SiteDataPlane:
             raise NoRoute(f"{self.site} has no routing state yet")
         excluded: set[str] = set()
         nbytes = sum(a.nbytes for a in req.inputs.values())
+        rows = max((a.shape[0] for a in req.inputs.values() if a.ndim), default=1)
         last_error: Exception | None = None
         for attempt in range(MAX_RETRIES + 1):
             remaining = req.remaining_ms()
@@ -244,7 +245,7 @@ class SiteDataPlane:
                 break
             down = self.unreachable
             query = Query.from_slo(req.task, req.tenant, req.slo, remaining, nbytes,
-                                   frozenset(excluded | down) if down else frozenset(excluded))
+                                   frozenset(excluded | down) if down else frozenset(excluded), rows)
             decision = table.decide(query)
             if decision.best_effort and not attempt:
                 # nothing could meet the SLO: served late rather than not at all (edge_agent.paths);

@@ -6,6 +6,11 @@ device node exists *and* the provider is offered. The hardware class names the p
 timings belong to (``cpu-x86_64``, ``gpu-h100``). :func:`runtime_support` says, runtime by runtime,
 what this site can run and why not; a GPU reached through PyTorch (``torch-cuda``) is a GPU class
 of its own even where ONNX Runtime has only its CPU provider.
+
+A site serves on such a GPU (:func:`torch_serving`) when a CUDA device node exists, ONNX Runtime cannot
+use it, PyTorch can, and ``TIERMESH_TORCH_CUDA`` is not ``0``: its ONNX variants then run through the
+``torch-cuda`` runtime (:func:`serving_runtime`) and its hardware class is the GPU's. Without a device
+node torch is never imported (seconds and hundreds of megabytes an agent on a CPU host must not pay).
 """
 
 from __future__ import annotations
@@ -31,9 +36,11 @@ __all__ = [
     "onnx_providers",
     "runnable_runtimes",
     "runtime_support",
+    "serving_runtime",
     "short_gpu_model",
     "tensorrt_available",
     "torch_cuda_available",
+    "torch_serving",
 ]
 
 _GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
@@ -184,10 +191,30 @@ def runnable_runtimes() -> list[str]:
     return [r.runtime for r in runtime_support() if r.ok]
 
 
+def torch_serving() -> tuple[bool, str]:
+    """(True, model) when this site serves its ONNX variants through PyTorch on a CUDA GPU; else why not."""
+    if os.environ.get("TIERMESH_TORCH_CUDA", "1") == "0":
+        return False, "TIERMESH_TORCH_CUDA=0"
+    if not _cuda_device_nodes():
+        return False, "no CUDA device (/dev/nvidia* absent)"
+    if gpu_available()[0]:
+        return False, "ONNX Runtime reaches the GPU itself"
+    return torch_cuda_available()
+
+
+def serving_runtime(fmt: str) -> str:
+    """The runtime a variant of format ``fmt`` is served by here: ``torch-cuda`` for ONNX on a torch-served
+    GPU (:func:`torch_serving`), else the format's own."""
+    return "torch-cuda" if fmt == "onnx" and torch_serving()[0] else fmt
+
+
 def local_hardware_class(cpu_cap: float | None = None) -> str:
-    """``gpu-<model>`` when a CUDA device is usable by ONNX Runtime here, else ``cpu-<arch>``; a CPU class
-    under a CPU cap of ``cpu_cap`` cores is a class of its own (:func:`capped_class`)."""
+    """``gpu-<model>`` when a CUDA device is usable by ONNX Runtime, or serves through PyTorch, here; else
+    ``cpu-<arch>``; a CPU class under a CPU cap of ``cpu_cap`` cores is a class of its own
+    (:func:`capped_class`)."""
     ok, model = gpu_available()
+    if not ok:
+        ok, model = torch_serving()
     if ok:
         return f"gpu-{model}"
     return capped_class(f"cpu-{platform.machine().lower() or 'unknown'}", cpu_cap)

@@ -69,14 +69,16 @@ class Query:
     prefer: Prefer = DEFAULT_PREFER
     nbytes: int = 0
     exclude_sites: frozenset[str] = frozenset()
+    rows: int = 1  # the request's batch: its compute is the profile's at the batch it makes
 
     @classmethod
     def from_slo(cls, task: str, tenant: str, slo: SLO, remaining_ms: float, nbytes: int = 0,
-                 exclude_sites: frozenset[str] = frozenset()) -> Query:
+                 exclude_sites: frozenset[str] = frozenset(), rows: int = 1) -> Query:
         """The query a hop routes for a request with ``slo`` and ``remaining_ms`` of its budget
         left: the one way the data plane builds a ``Query``."""
         return cls(task=task, tenant=tenant, budget_ms=remaining_ms, min_accuracy=slo.min_accuracy,
-                   max_cost=slo.max_cost, prefer=slo.prefer, nbytes=nbytes, exclude_sites=exclude_sites)
+                   max_cost=slo.max_cost, prefer=slo.prefer, nbytes=nbytes, exclude_sites=exclude_sites,
+                   rows=rows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +137,7 @@ class RoutingTable:
                 raise UnknownTask(f"no variant of task {q.task!r} is visible to tenant {q.tenant!r}",
                                   task=q.task)
             base = t.masked_base(q.tenant, q.min_accuracy)
-        if q.max_cost is not None or q.exclude_sites or not t.n:
+        if q.max_cost is not None or q.exclude_sites or q.rows > 1 or not t.n:
             return self._decide_restricted(t, q, base)
         # the common query: no cost ceiling, no exclusions; as _decide_restricted with n == t.n
         nbytes = q.nbytes
@@ -163,19 +165,15 @@ class RoutingTable:
                          t.accuracy[i], False, int(np.count_nonzero(ok)))
 
     def _decide_restricted(self, t: TaskTable, q: Query, base: NDArray[np.float64]) -> Decision:
-        """``decide()`` under a cost ceiling or site exclusions."""
+        """``decide()`` under a cost ceiling or site exclusions, or for a request of several rows."""
         a = t.arr
         # sorted by cost, so a cost ceiling is a prefix
         n = t.n if q.max_cost is None else int(np.searchsorted(a.cost, q.max_cost, side="right"))
         if n:
-            per_byte = a.per_byte_ms if n == t.n else a.per_byte_ms[:n]
             if n != t.n:
                 base = base[:n]
-            if q.nbytes:
-                lat = per_byte * float(q.nbytes)
-                lat += base
-            else:
-                lat = base
+            extra = t.request_ms(q.nbytes, q.rows)
+            lat = base if extra is None else base + (extra if n == t.n else extra[:n])
             # an infinite budget must not admit masked (inf) candidates
             ok = lat <= min(q.budget_ms, 1e300)
             for name in q.exclude_sites:
@@ -185,9 +183,9 @@ class RoutingTable:
             i = int(ok.argmax())
             if ok[i]:
                 end = min(t.tie_end_l[i], n)
-                # an equal-cost run is sorted by static latency; only the transfer term can
+                # an equal-cost run is sorted by static latency; only the per-request terms can
                 # reorder it. Without exclusions every entry below lat[i] is feasible too.
-                if end - i > 1 and q.nbytes:
+                if end - i > 1 and (q.nbytes or q.rows > 1):
                     if q.exclude_sites:
                         i += int(np.where(ok[i:end], lat[i:end], _INF).argmin())
                     else:
@@ -208,11 +206,12 @@ class RoutingTable:
             hit = t.best.put(key, self._best_effort_pool(t, q))
         base, reason = hit
         a = t.arr
-        if q.nbytes:
-            lat = t.transfer_ms(q.nbytes) + base  # inf + a finite transfer stays inf: masked stay out
+        extra = t.request_ms(q.nbytes, q.rows)
+        if extra is not None:
+            lat = extra + base  # inf + a finite term stays inf: masked stay out
             i = int(lat.argmin())
             # from the unmasked terms, as a.latency_ms() has it (should every pick be inf)
-            latency = a.base_ms.item(i) + a.per_byte_ms.item(i) * float(q.nbytes)
+            latency = a.base_ms.item(i) + extra.item(i)
         else:
             i = int(base.argmin())
             latency = a.base_ms.item(i)
@@ -256,7 +255,8 @@ class RoutingTable:
     def _best_effort_full(self, t: TaskTable, q: Query) -> Decision:
         a = t.arr
         pool = self._pool(t, q)
-        lat = a.latency_ms(q.nbytes)
+        extra = t.request_ms(q.nbytes, q.rows)
+        lat = a.base_ms + extra if extra is not None else a.base_ms.copy()
         if q.prefer == "refuse":
             i_lat = int(np.where(pool, lat, _INF).argmin())
             best_acc = float(a.accuracy[pool].max())

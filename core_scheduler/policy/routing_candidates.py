@@ -11,6 +11,10 @@ Per candidate (site ``s``, variant ``v`` of the task), in milliseconds::
             + queue_ms(s, v)               # heartbeat's expected wait; 0 for a variant not loaded
             + compute(v, hw(s), b)         # profiled p50 of the batch it will likely join:
                                            # b = 1 + queue // compute(batch 1), capped at max_batch
+            + rows term                    # a request of r rows makes that batch b + r - 1 rows:
+                                           # compute(v, hw(s), b + r - 1) - compute(v, hw(s), b),
+                                           # per request (TaskTable.rows_ms); 0 for one row. Flat on
+                                           # a GPU, steep on a CPU: what sends big batches to GPUs
             + load_ms(v, hw(s))            # only when v is not loaded at s: cold start is a cost,
             + fetch(s, v)                  # and so is fetching its blob first, from the nearest of
                                            # the variant store's site and the live sites holding v
@@ -68,9 +72,23 @@ class CandidateArrays:
     loaded: NDArray[np.bool_]
     hard_ok: NDArray[np.bool_]
     capacity_ok: NDArray[np.bool_]
+    # what the rows term needs: each candidate's variant, its site's hardware class, its likely batch
+    variant: tuple[VariantInfo, ...] = ()
+    hardware_class: tuple[str, ...] = ()
+    batch: tuple[int, ...] = ()
 
     def latency_ms(self, nbytes: int) -> NDArray[np.float64]:
         return self.base_ms + self.per_byte_ms * float(nbytes) if nbytes else self.base_ms.copy()
+
+    def rows_ms(self, rows: int) -> NDArray[np.float64]:
+        """Per candidate, what ``rows`` rows add to the compute term of one row (0 where unprofiled)."""
+        out = np.zeros(len(self.site), dtype=np.float64)
+        if rows > 1:
+            for i, (v, hw, b) in enumerate(zip(self.variant, self.hardware_class, self.batch, strict=True)):
+                extra = resolve_compute(v.compute_at(hw, b + rows - 1)) - self.compute_ms[i]
+                if np.isfinite(extra):
+                    out[i] = max(0.0, extra)
+        return out
 
     def __len__(self) -> int:
         return len(self.site)
@@ -85,7 +103,7 @@ class TaskTable:
     tenant, its accuracy floor, a payload size. A hit replaces a few whole-array numpy operations
     (microseconds at thousands of candidates) with one lookup."""
 
-    __slots__ = ("access", "accuracy", "arr", "best", "cost", "masked", "n", "public", "reason",
+    __slots__ = ("access", "accuracy", "arr", "best", "cost", "masked", "n", "public", "reason", "rows",
                  "tie_end", "tie_end_l", "transfer")
 
     def __init__(self, arr: CandidateArrays, here: str = "") -> None:
@@ -101,6 +119,8 @@ class TaskTable:
             BoundedCache(MASK_CACHE_MAX)
         # payload bytes -> per-candidate transfer term
         self.transfer: BoundedCache[int, NDArray[np.float64]] = BoundedCache(_TRANSFER_CACHE_MAX)
+        # rows per request -> per-candidate rows term
+        self.rows: BoundedCache[int, NDArray[np.float64]] = BoundedCache(_TRANSFER_CACHE_MAX)
         self.cost: list[float] = arr.cost.tolist()
         self.accuracy: list[float] = arr.accuracy.tolist()
         self.reason: tuple[str, ...] = tuple(
@@ -139,6 +159,17 @@ class TaskTable:
             out.flags.writeable = False
             self.transfer.put(nbytes, out)
         return out
+
+    def request_ms(self, nbytes: int, rows: int) -> NDArray[np.float64] | None:
+        """The per-request terms (transfer of ``nbytes``, ``rows`` rows' compute), None when both are 0."""
+        if rows > 1:
+            extra = self.rows.get(rows)
+            if extra is None:
+                extra = self.arr.rows_ms(rows)
+                extra.flags.writeable = False
+                self.rows.put(rows, extra)
+            return self.transfer_ms(nbytes) + extra if nbytes else extra
+        return self.transfer_ms(nbytes) if nbytes else None
 
     def masked_base(self, tenant: str, min_accuracy: float) -> NDArray[np.float64]:
         """``base_ms`` where every filter but budget, cost and exclusion passes, else inf."""
@@ -209,8 +240,8 @@ def build_candidates(snap: MeshSnapshot, here: str, variants: tuple[VariantInfo,
                 cost = float("inf")
             base = rtt + margin + queue + compute + load_ms + fetch if reachable else float("inf")
             rows.append((s, v.variant_id, v.owner, j, rtt, per_byte, queue, compute, load_ms + fetch, base,
-                         cost, v.accuracy, loaded, hard, cap_ok, s != here, v.size_bytes))
-    cols = list(zip(*rows, strict=True)) if rows else [()] * 17
+                         cost, v.accuracy, loaded, hard, cap_ok, s != here, v.size_bytes, v, hw, batch))
+    cols = list(zip(*rows, strict=True)) if rows else [()] * 20
     cost_a = np.array(cols[10], dtype=np.float64)
     base_a = np.array(cols[9], dtype=np.float64)
     not_here = np.array(cols[15], dtype=bool)
@@ -232,4 +263,5 @@ def build_candidates(snap: MeshSnapshot, here: str, variants: tuple[VariantInfo,
                            site_idx=np.array(cols[3], dtype=np.int64)[order], rtt_ms=f(4),
                            per_byte_ms=f(5), queue_ms=f(6), compute_ms=f(7), load_ms=f(8),
                            base_ms=f(9), cost=f(10), accuracy=f(11), loaded=b(12), hard_ok=b(13),
-                           capacity_ok=b(14))
+                           capacity_ok=b(14), variant=tuple(cols[17][i] for i in order),
+                           hardware_class=s_(18), batch=tuple(int(cols[19][i]) for i in order))

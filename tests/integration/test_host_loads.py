@@ -124,3 +124,28 @@ async def test_a_settling_host_frees_an_unloaded_variant(tmp_path: Path, slow_st
     finally:
         await host.close()
         gc.unfreeze()
+
+
+async def test_a_variant_the_gpu_runtime_refuses_is_served_on_the_cpu(tmp_path: Path, slow_store: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a torch-served GPU site an ONNX variant opens with ``torch-cuda``; where that refuses it (here: no
+    GPU at all, as an unsupported op would), the site serves it with ONNX Runtime instead of failing."""
+    import edge_agent.host as host_mod
+
+    asked: list[str] = []
+
+    def serving(fmt: str) -> str:
+        asked.append(fmt)
+        return "torch-cuda"
+
+    monkeypatch.setattr(host_mod, "serving_runtime", serving)
+    host = VariantHost("core-test", tmp_path / "blobs", hardware_class="gpu-h100", memory_budget_bytes=1 << 30)
+    host.blob_url = slow_store
+    try:
+        lv = await asyncio.wait_for(host.ensure(_meta("digits.full", DIGITS / "head-digits.onnx")), 60)
+        assert asked == ["onnx"] and lv.runtime.name == "onnxruntime"
+        out = await lv.batcher.submit({lv.runtime.input_specs[0].name: np.zeros((3, 64), np.float32)},
+                                      time.monotonic() + 5, lane=lv.meta.variant_id)
+        assert next(iter(out.outputs.values())).shape[0] == 3
+    finally:
+        await host.close()

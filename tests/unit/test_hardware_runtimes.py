@@ -50,3 +50,35 @@ def test_tensorrt_needs_a_package(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(hardware.importlib.util, "find_spec", lambda name: None)
     ok, why = hardware.tensorrt_available()
     assert not ok and "neither the tensorrt package" in why
+
+
+@pytest.mark.parametrize(("nodes", "ort_gpu", "torch_ok", "env", "serves"), [
+    (True, False, True, None, True),     # a GPU that only PyTorch reaches: served through torch-cuda
+    (True, False, True, "0", False),     # ... unless turned off
+    (True, True, True, None, False),     # ONNX Runtime reaches it itself
+    (True, False, False, None, False),   # torch sees no CUDA device
+    (False, False, True, None, False),   # no device node: torch is never asked
+])
+def test_torch_serving_and_the_site_class(monkeypatch: pytest.MonkeyPatch, nodes: bool, ort_gpu: bool,
+                                          torch_ok: bool, env: str | None, serves: bool) -> None:
+    asked: list[bool] = []
+
+    def torch_cuda() -> tuple[bool, str]:
+        asked.append(True)
+        return (True, "h100") if torch_ok else (False, "torch sees no CUDA device")
+
+    monkeypatch.setattr(hardware, "_cuda_device_nodes", lambda: nodes)
+    monkeypatch.setattr(hardware, "gpu_available", lambda: (True, "h100") if ort_gpu else (False, "cpu only"))
+    monkeypatch.setattr(hardware, "torch_cuda_available", torch_cuda)
+    if env is None:
+        monkeypatch.delenv("TIERMESH_TORCH_CUDA", raising=False)
+    else:
+        monkeypatch.setenv("TIERMESH_TORCH_CUDA", env)
+    assert hardware.torch_serving()[0] is serves
+    assert hardware.serving_runtime("onnx") == ("torch-cuda" if serves else "onnx")
+    assert hardware.serving_runtime("tflite") == "tflite"
+    gpu_class = serves or ort_gpu
+    assert hardware.local_hardware_class(0.5) == ("gpu-h100" if gpu_class else
+                                                  f"cpu-{platform.machine().lower()}-cap0.50")
+    if not nodes:
+        assert not asked

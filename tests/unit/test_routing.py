@@ -375,3 +375,43 @@ def test_decide_matches_plain_reference(seed: int) -> None:
         assert got == want, q
         paths.add(got[2:3] if got[0] != "raised" else got)
     assert len(paths) >= 3  # several reasons / outcomes were reached, not one path 300 times
+
+
+def _batch_snap() -> MeshSnapshot:
+    """One model at an edge CPU (steep in batch size) and a GPU core (flat), both loaded."""
+    ss = [SiteInfo("edge", "edge", "eu", "cpu-arm", 4, 2048, 0, 0.036),
+          SiteInfo("core", "core", "eu", "gpu", 64, 262144, 4, 14.4)]
+    v = VariantInfo("digits", "cnn", 0.985, MB, compute_ms={"cpu-arm": {1: 1.0, 8: 8.0, 64: 64.0},
+                                                            "gpu": {1: 0.5, 64: 0.6}},
+                    load_ms={"cpu-arm": 10.0, "gpu": 10.0}, memory_bytes=MB, max_batch=64)
+    loads = [SiteLoad(s.name, loaded=frozenset({"cnn"}), capacity=s.slots, memory_free_bytes=s.memory_bytes)
+             for s in ss]
+    return MeshSnapshot.from_parts(ss, [v], loads, [("edge", "core", 10.0, 1000.0)], version=1)
+
+
+@pytest.mark.parametrize("path", ["fast", "restricted", "best_effort", "best_effort_full"])
+def test_a_request_of_many_rows_is_costed_at_its_batch(path: str) -> None:
+    """One row: the edge (1 ms here, cheaper). Sixty-four rows: the edge needs 64 ms, the GPU core
+    20 ms of round trip + 0.6 ms, so within a 40 ms budget the core serves them."""
+    t = RoutingTable.build(_batch_snap(), "edge")
+    kw: dict[str, object] = {"task": "digits", "budget_ms": 40.0}
+    if path == "restricted":
+        kw["max_cost"] = 1.0
+    one = t.decide(Query(**kw))  # type: ignore[arg-type]
+    assert (one.site, one.reason, one.expected_latency_ms) == ("edge", "local", pytest.approx(1.0))
+    if path.startswith("best_effort"):  # nothing fits: the lowest latency of what there is
+        kw["budget_ms"] = 5.0
+        if path == "best_effort_full":  # any exclusion takes the uncached best-effort path
+            kw["exclude_sites"] = frozenset({"elsewhere"})
+    many = t.decide(Query(rows=64, **kw))  # type: ignore[arg-type]
+    assert many.site == "core" and many.expected_latency_ms == pytest.approx(20.6)
+    assert many.best_effort == path.startswith("best_effort")
+    # between the profiled sizes the compute is interpolated: 8 rows at the edge, 8 ms
+    assert t.decide(Query(task="digits", budget_ms=40.0, rows=8)).expected_latency_ms == pytest.approx(8.0)
+
+
+def test_rows_from_the_slo_constructor() -> None:
+    from mesh.types import SLO
+
+    q = Query.from_slo("digits", "acme", SLO.parse(50.0, 0.9, None, "latency"), 40.0, 3136, rows=4)
+    assert (q.rows, q.nbytes, q.budget_ms) == (4, 3136, 40.0)
