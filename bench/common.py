@@ -185,9 +185,13 @@ def versions() -> dict[str, str]:
 
 
 def git_commit(repo: Path = REPO_ROOT) -> str:
-    """HEAD's hash, with ``+dirty`` when the working tree has changes; ``unknown`` outside git. What the
+    """HEAD's hash, with ``+dirty`` when the working tree has changes; ``unknown`` outside git;
+    ``TIERMESH_SOURCE_COMMIT`` when set (a tree copied elsewhere says what it was copied from). What the
     benchmarks write themselves (``bench/results``, ``BENCHMARKS.md``) does not count: a run would
     otherwise mark its own later scenarios dirty with the files its earlier ones wrote."""
+    copied_from = os.environ.get("TIERMESH_SOURCE_COMMIT")
+    if copied_from:  # a tree copied to another machine (a lent GPU): its .git, if any, is not this tree's
+        return copied_from
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
                               timeout=10, check=True).stdout.strip()
@@ -195,8 +199,7 @@ def git_commit(repo: Path = REPO_ROOT) -> str:
                                 ":(exclude)bench/results", ":(exclude)BENCHMARKS.md"], cwd=repo,
                                capture_output=True, text=True, timeout=10, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        # a copied tree without .git (a lent GPU machine): the commit it was copied from, when the copier says
-        return os.environ.get("TIERMESH_SOURCE_COMMIT", "unknown")
+        return "unknown"
     return head + ("+dirty" if dirty else "")
 
 

@@ -115,13 +115,14 @@ def _measure(ctx: RunContext) -> Path:
     doc = json.loads(PROFILE_JSON.read_text())
     cpu, gpu = decisions(doc, gpu_core=False), decisions(doc, gpu_core=True)
     changed = [(a, b) for a, b in zip(cpu, gpu, strict=True) if (a["site"], a["variant"]) != (b["site"], b["variant"])]
-    groups = [f"{name} x{n}" for name, *_ in CLASSES for n in ROWS]
+    short = {"tight": "tight", "balanced": "bal.", "accurate": "acc.", "text-topic": "topic"}
+    groups = [f"{short[name]}\nx{n}" for name, *_ in CLASSES for n in ROWS]
 
     def count(rows: list[dict[str, Any]], what: str) -> list[float]:
         c: Counter[str] = Counter()
         for r in rows:
             if (what == "met" and r["meets_slo"]) or (what == "core" and r["tier"] == "core"):
-                c[f"{r['class']} x{r['rows']}"] += 1
+                c[f"{short[r['class']]}\nx{r['rows']}"] += 1
         return [float(c[g]) for g in groups]
 
     plot_panels(ctx.results_dir / "gpu_routing.png",

@@ -135,6 +135,17 @@ def test_cells_and_sentences() -> None:
     assert "not measured" in target_sentence({"name": "x", "target": 1, "measured": None, "met": False})
 
 
+def test_git_commit_of_a_copied_tree_is_what_the_copier_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tree copied to a lent GPU machine may sit over another checkout's .git: the commit it was copied from,
+    given in TIERMESH_SOURCE_COMMIT, wins over what git there says."""
+    from bench.common import git_commit
+
+    monkeypatch.delenv("TIERMESH_SOURCE_COMMIT", raising=False)
+    assert git_commit(tmp_path) == "unknown"  # no git here
+    monkeypatch.setenv("TIERMESH_SOURCE_COMMIT", "f9d18da")
+    assert git_commit(tmp_path) == "f9d18da"
+
+
 def test_git_commit_ignores_what_the_benchmarks_write(tmp_path: Path) -> None:
     import subprocess
 
