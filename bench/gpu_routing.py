@@ -12,9 +12,9 @@ the two runs is the core's profile.
 Queries: the digits classes of ``tiermesh up`` (tight 10 ms / >= 0.90, balanced 60 ms / >= 0.97, accurate
 400 ms / >= 0.985) and acme's topic classification of package descriptions (300 ms / >= 0.75: the six-layer
 MiniLM encoder), each as one row and as a batch of 64 rows in one request, from every edge. The 64-row
-requests are costed at the batch they bring (``Query.rows``). Each row of the result says where the query
-goes, with which variant, at what expected latency, and whether that meets the SLO or is a best-effort
-answer, for both cores.
+requests are timed at the batch they bring and billed their rows (``Query.rows``). Each row of the result
+says where the query goes, with which variant, at what expected latency, and whether that meets the SLO or
+is a best-effort answer, for both cores.
 """
 
 from __future__ import annotations
@@ -144,7 +144,8 @@ def _measure(ctx: RunContext) -> Path:
         f"Profiles from bench/results/gpu_profile.json ({doc['device']['gpu']}, commit {doc['git_commit']}): CPU "
         f"sites '{CPU_CONFIG}', the GPU core '{GPU_CONFIG}' as {doc['device']['hardware_class']}. Decisions of the "
         "scheduler's RoutingTable on examples/topology.yaml; every variant loaded everywhere; a 64-row request is "
-        f"costed at its batch. {len(changed)} of {len(cpu)} decisions differ between the cores. With the CPU core, "
+        f"timed at the batch it brings and billed its rows. {len(changed)} of {len(cpu)} decisions differ between "
+        "the cores. With the CPU core, "
         f"{cpu_met} of {len(big_text_cpu)} edges' 64-row topic queries meet the SLO (the rest: best effort)."),
         extra={"changed": [{"class": a["class"], "rows": a["rows"], "edge": a["edge"],
                             "cpu_core": f"{a['site']} {a['variant']} {a['expected_ms']} ms",

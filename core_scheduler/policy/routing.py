@@ -137,7 +137,9 @@ class RoutingTable:
                 raise UnknownTask(f"no variant of task {q.task!r} is visible to tenant {q.tenant!r}",
                                   task=q.task)
             base = t.masked_base(q.tenant, q.min_accuracy)
-        if q.max_cost is not None or q.exclude_sites or q.rows > 1 or not t.n:
+        if q.rows > 1 and t.n:
+            return self._decide_rows(t, q, base)
+        if q.max_cost is not None or q.exclude_sites or not t.n:
             return self._decide_restricted(t, q, base)
         # the common query: no cost ceiling, no exclusions; as _decide_restricted with n == t.n
         nbytes = q.nbytes
@@ -164,8 +166,30 @@ class RoutingTable:
         return _decision(t.arr.site[i], t.arr.variant_id[i], t.reason[i], lat.item(i), t.cost[i],
                          t.accuracy[i], False, int(np.count_nonzero(ok)))
 
+    def _decide_rows(self, t: TaskTable, q: Query, base: NDArray[np.float64]) -> Decision:
+        """``decide()`` for a request of several rows: its latency and its cost are those of its rows (the
+        table's order, by one-row cost, no longer holds), so the choice is a sort of the feasible ones."""
+        a = t.arr
+        extra = t.request_ms(q.nbytes, q.rows)
+        lat = base if extra is None else base + extra
+        ok = lat <= min(q.budget_ms, 1e300)
+        cost = t.cost_of(q.rows)
+        if q.max_cost is not None:
+            ok &= cost <= q.max_cost
+        for name in q.exclude_sites:
+            pos = self._site_pos.get(name)
+            if pos is not None:
+                ok &= a.site_idx != pos
+        feasible = np.flatnonzero(ok)
+        if not len(feasible):
+            return self._best_effort(t, q)
+        # least cost, then lowest latency; lexsort is stable, so equal keys keep the table's order
+        i = int(feasible[np.lexsort((lat[feasible], cost[feasible]))[0]])
+        return _decision(a.site[i], a.variant_id[i], t.reason[i], lat.item(i), cost.item(i), t.accuracy[i], False,
+                         len(feasible))
+
     def _decide_restricted(self, t: TaskTable, q: Query, base: NDArray[np.float64]) -> Decision:
-        """``decide()`` under a cost ceiling or site exclusions, or for a request of several rows."""
+        """``decide()`` under a cost ceiling or site exclusions."""
         a = t.arr
         # sorted by cost, so a cost ceiling is a prefix
         n = t.n if q.max_cost is None else int(np.searchsorted(a.cost, q.max_cost, side="right"))

@@ -24,7 +24,10 @@ Per candidate (site ``s``, variant ``v`` of the task), in milliseconds::
               # dollars per query: the resource-seconds of one slot (one GPU, else one core) of
               # the machine; a cold start bills its load time, so loaded variants win ties.
               # Billed at batch 1: amortising by a batch estimated from a queue sample made busy
-              # sites look cheaper and pulled traffic to them (positive feedback)
+              # sites look cheaper and pulled traffic to them (positive feedback). A request of r
+              # rows is billed the work it brings itself, compute(r) instead of compute(1)
+              # (TaskTable.rows_cost): no estimate, so no feedback, and a GPU that computes 64 rows
+              # in the time of one can be the cheaper place for them though not for one row
 
 Filters folded in here: ``hard_ok`` (site alive and reachable, variant profiled on the site's
 hardware, enough free memory to load it if cold) and ``capacity_ok``. Tenant access and the accuracy
@@ -34,7 +37,7 @@ ceiling are applied per query by ``decide()``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from numpy.typing import NDArray
@@ -76,6 +79,7 @@ class CandidateArrays:
     variant: tuple[VariantInfo, ...] = ()
     hardware_class: tuple[str, ...] = ()
     batch: tuple[int, ...] = ()
+    price_per_ms: NDArray[np.float64] = field(default_factory=lambda: np.zeros(0))  # dollars per slot-ms
 
     def latency_ms(self, nbytes: int) -> NDArray[np.float64]:
         return self.base_ms + self.per_byte_ms * float(nbytes) if nbytes else self.base_ms.copy()
@@ -89,6 +93,15 @@ class CandidateArrays:
                 if np.isfinite(extra):
                     out[i] = max(0.0, extra)
         return out
+
+    def rows_cost(self, rows: int) -> NDArray[np.float64]:
+        """Per candidate, the cost of a request of ``rows`` rows: compute(rows) billed instead of compute(1)."""
+        extra = np.zeros(len(self.site), dtype=np.float64)
+        for i, (v, hw) in enumerate(zip(self.variant, self.hardware_class, strict=True)):
+            more = resolve_compute(v.compute_at(hw, rows)) - resolve_compute(v.compute_at(hw, 1))
+            if np.isfinite(more):
+                extra[i] = max(0.0, more) * self.price_per_ms[i]
+        return self.cost + extra
 
     def __len__(self) -> int:
         return len(self.site)
@@ -104,7 +117,7 @@ class TaskTable:
     (microseconds at thousands of candidates) with one lookup."""
 
     __slots__ = ("access", "accuracy", "arr", "best", "cost", "masked", "n", "public", "reason", "rows",
-                 "tie_end", "tie_end_l", "transfer")
+                 "rows_costs", "tie_end", "tie_end_l", "transfer")
 
     def __init__(self, arr: CandidateArrays, here: str = "") -> None:
         self.arr = arr
@@ -121,6 +134,8 @@ class TaskTable:
         self.transfer: BoundedCache[int, NDArray[np.float64]] = BoundedCache(_TRANSFER_CACHE_MAX)
         # rows per request -> per-candidate rows term
         self.rows: BoundedCache[int, NDArray[np.float64]] = BoundedCache(_TRANSFER_CACHE_MAX)
+        # rows per request -> per-candidate cost of such a request
+        self.rows_costs: BoundedCache[int, NDArray[np.float64]] = BoundedCache(_TRANSFER_CACHE_MAX)
         self.cost: list[float] = arr.cost.tolist()
         self.accuracy: list[float] = arr.accuracy.tolist()
         self.reason: tuple[str, ...] = tuple(
@@ -170,6 +185,15 @@ class TaskTable:
                 self.rows.put(rows, extra)
             return self.transfer_ms(nbytes) + extra if nbytes else extra
         return self.transfer_ms(nbytes) if nbytes else None
+
+    def cost_of(self, rows: int) -> NDArray[np.float64]:
+        """Per-candidate cost of a request of ``rows`` rows (read-only, cached per row count)."""
+        out = self.rows_costs.get(rows)
+        if out is None:
+            out = self.arr.rows_cost(rows)
+            out.flags.writeable = False
+            self.rows_costs.put(rows, out)
+        return out
 
     def masked_base(self, tenant: str, min_accuracy: float) -> NDArray[np.float64]:
         """``base_ms`` where every filter but budget, cost and exclusion passes, else inf."""
@@ -239,9 +263,10 @@ def build_candidates(snap: MeshSnapshot, here: str, variants: tuple[VariantInfo,
             else:
                 cost = float("inf")
             base = rtt + margin + queue + compute + load_ms + fetch if reachable else float("inf")
+            price_ms = info.price_per_hour / 3600.0 / info.slots / 1000.0
             rows.append((s, v.variant_id, v.owner, j, rtt, per_byte, queue, compute, load_ms + fetch, base,
-                         cost, v.accuracy, loaded, hard, cap_ok, s != here, v.size_bytes, v, hw, batch))
-    cols = list(zip(*rows, strict=True)) if rows else [()] * 20
+                         cost, v.accuracy, loaded, hard, cap_ok, s != here, v.size_bytes, v, hw, batch, price_ms))
+    cols = list(zip(*rows, strict=True)) if rows else [()] * 21
     cost_a = np.array(cols[10], dtype=np.float64)
     base_a = np.array(cols[9], dtype=np.float64)
     not_here = np.array(cols[15], dtype=bool)
@@ -264,4 +289,5 @@ def build_candidates(snap: MeshSnapshot, here: str, variants: tuple[VariantInfo,
                            per_byte_ms=f(5), queue_ms=f(6), compute_ms=f(7), load_ms=f(8),
                            base_ms=f(9), cost=f(10), accuracy=f(11), loaded=b(12), hard_ok=b(13),
                            capacity_ok=b(14), variant=tuple(cols[17][i] for i in order),
-                           hardware_class=s_(18), batch=tuple(int(cols[19][i]) for i in order))
+                           hardware_class=s_(18), batch=tuple(int(cols[19][i]) for i in order),
+                           price_per_ms=f(20))

@@ -415,3 +415,25 @@ def test_rows_from_the_slo_constructor() -> None:
 
     q = Query.from_slo("digits", "acme", SLO.parse(50.0, 0.9, None, "latency"), 40.0, 3136, rows=4)
     assert (q.rows, q.nbytes, q.budget_ms) == (4, 3136, 40.0)
+
+
+def test_a_request_of_many_rows_is_billed_its_rows() -> None:
+    """An edge CPU at 10 ms a row and a GPU core flat in batch size, both within a 1 s budget: one row is
+    cheaper at the edge (10 ms of a cheap core against 0.5 ms of a dear GPU), sixty-four rows at the core
+    (640 ms of the core against 0.6 ms of the GPU): the request's own rows are billed, not one row's."""
+    ss = [SiteInfo("edge", "edge", "eu", "cpu-arm", 4, 2048, 0, 0.036),
+          SiteInfo("core", "core", "eu", "gpu", 64, 262144, 4, 14.4)]
+    v = VariantInfo("digits", "cnn", 0.985, MB, compute_ms={"cpu-arm": {1: 10.0, 64: 640.0}, "gpu": {1: 0.5, 64: 0.6}},
+                    load_ms={"cpu-arm": 10.0, "gpu": 10.0}, memory_bytes=MB, max_batch=64)
+    loads = [SiteLoad(s.name, loaded=frozenset({"cnn"}), capacity=s.slots, memory_free_bytes=s.memory_bytes)
+             for s in ss]
+    t = RoutingTable.build(MeshSnapshot.from_parts(ss, [v], loads, [("edge", "core", 10.0, 1000.0)], version=1),
+                           "edge")
+    one = t.decide(Query(task="digits", budget_ms=1000.0))
+    many = t.decide(Query(task="digits", budget_ms=1000.0, rows=64))
+    assert (one.site, many.site) == ("edge", "core")
+    assert many.feasible_count == 2 and not many.best_effort
+    assert many.cost == pytest.approx(0.6e-3 * 14.4 / 3600 / 4)
+    # a cost ceiling is read against what the request costs: below the core's price of 64 rows, nothing fits
+    capped = t.decide(Query(task="digits", budget_ms=1000.0, rows=64, max_cost=1e-7))
+    assert capped.best_effort
