@@ -52,7 +52,7 @@ _TABLE: dict[str, tuple[str, str]] = {
     "batching": ("bench.batching", "run_batching"), "geo": ("bench.geo", "run_geo"),
     "geo_hetero": ("bench.geo_hetero", "run_geo_hetero"), "coldstart": ("bench.coldstart", "run_coldstart"),
     "footprint": ("bench.footprint", "run_footprint"), "gpu_profile": ("bench.gpu_profile", "run_gpu_profile"),
-    "gpu_routing": ("bench.gpu_routing", "run_gpu_routing"),
+    "gpu_routing": ("bench.gpu_routing", "run_gpu_routing"), "gpu_geo": ("bench.gpu_geo", "run_gpu_geo"),
     "shared_backbone": ("bench.shared_backbone", "run_shared_backbone"),
     "control_plane": ("bench.control_plane", "run_control_plane"),
 }
@@ -69,7 +69,7 @@ def _scenario(name: str) -> Callable[[RunContext], Awaitable[Path]]:
 SCENARIOS = ("mesh_hop", "http_api", "sdk_local", "decision", "batching", "geo", "geo_hetero", "coldstart",
              "footprint", "shared_backbone", "control_plane", "gpu_routing")
 # Run only when named (--only gpu_profile): they need a CUDA GPU, which most hosts lack.
-GPU_SCENARIOS = ("gpu_profile",)
+GPU_SCENARIOS = ("gpu_profile", "gpu_geo")
 
 
 async def _run(names: list[str], ctx: RunContext) -> int:

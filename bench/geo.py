@@ -68,7 +68,8 @@ def geo_spec(quick: bool, edges: tuple[str, ...]) -> TraceSpec:
                      spike_edge_classes=("tight",) if "edge-sin-1" in edges else None)
 
 
-def prebuild_home(dst: Path, topology: Path = TOPOLOGY, *, text: bool = False) -> float:
+def prebuild_home(dst: Path, topology: Path = TOPOLOGY, *, text: bool = False,
+                  text_backbones: list[str] | None = None) -> float:
     """Build the catalog (digits family, profiled; with ``text`` the text family too) once into ``dst``;
     returns seconds taken. Synchronous (its own event loop): call it from a thread when a loop is running."""
     from mesh.etcd.server import EmbeddedEtcd
@@ -89,7 +90,8 @@ def prebuild_home(dst: Path, topology: Path = TOPOLOGY, *, text: bool = False) -
                 if text:
                     from variant_store.build_text import ensure_text_family
 
-                    await ensure_text_family(Catalog(store), BlobStore(dst / "blobs"), progress=False)
+                    await ensure_text_family(Catalog(store), BlobStore(dst / "blobs"), progress=False,
+                                             backbones=text_backbones)
             finally:
                 await store.close()
         finally:
@@ -101,9 +103,10 @@ def prebuild_home(dst: Path, topology: Path = TOPOLOGY, *, text: bool = False) -
     return time.perf_counter() - t0
 
 
-async def prebuild_home_async(dst: Path, topology: Path = TOPOLOGY, *, text: bool = False) -> float:
+async def prebuild_home_async(dst: Path, topology: Path = TOPOLOGY, *, text: bool = False,
+                              text_backbones: list[str] | None = None) -> float:
     """``prebuild_home`` from inside an event loop (runs it in a worker thread with its own loop)."""
-    return await asyncio.to_thread(lambda: prebuild_home(dst, topology, text=text))
+    return await asyncio.to_thread(lambda: prebuild_home(dst, topology, text=text, text_backbones=text_backbones))
 
 
 @contextlib.contextmanager

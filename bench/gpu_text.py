@@ -9,7 +9,10 @@ on the CPU over the configuration's embeddings (the heads are one ``MatMul + Add
 The family is found in ``TIERMESH_TEXT_FAMILY_DIR``, else in the local cache when it was built there
 (``variant_store.build_text``); nothing is built on the GPU host. ``python -m bench.gpu_text pack OUT``
 writes a copy that travels to a lent GPU machine (64 MiB per call): the encoder's word-embedding rows of
-tokens that the held-out descriptions never use are zeroed and the file gzipped. A Gather reads only the
+tokens that the held-out descriptions never use are zeroed and the file gzipped; the heads, the validation
+sets and a manifest of just these files (the packed encoder's own digest) go beside it, so the directory,
+unpacked (``python -m bench.gpu_text unpack DIR``), is a text family ``variant_store.build_text`` verifies
+(``TIERMESH_TEXT_FAMILY_DIR``). A Gather reads only the
 rows of the tokens it is given, so on those descriptions its outputs are bit-identical to the full
 encoder's (checked when packing).
 """
@@ -17,6 +20,7 @@ encoder's (checked when packing).
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import os
 import shutil
@@ -63,8 +67,9 @@ def unpacked_family(d: Path) -> Iterator[Path]:
     try:
         with gzip.open(d / f"{ENCODER}.gz", "rb") as src, open(tmp / ENCODER, "wb") as dst:
             shutil.copyfileobj(src, dst, 1 << 20)
-        for name in [*HEADS.values(), "manifest.json"]:
-            shutil.copy(d / name, tmp / name)
+        for f in d.iterdir():
+            if f.is_file() and f.name != f"{ENCODER}.gz":
+                shutil.copy(f, tmp / f.name)
         yield tmp
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -189,8 +194,17 @@ def pack_text_family(src: Path, out: Path) -> Path:
 
     if not np.array_equal(run(src / ENCODER), run(packed)):
         raise RuntimeError("the packed encoder differs from the full one on the held-out descriptions")
-    for name in [*HEADS.values(), "manifest.json"]:
+    manifest = json.loads((src / "manifest.json").read_text())
+    keep_models = [m for m in manifest["models"] if m["file"] == ENCODER or m.get("backbone") == ENCODER]
+    for m in keep_models:
+        if m["file"] == ENCODER:  # the packed encoder is its own file: its digest and size
+            data = packed.read_bytes()
+            m["sha256"], m["size_bytes"] = hashlib.sha256(data).hexdigest(), len(data)
+            m["packed"] = "word-embedding rows of tokens no held-out description uses are zeroed"
+    manifest["models"] = keep_models
+    for name in [*HEADS.values(), *(f["file"] for f in manifest["dataset"]["files"].values())]:
         shutil.copy(src / name, out / name)
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     with gzip.open(out / f"{ENCODER}.gz", "wb", compresslevel=6) as fh:
         fh.write(packed.read_bytes())
     packed.unlink()
@@ -201,8 +215,13 @@ def pack_text_family(src: Path, out: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["unpack"] and len(args) == 2:
+        d = Path(args[1])
+        with gzip.open(d / f"{ENCODER}.gz", "rb") as src_fh, open(d / ENCODER, "wb") as dst_fh:
+            shutil.copyfileobj(src_fh, dst_fh, 1 << 20)
+        return 0
     if args[:1] != ["pack"] or len(args) != 2:
-        print("usage: python -m bench.gpu_text pack OUT   (from the locally built text family)", file=sys.stderr)
+        print("usage: python -m bench.gpu_text pack OUT | unpack DIR", file=sys.stderr)
         return 2
     src = find_text_family()
     if src is None or not (src / ENCODER).is_file():

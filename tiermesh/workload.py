@@ -41,6 +41,7 @@ class SloClass:
     prefer: str = DEFAULT_PREFER
     tenant: str = "public"
     task: str = "digit-classification"   # any other task draws its rows from ``run_workload(data=...)``
+    rows: int = 1                 # rows per request (a batch in one query); its first row's answer is scored
 
 
 DEFAULT_CLASSES = (
@@ -83,7 +84,8 @@ class WorkloadResult:
 
 async def infer_one(client: AsyncClient, cls: SloClass, edge: str, x: Any, label: int, t0: float,
                     request_id: str | None = None) -> QueryRecord:
-    """One query of ``cls`` (``x``: a batch of one row — digits, or one text) and what became of it."""
+    """One query of ``cls`` (``x``: its rows — digits, or texts; the first row's answer is scored) and what became
+    of it."""
     start = time.perf_counter()
     rid = request_id or ""
     try:
@@ -134,8 +136,8 @@ async def run_workload(edges: dict[str, str], x: np.ndarray, y: np.ndarray, *, d
     async def fire(cls: SloClass, edge: str, i: int, n: int) -> None:
         async with sem:
             cx, cy = rows[cls.task]
-            j = i % len(cx)
-            rec = await infer_one(clients[(edge, cls.tenant)], cls, edge, cx[j:j + 1], int(cy[j]), t0,
+            j = i % max(1, len(cx) - cls.rows + 1)
+            rec = await infer_one(clients[(edge, cls.tenant)], cls, edge, cx[j:j + cls.rows], int(cy[j]), t0,
                                   f"w{seed}-{n}" if request_ids else None)
             result.records.append(rec)
 

