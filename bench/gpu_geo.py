@@ -37,7 +37,7 @@ CLASSES = (*(SloClass(c.name, c.latency_ms, c.min_accuracy, c.share * 0.75) for 
 
 
 async def _run(name: str, prebuilt: Path, work: Path, *, gpu_core: bool, duration_s: float,
-               qps: float) -> dict[str, Any]:
+               qps: float, logs_to: Path) -> dict[str, Any]:
     from tiermesh.harness import LocalMesh
     from tiermesh.mesh_options import MeshOptions
     from tiermesh.workload import run_workload, summarise
@@ -62,20 +62,27 @@ async def _run(name: str, prebuilt: Path, work: Path, *, gpu_core: bool, duratio
         assert mesh.store is not None
         from mesh.etcd.keys import live_key
 
+        profiled: dict[str, list[str]] = {}
         for site in mesh.sites:
             kv = await mesh.store.get(live_key(site))
             classes_of[site] = (kv.value.get("hardware_class"), kv.value.get("gpu_note")) if kv is not None else None
+            if kv is not None and kv.value.get("profiles"):
+                profiled[site] = sorted(kv.value["profiles"])  # what the site timed itself (its class is new)
         result = await run_workload(mesh.edge_urls(), x, y, duration_s=duration_s, qps=qps, classes=CLASSES,
                                     data={"text-topic": load_corpus().holdout()})
     tiers = {s: site.tier for s, site in topo.sites.items()}
     summary = summarise(result.records, tiers)
+    for site_name, spec in topo.sites.items():  # the GPU site's own log beside the results (what it loaded, how)
+        log = home / "sites" / site_name / "agent.log"
+        if spec.hardware.gpus and log.is_file():
+            shutil.copy(log, logs_to / f"gpu_geo-{name}-{site_name}.log")
     print(f"  {name}: startup {startup_s:.1f} s, classes {classes_of}", flush=True)
     for cls, s in summary.items():
         print(f"    {cls:10s} {s['queries']:4d} q  SLO met {100 * s['slo_attainment']:5.1f} %  "
               f"at {s['served_at_tier']}  p50 {s['p50_ms']:.1f} ms  p99 {s['p99_ms']:.1f} ms  errors {s['errors']}",
               flush=True)
     return {"run": name, "startup_s": round(startup_s, 1), "profiling_left": pending, "sites": classes_of,
-            "summary": summary}
+            "self_profiled": profiled, "summary": summary}
 
 
 async def run_gpu_geo(ctx: RunContext) -> Path:
@@ -90,8 +97,11 @@ async def run_gpu_geo(ctx: RunContext) -> Path:
         prebuilt = work / "prebuilt"
         build_s = await prebuild_home_async(prebuilt, TOPOLOGY, text=True, text_backbones=["minilm-l6"])
         print(f"  catalog built in {build_s:.0f} s", flush=True)
-        runs = [await _run("gpu-core", prebuilt, work, gpu_core=True, duration_s=duration_s, qps=qps),
-                await _run("cpu-core", prebuilt, work, gpu_core=False, duration_s=duration_s, qps=qps)]
+        ctx.results_dir.mkdir(parents=True, exist_ok=True)
+        runs = [await _run("gpu-core", prebuilt, work, gpu_core=True, duration_s=duration_s, qps=qps,
+                           logs_to=ctx.results_dir),
+                await _run("cpu-core", prebuilt, work, gpu_core=False, duration_s=duration_s, qps=qps,
+                           logs_to=ctx.results_dir)]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     rows = []

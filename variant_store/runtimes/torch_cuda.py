@@ -8,9 +8,12 @@ as a CUDA graph and later calls replay it (one launch). Shapes beyond ``max_grap
 a graph whose capture fails (an op that syncs with the host) falls back to eager for that shape,
 and ``graph_failures`` says so.
 
-Thread safety: one lock per runtime around each call. A replayed graph reads and writes fixed
-device buffers, so two threads must not interleave on one graph; the GPU runs one stream's
-kernels in order anyway, so the lock costs little beyond the host copies it also serialises.
+Thread safety: one lock for every torch-cuda runtime of the process, around each load, call and
+unload. A replayed graph reads and writes fixed device buffers, so two threads must not interleave on
+one graph; and while one thread captures a graph, CUDA forbids other threads' allocations and syncs
+(a site loading one variant while it profiles another failed so). The GPU runs one stream's kernels
+in order anyway, so the lock costs little beyond the host copies it also serialises. Anything torch
+raises while loading is a ``RuntimeLoadError``: the site then serves the file on its CPU instead.
 ``device="cpu"`` runs the same graph on the CPU (for tests on machines without a GPU).
 
 A text model (the text family's encoders) carries its tokenizer in its metadata, as for ONNX Runtime
@@ -32,6 +35,9 @@ from variant_store.runtimes.text import TEXT_SPEC, TextFront, text_front
 
 __all__ = ["TorchCudaRuntime"]
 
+# one for the process: see the module docstring (capture excludes every other thread's CUDA work)
+_CUDA_LOCK = threading.RLock()
+
 
 class TorchCudaRuntime(Runtime):
     name = "torch-cuda"
@@ -47,7 +53,7 @@ class TorchCudaRuntime(Runtime):
         self.cuda_graphs = cuda_graphs and device.startswith("cuda")
         self.max_graphs = max_graphs
         self.graph_failures: dict[tuple[Any, ...], str] = {}
-        self._lock = threading.Lock()
+        self._lock = _CUDA_LOCK
         self._graphs: dict[tuple[Any, ...], tuple[Any, dict[str, Any], dict[str, Any]]] = {}
         self._graph: Any = None
         self._torch: Any = None
@@ -77,12 +83,20 @@ class TorchCudaRuntime(Runtime):
             # later, which moves logits by ~1e-3 and would make FP32 variants disagree with ONNX Runtime.
             torch.backends.cudnn.allow_tf32 = False
             torch.backends.cuda.matmul.allow_tf32 = False
-        before = torch.cuda.memory_allocated() if on_cuda else 0
+        with self._lock:
+            try:
+                before = torch.cuda.memory_allocated() if on_cuda else 0
+                graph = TorchGraph(model, self.device, half=self.precision == "fp16")
+                if on_cuda:
+                    torch.cuda.synchronize()
+                    self._device_bytes = torch.cuda.memory_allocated() - before
+            except RuntimeLoadError:
+                raise
+            except Exception as exc:  # torch's errors are plain RuntimeErrors (CUDA state, memory)
+                raise RuntimeLoadError(f"torch-cuda could not load {self.model_path.name}: {exc}",
+                                       path=str(self.model_path)) from exc
         self._torch = torch
-        self._graph = TorchGraph(model, self.device, half=self.precision == "fp16")
-        if on_cuda:
-            torch.cuda.synchronize()
-            self._device_bytes = torch.cuda.memory_allocated() - before
+        self._graph = graph
         self.input_specs, self.output_specs = self._graph.input_specs, self._graph.output_specs
         self._text = text_front({p.key: p.value for p in model.metadata_props},
                                 tuple(s.name for s in self.input_specs))
@@ -135,9 +149,10 @@ class TorchCudaRuntime(Runtime):
         return entry
 
     def _close(self) -> None:
-        self._graphs.clear()
-        self._graph = None
-        self._text = None
-        if self._torch is not None and self.device.startswith("cuda"):
-            self._torch.cuda.empty_cache()
+        with self._lock:
+            self._graphs.clear()
+            self._graph = None
+            self._text = None
+            if self._torch is not None and self.device.startswith("cuda"):
+                self._torch.cuda.empty_cache()
         self._device_bytes = 0
