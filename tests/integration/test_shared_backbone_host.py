@@ -5,6 +5,7 @@ head; queries of different heads share one backbone run; a full site evicts inst
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 from pathlib import Path
@@ -191,5 +192,26 @@ async def test_a_full_site_evicts_the_least_demanded_idle_variant_instead_of_ref
         with pytest.raises(Overloaded, match="would not make room"):
             await host.ensure(big)
         assert host.evictions == 1 and len(host.instances) == 2
+    finally:
+        await host.close()
+
+
+async def test_a_gpu_site_without_its_own_profile_times_a_head_itself(tmp_path: Path) -> None:
+    """A head's catalog profile includes its backbone and belongs to another class (a CPU's). On a GPU site
+    that has none of its own, the backbone batch's cost is the backbone and the head as timed here: a
+    request the CPU profile would call 10 s long is admitted within 1 s (on a lent H100 the 64-row text
+    requests were refused so)."""
+    from variant_store.meta import LatencyStats, Profile
+
+    host = seeded_host(tmp_path)
+    host.hardware_class = "gpu-test"
+    slow_cpu = Profile(hardware_class="cpu", load_ms=1.0, latency={1: LatencyStats(10_000.0, 10_000.0)},
+                       peak_memory_bytes=0)
+    meta = head_meta("head-digits.onnx.fp32")
+    meta = dataclasses.replace(meta, profiles={"cpu": slow_cpu})
+    try:
+        lv = await host.ensure(meta)
+        out = await lv.batcher.submit({"x": X[:4]}, time.monotonic() + 1.0, lane=meta.variant_id)
+        assert out.outputs["logits"].shape == (4, 10)
     finally:
         await host.close()

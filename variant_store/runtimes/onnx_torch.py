@@ -57,6 +57,28 @@ class _Node:
     fn: Callable[..., Any]
 
 
+def _topological(graph: Any) -> list[Any]:
+    """The graph's nodes in an order where every input is produced before it is read. ONNX asks for that
+    order, but float16 converters append the casts of the graph's inputs at the end (ONNX Runtime sorts
+    anyway); a stable Kahn's order keeps the file's order wherever it already holds."""
+    ready = {i.name for i in graph.input} | {i.name for i in graph.initializer} | {""}
+    pending = list(graph.node)
+    out: list[Any] = []
+    while pending:
+        rest = []
+        for n in pending:
+            if all(name in ready for name in n.input):
+                out.append(n)
+                ready.update(n.output)
+            else:
+                rest.append(n)
+        if len(rest) == len(pending):  # a cycle, or an input nothing produces
+            missing = sorted({name for n in rest for name in n.input if name not in ready})
+            raise RuntimeLoadError(f"torch runtime: graph inputs never produced: {missing[:5]}")
+        pending = rest
+    return out
+
+
 class TorchGraph:
     """An ONNX model as a callable over torch tensors on ``device``, in ``float32`` or ``float16``."""
 
@@ -74,7 +96,7 @@ class TorchGraph:
         for init in model.graph.initializer:
             self.consts[init.name] = self._const(numpy_helper.to_array(init))
         self.nodes: list[_Node] = []
-        for n in model.graph.node:
+        for n in _topological(model.graph):
             attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
             if n.op_type == "Constant":
                 self.consts[n.output[0]] = self._const(numpy_helper.to_array(attrs["value"]))
