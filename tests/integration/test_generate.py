@@ -11,6 +11,7 @@ import onnx
 import pytest
 
 from tests.helpers_models import conv_onnx, digits_split, trained_mlp_onnx
+from variant_store.families.datasets import DIGITS_DIR, load_validation_npz
 from variant_store.generate import ALL_KINDS, GeneratedVariant, SkippedVariant, generate_variants
 from variant_store.hardware import tensorrt_available
 from variant_store.runtimes import open_runtime
@@ -123,3 +124,16 @@ def test_a_failing_generator_does_not_stop_the_others(tmp_path: Path) -> None:
     assert set(reasons) == {"onnx.int8-static", "tflite.int8", "bogus"}
     assert "calibration" in reasons["onnx.int8-static"] and "calibration" in reasons["tflite.int8"]
     assert set(ALL_KINDS) >= {v.kind for v in made}
+
+
+def test_tflite_is_skipped_with_the_reason_where_its_writer_is_absent(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host without ai-edge-litert (a GPU image): TFLite variants are skipped with the reason, the others made."""
+    import variant_store.generate as gen
+
+    monkeypatch.setattr(gen, "tflite_writer_available", lambda: False)
+    x = load_validation_npz().x_calib
+    made, skipped = gen.generate_variants(DIGITS_DIR / "mlp-tiny.onnx", x, tmp_path, kinds=["onnx.fp32", "tflite.int8"])
+    assert [m.kind for m in made] == ["onnx.fp32"]
+    assert [(s.kind, "ai-edge-litert" in s.reason) for s in skipped] == [("tflite.int8", True)]
+    assert not list(tmp_path.glob("*.tflite"))

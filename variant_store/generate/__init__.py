@@ -12,6 +12,7 @@ from mesh.extras import require
 
 require("store", "onnx", "onnxruntime", "sympy")
 
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,8 @@ from mesh.log import get_logger, kv
 from variant_store.generate import onnx_quant, tensorrt_gen
 from variant_store.generate.tflite_writer import write_tflite_int8
 
-__all__ = ["ALL_KINDS", "KIND_INFO", "GeneratedVariant", "SkippedVariant", "generate_variants"]
+__all__ = ["ALL_KINDS", "KIND_INFO", "GeneratedVariant", "SkippedVariant", "generate_variants",
+           "tflite_writer_available"]
 
 log = get_logger(__name__)
 
@@ -66,6 +68,10 @@ def _builders(calib_x: np.ndarray) -> dict[str, Callable[[Path, Path], Path]]:
     }
 
 
+def tflite_writer_available() -> bool:
+    return importlib.util.find_spec("ai_edge_litert") is not None
+
+
 def generate_variants(parent: Path, calib_x: np.ndarray, out_dir: Path, *,
                       kinds: list[str] | None = None) -> tuple[list[GeneratedVariant], list[SkippedVariant]]:
     """Write each requested variant of ``parent`` into ``out_dir`` as ``<parent stem>.<kind><suffix>``."""
@@ -86,6 +92,11 @@ def generate_variants(parent: Path, calib_x: np.ndarray, out_dir: Path, *,
             if not ok:
                 skipped.append(SkippedVariant(kind, why))
                 continue
+        if kind == "tflite.int8" and not tflite_writer_available():
+            # the writer builds its flatbuffer with ai-edge-litert's schema: absent (a GPU image, an SDK-only
+            # install), the variant is skipped with the reason, not a crash per model
+            skipped.append(SkippedVariant(kind, "ai-edge-litert is not installed (pip install 'tiermesh[agent]')"))
+            continue
         out = out_dir / f"{parent.stem}.{kind}{suffix}"
         try:
             builders[kind](parent, out)
