@@ -37,6 +37,7 @@ ceiling are applied per query by ``decide()``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -89,18 +90,18 @@ class CandidateArrays:
         out = np.zeros(len(self.site), dtype=np.float64)
         if rows > 1:
             for i, (v, hw, b) in enumerate(zip(self.variant, self.hardware_class, self.batch, strict=True)):
-                extra = resolve_compute(v.compute_at(hw, b + rows - 1)) - self.compute_ms[i]
-                if np.isfinite(extra):
-                    out[i] = max(0.0, extra)
+                now, then = float(self.compute_ms[i]), resolve_compute(v.compute_at(hw, b + rows - 1))
+                if math.isfinite(now) and math.isfinite(then):  # unprofiled there: no term (it is masked anyway)
+                    out[i] = max(0.0, then - now)
         return out
 
     def rows_cost(self, rows: int) -> NDArray[np.float64]:
         """Per candidate, the cost of a request of ``rows`` rows: compute(rows) billed instead of compute(1)."""
         extra = np.zeros(len(self.site), dtype=np.float64)
         for i, (v, hw) in enumerate(zip(self.variant, self.hardware_class, strict=True)):
-            more = resolve_compute(v.compute_at(hw, rows)) - resolve_compute(v.compute_at(hw, 1))
-            if np.isfinite(more):
-                extra[i] = max(0.0, more) * self.price_per_ms[i]
+            one, many = resolve_compute(v.compute_at(hw, 1)), resolve_compute(v.compute_at(hw, rows))
+            if math.isfinite(one) and math.isfinite(many):
+                extra[i] = max(0.0, many - one) * self.price_per_ms[i]
         return self.cost + extra
 
     def __len__(self) -> int:
