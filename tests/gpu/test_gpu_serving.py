@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import numpy as np
@@ -32,17 +32,6 @@ def _meta(variant_id: str, task: str, path: Path, base: Path | None = None) -> V
                        precision="fp32", runtime="onnxruntime", blob_digest=hashlib.sha256(data).hexdigest(),
                        size_bytes=len(data), accuracy=0.9,
                        shared_base_digest=None if base is None else hashlib.sha256(base.read_bytes()).hexdigest())
-
-
-@pytest.fixture(scope="module")
-def text_family() -> Iterator[Path]:
-    from bench.gpu_text import find_text_family, unpacked_family
-
-    d = find_text_family()
-    if d is None:
-        pytest.skip("the text family is not here: set TIERMESH_TEXT_FAMILY_DIR (python -m bench.gpu_text pack OUT)")
-    with unpacked_family(d) as u:
-        yield u
 
 
 async def _blob_server(files: list[Path]) -> tuple[web.AppRunner, str]:

@@ -8,7 +8,6 @@ The text family's FP32 encoder runs too where :func:`bench.gpu_text.find_text_fa
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -95,17 +94,6 @@ def test_profile_records_the_gpu_class() -> None:
     assert res.providers == ["torch-cuda-fp16-graphs"] and res.accuracy >= 0.97
     assert set(res.latency) == {1, 64} and res.device_memory_bytes > 0
     assert {r.runtime: r.ok for r in runtime_support()}["torch-cuda"]
-
-
-@pytest.fixture(scope="module")
-def text_family() -> Iterator[Path]:
-    from bench.gpu_text import find_text_family, unpacked_family
-
-    d = find_text_family()
-    if d is None:
-        pytest.skip("the text family is not here: set TIERMESH_TEXT_FAMILY_DIR (python -m bench.gpu_text pack OUT)")
-    with unpacked_family(d) as u:
-        yield u
 
 
 def _embed(rt: Any, texts: np.ndarray) -> np.ndarray:
