@@ -15,7 +15,7 @@ import pytest
 
 from edge_agent.agent import Agent
 from edge_agent.agent_config import AgentConfig
-from mesh.errors import BlobError, RuntimeLoadError
+from mesh.errors import BlobError, PeerUnavailable, RuntimeLoadError
 from mesh.etcd.server import EmbeddedEtcd
 from mesh.etcd.store import Store
 from mesh.pki.identity import Identity
@@ -93,9 +93,10 @@ async def test_an_edge_loads_a_variant_from_the_neighbour_that_holds_it(
             assert resp.site == "mid-eu" and resp.outputs["logits"].shape == (1, 10)
             mid_copy = tmp_path / "mid-eu" / "sites" / "mid-eu" / "blobs" / f"{DIGEST}.onnx"
             assert hashlib.sha256(mid_copy.read_bytes()).hexdigest() == DIGEST
-            # a blob nobody holds, with the store gone: a clear load error
+            # a blob nobody holds, with the store gone: a clear load error (PeerUnavailable naming the store while
+            # the store's withdrawal has not reached mid's view yet: seen once in a fresh-clone CI run)
             assert mid.host is not None
-            with pytest.raises((RuntimeLoadError, BlobError)):
+            with pytest.raises((RuntimeLoadError, BlobError, PeerUnavailable)):
                 await mid.host._fetch("0" * 64, tmp_path / "nothing.onnx")
             async with aiohttp.ClientSession() as http:
                 async with http.get(f"{fra.http_url}/blobs/{DIGEST}") as r:
