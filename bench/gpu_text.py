@@ -26,7 +26,6 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -89,15 +88,9 @@ def _top1(head: Path, emb: np.ndarray, y: np.ndarray) -> float:
 
 
 def _time(rt: Any, texts: np.ndarray, repeats: int, budget_s: float) -> tuple[float, float]:
-    rt.infer_sync({"text": texts})
-    times: list[float] = []
-    deadline = time.perf_counter() + budget_s
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        rt.infer_sync({"text": texts})
-        times.append((time.perf_counter() - t0) * 1000.0)
-        if time.perf_counter() > deadline:
-            break
+    from variant_store.profiler import timed_runs
+
+    times = timed_runs(rt, "text", texts, repeats, budget_s)
     return float(np.percentile(times, 50)), float(np.percentile(times, 99))
 
 

@@ -24,7 +24,7 @@ from variant_store.meta import LatencyStats, Profile
 from variant_store.runtimes import open_runtime, rss_bytes
 from variant_store.runtimes.base import Runtime
 
-__all__ = ["ProfileResult", "add_base_latency", "measure_accuracy", "profile_variant", "run_first_output"]
+__all__ = ["ProfileResult", "add_base_latency", "measure_accuracy", "profile_variant", "run_first_output", "timed_runs"]
 
 
 @dataclass(slots=True)
@@ -88,7 +88,7 @@ def profile_variant(runtime_format: str, path: Path, x_holdout: np.ndarray, y_ho
         latency: dict[int, LatencyStats] = {}
         runs: dict[int, int] = {}
         for bs in batch_sizes:
-            times = _timed_runs(rt, name, np.ascontiguousarray(np.resize(x, (bs, *x.shape[1:]))), repeats,
+            times = timed_runs(rt, name, np.ascontiguousarray(np.resize(x, (bs, *x.shape[1:]))), repeats,
                                 time_budget_s)
             arr = np.asarray(times)
             latency[bs] = LatencyStats(p50_ms=float(np.percentile(arr, 50)),
@@ -106,7 +106,7 @@ def profile_variant(runtime_format: str, path: Path, x_holdout: np.ndarray, y_ho
         rt.unload_sync()
 
 
-def _timed_runs(rt: Runtime, name: str, batch: np.ndarray, repeats: int, time_budget_s: float) -> list[float]:
+def timed_runs(rt: Runtime, name: str, batch: np.ndarray, repeats: int, time_budget_s: float) -> list[float]:
     """Milliseconds of ``repeats`` runs of ``batch`` after one warm-up run (the first allocates / resizes),
     stopping early once ``time_budget_s`` is spent (at least one run)."""
     rt.infer_sync({name: batch})
@@ -134,7 +134,7 @@ def add_base_latency(result: ProfileResult, base_path: Path, x_holdout: np.ndarr
     try:
         name = rt.input_specs[0].name
         for bs in batch_sizes:
-            times = _timed_runs(rt, name, np.resize(x_holdout, (bs, *x_holdout.shape[1:])), repeats, time_budget_s)
+            times = timed_runs(rt, name, np.resize(x_holdout, (bs, *x_holdout.shape[1:])), repeats, time_budget_s)
             head = result.latency.get(bs, LatencyStats(p50_ms=0.0, p99_ms=0.0))
             arr = np.asarray(times)
             result.latency[bs] = LatencyStats(p50_ms=head.p50_ms + float(np.percentile(arr, 50)),
