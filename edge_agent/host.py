@@ -43,7 +43,7 @@ from edge_agent.backbone import BackboneBatcher, measure_compute_ms
 from edge_agent.batching import Batcher
 from edge_agent.blobs import PEER_FETCH_TIMEOUT_S
 from mesh.errors import DeadlineExceeded, MeshError, Overloaded, RuntimeLoadError
-from mesh.heap import settle
+from mesh.heap import Settler
 from mesh.lifecycle import cancel_and_wait
 from mesh.log import get_logger, kv
 from variant_store.blobs import sha256_file
@@ -127,9 +127,9 @@ class VariantHost:
     def __init__(self, site: str, cache_dir: Path, *, hardware_class: str, memory_budget_bytes: int,
                  threads: int = 2, max_window_ms: float = 4.0, settle_heap: bool = False) -> None:
         self.site = site
-        # mesh.heap.settle after every load and unload: a serving agent's long-lived objects out of the
-        # collector's full passes (tests and tools that load many variants in one process leave it off)
-        self.settle_heap = settle_heap
+        # the heap settled after loads and unloads: a serving agent's long-lived objects out of the collector's
+        # full passes (mesh.heap; tests and tools that load many variants in one process leave it off)
+        self.settler = Settler() if settle_heap else None
         self.cache_dir = cache_dir
         self.hardware_class = hardware_class
         self.memory_budget_bytes = memory_budget_bytes
@@ -267,8 +267,8 @@ class VariantHost:
             except Exception as exc:
                 raise RuntimeLoadError(f"{self.site}: loading {meta.variant_id} failed: {exc}") from exc
         self.cold_starts += 1
-        if self.settle_heap:
-            settle(f"loading {meta.variant_id}")
+        if self.settler is not None:
+            self.settler.loaded(f"loading {meta.variant_id}")
         log.info("loaded %s%s in %.1f ms (%d bytes measured)", meta.variant_id,
                  f" for {isolated_for} (strict)" if isolated_for else "", lv.load_ms, lv.memory_bytes,
                  extra=kv(site=self.site, variant=meta.variant_id, event="load"))
@@ -402,8 +402,8 @@ class VariantHost:
     async def unload(self, variant_id: str, isolated_for: str = "") -> None:
         async with self._lock:
             await self._unload_locked((variant_id, isolated_for))
-            if self.settle_heap:
-                settle(f"unloading {variant_id}")
+            if self.settler is not None:
+                self.settler.unloaded()
 
     async def _unload_locked(self, key: InstanceKey) -> None:
         lv = self.instances.pop(key, None)
@@ -427,6 +427,8 @@ class VariantHost:
 
     async def close(self) -> None:
         await cancel_and_wait(*self._background)
+        if self.settler is not None:
+            self.settler.close()
         for key in list(self.instances):
             with contextlib.suppress(Exception):
                 async with self._lock:

@@ -8,32 +8,81 @@ project's 2-core machine (``bench.shared_backbone``'s deployments at 13 k req/s,
 ``gc.callbacks`` in a diagnostic run): two 30-46 ms pauses per 2.5 s, each a burst of late or refused queries
 under a 20 ms SLO; with the heap settled, no pause over 5 ms in the same runs.
 
-:func:`settle` collects once and then moves every object alive to the permanent generation (``gc.freeze``),
-which the collector never walks: later full collections see only what was allocated since. Long-lived objects
-are made at start and when a variant loads, so that is when it runs; it runs again when a variant unloads,
-after ``gc.unfreeze``, so that what the unloaded variant left in reference cycles among frozen objects is freed
-rather than held for ever. Each call is one full collection (tens of ms, once, off the steady state).
+:func:`settle` collects and then moves every object alive to the permanent generation (``gc.freeze``), which
+the collector never walks: later full collections see only what was allocated since. Long-lived objects are made
+at start and when a variant loads, so that is when it runs; a collection then walks only what is not frozen yet
+(what start or the load made), not the whole heap again. After a variant unloads it runs with ``thaw=True``: after
+``gc.unfreeze``, so that what the unloaded variant left in reference cycles among frozen objects is freed rather
+than held for ever. That one is a full collection (tens of ms; 100-500 ms for 20 agents on two cores), so a
+:class:`Settler` owes it rather than paying it at once: one thaw when its host has been quiet for a while, for a
+whole burst of unloads (a site profiling its variants loads and unloads one after the other at start).
+
+Walking the whole heap at every load was what made 20 forked agents of ``tiermesh up`` take 2-3 s longer to come
+up on two cores (a full pass per load per agent, each one touching, and so copying, the pages the child shared with
+its launcher); the launcher freezes its own imports before it forks for the same reason.
 """
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import time
 
 from mesh.log import get_logger, kv
 
-__all__ = ["settle"]
+__all__ = ["Settler", "settle"]
 
 log = get_logger(__name__)
 
 
-def settle(why: str) -> int:
-    """Unfreeze, collect everything, freeze what survived; returns how many objects are frozen now."""
+def settle(why: str, *, thaw: bool = False) -> int:
+    """Collect what is not frozen yet (everything with ``thaw``, after ``gc.unfreeze``), then freeze what survived;
+    returns how many objects are frozen now."""
     started = time.perf_counter()
-    gc.unfreeze()
+    if thaw:
+        gc.unfreeze()
     gc.collect()
     gc.freeze()
     frozen = gc.get_freeze_count()
     log.debug("heap settled after %s: %d objects frozen in %.1f ms", why, frozen,
               (time.perf_counter() - started) * 1000.0, extra=kv(event="heap_settle"))
     return frozen
+
+
+class Settler:
+    """Settles a serving host's heap: at once after a load (cheap: only what is not frozen yet is walked), and with
+    a thaw :attr:`quiet_s` after the last load or unload that followed an unload (one full collection per burst).
+
+    Owned by its host: :meth:`close` cancels a thaw still owed. Runs on the event loop that calls it."""
+
+    def __init__(self, quiet_s: float = 2.0) -> None:
+        self.quiet_s = quiet_s
+        self.thaws = 0
+        self._owed: asyncio.TimerHandle | None = None
+
+    @property
+    def owed(self) -> bool:
+        return self._owed is not None
+
+    def loaded(self, why: str) -> None:
+        settle(why)
+        if self._owed is not None:  # still in a burst: the thaw waits for quiet
+            self._arm()
+
+    def unloaded(self) -> None:
+        self._arm()
+
+    def _arm(self) -> None:
+        if self._owed is not None:
+            self._owed.cancel()
+        self._owed = asyncio.get_running_loop().call_later(self.quiet_s, self._thaw)
+
+    def _thaw(self) -> None:
+        self._owed = None
+        self.thaws += 1
+        settle("unloads", thaw=True)
+
+    def close(self) -> None:
+        if self._owed is not None:
+            self._owed.cancel()
+            self._owed = None

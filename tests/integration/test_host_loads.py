@@ -106,20 +106,26 @@ async def test_a_query_waits_for_a_slow_load_only_until_its_deadline(tmp_path: P
 
 
 async def test_a_settling_host_frees_an_unloaded_variant(tmp_path: Path, slow_store: str) -> None:
-    """With ``settle_heap`` (as an agent runs it) loads freeze the heap; an unload thaws and collects, so the
-    unloaded variant's runtime and batcher (reference cycles: a batcher's task holds the batcher) are freed."""
+    """With ``settle_heap`` (as an agent runs it) loads freeze the heap; after an unload the host owes a thaw and
+    pays it once it has been quiet, so the unloaded variant's runtime and batcher (reference cycles: a batcher's
+    task holds the batcher) are freed."""
     import gc
     import weakref
 
     host = VariantHost("s", tmp_path / "cache", hardware_class="cpu", memory_budget_bytes=1 << 30,
                        settle_heap=True)
     host.blob_url = slow_store
+    assert host.settler is not None
+    host.settler.quiet_s = 0.1
     try:
         lv = await host.ensure(_meta("digits.full", DIGITS / "head-digits.onnx"))
         assert gc.get_freeze_count() > 0
         refs = [weakref.ref(lv.runtime), weakref.ref(lv.batcher)]
         del lv
         await host.unload("digits.full")
+        assert host.settler.owed
+        await asyncio.sleep(0.5)  # quiet past quiet_s: the owed thaw ran
+        assert not host.settler.owed and host.settler.thaws == 1
         assert [r() for r in refs] == [None, None]
     finally:
         await host.close()

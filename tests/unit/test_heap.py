@@ -3,13 +3,14 @@ settle finds dead among frozen objects, cycles included, is freed rather than he
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import weakref
 from collections.abc import Iterator
 
 import pytest
 
-from mesh.heap import settle
+from mesh.heap import Settler, settle
 
 pytestmark = pytest.mark.unit
 
@@ -33,8 +34,10 @@ def test_settle_freezes_what_is_alive_and_frees_frozen_cycles_on_the_next_settle
     del node
     gc.collect()
     assert ref() is not None  # frozen: a full collection does not walk it
-    settle("an unload")
-    assert ref() is None  # the next settle thaws, collects and freezes again: the dead cycle is gone
+    settle("a load")
+    assert ref() is not None  # a plain settle walks only what is not frozen yet
+    settle("an unload", thaw=True)
+    assert ref() is None  # a thawing settle collects everything and freezes again: the dead cycle is gone
 
 
 def test_garbage_made_before_settle_is_collected_not_frozen() -> None:
@@ -43,3 +46,26 @@ def test_garbage_made_before_settle_is_collected_not_frozen() -> None:
     del node
     settle("a test")
     assert ref() is None
+
+
+async def test_a_burst_of_unloads_is_one_thaw_after_quiet() -> None:
+    settler = Settler(quiet_s=0.2)
+    node = _Node()
+    ref = weakref.ref(node)
+    settler.loaded("a load")
+    del node
+    for _ in range(3):  # unload, load, unload, ...: one burst
+        settler.unloaded()
+        settler.loaded("the next load")
+        await asyncio.sleep(0.05)
+    assert settler.owed and settler.thaws == 0 and ref() is not None
+    await asyncio.sleep(0.4)
+    assert not settler.owed and settler.thaws == 1 and ref() is None
+
+
+async def test_closing_a_settler_cancels_the_thaw_it_owes() -> None:
+    settler = Settler(quiet_s=0.05)
+    settler.unloaded()
+    settler.close()
+    await asyncio.sleep(0.15)
+    assert settler.thaws == 0 and not settler.owed
