@@ -191,10 +191,8 @@ class VariantHost:
         fallback = next(iter(meta.profiles.values()), None)
 
         def compute(n: int) -> float:  # looked up per batch: a self-measured profile may arrive later
-            # a head's self-measured time includes its backbone, which its backbone batcher times itself
             vid = meta.variant_id
-            prof = (None if meta.shared_base_digest
-                    else self.self_profiles.get(vid) or self.class_profiles.get(vid)) or fallback
+            prof = self.self_profiles.get(vid) or self.class_profiles.get(vid) or fallback
             return prof.compute_ms(n) if prof is not None else 1.0 + 0.1 * n
 
         return compute, fallback.load_ms if fallback is not None else 1.0
@@ -283,23 +281,21 @@ class VariantHost:
         """Open the session (and the backbone instance if it has none yet); the caller holds the lock."""
         runtime = await self._open_runtime(meta.format, head_path)
         self._measured_bytes[meta.variant_id] = runtime.memory_bytes
-        compute, _ = self._compute_fn(meta)
         max_batch = max(meta.batch_sizes) if meta.batch_sizes else 32
         batcher: Batcher
         try:
             if bkey is not None and base_path is not None:
+                # the head alone, timed as the backbone is: a head's catalog or self-measured profile is its
+                # latency behind the backbone (what routing needs), and adding that to the backbone's own cost
+                # counted the backbone twice (a 64-row text batch looked twice its length: admission refused
+                # what would have fitted, windows shut early; on a GPU site, with a CPU's profile, 300 ms)
+                head_ms = await asyncio.get_running_loop().run_in_executor(self.executor, measure_compute_ms, runtime)
                 bb = self.bases.get(bkey) or await self._open_backbone(bkey, base_path, max_batch)
                 bb.holders.add(key)
-                head_ms = compute
-                if self.hardware_class.startswith("gpu-") and self.hardware_class not in meta.profiles:
-                    # no profile of this GPU: another class's (a CPU's, its backbone included) made a
-                    # 64-row text batch look 300 ms long here and the site refused it; the head alone,
-                    # timed as the backbone is, instead
-                    head_ms = await asyncio.get_running_loop().run_in_executor(
-                        self.executor, measure_compute_ms, runtime)
                 bb.batcher.add_head(meta.variant_id, runtime, head_ms, max_batch)
                 batcher = bb.batcher
             else:
+                compute, _ = self._compute_fn(meta)
                 batcher = Batcher(meta.variant_id if not key[1] else f"{meta.variant_id}@{key[1]}",
                                   runtime.run_checked_sync, executor=self.executor, compute_ms=compute,
                                   max_batch=max_batch, max_window_ms=self.max_window_ms, site=self.site,

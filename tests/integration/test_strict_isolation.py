@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from core_scheduler.state.view import MeshView
+from edge_agent.batching import Batcher
 from edge_agent.demand import DemandMeter
 from edge_agent.site_dataplane import SiteDataPlane
 from mesh.etcd.store import Store
@@ -32,7 +33,11 @@ SITE = "edge-fra-1"
 X_SPEC = (TensorSpec("x", "float32", (-1, 64)),)
 
 
-async def test_strict_tenant_never_shares_a_batch_or_backbone(store: Store, tmp_path: Path) -> None:
+async def test_strict_tenant_never_shares_a_batch_or_backbone(store: Store, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    # the digits backbone and heads take ~0.1 ms a row: a request finding nothing queued would run inline,
+    # alone (edge_agent.batching); this is about what batches hold, so every request queues
+    monkeypatch.setattr(Batcher, "_inline_ok", lambda self, *args: False)
     topo = load_topology_file(TOPOLOGY)
     tenants = {t.name: t for t in (Tenant("acme"), Tenant("initech"), Tenant("globex", isolation="strict"))}
     await apply_topology(store, dataclasses.replace(topo, tenants=tenants))
