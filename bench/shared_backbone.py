@@ -4,7 +4,10 @@
 * ``shared``: one backbone session shared by all tenants, each tenant its own batcher (backbone then
   head per tenant batch: what a site did before cross-tenant batching);
 * ``shared+batching``: ``edge_agent.host.VariantHost`` as it serves heads now: one backbone instance,
-  one ``BackboneBatcher`` whose batches span tenants, each head run once per batch over its rows.
+  one ``BackboneBatcher`` whose batches span tenants, each head run once per batch over its rows; one batch
+  at a time on the host's ``THREADS`` intra-op threads (the first two modes: one thread per session, up to
+  ``THREADS`` batches at once, which is what serves them best: with two intra-op threads each, copies
+  served less within the SLO in probes).
 
 Every variant (full model or head) declares the same largest batch, ``MAX_BATCH``, and each of the
 first two modes' batchers batches up to it. The backbone batcher's batch holds one such batch of

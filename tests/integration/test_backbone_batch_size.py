@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from edge_agent.backbone import BATCH_CAP, BackboneBatcher, _piecewise, measure_compute_ms
-from tests.helpers_backbone import head_meta, seeded_host
+from tests.helpers_backbone import DIGITS, head_meta, seeded_host
+from variant_store.runtimes import open_runtime
 
 pytestmark = pytest.mark.integration
 X = (np.random.default_rng(3).random((256, 64)) > 0.5).astype(np.float32)
@@ -56,18 +57,32 @@ async def test_a_backbone_batch_holds_a_full_batch_of_every_head_up_to_its_cap(t
         await host.close()
 
 
-async def test_admission_counts_the_batches_a_backbone_runs_at_once(tmp_path: Path) -> None:
+async def test_a_site_runs_its_backbone_one_batch_at_a_time_on_all_its_threads(tmp_path: Path) -> None:
     host = seeded_host(tmp_path)
     try:
         lv = await host.ensure(_heads(1, 32)[0])
         bb = lv.batcher
-        assert isinstance(bb, BackboneBatcher) and bb.parallel == 2
-        bb._queued_rows = 4 * bb.max_batch  # as if four full batches were queued
-        wait = bb.expected_wait_ms()
-        assert wait == pytest.approx(2 * bb._compute_ms(bb.max_batch), rel=1e-6)
+        assert isinstance(bb, BackboneBatcher) and bb.parallel == 1
+        base = next(iter(host.bases.values())).runtime
+        assert base.intra_op_threads == host.threads == 2
+        assert lv.runtime.intra_op_threads == 1  # a head is small: one thread, inside the backbone's batch
+        bb._queued_rows = 4 * bb.max_batch  # as if four full batches were queued: drained one at a time
+        assert bb.expected_wait_ms() == pytest.approx(4 * bb._compute_ms(bb.max_batch), rel=1e-6)
         bb._queued_rows = 0
     finally:
         await host.close()
+
+
+async def test_admission_counts_the_batches_a_backbone_runs_at_once(tmp_path: Path) -> None:
+    base = open_runtime("onnx", DIGITS / "backbone.onnx", intra_op_threads=1)
+    await base.load()
+    bb = BackboneBatcher("bb", base, executor=None, compute_ms=lambda n: 1.0 + 0.1 * n, max_batch=32, parallel=2)
+    try:
+        bb._queued_rows = 4 * bb.max_batch  # four full batches queued, drained two at a time
+        assert bb.expected_wait_ms() == pytest.approx(2 * bb._compute_ms(bb.max_batch), rel=1e-6)
+    finally:
+        bb._queued_rows = 0
+        await base.unload()
 
 
 def test_the_cost_model_interpolates_between_timed_sizes_and_never_falls() -> None:

@@ -153,3 +153,20 @@ def test_tensorrt_refuses_to_load_without_it(models: dict[str, Path]) -> None:
     with pytest.raises(RuntimeLoadError, match="tensorrt unavailable"):
         open_runtime("tensorrt", models["onnx"]).load_sync()
     assert why
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_an_onnx_session_with_a_pool_never_spins(models: dict[str, Path], threads: int) -> None:
+    """A session on several intra-op threads turns ONNX Runtime's spin-wait off (it took the event loop's core
+    between runs); one on one thread has no pool to spin."""
+    rt = OnnxRuntime(models["onnx"], intra_op_threads=threads)
+    rt.load_sync()
+    try:
+        opts = rt._sess.get_session_options()
+        assert opts.intra_op_num_threads == threads
+        spin = opts.get_session_config_entry("session.intra_op.allow_spinning") if threads > 1 else None
+        assert spin == ("0" if threads > 1 else None)
+        out = rt.infer_sync({"x": np.zeros((4, 64), np.float32)})
+        assert out["logits"].shape == (4, 10)
+    finally:
+        rt.unload_sync()

@@ -1,8 +1,11 @@
 """ONNX Runtime: the CPU provider everywhere, CUDA / TensorRT providers only where a GPU is real.
 
 One intra-op thread per session by default (best on small hosts, and several sessions share a
-machine). ``providers_in_use`` comes from ``session.get_providers()`` after creation, because the
-GPU build falls back to the CPU without raising.
+machine). A session given more never spin-waits between ops: ONNX Runtime's pool spins by default, which
+on a serving site takes the cores from the event loop and every other session between two runs (a shared
+backbone on two intra-op threads refused queries under load with it, and met its SLO without).
+``providers_in_use`` comes from ``session.get_providers()`` after creation, because the GPU build falls
+back to the CPU without raising.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ class OnnxRuntime(Runtime):
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = self.intra_op_threads
         opts.inter_op_num_threads = 1
+        if self.intra_op_threads > 1:
+            opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         opts.log_severity_level = 3
         providers = self.requested_providers or onnx_providers()
         try:
