@@ -6,22 +6,11 @@ SLO allows), runs them as one batch off the event loop, and splits the outputs b
 
 The window is a pure function (``batch_window_s``) so it can be tested with tables.
 
-Inline fast path. Handing a batch to the executor and back costs two thread switches and four
-event-loop turns (~100-300 µs on a loaded 2-core machine), which is ten times what a tiny variant
-computes. So a request that the loop would run *at once and alone* anyway (nothing queued, no
-batch running, no window to open for companions) runs on the event-loop thread instead, when the
-variant's profile says it takes at most ``INLINE_MAX_MS``. That is the whole bound: the loop is
-blocked no longer than a tick of its own overhead, and only when nothing else is batching.
-A profile can be wrong (a lock in the runtime, a device), so every inline run is timed. Two
-that blocked the loop over ``INLINE_BLOCK_MS`` with no fast run between (one alone is what a preempted
-thread on a busy machine looks like), or inline runs over ``INLINE_STALL_MS`` becoming
-the rule rather than the exception (a moving share above one half; from none, six slow runs in
-a row), turn inline runs off for ``INLINE_BACKOFF_S``, doubled each further time (up to
-``INLINE_BACKOFF_MAX_S``) until ``INLINE_CLEAN_RUNS`` inline runs in a row stay fast. A variant
-that is slow for real thus ends up on the executor, after a handful of slow runs per back-off.
-A preempted thread or a garbage collection makes a run slow now and then on a busy machine, as
-it would any code on the loop: a short such pause alone never turns inline runs off. Everything
-else, and all concurrent load that a window could batch, takes the executor path unchanged.
+Inline fast path: a request the loop would run *at once and alone* anyway (nothing queued, no batch
+running, no window to open for companions), whose profile says it is tiny, runs on the event-loop
+thread instead of taking the executor hop; ``edge_agent.inline_guard`` says when, and backs off when
+such runs turn out slow. Everything else, and all concurrent load that a window could batch, takes the
+executor path.
 """
 
 from __future__ import annotations
@@ -37,6 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from edge_agent.inline_guard import INLINE_MAX_MS, InlineGuard
 from mesh.errors import DeadlineExceeded, MeshError, Overloaded, PayloadTooLarge
 from mesh.lifecycle import cancel_and_wait
 from mesh.log import get_logger, kv
@@ -48,15 +38,6 @@ log = get_logger(__name__)
 # it one slow batch (a burst of CPU contention) could make admission refuse every later request
 # for ever: refused requests never run, so the estimate would never come down again.
 OVERHEAD_DECAY_S = 1.0
-# Inline runs (see the module docstring): the profile bound, what counts as a stall, and the
-# back-off after one.
-INLINE_MAX_MS = 0.2
-INLINE_STALL_MS = 1.0
-INLINE_BLOCK_MS = 20.0
-INLINE_SLOW_SHARE = 0.5  # of recent inline runs, weighted 1/8 each
-INLINE_CLEAN_RUNS = 1000
-INLINE_BACKOFF_S = 2.0
-INLINE_BACKOFF_MAX_S = 300.0
 InferFn = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
 # One request's share of a batch, as ``Batcher._execute`` sees it: (lane, rows). A plain batcher
 # has one lane; a shared backbone's batcher (edge_agent.backbone) has one per head.
@@ -159,12 +140,8 @@ class Batcher:
         # inline runs: the profile bound (0 turns them off) and the stall back-off
         self.inline_max_ms = inline_max_ms
         self.inline_runs = 0
-        self._inline_off_until = 0.0
-        self._inline_backoff_s = INLINE_BACKOFF_S
-        self._inline_slow = 0.0  # moving share of inline runs over INLINE_STALL_MS
-        self._inline_clean = 0
+        self._inline = InlineGuard()
         self.membership: deque[tuple[str, ...]] = deque(maxlen=MEMBERSHIP_KEPT)
-        self._inline_blocked = False  # the last slow inline run blocked the loop over INLINE_BLOCK_MS
         # a subclass that routes parts to heads (edge_agent.backbone) runs every batch through its _execute
         self._plain_execute = type(self)._execute is Batcher._execute
 
@@ -265,7 +242,7 @@ class Batcher:
     def _inline_ok(self, rows: int, now: float, deadline: float, profile_ms: float,
                    overhead_ms: float) -> bool:
         """Whether the loop would run this request at once and alone, and its profile is tiny."""
-        if (self._queue or self._busy_until or self._task is None or now < self._inline_off_until
+        if (self._queue or self._busy_until or self._task is None or not self._inline.allows(now)
                 or profile_ms > self.inline_max_ms):
             return False
         if rows >= self.max_batch or self._skip_windows:
@@ -296,14 +273,10 @@ class Batcher:
         finally:
             done = time.monotonic()
             took_ms = (done - started) * 1000.0
-            if took_ms > INLINE_STALL_MS:
-                self._inline_stalled(took_ms, done)
-            else:
-                self._inline_slow *= 0.875
-                self._inline_blocked = False
-                self._inline_clean += 1
-                if self._inline_clean == INLINE_CLEAN_RUNS:
-                    self._inline_backoff_s = INLINE_BACKOFF_S
+            backoff_s = self._inline.ran(took_ms, done)
+            if backoff_s:
+                log.warning("inline run of %s took %.2f ms; executor only for %.0f s", self.variant_id, took_ms,
+                            backoff_s, extra=kv(site=self.site, variant=self.variant_id, event="inline_off"))
         self._learn(took_ms, done, profile_ms, overhead_ms)
         self.inline_runs += 1
         self.served += rows
@@ -324,24 +297,6 @@ class Batcher:
             out.append({k: v[offset:offset + rows] for k, v in outputs.items()})
             offset += rows
         return out
-
-    def _inline_stalled(self, took_ms: float, now: float) -> None:
-        self._inline_clean = 0
-        self._inline_slow = 0.875 * self._inline_slow + 0.125
-        blocking = took_ms > INLINE_BLOCK_MS
-        again = blocking and self._inline_blocked  # a blocking run before this one, and no fast run between
-        self._inline_blocked = self._inline_blocked or blocking
-        # one blocking run between fast ones is a preempted thread on a busy machine (the loop's own code
-        # suffers that too); a second before any fast one, or slow runs as the rule, mean the profile is wrong
-        if not again and self._inline_slow <= INLINE_SLOW_SHARE:
-            return
-        self._inline_blocked = False
-        # the profile is wrong here: keep off the loop, longer after each time
-        self._inline_slow = 0.0
-        self._inline_off_until = now + self._inline_backoff_s
-        log.warning("inline run of %s took %.2f ms; executor only for %.0f s", self.variant_id, took_ms,
-                    self._inline_backoff_s, extra=kv(site=self.site, variant=self.variant_id, event="inline_off"))
-        self._inline_backoff_s = min(INLINE_BACKOFF_MAX_S, self._inline_backoff_s * 2.0)
 
     def _learn(self, compute_ms: float, done: float, profile_ms: float, overhead_ms: float) -> None:
         """Fold one batch's measured compute into the estimates (``overhead_ms``: the faded

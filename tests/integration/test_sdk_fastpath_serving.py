@@ -14,7 +14,7 @@ import aiohttp
 import numpy as np
 import pytest
 
-from edge_agent import batching
+from edge_agent import inline_guard
 from edge_agent.batching import Batcher
 from edge_agent.http_api import EdgeHttpServer
 from mesh.client import AsyncClient
@@ -65,7 +65,7 @@ async def test_idle_tiny_request_runs_inline_on_the_loop(pool: ThreadPoolExecuto
 
 async def test_profile_above_bound_and_stopped_batcher_use_the_executor(pool: ThreadPoolExecutor) -> None:
     rec = _Recorder()
-    b = Batcher("big", rec, executor=pool, compute_ms=lambda n: batching.INLINE_MAX_MS * 2, max_batch=1)
+    b = Batcher("big", rec, executor=pool, compute_ms=lambda n: inline_guard.INLINE_MAX_MS * 2, max_batch=1)
     b.start()
     try:
         await b.submit({"x": X}, time.monotonic() + 5)
@@ -102,7 +102,7 @@ async def test_busy_batcher_queues_instead_of_running_inline(pool: ThreadPoolExe
     try:
         first = asyncio.create_task(b.submit({"x": X}, time.monotonic() + 5))
         await asyncio.sleep(0.01)  # the first batch is now in the executor
-        b.inline_max_ms = batching.INLINE_MAX_MS
+        b.inline_max_ms = inline_guard.INLINE_MAX_MS
         second = await b.submit({"x": X}, time.monotonic() + 5)
         await first
         assert b.inline_runs == 0 and second.queue_ms > 0.0
@@ -113,7 +113,7 @@ async def test_busy_batcher_queues_instead_of_running_inline(pool: ThreadPoolExe
 
 async def test_a_profile_that_lies_blocks_the_loop_twice(pool: ThreadPoolExecutor) -> None:
     """The profile says 10 µs, a run takes 40 ms: after a second such run, the executor takes over."""
-    rec = _Recorder(sleep_s=batching.INLINE_BLOCK_MS * 2 / 1000.0)
+    rec = _Recorder(sleep_s=inline_guard.INLINE_BLOCK_MS * 2 / 1000.0)
     b = Batcher("liar", rec, executor=pool, compute_ms=lambda n: 0.01, max_batch=1)
     b.start()
     try:
@@ -133,7 +133,7 @@ async def test_one_blocking_run_between_fast_ones_keeps_inline_runs(pool: Thread
     b.start()
     try:
         for i in range(6):
-            rec.sleep_s = batching.INLINE_BLOCK_MS * 2 / 1000.0 if i == 2 else 0.0
+            rec.sleep_s = inline_guard.INLINE_BLOCK_MS * 2 / 1000.0 if i == 2 else 0.0
             await b.submit({"x": X}, time.monotonic() + 5)
         here = threading.get_ident()
         assert rec.threads == [here] * 6 and b.inline_runs == 6, rec.threads
@@ -143,7 +143,7 @@ async def test_one_blocking_run_between_fast_ones_keeps_inline_runs(pool: Thread
 
 async def test_runs_that_are_slow_as_a_rule_turn_inline_off(pool: ThreadPoolExecutor) -> None:
     """Slow runs below the blocking bound: a few are tolerated (preemption), a steady share is not."""
-    rec = _Recorder(sleep_s=batching.INLINE_STALL_MS * 3 / 1000.0)
+    rec = _Recorder(sleep_s=inline_guard.INLINE_STALL_MS * 3 / 1000.0)
     b = Batcher("sluggish", rec, executor=pool, compute_ms=lambda n: 0.01, max_batch=1)
     b.start()
     try:
