@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import json
-import ssl
 import threading
 import time
 from collections.abc import Coroutine, Mapping
@@ -34,8 +33,8 @@ from typing import Any, TypeVar
 from urllib.parse import quote
 
 from mesh.cache import BoundedCache
-from mesh.errors import BadTensor, ConfigError, DeadlineExceeded, MeshError, QuotaExceeded, error_from_code
-from mesh.pki.reload import ReloadingCredentials
+from mesh.errors import BadTensor, DeadlineExceeded, MeshError, error_from_reply
+from mesh.pki.reload import client_tls
 from mesh.sdk_transport import AiohttpTransport, Transport
 from mesh.types import DEFAULT_PREFER, DEFAULT_TENANT, TaskSignature, Timing
 from mesh.v2 import sdk as wire
@@ -110,41 +109,7 @@ def _retry_after(headers: Mapping[str, str] | None) -> int | None:
     return int(raw.strip())
 
 
-def _error_from(status: int, body: bytes, headers: Mapping[str, str] | None = None) -> MeshError:
-    try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        data = None
-    if isinstance(data, dict) and isinstance(data.get("code"), str) and isinstance(data.get("error"), str):
-        err = error_from_code(data["code"], data["error"])
-        wait = _retry_after(headers)
-        if isinstance(err, QuotaExceeded) and wait is not None:  # the server's word, not the default
-            err = QuotaExceeded(data["error"], retry_after_s=wait)
-        return err
-    return MeshError(f"HTTP {status}: {body[:200]!r}")
-
-
 PathLike = str | Path
-
-
-def _tls(base_url: str, cert: PathLike | None, key: PathLike | None, ca: PathLike | None,
-         check_hostname: bool) -> tuple[ssl.SSLContext | None, ReloadingCredentials | None]:
-    """The client's SSL context (once per client) and the credentials that keep it current."""
-    https = base_url.lower().startswith("https://")
-    if (cert is None) != (key is None):
-        raise ConfigError("pass both cert= and key= (the client certificate and its private key), or neither")
-    if cert is not None and not https:
-        raise ConfigError(f"a client certificate needs an https:// URL, not {base_url!r}")
-    if not https:
-        return None, None
-    if ca is None:
-        raise ConfigError("an https:// mesh URL needs ca= (the mesh CA certificate, pki/ca.pem)")
-    if cert is None or key is None:  # server authentication only: a mutual-TLS edge will refuse us
-        ctx = ssl.create_default_context(cafile=str(ca))
-        ctx.check_hostname = check_hostname
-        return ctx, None
-    creds = ReloadingCredentials(Path(cert), Path(key), Path(ca))
-    return creds.client_context(check_hostname=check_hostname), creds
 
 
 @dataclass(slots=True, frozen=True)
@@ -167,7 +132,7 @@ class AsyncClient:
                  transport: Transport | None = None, binary: bool = True, cert: PathLike | None = None,
                  key: PathLike | None = None, ca: PathLike | None = None, check_hostname: bool = True) -> None:
         self.base_url = base_url
-        ssl_context, self.credentials = _tls(base_url, cert, key, ca, check_hostname) if transport is None \
+        ssl_context, self.credentials = client_tls(base_url, cert, key, ca, check_hostname) if transport is None \
             else (None, None)
         if tenant is None and cert is None:
             tenant = DEFAULT_TENANT
@@ -230,7 +195,7 @@ class AsyncClient:
                        body: bytes = b"") -> tuple[Mapping[str, str], bytes]:
         status, rh, rb = await self._send(method, path, headers, body)
         if status >= 400:
-            raise _error_from(status, rb, rh)
+            raise error_from_reply(status, rb, _retry_after(rh))
         return rh, rb
 
     async def task_metadata(self, task: str) -> TaskSignature:
@@ -250,7 +215,7 @@ class AsyncClient:
         if status == 503:
             return False
         if status >= 400:
-            raise _error_from(status, body)
+            raise error_from_reply(status, body)
         return True
 
     async def infer(self, task: str, inputs: Inputs, *, latency_ms: float, min_accuracy: float = 0.0,
@@ -302,7 +267,7 @@ class AsyncClient:
         except (TimeoutError, DeadlineExceeded) as exc:
             raise DeadlineExceeded(f"{task}: no answer within {plan.bound:.3f} s (budget {latency_ms} ms)") from exc
         if status >= 400:
-            raise _error_from(status, rb, rh)
+            raise error_from_reply(status, rb, _retry_after(rh))
         raw_len = rh.get(HEADER_LENGTH)  # aiohttp's headers: case-insensitive already
         if raw_len is None:
             raw_len = _header(rh, HEADER_LENGTH)

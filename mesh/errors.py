@@ -34,6 +34,7 @@ Translate foreign exceptions at module boundaries with ``raise XError(...) from 
 
 from __future__ import annotations
 
+import json
 from typing import Any, ClassVar
 
 __all__ = [
@@ -64,6 +65,7 @@ __all__ = [
     "UnknownTenant",
     "VariantBuildError",
     "error_from_code",
+    "error_from_reply",
 ]
 
 
@@ -265,3 +267,19 @@ def error_from_code(code: str, message: str) -> MeshError:
     if cls is TopologyError:
         return MeshError(message)
     return cls(message)
+
+
+
+def error_from_reply(status: int, body: bytes, retry_after_s: int | None = None) -> MeshError:
+    """The error an HTTP error reply carries (``{"code", "error"}``; a 429's ``Retry-After``, read by the
+    caller, kept on its ``QuotaExceeded``), or a plain ``MeshError`` naming the status for a body not ours."""
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        data = None
+    if isinstance(data, dict) and isinstance(data.get("code"), str) and isinstance(data.get("error"), str):
+        err = error_from_code(data["code"], data["error"])
+        if isinstance(err, QuotaExceeded) and retry_after_s is not None:  # the server's word, not the default
+            err = QuotaExceeded(data["error"], retry_after_s=retry_after_s)
+        return err
+    return MeshError(f"HTTP {status}: {body[:200]!r}")

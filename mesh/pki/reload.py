@@ -26,7 +26,7 @@ import ssl
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mesh.errors import PkiError
+from mesh.errors import ConfigError, PkiError
 from mesh.lifecycle import Service, cancel_and_wait
 from mesh.log import get_logger, kv
 
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from mesh.pki.files import PkiPaths
     from mesh.pki.identity import Identity
 
-__all__ = ["Poller", "ReloadingCredentials", "Stamp", "file_stamp"]
+__all__ = ["Poller", "ReloadingCredentials", "Stamp", "client_tls", "file_stamp"]
 
 log = get_logger(__name__)
 Stamp = tuple[tuple[int, int, int] | None, ...]
@@ -166,3 +166,24 @@ class ReloadingCredentials(Poller):
             reason += f" serial {self.certificate.serial_number:x}"
         log.info("credentials reloaded", extra=kv(event="credentials_reloaded", reason=reason))
         return True
+
+
+def client_tls(base_url: str, cert: str | Path | None, key: str | Path | None, ca: str | Path | None,
+               check_hostname: bool) -> tuple[ssl.SSLContext | None, ReloadingCredentials | None]:
+    """An SDK client's SSL context for ``base_url`` (once per client) and the credentials that keep it
+    current (None, None for plain http)."""
+    https = base_url.lower().startswith("https://")
+    if (cert is None) != (key is None):
+        raise ConfigError("pass both cert= and key= (the client certificate and its private key), or neither")
+    if cert is not None and not https:
+        raise ConfigError(f"a client certificate needs an https:// URL, not {base_url!r}")
+    if not https:
+        return None, None
+    if ca is None:
+        raise ConfigError("an https:// mesh URL needs ca= (the mesh CA certificate, pki/ca.pem)")
+    if cert is None or key is None:  # server authentication only: a mutual-TLS edge will refuse us
+        ctx = ssl.create_default_context(cafile=str(ca))
+        ctx.check_hostname = check_hostname
+        return ctx, None
+    creds = ReloadingCredentials(Path(cert), Path(key), Path(ca))
+    return creds.client_context(check_hostname=check_hostname), creds

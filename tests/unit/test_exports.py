@@ -19,7 +19,8 @@ def test_all_names_exist() -> None:
 
 def test_request_facing_errors_exported() -> None:
     caller_errors = {n for n in errors.__all__ if n not in {
-        "error_from_code", "ConfigError", "TopologyError", "StoreError", "StoreUnavailable", "ConflictError",
+        "error_from_code", "error_from_reply", "ConfigError", "TopologyError", "StoreError", "StoreUnavailable",
+        "ConflictError",
         "EtcdServerError", "CatalogError", "BlobError", "VariantBuildError", "RuntimeLoadError", "ProtocolError",
         # PkiError is the local CA's, not a caller's
         "PkiError"}}
