@@ -5,6 +5,7 @@ declared output dtype. Needs torch (the ``convert`` or ``gpu`` extra); skipped w
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -51,14 +52,19 @@ def test_matches_onnxruntime(name: str, half: bool) -> None:
         assert np.mean(out.numpy().argmax(1) == ref.argmax(1)) >= (0.99 if half else 1.0)
 
 
-def test_unsupported_op_is_refused_at_load() -> None:
+def _one_node(op: str, reads: str) -> Any:
+    """A model of one ``op`` node reading ``reads`` into ``y``, with a float input ``x`` of 4 columns."""
     from onnx import TensorProto, helper
 
-    node = helper.make_node("Celu", ["x"], ["y"])
+    node = helper.make_node(op, [reads], ["y"])
     g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 4])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 4])])
+    return helper.make_model(g)
+
+
+def test_unsupported_op_is_refused_at_load() -> None:
     with pytest.raises(RuntimeLoadError, match="unsupported ONNX op Celu"):
-        TorchGraph(helper.make_model(g), "cpu")
+        TorchGraph(_one_node("Celu", "x"), "cpu")
 
 
 def test_flatten_at_rank_and_shape_folding() -> None:
@@ -111,10 +117,5 @@ def test_an_fp16_variant_as_the_build_writes_it(tmp_path: Path) -> None:
 
 
 def test_a_graph_reading_what_nothing_produces_is_refused() -> None:
-    from onnx import TensorProto, helper
-
-    node = helper.make_node("Relu", ["nowhere"], ["y"])
-    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 4])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 4])])
     with pytest.raises(RuntimeLoadError, match="never produced"):
-        TorchGraph(helper.make_model(g), "cpu")
+        TorchGraph(_one_node("Relu", "nowhere"), "cpu")
