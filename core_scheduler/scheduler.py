@@ -224,7 +224,7 @@ class Scheduler(Service):
         out: list[Demand] = []
         for site, rec in sorted(self.view.live.items()):
             out.extend(Demand(site=site, task=d.task, slo_class=d.slo_class, qps=d.qps, min_accuracy=d.min_accuracy,
-                              budget_ms=d.budget_ms, tenant=d.tenant) for d in rec.demand)
+                              budget_ms=d.budget_ms, tenant=d.tenant, rows=d.rows) for d in rec.demand)
         return out
 
     def plan(self, snap: MeshSnapshot, now: float) -> tuple[dict[str, tuple[str, ...]], list[dict[str, Any]]]:

@@ -162,7 +162,7 @@ class SiteDataPlane:
                     resp = await self._serve_local(req, req.target_variant, "forwarded", False, received, hop)
                 else:
                     if len(req.hops) == 1:
-                        self.demand.record(req.task, req.slo, time.monotonic(), req.tenant)
+                        self.demand.record(req.task, req.slo, time.monotonic(), req.tenant, req.rows)
                     resp = await self._route(req, received, hop)
             finally:
                 self.inflight -= 1
@@ -237,7 +237,7 @@ class SiteDataPlane:
             raise NoRoute(f"{self.site} has no routing state yet")
         excluded: set[str] = set()
         nbytes = sum(a.nbytes for a in req.inputs.values())
-        rows = max((a.shape[0] for a in req.inputs.values() if a.ndim), default=1)
+        rows = req.rows
         last_error: Exception | None = None
         for attempt in range(MAX_RETRIES + 1):
             remaining = req.remaining_ms()
@@ -305,10 +305,8 @@ class SiteDataPlane:
             raise
         self.served += 1
         total = (time.monotonic() - received) * 1000.0
-        first = next(iter(req.inputs.values()), None)
-        rows = int(first.shape[0]) if first is not None and first.ndim else 1
         self.metrics.served_ok(req.task, req.tenant, variant_id, "forwarded" if reason == "forwarded" else "local",
-                               result.queue_ms, result.compute_ms, total, rows)
+                               result.queue_ms, result.compute_ms, total, req.rows)
         return InferResponse(
             request_id=req.request_id, outputs=result.outputs, site=self.site, variant=variant_id,
             accuracy=meta.accuracy, reason=reason, best_effort=best_effort, tenant=req.tenant,

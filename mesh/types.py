@@ -274,6 +274,11 @@ class InferRequest:
         start = clock.monotonic() if now is None else now
         return cls(task, inputs, slo, tenant, request_id or new_request_id(), start + slo.latency_ms / 1000.0)
 
+    @property
+    def rows(self) -> int:
+        """The rows (batch) the request brings: its inputs' leading dimension, 1 for scalars."""
+        return max((int(a.shape[0]) for a in self.inputs.values() if a.ndim), default=1)
+
     def remaining_ms(self, now: float | None = None) -> float:
         """Budget left at monotonic instant ``now`` (default: now), in ms; negative once past."""
         return (self.deadline - (clock.monotonic() if now is None else now)) * 1000.0

@@ -48,7 +48,7 @@ __all__ = [
 ]
 
 Key = tuple[str, str, str, str]  # site, task, slo_class, tenant
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: a key's row carries its requests' rows after the accuracy floor (1 had none: rows 1)
 
 
 def _g(x: float) -> float | None:
@@ -223,8 +223,8 @@ class DemandForecaster:
         keys = []
         for key in sorted(self._tracked):
             t = self._tracked[key]
-            row: list[Any] = [*key, _g(t.template.budget_ms), _g(t.template.min_accuracy), _g(t.state.level),
-                              _g(t.state.trend), t.state.n, round(t.at, 3)]
+            row: list[Any] = [*key, _g(t.template.budget_ms), _g(t.template.min_accuracy), t.template.rows,
+                              _g(t.state.level), _g(t.state.trend), t.state.n, round(t.at, 3)]
             if t.seasonal is not None:
                 seen = [i for i in range(t.seasonal.bins)
                         if t.seasonal.cycle[i] >= 0 or not math.isnan(t.seasonal.prior[i])]
@@ -240,21 +240,26 @@ class DemandForecaster:
         Seasonal profiles of another period or bin width are dropped (the trend is kept). A malformed
         state raises ``ValueError`` and leaves this forecaster as it was."""
         try:
-            if int(state["v"]) != STATE_VERSION:
+            version = int(state["v"])
+            if version not in (1, STATE_VERSION):
                 raise ValueError(f"forecast state version {state['v']!r}, expected {STATE_VERSION}")
             season = self._season
             same = season is not None and state.get("period_s") == season.period_s and \
                 state.get("bin_s") == season.bin_s
             tracked: dict[Key, _Tracked] = {}
             for row in state["keys"]:
+                if version == 1:  # no rows: every request one row
+                    row = [*row[:6], 1, *row[6:]]
                 site, task, slo_class, tenant = (str(x) for x in row[:4])
-                budget, floor, level, trend, n, at = row[4:10]
+                budget, floor, rows, level, trend, n, at = row[4:11]
+                if int(rows) < 1:
+                    raise ValueError(f"rows {rows!r} < 1")
                 template = Demand(site=site, task=task, slo_class=slo_class, qps=0.0,
-                                  min_accuracy=float(floor), budget_ms=float(budget), tenant=tenant)
+                                  min_accuracy=float(floor), budget_ms=float(budget), tenant=tenant, rows=int(rows))
                 seasonal = season
-                if season is not None and same and len(row) > 10:
+                if season is not None and same and len(row) > 11:
                     prior, current, cycle = list(season.prior), list(season.current), list(season.cycle)
-                    for i, p, c, y in row[10]:
+                    for i, p, c, y in row[11]:
                         prior[i] = math.nan if p is None else float(p)
                         current[i], cycle[i] = float(c), int(y)
                     seasonal = replace(season, prior=tuple(prior), current=tuple(current), cycle=tuple(cycle))

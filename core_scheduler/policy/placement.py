@@ -8,8 +8,9 @@ with a reason a person can read. Same inputs, same plan: everything is iterated 
 Steps, following INFaaS (prefer what is loaded; scale a variant out before buying hardware):
 
 1. *Cover.* Each demand needs some (site, variant) that meets its SLO from the demand's site:
-   ``rtt(site, s) + compute(v, hw(s), batch 1) <= budget_ms`` and ``accuracy >= min_accuracy``
-   (and the tenant may use it). One already placed wins. Otherwise load one: at the demand's own
+   ``rtt(site, s) + compute(v, hw(s), rows) <= budget_ms`` and ``accuracy >= min_accuracy``
+   (and the tenant may use it; ``rows`` is the most rows one of its requests brings: a site that answers
+   one row in time may not answer 64). One already placed wins. Otherwise load one: at the demand's own
    site if it fits (on an edge, smallest / INT8 first), else at the nearest middle or core site
    (then other edges). Memory: the planned variants of a site stay within ``headroom`` of its
    memory, a backbone shared by several heads counted once (a strict tenant's head carries a whole
@@ -17,9 +18,10 @@ Steps, following INFaaS (prefer what is loaded; scale a variant out before buyin
    are evicted, least recently used first. When nothing meets the SLO and no variant of the task is
    placed anywhere alive, the lowest-latency variant meeting the accuracy floor (else any) is
    loaded: traffic is never left without a server.
-2. *Replicate.* A variant serving ``qps`` needs ``qps x compute_ms / 1000`` slots (batch 1: batching
-   is a bonus, not planned on). Beyond ``headroom x capacity`` of one site it is copied to the next
-   sites that meet the same SLOs, up to ``max_replicas_per_variant`` copies.
+2. *Replicate.* A variant serving ``qps`` needs ``qps x compute_ms(rows) / 1000`` slots (a request's
+   own rows; batching across requests is a bonus, not planned on). Beyond ``headroom x capacity`` of
+   one site it is copied to the next sites that meet the same SLOs, up to ``max_replicas_per_variant``
+   copies.
 3. *Evict.* A placed variant no demand needs is evicted once unused for ``idle_evict_s``, never
    before ``min_residency_s`` after it was loaded, never while its heartbeat shows a queue for it,
    never when it is pinned (e.g. the warm floor).
@@ -60,6 +62,7 @@ class Demand:
     tenant: str = "public"    # private variants only serve their owner's demand
     forecast_qps: float = 0.0  # predicted for the planning horizon; 0 = none
     forecast_why: str = ""     # which forecast gave forecast_qps (named in prewarm reasons)
+    rows: int = 1              # the most rows one request brings (its compute is that batch's)
 
     @property
     def effective_qps(self) -> float:
@@ -132,7 +135,7 @@ class _Planner:
         return self.cfg.headroom * (load.capacity if load is not None else self.snap.sites[site].slots)
 
     def latency(self, d: Demand, site: str, v: VariantInfo) -> float:
-        return self.snap.rtt(d.site, site) + v.compute_at(self.snap.sites[site].hardware_class, 1)
+        return self.snap.rtt(d.site, site) + v.compute_at(self.snap.sites[site].hardware_class, d.rows)
 
     def meets(self, d: Demand, site: str, v: VariantInfo) -> bool:
         return (v.task == d.task and v.usable_by(d.tenant) and v.accuracy >= d.min_accuracy
@@ -226,7 +229,8 @@ class _Planner:
 
     def cover(self, d: Demand, assigned: dict[Pair, list[Demand]]) -> None:
         pair = self.existing(d)
-        what = (f"{d.task}/{d.slo_class} from {d.site}: {d.effective_qps:.1f} qps within "
+        what = (f"{d.task}/{d.slo_class} from {d.site}: {d.effective_qps:.1f} qps"
+                f"{f' of {d.rows} rows' if d.rows > 1 else ''} within "
                 f"{d.budget_ms:.0f} ms at accuracy >= {d.min_accuracy:.3f}")
         action: Action = "load" if d.qps > 0 else "prewarm"
         if pair is None:
@@ -270,8 +274,10 @@ class _Planner:
         v = self.snap.variant_by_id[vid]
         cap = self.cfg.max_replicas_per_variant
 
+        rows = max(d.rows for d in demands)
+
         def copies(qps: float) -> int:
-            need = qps * v.compute_at(self.snap.sites[site].hardware_class) / 1000.0
+            need = qps * v.compute_at(self.snap.sites[site].hardware_class, rows) / 1000.0
             return min(cap, max(1, math.ceil(need / max(self.slots(site), 1e-9))))
 
         now_qps = sum(d.qps for d in demands)
@@ -325,7 +331,7 @@ def plan_placement(snap: MeshSnapshot, demand: Iterable[Demand], now: float,
         merged[key] = d if old is None else Demand(
             d.site, d.task, d.slo_class, old.qps + d.qps, max(old.min_accuracy, d.min_accuracy),
             min(old.budget_ms, d.budget_ms), d.tenant, old.forecast_qps + d.forecast_qps,
-            old.forecast_why or d.forecast_why)
+            old.forecast_why or d.forecast_why, max(old.rows, d.rows))
     # tightest first: they have the fewest options; what is already placed is claimed before
     # anything is evicted to make room
     order = sorted(merged.values(), key=lambda d: (d.budget_ms, -d.min_accuracy, d.site, d.task,

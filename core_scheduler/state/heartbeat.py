@@ -66,12 +66,16 @@ class DemandSample:
     qps: float
     budget_ms: float               # the tightest latency budget asked for
     min_accuracy: float            # the highest accuracy floor asked for
+    rows: int = 1                  # the most rows one request brought (its compute is that batch's)
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> DemandSample:
+        rows = d.get("rows", 1)
+        if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
+            raise ValueError(f"demand rows must be an integer >= 1, got {rows!r}")
         return cls(task=str(d["task"]), slo_class=str(d["slo_class"]), tenant=str(d.get("tenant", "public")),
                    qps=_num(d["qps"], "qps"), budget_ms=_num(d["budget_ms"], "budget_ms"),
-                   min_accuracy=_num(d["min_accuracy"], "min_accuracy"))
+                   min_accuracy=_num(d["min_accuracy"], "min_accuracy"), rows=rows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +151,7 @@ class Heartbeat:
         if self.loaded:
             out["loaded"] = {vid: _compact(asdict(lv), _LV_DEFAULTS) for vid, lv in self.loaded.items()}
         if self.demand:
-            out["demand"] = [asdict(d) for d in self.demand]
+            out["demand"] = [_compact(asdict(d), _DEMAND_DEFAULTS) for d in self.demand]
         if self.peer_rtt_ms:
             out["peer_rtt_ms"] = {k: round(v, 3) for k, v in self.peer_rtt_ms.items()}
         if self.profiles:
@@ -197,6 +201,7 @@ class Heartbeat:
 _DEFAULTS: dict[str, Any] = {f.name: (f.default_factory() if f.default_factory is not MISSING else f.default)
                              for f in fields(Heartbeat)}
 _LV_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(LoadedVariant) if f.name != "task"}
+_DEMAND_DEFAULTS: dict[str, Any] = {"rows": 1}
 
 
 def _compact(d: dict[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:

@@ -146,3 +146,16 @@ def test_forecast_state_round_trips() -> None:
     with pytest.raises(ValueError, match="malformed"):
         b.load_state({"v": 1, "keys": [["x"]]})
     assert len(b) == 1  # left as it was
+
+
+def test_forecast_state_keeps_a_demands_rows_and_reads_the_version_before_rows() -> None:
+    a = DemandForecaster()
+    a.observe([Demand("e1", "text", "loose-lo-x64", qps=3.0, min_accuracy=0.75, budget_ms=300.0, rows=64)], 1000.0)
+    state = a.to_state()
+    b = DemandForecaster()
+    assert b.load_state(state) == 1
+    assert [d.rows for d in b.forecast(30.0)] == [64]
+    old = {**state, "v": 1, "keys": [[*row[:6], *row[7:]] for row in state["keys"]]}  # a leader before rows
+    c = DemandForecaster()
+    assert c.load_state(old) == 1
+    assert [(d.rows, d.qps) for d in c.forecast(30.0)] == [(1, pytest.approx(b.forecast(30.0)[0].qps))]

@@ -32,6 +32,15 @@ def test_round_trip_through_json_is_exact() -> None:
     assert Heartbeat.from_json(wire) == hb
 
 
+def test_demand_rows_travel_and_one_row_is_left_out() -> None:
+    many = DemandSample(task="text", slo_class="loose-lo-x64", tenant="acme", qps=2.0, budget_ms=300.0,
+                        min_accuracy=0.75, rows=64)
+    hb = Heartbeat(site="e", demand=(*_beat().demand, many))
+    wire = json.loads(json.dumps(hb.to_json()))
+    assert "rows" not in wire["demand"][0] and wire["demand"][1]["rows"] == 64
+    assert Heartbeat.from_json(wire).demand == hb.demand
+
+
 def test_liveness_fields_are_added_without_touching_the_rest() -> None:
     hb = _beat().with_liveness(degraded=True, degraded_total_s=1.23456, degraded_episodes=2, lease_renewals=1)
     assert (hb.degraded, hb.degraded_total_s, hb.degraded_episodes, hb.lease_renewals) == (True, 1.235, 2, 1)
@@ -52,6 +61,10 @@ def test_unknown_fields_are_dropped_and_missing_ones_default() -> None:
     {"site": "s", "loaded": {"v": {"queue_ms": 1.0}}},     # loaded variant without its task
     {"site": "s", "demand": [{"task": "t", "slo_class": "c", "qps": "many", "budget_ms": 1, "min_accuracy": 0}]},
     {"site": "s", "demand": [{"task": "t", "slo_class": "c", "qps": math.nan, "budget_ms": 1, "min_accuracy": 0}]},
+    {"site": "s", "demand": [{"task": "t", "slo_class": "c", "qps": 1, "budget_ms": 1, "min_accuracy": 0,
+                              "rows": 0}]},                 # a request of no rows
+    {"site": "s", "demand": [{"task": "t", "slo_class": "c", "qps": 1, "budget_ms": 1, "min_accuracy": 0,
+                              "rows": 2.5}]},
     {"site": "s", "inflight": "lots"},
     {"site": "s", "peer_rtt_ms": [1.0]},                   # RTTs by peer, not a list
     {"site": "s", "peer_rtt_ms": {"p": math.inf}},

@@ -326,3 +326,26 @@ def test_variant_info_of_a_head_carries_its_backbone() -> None:
     assert (shared.memory_bytes, shared.base, shared.own_bytes()) == (42 * MB, "cd" * 32, 2 * MB)
     own = VariantInfo.from_meta(meta, base_bytes=40 * MB, isolated=True)
     assert (own.memory_bytes, own.base, own.own_bytes()) == (42 * MB, None, 42 * MB)
+
+
+def test_a_demand_of_many_rows_is_placed_where_its_rows_meet_the_slo() -> None:
+    # cnn.fp32 at 64 rows (linear past its batch-1 profile): 8 x 64 ms on edge-a, 3 x 64 = 192 ms on mid1,
+    # 1 x 64 = 64 ms on the core's GPU, 50 ms away. One row fits at the edge; 64 rows only at the core.
+    one = Demand("edge-a", "digits", "loose-hi", 5.0, 0.98, 150.0)
+    many = dataclasses.replace(one, slo_class="loose-hi-x64", rows=64)
+    p = plan(snap({}), [one])
+    assert actions(p) == {("edge-a", "cnn.fp32", "load")}
+    p = plan(snap({}), [one, many])
+    assert actions(p) == {("edge-a", "cnn.fp32", "load"), ("core", "cnn.fp32", "load")}
+    assert any("of 64 rows" in e.reason for e in p.events if e.site == "core")
+    # what is placed for the one-row class does not count as covering the 64-row one
+    p = plan(snap({"mid1": {"cnn.fp32"}}), [many])
+    assert ("core", "cnn.fp32", "load") in actions(p)
+
+
+def test_merged_demands_keep_the_most_rows() -> None:
+    a = Demand("edge-a", "digits", "loose-hi-x64", 5.0, 0.98, 150.0, rows=20)
+    b = dataclasses.replace(a, rows=64)
+    # 20 rows: 60 ms on mid1 + 10 ms fits; 64 rows do not (192 ms): merged, the class needs the core
+    assert ("mid1", "cnn.fp32", "load") in actions(plan(snap({}, {"edge-a": {"memory_mb": 40}}), [a]))
+    assert actions(plan(snap({}, {"edge-a": {"memory_mb": 40}}), [a, b])) == {("core", "cnn.fp32", "load")}
