@@ -1,6 +1,7 @@
 """A control plane that grows linearly, on a real etcd: an agent's view follows only what it routes on,
 a quiet site stays alive on keep-alives and a dead one vanishes within its TTL, placement past etcd's
-128-operation txn limit is written in fenced chunks, and the forecast survives a leader failover."""
+128-operation txn limit is written in fenced chunks, the forecast survives a leader failover, and demand of
+many-row requests reaches placement with its rows."""
 
 from __future__ import annotations
 
@@ -181,3 +182,44 @@ async def _saved(s: Scheduler) -> bool:
 
 async def _leads(s: Scheduler) -> bool:
     return s.is_leader and s.rounds >= 1
+
+
+def _profiles(p50: dict[str, dict[int, float]]) -> dict[str, Profile]:
+    return {hw: Profile(hardware_class=hw, load_ms=5.0, latency={b: LatencyStats(ms, ms) for b, ms in by.items()},
+                        peak_memory_bytes=1 << 20) for hw, by in p50.items()}
+
+
+async def test_a_demand_of_64_rows_is_placed_where_64_rows_meet_its_slo(store: Store) -> None:
+    """An edge's heartbeat reports 64-row requests (rows travel in the record); the leader plans them on the
+    GPU core, 2 ms away, the only site that computes 64 rows within the budget: the edge, which answers
+    one row in 1 ms, takes 200 ms for 64."""
+    topo = _topology(2)
+    small = VariantMeta(task="t", family="f", variant_id="t.v1", format="onnx", precision="fp32",
+                        runtime="onnxruntime", blob_digest="ab" * 32, size_bytes=1 << 20, accuracy=0.95,
+                        profiles=_profiles({"cpu": {1: 1.0, 64: 200.0}, "gpu": {1: 1.0, 64: 5.0}}))
+    big = VariantMeta(task="t", family="f", variant_id="t.v2", format="onnx", precision="fp32",
+                      runtime="onnxruntime", blob_digest="cd" * 32, size_bytes=4 << 20, accuracy=0.97,
+                      profiles=_profiles({"cpu": {1: 2.0, 64: 400.0}, "gpu": {1: 2.0, 64: 400.0}}))
+    ops = [Put(k, v) for k, v in desired_state(topo).items()] + [
+        Put(catalog_key("t", m.variant_id), m.to_json()) for m in (small, big)]
+    await store.txn([], ops)
+    lease = await store.lease(30)
+    many = (DemandSample("t", "loose-lo-x64", "public", 5.0, 50.0, 0.9, rows=64),)
+    await store.put(live_key("c"), Heartbeat(site="c", hardware_class="gpu", capacity=8,
+                                             model_memory_budget_bytes=1 << 30).to_json(), lease=lease)
+    for s in ("e000", "e001"):
+        await store.put(live_key(s), _record(s, demand=many if s == "e000" else ()), lease=lease)
+    sched = Scheduler(store, SchedulerConfig(candidate_id="a", interval_s=0.3, proactive=False))
+    await sched.start()
+    try:
+        core = await eventually(lambda: _placed_at(store, "c", "t.v1"), 20, "t.v1 planned on the core")
+        assert "t.v2" in core  # the floor's most accurate variant stays; the 64-row demand added t.v1
+        assert await _placed_at(store, "e000", "t.v1") == ["t.v1"]  # the floor's; it cannot serve 64 rows
+    finally:
+        await sched.stop()
+
+
+async def _placed_at(store: Store, site: str, variant: str) -> list[str] | None:
+    kv = await store.get(placement_key(site))
+    names = sorted(v["variant_id"] for v in kv.value["variants"]) if kv is not None else []
+    return names if variant in names else None

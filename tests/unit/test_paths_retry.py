@@ -17,7 +17,7 @@ from edge_agent.demand import DemandMeter
 from edge_agent.paths import ATTEMPT_SLACK_MS, BEST_EFFORT_GRACE_MS, MIN_RETRY_MS, PathEstimates, attempt_ms
 from edge_agent.site_dataplane import RETRIED, SiteDataPlane
 from mesh.errors import DeadlineExceeded, NoRoute, PayloadTooLarge, PeerUnavailable, RuntimeLoadError
-from mesh.types import SLO, InferRequest, InferResponse, Timing
+from mesh.types import SLO, InferRequest, InferResponse, TaskSignature, TensorSpec, Timing
 from tests.unit.test_routing import ALL, snap
 
 pytestmark = pytest.mark.unit
@@ -235,3 +235,14 @@ async def test_a_site_that_cannot_load_the_variant_is_retried_elsewhere() -> Non
     resp = await dp._route(query(500.0), time.monotonic())
     first, second = (s for s, _ in zmq.calls)
     assert first == "mid" and second != "mid" and resp.site == second and resp.reason.endswith(RETRIED)
+
+
+async def test_the_door_counts_a_many_row_request_in_a_demand_class_of_its_own() -> None:
+    dp, _ = plane({})
+    dp.view.topology = None  # type: ignore[misc]
+    dp.view.signatures = {"digits": TaskSignature("digits", (TensorSpec("x", "float32", (-1, 4)),),  # type: ignore[misc]
+                                                  (TensorSpec("y", "float32", (-1,)),))}
+    for rows in (1, 1, 50):
+        await dp.infer(InferRequest.entering("digits", {"x": np.zeros((rows, 4), np.float32)}, SLO(500.0, 0.98)))
+    got = {d.slo_class: (d.rows, d.qps) for d in dp.demand.snapshot(time.monotonic())}
+    assert got == {"loose-hi": (1, pytest.approx(0.2)), "loose-hi-x64": (50, pytest.approx(0.1))}
