@@ -125,6 +125,8 @@ def render(docs: Sequence[dict[str, Any]], *, results_rel: str = "bench/results"
         out.append(_provenance(doc) + "\n")
         if doc.get("notes"):
             out.append(f"{doc['notes']}\n")
+        if doc.get("notes_note"):  # what a person added to a result after its run, kept apart from what it wrote
+            out.append(f"*Note added after the run:* {doc['notes_note']}\n")
         out.append(render_table(_rows(doc)))
         targets = [t for t in doc.get("targets") or [] if isinstance(t, dict)]
         if targets:

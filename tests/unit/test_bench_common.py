@@ -111,9 +111,11 @@ def test_render_is_generic_and_says_what_was_missed() -> None:
          "targets": [{"name": "p99 under 30 ms", "target": 30, "op": "<=", "unit": "ms", "measured": 40.0,
                       "met": False},
                      {"name": "attainment", "target": 0.9, "op": ">=", "measured": 0.95, "met": True}]},
-        {"bench": "routing.decide", "runs": [{"candidates": 100, "median_us": 5.5}]},
+        {"bench": "routing.decide", "runs": [{"candidates": 100, "median_us": 5.5}],
+         "notes_note": "re-read by hand"},
     ]
     md = render(docs, pngs=frozenset({"geo_trace"}))
+    assert md.count("Note added after the run") == 1 and "*Note added after the run:* re-read by hand" in md
     assert "## geo_trace" in md and "## routing.decide" in md
     assert "| city | p99_ms | extra |" in md
     assert "| b | 40.0 | yes |" in md
