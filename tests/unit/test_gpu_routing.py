@@ -33,3 +33,18 @@ def test_big_text_batches_go_to_the_gpu_core_and_meet_their_slo(doc: dict[str, o
     assert not any(r["meets_slo"] for r in big_cpu), big_cpu
     # one description at a time: an edge or middle CPU computes it within the SLO, the GPU is not needed
     assert all(r["meets_slo"] and r["tier"] != "core" for r in _pick(gpu, "text-topic", 1))
+
+
+def test_placement_puts_the_encoder_where_64_rows_meet_the_slo(doc: dict[str, object]) -> None:
+    """The mesh as the scheduler places it (floor + demand), not every variant everywhere: with the GPU core,
+    64-row topic demand gets the encoder's head loaded there and every edge's 64-row queries meet the SLO.
+    Planned as before placement knew rows (one row a demand), the head is nowhere it can answer 64 rows in time
+    (the live H200 run's failure): best effort everywhere."""
+    from bench.gpu_routing import placed_decisions
+
+    planned = _pick(placed_decisions(doc, gpu_core=True), "text-topic", 64)
+    assert planned and all(r["meets_slo"] and r["tier"] == "core" for r in planned)
+    blind = _pick(placed_decisions(doc, gpu_core=True, rows_aware=False), "text-topic", 64)
+    assert blind and not any(r["meets_slo"] for r in blind)
+    # one-row queries and the digits keep meeting their SLOs as placed
+    assert all(r["meets_slo"] for r in placed_decisions(doc, gpu_core=True))
