@@ -129,3 +129,20 @@ def test_text_encoder_takes_text_and_both_heads_keep_their_accuracy(text_family:
         sess = ort.InferenceSession(str(text_family / head["file"]), providers=["CPUExecutionProvider"])
         acc = float(np.mean(np.asarray(sess.run(None, {"embedding": emb})[0]).argmax(1) == labels))
         assert abs(acc - head["accuracy"]) <= (3 if precision == "fp16" else 1) / len(y), (task, acc)
+
+
+def test_the_first_load_in_a_process_is_not_charged_the_cuda_context() -> None:
+    """In a fresh process (no CUDA context yet), the first torch-cuda variant's measured memory is its own:
+    the context (~120 MB of host memory on an H200) is created before the measurement. A CPU session of the
+    same file, loaded after, is the yardstick of what the variant itself costs on the host."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from pathlib import Path; from variant_store.runtimes import open_runtime\n"
+            f"p = Path({str(MODELS / 'mlp-tiny.onnx')!r})\n"
+            "rt = open_runtime('torch-cuda', p); rt.load_sync(); print(rt.memory_bytes)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr[-2000:]
+    measured = int(out.stdout.split()[-1])
+    assert measured < 32 << 20, f"mlp-tiny's first load measured {measured / 2**20:.0f} MiB (the CUDA context?)"
