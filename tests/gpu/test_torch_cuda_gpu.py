@@ -133,8 +133,8 @@ def test_text_encoder_takes_text_and_both_heads_keep_their_accuracy(text_family:
 
 def test_the_first_load_in_a_process_is_not_charged_the_cuda_context() -> None:
     """In a fresh process (no CUDA context yet), the first torch-cuda variant's measured memory is its own:
-    the context (~120 MB of host memory on an H200) is created before the measurement. A CPU session of the
-    same file, loaded after, is the yardstick of what the variant itself costs on the host."""
+    the context and the math libraries (119 MiB of host memory on an H200 before ``_prime``) are set up before
+    the measurement. mlp-tiny's file is 50 KB; 48 MiB leaves room for what one variant's own kernels load."""
     import subprocess
     import sys
 
@@ -145,4 +145,4 @@ def test_the_first_load_in_a_process_is_not_charged_the_cuda_context() -> None:
                          cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr[-2000:]
     measured = int(out.stdout.split()[-1])
-    assert measured < 32 << 20, f"mlp-tiny's first load measured {measured / 2**20:.0f} MiB (the CUDA context?)"
+    assert measured < 48 << 20, f"mlp-tiny's first load measured {measured / 2**20:.0f} MiB (the CUDA context?)"

@@ -119,3 +119,18 @@ def test_an_fp16_variant_as_the_build_writes_it(tmp_path: Path) -> None:
 def test_a_graph_reading_what_nothing_produces_is_refused() -> None:
     with pytest.raises(RuntimeLoadError, match="never produced"):
         TorchGraph(_one_node("Relu", "nowhere"), "cpu")
+
+
+def test_the_torch_runtime_is_primed_before_its_first_load_is_measured() -> None:
+    """torch (and, on a GPU, the CUDA context and math libraries) is set up by ``_prime`` before the first
+    load's memory is measured: mlp-tiny (a 50 KB file) is not charged torch's import (~200 MB)."""
+    import subprocess
+    import sys
+
+    code = ("from pathlib import Path; from variant_store.runtimes import open_runtime\n"
+            "rt = open_runtime('torch-cuda', Path('variant_store/models/digits/mlp-tiny.onnx'), device='cpu')\n"
+            "rt.load_sync(); print(rt.memory_bytes)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout.split()[-1]) < 32 << 20
