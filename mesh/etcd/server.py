@@ -3,6 +3,10 @@
 Used by the tests, by ``tiermesh etcd`` / ``tiermesh up`` and by commands that find no etcd running.
 The process is a plain ``subprocess.Popen`` (not an asyncio subprocess) so one instance can be
 started in one event loop and stopped in another, as pytest's session fixtures do.
+
+An etcd never outlives its owner: it is started through ``setpriv --pdeathsig TERM`` (util-linux) where that
+exists, so the kernel stops it when the thread that started it dies, however it dies (a killed test run, a
+``kill -9`` of ``tiermesh up``). Its owner's ``stop()`` remains the orderly way.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from mesh.lifecycle import Service, pid_alive
 from mesh.log import get_logger, kv
 
 __all__ = ["EmbeddedEtcd", "RunningEtcd", "ServerTLS", "clear_record", "etcd_binary", "find_running", "free_port",
-           "healthy", "http_json", "port_free", "running_record", "write_record"]
+           "healthy", "http_json", "owner_bound", "port_free", "running_record", "write_record"]
 
 log = get_logger(__name__)
 
@@ -49,6 +53,13 @@ def etcd_binary() -> Path:
     if not os.access(path, os.X_OK):
         raise EtcdServerError(f"etcd binary not found or not executable: {path}")
     return path
+
+
+def owner_bound() -> list[str]:
+    """The command prefix that makes a child die with the thread that started it (``setpriv --pdeathsig``),
+    or nothing where ``setpriv`` is missing (the child then outlives a killed owner, as before)."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM", "--"] if setpriv else []
 
 
 def free_port(host: str) -> int:
@@ -250,6 +261,7 @@ class EmbeddedEtcd(Service):
     def _command(self) -> list[str]:
         client, peer = self.url, self.peer_url
         cmd = [
+            *owner_bound(),
             str(etcd_binary()),
             "--name", self.name,
             "--data-dir", str(self.data_dir / "data"),

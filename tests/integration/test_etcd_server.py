@@ -9,12 +9,13 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from mesh.errors import EtcdServerError
-from mesh.etcd.server import EmbeddedEtcd, find_running, healthy, write_record
+from mesh.etcd.server import EmbeddedEtcd, find_running, healthy, owner_bound, write_record
 from mesh.etcd.store import Store
 from tests.conftest import child_pids
 from tiermesh.cli.context import open_store
@@ -148,3 +149,43 @@ async def test_cli_etcd_runs_in_foreground_and_stops_on_sigterm(tmp_path: Path) 
         for f in (proc.stdout, proc.stderr):
             if f:
                 f.close()
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a reparented child may wait a while for its reaper)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not owner_bound(), reason="setpriv (util-linux) is not installed: etcd outlives a killed owner")
+def test_etcd_dies_with_an_owner_killed_without_warning(tmp_path: Path) -> None:
+    """A process that started etcd and is then SIGKILLed (no stop(), no atexit) takes its etcd with it."""
+    code = ("import sys, time; from pathlib import Path; from mesh.etcd.server import EmbeddedEtcd\n"
+            "srv = EmbeddedEtcd(Path(sys.argv[1]), unsafe_no_fsync=True); srv.start_sync()\n"
+            "print(srv.pid, flush=True); time.sleep(120)\n")
+    owner = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "etcd")], cwd=ROOT, stdout=subprocess.PIPE,
+                             text=True)
+    etcd_pid = None
+    try:
+        assert owner.stdout is not None
+        line = owner.stdout.readline()  # the owner prints etcd's pid once healthy (it exits in 120 s anyway)
+        etcd_pid = int(line)
+        assert _running(etcd_pid)
+        owner.kill()
+        owner.wait(10)
+        for _ in range(100):  # bounded: 10 s
+            if not _running(etcd_pid):
+                break
+            time.sleep(0.1)
+        assert not _running(etcd_pid), "etcd outlived its SIGKILLed owner"
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait(10)
+        if etcd_pid is not None and _running(etcd_pid):
+            os.kill(etcd_pid, signal.SIGKILL)
+        if owner.stdout is not None:
+            owner.stdout.close()
