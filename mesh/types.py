@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_PREFER",
     "DEFAULT_TENANT",
+    "MAX_DIM",
     "PREFERS",
     "SLO",
     "TIERS",
@@ -50,9 +51,31 @@ __all__ = [
     "Timing",
     "check_inputs",
     "new_request_id",
+    "shape_fits",
 ]
 
 DEFAULT_TENANT = "public"
+# no dimension of a tensor anyone sends is this long (every decoder refuses it)
+MAX_DIM: Final = 1 << 31
+# numpy refuses a shape whose non-zero dimensions multiply, in bytes, past its index type (2**63), even when
+# another dimension is 0 and the tensor holds nothing ("array is too big"): at 16 bytes an element, the widest
+_MAX_ELEMENTS: Final = 1 << 59
+
+
+def shape_fits(dims: Sequence[int]) -> bool:
+    """Whether a tensor of ``dims`` is one numpy can hold: every dimension in ``[0, MAX_DIM)`` and the product
+    of the non-zero ones below ``2**59`` elements. The decoders of both wire formats ask this before they shape
+    what they read, so a lying shape is the caller's 400 (or protocol error), never a ``ValueError`` deep in
+    numpy."""
+    count = 1
+    for d in dims:
+        if not 0 <= d < MAX_DIM:
+            return False
+        if d:
+            count *= d
+            if count >= _MAX_ELEMENTS:
+                return False
+    return True
 Prefer = Literal["latency", "accuracy", "refuse"]
 PREFERS: Final[tuple[Prefer, ...]] = get_args(Prefer)
 DEFAULT_PREFER: Final[Prefer] = "latency"

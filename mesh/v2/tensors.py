@@ -18,6 +18,7 @@ import numpy as np
 from mesh.bytes_tensor import bytes_items, deserialize_bytes, serialize_bytes
 from mesh.cache import BoundedCache
 from mesh.errors import BadTensor, PayloadTooLarge, RequestError
+from mesh.types import MAX_DIM, shape_fits
 from mesh.v2.datatypes import BYTES, FIXED, check_datatype, datatype_named
 
 __all__ = ["BYTES_DTYPE", "DESCS", "DTYPE_TO_V2", "NATIVE", "V2_TO_NP", "Spec", "arrays_at", "binary_specs",
@@ -44,17 +45,11 @@ def datatype_of(dtype: np.dtype[Any] | str) -> str:
         return v2
     return datatype_named(np.dtype(dtype).name)
 
-# no dimension of a tensor anyone sends is this long; numpy refuses some far shorter shapes of zero
-# elements (a dimension count it cannot index), which must be the caller's 400, not our 500
-MAX_DIM = 1 << 31
-
-
 def _shape(value: object, where: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and 0 <= d < MAX_DIM for d in value
-    ):
-        raise BadTensor(f"{where}: shape must be a list of non-negative integers below {MAX_DIM}, "
-                        f"got {str(value)[:200]}")
+    if not isinstance(value, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in value) \
+            or not shape_fits(value):
+        raise BadTensor(f"{where}: shape must be a list of non-negative integers below {MAX_DIM} that numpy can "
+                        f"hold, got {str(value)[:200]}")
     return tuple(value)
 
 

@@ -58,12 +58,11 @@ import zmq
 from mesh import clock
 from mesh.bytes_tensor import serialize_bytes
 from mesh.errors import BadTensor, MeshError, ProtocolError
-from mesh.types import InferRequest, InferResponse, Timing
+from mesh.types import InferRequest, InferResponse, Timing, shape_fits
 from mesh.zmq.protocol_check import (
     ALLOWED_DTYPES,
     BYTES_WIRE,
     DEFAULT_MAX_BYTES,
-    MAX_DIM,
     MAX_ID_LEN,
     MAX_NDIM,
     MAX_TENSORS,
@@ -243,9 +242,11 @@ def _fast_tensors(descs: object, frames: Sequence[object], max_bytes: int) -> di
             return None
         count = 1
         for dim in shape:
-            if type(dim) is not int or dim < 0 or dim >= MAX_DIM:
+            if type(dim) is not int:
                 return None
             count *= dim
+        if not shape_fits(shape):
+            return None
         if dtype is None:  # BYTES: the frame's length, not the shape, says how big it is
             if type(frame) is not zmq.Frame and type(frame) is not bytes:
                 return None

@@ -20,14 +20,13 @@ import zmq
 from mesh.bytes_tensor import deserialize_bytes
 from mesh.errors import BadTensor, MeshError, PayloadTooLarge, ProtocolError, RequestError, error_from_code
 from mesh.tracecontext import parse_traceparent
-from mesh.types import SLO, InferRequest, InferResponse, Timing
+from mesh.types import MAX_DIM, SLO, InferRequest, InferResponse, Timing, shape_fits
 
 __all__ = [
     "ALLOWED_DTYPES",
     "BYTES_WIRE",
     "DECODE_ERRORS",
     "DEFAULT_MAX_BYTES",
-    "MAX_DIM",
     "MAX_HEADER_BYTES",
     "MAX_ID_LEN",
     "MAX_NDIM",
@@ -49,8 +48,6 @@ DEFAULT_MAX_BYTES: Final = 64 * 1024 * 1024
 MAX_HEADER_BYTES: Final = 256 * 1024
 MAX_TENSORS: Final = 256
 MAX_NDIM: Final = 32
-# no dimension of a real tensor is this long; numpy cannot hold some zero-element shapes with longer ones
-MAX_DIM: Final = 1 << 31
 MAX_ID_LEN: Final = 256
 ALLOWED_DTYPES: Final = frozenset(
     {"float32", "float16", "float64", "int8", "uint8", "int32", "int64", "bool"}
@@ -193,8 +190,9 @@ def _tensors(h: Mapping[str, Any], frames: Sequence[object], max_bytes: int) -> 
         total += math.prod(shape) * (dtype.itemsize if dtype is not None else 4)
         if total > max_bytes:
             raise PayloadTooLarge(f"tensors declare {total} bytes, limit is {max_bytes}")
-        if any(s >= MAX_DIM for s in shape):  # zero elements, yet more than numpy can index
-            raise ProtocolError(f"tensor {name!r}: a dimension of {MAX_DIM} or more, in {str(shape)[:200]}")
+        if not shape_fits(shape):  # zero elements, yet more than numpy can index
+            raise ProtocolError(f"tensor {name!r}: a shape numpy cannot hold (a dimension of {MAX_DIM} or more, "
+                                f"or too many elements), in {str(shape)[:200]}")
         parsed.append((name, dtype, tuple(shape)))
     if len({p[0] for p in parsed}) != len(parsed):
         raise ProtocolError("duplicate tensor names")

@@ -14,7 +14,7 @@ from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 
 from mesh.bytes_tensor import as_bytes_tensor, deserialize_bytes, serialize_bytes
 from mesh.errors import BadTensor
-from mesh.types import TaskSignature, TensorSpec
+from mesh.types import TaskSignature, TensorSpec, shape_fits
 from mesh.v2 import codec
 from mesh.v2.params import metadata_to_signature, signature_to_metadata
 from mesh.v2.tensors import datatype_of, dtype_of
@@ -108,3 +108,16 @@ def test_bad_binary_bytes_request_is_refused() -> None:
     body = head + b"\x01\x00\x00\x00a\x09\x00\x00\x00"
     with pytest.raises(BadTensor, match="declares 9 bytes"):
         codec.decode_infer_request(body, len(head))
+
+
+
+@pytest.mark.parametrize(("dims", "fits"), [
+    ((), True), ((0,), True), ((3, 4), True), ((2**31 - 1,), True), ((2**31,), False), ((-1, 2), False),
+    ((0, 2**29, 2**29), True), ((0, 2**30, 2**30), False), ((2**20, 2**20, 2**20, 0), False),
+])
+def test_shape_fits_is_what_numpy_can_hold(dims: tuple[int, ...], fits: bool) -> None:
+    """The one check both wire formats' decoders make: a shape is refused unless numpy can hold it at any
+    element width (numpy refuses (0, 2**30, 2**30) of FP64 though it holds nothing)."""
+    assert shape_fits(dims) is fits
+    if fits and 0 in dims:
+        np.empty(0, dtype=np.complex128).reshape(dims)  # numpy agrees, at the widest elements too

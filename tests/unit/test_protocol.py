@@ -221,6 +221,8 @@ _DROP = object()
     # zero elements, but more than numpy can index (was a ValueError out of the decoder)
     ({"tensors": [{"name": "x", "dtype": "float32", "shape": [2**40, 2**40, 2**40, 0]},
                   {"name": "m", "dtype": "bool", "shape": [2]}]}, "a dimension of"),
+    ({"tensors": [{"name": "x", "dtype": "float64", "shape": [0, 2**30, 2**30]},
+                  {"name": "m", "dtype": "bool", "shape": [2]}]}, "numpy cannot hold"),
     ({"tensors": [{"name": "x", "dtype": "float32", "shape": [12]}, {"name": "x", "dtype": "bool",
                                                                      "shape": [2]}]}, "duplicate"),
 ])

@@ -138,6 +138,12 @@ def _bin_body(shape: list[int], raw: bytes, declared: int | None = None, datatyp
     (lambda: (_req([{"name": "x", "shape": [2**40, 2**40, 2**40, 0], "datatype": "FP32", "data": []}]), None),
      BadTensor, "below"),
     (lambda: _bin_body([2**40, 2**40, 2**40, 0], b""), BadTensor, "below"),
+    # every dimension below 2**31, none holding anything, yet more than numpy indexes (a 500 the fuzz found later)
+    (lambda: (_req([{"name": "x", "shape": [0, 2**30, 2**30], "datatype": "BYTES", "data": []}]), None),
+     BadTensor, "numpy can hold"),
+    (lambda: (_req([{"name": "x", "shape": [0, 2**30, 2**30], "datatype": "FP64", "data": []}]), None),
+     BadTensor, "numpy can hold"),
+    (lambda: _bin_body([2**20, 2**20, 2**20, 0], b"", datatype="FP64"), BadTensor, "numpy can hold"),
     (lambda: (_req([{"name": "x", "shape": [2], "datatype": "FP32", "data": [1e39, 1]}]), None),
      BadTensor, "overflow"),
 ])
