@@ -200,21 +200,13 @@ class _Planner:
         return True
 
     # -- steps ---------------------------------------------------------------------------
-    def query_cost(self, d: Demand, site: str) -> float:
-        """What one of ``d``'s requests costs at ``site`` with its cheapest variant meeting ``d`` there: compute
-        of its rows x price per slot, as the router bills it (``inf`` when none meets ``d``). Not the slot's
-        price alone: a GPU slot is priced at the whole machine but does a text batch 100x faster than a core."""
-        info = self.snap.sites[site]
-        per_slot = info.price_per_hour / max(info.slots, 1)
-        return min((v.compute_at(info.hardware_class, d.rows) * per_slot
-                    for v in self.snap.variants.get(d.task, ()) if self.meets(d, site, v)), default=math.inf)
-
     def site_order(self, d: Demand) -> list[str]:
-        """Cheapest per request first (the router bills compute x price per slot, so placing where it is
+        """Cheapest slot first (the router bills compute x price per slot, so placing where it is
         cheapest is placing where the router will send the demand), then nearest, then by name.
         ``meets`` leaves only the sites that can serve the demand within its budget."""
         reachable = [s for s in self.alive if math.isfinite(self.snap.rtt(d.site, s))]
-        return sorted(reachable, key=lambda s: (self.query_cost(d, s), self.snap.rtt(d.site, s), s))
+        return sorted(reachable, key=lambda s: (self.snap.sites[s].price_per_hour / max(self.snap.sites[s].slots, 1),
+                                                self.snap.rtt(d.site, s), s))
 
     def variant_order(self, site: SiteInfo, vs: list[VariantInfo]) -> list[VariantInfo]:
         hw = site.hardware_class

@@ -349,20 +349,3 @@ def test_merged_demands_keep_the_most_rows() -> None:
     # 20 rows: 60 ms on mid1 + 10 ms fits; 64 rows do not (192 ms): merged, the class needs the core
     assert ("mid1", "cnn.fp32", "load") in actions(plan(snap({}, {"edge-a": {"memory_mb": 40}}), [a]))
     assert actions(plan(snap({}, {"edge-a": {"memory_mb": 40}}), [a, b])) == {("core", "cnn.fp32", "load")}
-
-
-def test_sites_are_tried_cheapest_per_request_not_cheapest_per_slot() -> None:
-    # a heavy encoder: 200 ms a row on a middle's core, 2 ms on the core's GPU. A GPU slot costs 40x a
-    # core slot here (14.4 $/h over 4 GPUs vs 1.44 $/h over 16 cores), a request 100x less time on it:
-    # the core is the cheaper place per request (7.2 vs 18 units), as the router bills it
-    enc = VariantInfo("text", "enc.fp32", 0.9, 90 * MB, compute_ms={"cpu-x86": {1: 200.0}, "gpu": {1: 2.0}},
-                      load_ms={"gpu": 500.0}, memory_bytes=90 * MB)
-    base = snap({})
-    s = MeshSnapshot.from_parts(list(base.sites.values()), [*variants(), enc],
-                                [SiteLoad(n, frozenset(), capacity=i.slots) for n, i in base.sites.items()], LINKS,
-                                placement={})
-    text = Demand("edge-a", "text", "loose-lo", 2.0, 0.8, 1000.0)
-    assert actions(plan(s, [text])) == {("core", "enc.fp32", "load")}
-    # a light one (8 ms on the edge's core, 3 on a middle's, 1 on the GPU) stays where a slot is cheapest:
-    # 0.072 units per request at the edge, 0.27 at a middle, 3.6 at the core
-    assert actions(plan(s, [demand(acc=0.98, budget=100.0)])) == {("edge-a", "cnn.fp32", "load")}
