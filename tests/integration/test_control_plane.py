@@ -41,10 +41,15 @@ def _topology(n_edges: int) -> Topology:
     return Topology(sites=sites, links=tuple(links))
 
 
-def _meta() -> VariantMeta:
-    prof = Profile(hardware_class="cpu", load_ms=5.0, latency={1: LatencyStats(1.0, 2.0)}, peak_memory_bytes=1 << 20)
-    return VariantMeta(task="t", family="f", variant_id="t.v1", format="onnx", precision="fp32", runtime="onnxruntime",
-                       blob_digest="ab" * 32, size_bytes=1 << 20, accuracy=0.97, profiles={"cpu": prof})
+def _meta(variant_id: str = "t.v1", *, digest: str = "ab", size: int = 1 << 20, accuracy: float = 0.97,
+          profiles: dict[str, Profile] | None = None) -> VariantMeta:
+    """A variant of task ``t`` (by default one profiled on class ``cpu`` at 1 ms a row)."""
+    if profiles is None:
+        profiles = {"cpu": Profile(hardware_class="cpu", load_ms=5.0, latency={1: LatencyStats(1.0, 2.0)},
+                                   peak_memory_bytes=1 << 20)}
+    return VariantMeta(task="t", family="f", variant_id=variant_id, format="onnx", precision="fp32",
+                       runtime="onnxruntime", blob_digest=digest * 32, size_bytes=size, accuracy=accuracy,
+                       profiles=profiles)
 
 
 async def _seed(store: Store, topo: Topology) -> None:
@@ -194,12 +199,10 @@ async def test_a_demand_of_64_rows_is_placed_where_64_rows_meet_its_slo(store: S
     GPU core, 2 ms away, the only site that computes 64 rows within the budget: the edge, which answers
     one row in 1 ms, takes 200 ms for 64."""
     topo = _topology(2)
-    small = VariantMeta(task="t", family="f", variant_id="t.v1", format="onnx", precision="fp32",
-                        runtime="onnxruntime", blob_digest="ab" * 32, size_bytes=1 << 20, accuracy=0.95,
-                        profiles=_profiles({"cpu": {1: 1.0, 64: 200.0}, "gpu": {1: 1.0, 64: 5.0}}))
-    big = VariantMeta(task="t", family="f", variant_id="t.v2", format="onnx", precision="fp32",
-                      runtime="onnxruntime", blob_digest="cd" * 32, size_bytes=4 << 20, accuracy=0.97,
-                      profiles=_profiles({"cpu": {1: 2.0, 64: 400.0}, "gpu": {1: 2.0, 64: 400.0}}))
+    small = _meta("t.v1", accuracy=0.95,
+                  profiles=_profiles({"cpu": {1: 1.0, 64: 200.0}, "gpu": {1: 1.0, 64: 5.0}}))
+    big = _meta("t.v2", digest="cd", size=4 << 20,
+                profiles=_profiles({"cpu": {1: 2.0, 64: 400.0}, "gpu": {1: 2.0, 64: 400.0}}))
     ops = [Put(k, v) for k, v in desired_state(topo).items()] + [
         Put(catalog_key("t", m.variant_id), m.to_json()) for m in (small, big)]
     await store.txn([], ops)
