@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from bench.common import percentile
-from edge_agent.batching import BatchResult
+from edge_agent.batch_parts import BatchResult
 from mesh.errors import MeshError
 
 __all__ = ["Submit", "climb", "interleaved_rounds", "median_of_rounds", "open_loop", "wait_quiet"]

@@ -7,6 +7,12 @@ site that names the same backbone blob, whoever owns it, queues into the backbon
 its own rows (the rows of one head are batched together), and each request gets its head's rows
 back. The batch window is the plain batcher's, from the tightest deadline in the batch.
 
+Under load the executor thread that finishes a batch takes the next one itself (``BackboneBatcher._chain``)
+when the loop would form it at once anyway, and hands only the answers to the loop: one backbone serves every
+tenant of the site, so a slot handed back to a loop busy answering a hundred requests would leave the cores
+idle for hundreds of microseconds per batch (measured in bench.shared_backbone's deployment: a sixth of the
+backbone's time at 16 k requests/s).
+
 Which heads share an instance is the host's decision (``edge_agent.host``): a tenant whose isolation
 is ``strict`` gets a backbone instance and batcher of its own, so its rows never meet another
 tenant's. Any family plugs in the same way: the backbone's first output is the feature tensor, the
@@ -23,7 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from edge_agent.batching import Batcher, InferFn, Part
+from edge_agent.batch_parts import InferFn, Part, batch_window_s, fail_batch
+from edge_agent.batching import Batcher
 from mesh.errors import Overloaded
 from variant_store.runtimes.base import Runtime
 
@@ -34,6 +41,10 @@ ComputeFn = Callable[[int], float]
 # costs 210 us a row in batches of 32, 140 in 64, 122 in 128 (one core): past ~128 little is left to win,
 # and a bigger batch only holds its rows longer.
 BATCH_CAP = 128
+# How long one executor thread may go on taking the backbone's next batches itself (``BackboneBatcher._chain``)
+# before it hands the slot back to the loop, so that other variants' batches queued for the same executor get
+# their turn; a hand-off costs a few hundred microseconds.
+CHAIN_MAX_S = 0.05
 # Batch sizes a backbone is timed at when it loads (its cost model interpolates between them).
 TIMED_SIZES = (1, 32, BATCH_CAP)
 
@@ -63,8 +74,11 @@ class BackboneBatcher(Batcher):
         self.batch_cap = max(self._own_batch, batch_cap)
         self._head_batch: dict[str, int] = {}
         self._costs: dict[int, float] = {}
-        self._ends: dict[asyncio.Task[Any] | None, float] = {}  # expected end of each batch computing
+        self._ends: dict[object, float] = {}  # expected end of each batch computing
         self._slot_taken = False
+        self._chain_pauses = 0  # heads being removed: meanwhile a run of batches ends after its batch
+        self.chain_max_s = CHAIN_MAX_S  # 0: every batch goes back to the loop
+        self.chained = 0  # batches an executor thread took and ran itself (a number to watch)
         self._window_s = 0.0
         super().__init__(name, base.run_checked_sync, executor=executor, compute_ms=self._cost,
                          max_batch=max_batch, max_window_ms=max_window_ms, site=site)
@@ -76,11 +90,15 @@ class BackboneBatcher(Batcher):
     # would otherwise keep the window open for every request).
     @property  # type: ignore[override]
     def max_window_s(self) -> float:
-        return self._window_s if len(self._running) >= self.parallel - 1 else 0.0
+        return self._window_s if len(self._ends) >= self.parallel - 1 else 0.0
 
     @max_window_s.setter
     def max_window_s(self, value: float) -> None:
         self._window_s = value
+
+    def _window_after(self) -> float:
+        """The window for the batch a slot that has just finished one would form (itself not counted busy)."""
+        return self._window_s if len(self._ends) - 1 >= self.parallel - 1 else 0.0
 
     async def _one_batch(self) -> None:
         await self._slots.acquire()
@@ -91,14 +109,18 @@ class BackboneBatcher(Batcher):
             if not self._slot_taken:  # nothing ran (every request had expired or given up)
                 self._slots.release()
 
-    def _began(self, ends: float) -> None:
-        # called from the batch's own task (``_run_held``): a slot is free until all are taken
-        self._ends[asyncio.current_task()] = ends
-        self._busy_until = min(self._ends.values()) if len(self._ends) >= self.parallel else 0.0
+    def _began(self, key: object, ends: float) -> None:
+        # a slot is free until all are taken. ``key``: the slot's run of batches (see _chain); any thread
+        with self._qlock:
+            self._ends[key] = ends
+            self._busy_until = min(self._ends.values()) if len(self._ends) >= self.parallel else 0.0
 
-    def _ended(self) -> None:
-        self._ends.pop(asyncio.current_task(), None)
-        self._busy_until = min(self._ends.values()) if len(self._ends) >= self.parallel else 0.0
+    def _ended(self, key: object) -> None:
+        """The slot's run ``key`` is over: the slot is free."""
+        with self._qlock:
+            self._ends.pop(key, None)
+            self._busy_until = min(self._ends.values()) if len(self._ends) >= self.parallel else 0.0
+        self._slots.release()
         self._costs.clear()
         # a window held because every other slot was busy closes now that one is free
         if self._queue:
@@ -148,23 +170,90 @@ class BackboneBatcher(Batcher):
         self._head_batch.pop(lane, None)
         self._resize()
         self._costs.clear()
-        # batches started from now on look the head up and miss it; wait for those already running
-        # (inline runs hold the event loop, so none of them can be under way here)
+        # batches started from now on look the head up and miss it; wait for those already running, a run
+        # of batches (_chain) ending after its current one (inline runs hold the event loop, so none of
+        # them can be under way here)
         if self._running:
-            await asyncio.wait(set(self._running), timeout=wait_s)
+            self._chain_pauses += 1
+            try:
+                await asyncio.wait(set(self._running), timeout=wait_s)
+            finally:
+                self._chain_pauses -= 1
 
     async def _run(self, batch: list[Any], rows: int) -> None:
-        """Start the batch on the slot ``_one_batch`` took and return (the loop forms the next)."""
+        """Start a run of batches on the slot ``_one_batch`` took and return (the loop forms the next)."""
+        try:
+            merged = self._merge(batch)
+        except Exception as exc:  # nothing runs: the slot goes back in _one_batch
+            fail_batch(batch, exc)
+            return
         self._slot_taken = True
-        task = asyncio.create_task(self._run_held(batch, rows), name=f"batch:{self.variant_id}")
+        key = object()
+        started = time.monotonic()
+        self._began(key, started + self._compute_ms(rows) / 1000.0)
+        loop = asyncio.get_running_loop()
+        running = loop.run_in_executor(self._executor, self._chain, loop, key, batch, rows, merged, started)
+        task = asyncio.create_task(self._chain_done(key, running), name=f"batch:{self.variant_id}")
         self._running.add(task)
         task.add_done_callback(self._running.discard)
 
-    async def _run_held(self, batch: list[Any], rows: int) -> None:
+    async def _chain_done(self, key: object, running: asyncio.Future[None]) -> None:
         try:
-            await super()._run(batch, rows)
+            await running
         finally:
-            self._slots.release()
+            self._ended(key)
+
+    def _chain(self, loop: asyncio.AbstractEventLoop, key: object, batch: list[Any], rows: int,
+               merged: dict[str, np.ndarray], started: float) -> None:
+        """On an executor thread: run the batch, then, while requests are queued that the loop would batch at
+        once (no window to hold), take and run the next batch here, each answered on the loop. Handing a
+        finished batch's slot back to the loop costs a thread hand-off (hundreds of microseconds when the loop
+        is busy answering the last batch's requests)."""
+        since = started
+        while True:
+            try:
+                parts: list[dict[str, np.ndarray] | Exception] | Exception = self._execute(
+                    merged, [(it.lane, it.rows) for it in batch])
+            except Exception as exc:
+                parts = exc
+            done = time.monotonic()
+            nxt: tuple[list[Any], int, list[Any]] = ([], 0, [])
+            try:
+                nxt = self._take_now(done, since)
+                merged = self._merge(nxt[0]) if nxt[0] else merged
+            except Exception as exc:  # the next batch goes back to its callers as an error, this one is answered
+                loop.call_soon_threadsafe(fail_batch, nxt[0], exc)
+                nxt = ([], 0, nxt[2])
+            if nxt[0]:
+                self._began(key, done + self._compute_ms(nxt[1]) / 1000.0)
+            loop.call_soon_threadsafe(self._answered, batch, rows, started, done, parts, nxt[2])
+            if not nxt[0]:
+                return
+            with self._qlock:
+                self.chained += 1
+            batch, rows, started = nxt[0], nxt[1], done
+
+    def _take_now(self, now: float, since: float) -> tuple[list[Any], int, list[Any]]:
+        """The next batch, if the loop would form it now (requests queued, the batcher running, no window to
+        hold for companions) and this run of batches, begun at ``since``, is not over ``chain_max_s``."""
+        if (now - since > self.chain_max_s or self._task is None or self._chain_pauses or not self._queue):
+            return [], 0, []
+        if self._queued_rows < self.max_batch and self._skip_windows == 0:
+            head = self._queue[0]
+            window = batch_window_s([self._tightest - now], self._compute_ms(self._queued_rows) / 1000.0,
+                                    self._window_after(), expected_gap_s=self.ewma_gap_s)
+            if head.enqueued + window > now:
+                return [], 0, []
+        return self._take(now)
+
+    def _answered(self, batch: list[Any], rows: int, started: float, done: float,
+                  parts: list[dict[str, np.ndarray] | Exception] | Exception, expired: list[Any]) -> None:
+        self._expire(expired)
+        self._costs.clear()
+        if isinstance(parts, Exception):
+            fail_batch(batch, parts)
+            return
+        self._answer(batch, rows, started, done, parts)
 
     async def stop(self) -> None:
         await super().stop()

@@ -4,7 +4,7 @@ Requests queue per variant; one loop per variant takes the oldest, waits for com
 window taken from the *deadline slack* of what is queued (never holding a request past what its
 SLO allows), runs them as one batch off the event loop, and splits the outputs back.
 
-The window is a pure function (``batch_window_s``) so it can be tested with tables.
+The window is a pure function (``edge_agent.batch_parts.batch_window_s``) so it can be tested with tables.
 
 Inline fast path: a request the loop would run *at once and alone* anyway (nothing queued, no batch
 running, no window to open for companions), whose profile says it is tiny, runs on the event-loop
@@ -18,30 +18,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
 
 import numpy as np
 
+from edge_agent.batch_parts import BatchResult, InferFn, Part, Queued, batch_window_s, fail_batch
 from edge_agent.inline_guard import INLINE_MAX_MS, InlineGuard
 from mesh.errors import DeadlineExceeded, MeshError, Overloaded, PayloadTooLarge
 from mesh.lifecycle import cancel_and_wait
 from mesh.log import get_logger, kv
 
-__all__ = ["BatchResult", "Batcher", "Part", "batch_window_s"]
+__all__ = ["Batcher"]
 
 log = get_logger(__name__)
 # The learnt overhead fades with this time constant while no batch runs to refresh it. Without
 # it one slow batch (a burst of CPU contention) could make admission refuse every later request
 # for ever: refused requests never run, so the estimate would never come down again.
 OVERHEAD_DECAY_S = 1.0
-InferFn = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
-# One request's share of a batch, as ``Batcher._execute`` sees it: (lane, rows). A plain batcher
-# has one lane; a shared backbone's batcher (edge_agent.backbone) has one per head.
-Part = tuple[str, int]
 # Windows that caught no companion before the batcher stops holding batches open, and for how many
 # batches it then does not: SKIP_WINDOWS, doubled after each further futile probe up to SKIP_WINDOWS_MAX
 # (see Batcher.__init__).
@@ -50,45 +47,6 @@ SKIP_WINDOWS = 64
 SKIP_WINDOWS_MAX = 1024
 # Batches remembered per batcher (tenants of each), so tests and the console can see who shared one.
 MEMBERSHIP_KEPT = 256
-
-
-def batch_window_s(slacks_s: list[float], compute_s: float, max_window_s: float,
-                   safety_s: float = 0.001, expected_gap_s: float | None = None) -> float:
-    """How long the batch may stay open for more requests.
-
-    ``slacks_s``: time left to each queued request's deadline. The tightest one bounds the window:
-    it must still have time for the batch's compute after the window closes. ``expected_gap_s``:
-    the recent mean time between arrivals; when no companion is expected within the window,
-    waiting only adds latency, so the batch closes at once (low load runs unbatched).
-    """
-    if not slacks_s:
-        return 0.0
-    room = min(slacks_s) - compute_s - safety_s
-    window = max(0.0, min(max_window_s, room))
-    if expected_gap_s is not None and expected_gap_s > window:
-        return 0.0
-    return window
-
-
-@dataclass(slots=True)
-class BatchResult:
-    outputs: dict[str, np.ndarray]
-    queue_ms: float
-    compute_ms: float
-    batch_rows: int
-    tenants: int = 1          # distinct tenants whose requests were in the batch
-    shared_backbone: bool = False  # run through a backbone shared by several heads (edge_agent.backbone)
-
-
-@dataclass(slots=True)
-class _Item:
-    inputs: dict[str, np.ndarray]
-    rows: int
-    deadline: float
-    enqueued: float
-    future: asyncio.Future[BatchResult] = field(repr=False)
-    lane: str = ""
-    tenant: str = ""
 
 
 class Batcher:
@@ -117,7 +75,10 @@ class Batcher:
         self.max_window_s = max_window_ms / 1000.0
         self.max_queue_rows = max_queue_rows
         self.site = site
-        self._queue: deque[_Item] = deque()
+        self._queue: deque[Queued] = deque()
+        # the queue and its counters change under this lock: a backbone's batches may take their rows from
+        # an executor thread (edge_agent.backbone), not only from this batcher's loop
+        self._qlock = threading.Lock()
         self._queued_rows = 0
         self._tightest = math.inf  # the earliest deadline queued (at most: items that left may linger)
         self._wake = asyncio.Event()
@@ -152,12 +113,13 @@ class Batcher:
     async def stop(self) -> None:
         task, self._task = self._task, None
         await cancel_and_wait(task)
-        while self._queue:
-            item = self._queue.popleft()
+        with self._qlock:
+            left, self._queue = list(self._queue), deque()
+            self._queued_rows = 0
+            self._tightest = math.inf
+        for item in left:
             if not item.future.done():
                 item.future.set_exception(Overloaded(f"variant {self.variant_id} unloaded"))
-        self._queued_rows = 0
-        self._tightest = math.inf
 
     @property
     def overhead_ms(self) -> float:
@@ -228,15 +190,17 @@ class Batcher:
         if self._inline_ok(rows, now, deadline, profile, overhead):
             return self._run_inline(inputs, rows, now, profile, overhead, lane, tenant)
         fut: asyncio.Future[BatchResult] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Item(inputs, rows, deadline, now, fut, lane, tenant))
-        self._queued_rows += rows
-        # Wake the loop only when this arrival changes what it waits for: a first request, a full
-        # batch, or a tighter deadline (which shortens the window). Any other arrival would only make
-        # it recompute the same window end (a task switch per request, under load).
-        if len(self._queue) == 1 or self._queued_rows >= self.max_batch or deadline < self._tightest:
+        with self._qlock:
+            self._queue.append(Queued(inputs, rows, deadline, now, fut, lane, tenant))
+            self._queued_rows += rows
+            # Wake the loop only when this arrival changes what it waits for: a first request, a full
+            # batch, or a tighter deadline (which shortens the window). Any other arrival would only make
+            # it recompute the same window end (a task switch per request, under load).
+            wake = len(self._queue) == 1 or self._queued_rows >= self.max_batch or deadline < self._tightest
+            if deadline < self._tightest:
+                self._tightest = deadline
+        if wake:
             self._wake.set()
-        if deadline < self._tightest:
-            self._tightest = deadline
         return await fut
 
     def _inline_ok(self, rows: int, now: float, deadline: float, profile_ms: float,
@@ -322,7 +286,8 @@ class Batcher:
             await self._wake.wait()
         # keep the window open while the tightest deadline allows and the batch is not full
         waited = False
-        while self._queued_rows < self.max_batch and self._skip_windows == 0:
+        while self._queue and self._queued_rows < self.max_batch and self._skip_windows == 0:
+            # (the queue may empty meanwhile: a backbone's executor thread takes batches too)
             now = time.monotonic()
             rows = min(self._queued_rows, self.max_batch)
             window_end = self._queue[0].enqueued + batch_window_s(
@@ -351,57 +316,78 @@ class Batcher:
                 # FUTILE_WINDOWS) skips again, for twice as long
                 self._futile, self._skip_windows = FUTILE_WINDOWS - 1, self._skip_next
                 self._skip_next = min(SKIP_WINDOWS_MAX, 2 * self._skip_next)
-        batch: list[_Item] = []
-        rows = 0
-        now = time.monotonic()
-        while self._queue and (not batch or rows + self._queue[0].rows <= self.max_batch):
-            item = self._queue.popleft()
-            self._queued_rows -= item.rows
-            if item.future.done():
-                continue  # caller gave up
-            if item.deadline <= now:
-                item.future.set_exception(DeadlineExceeded(f"deadline passed in queue of {self.variant_id}"))
-                continue
-            batch.append(item)
-            rows += item.rows
-        self._tightest = min((it.deadline for it in self._queue), default=math.inf)
+        batch, rows, expired = self._take(time.monotonic())
+        self._expire(expired)
         if batch:
             await self._run(batch, rows)
 
-    def _began(self, ends: float) -> None:
-        """A batch started computing, expected to end at ``ends``: ``_busy_until`` = when the next batch
-        could start (a subclass running several at once keeps the earliest end once all are taken)."""
+    def _take(self, now: float) -> tuple[list[Queued], int, list[Queued]]:
+        """Pop the next batch (up to ``max_batch`` rows; a bigger request alone): the live requests, their rows,
+        and the requests whose deadline passed in the queue. Any thread; answers nothing."""
+        batch: list[Queued] = []
+        expired: list[Queued] = []
+        rows = 0
+        with self._qlock:
+            while self._queue and (not batch or rows + self._queue[0].rows <= self.max_batch):
+                item = self._queue.popleft()
+                self._queued_rows -= item.rows
+                if item.future.done():
+                    continue  # caller gave up
+                if item.deadline <= now:
+                    expired.append(item)
+                    continue
+                batch.append(item)
+                rows += item.rows
+            self._tightest = min((it.deadline for it in self._queue), default=math.inf)
+        return batch, rows, expired
+
+    def _expire(self, expired: list[Queued]) -> None:
+        for item in expired:
+            if not item.future.done():
+                item.future.set_exception(DeadlineExceeded(f"deadline passed in queue of {self.variant_id}"))
+
+    def _began(self, key: object, ends: float) -> None:
+        """A batch (``key``) started computing, expected to end at ``ends``: ``_busy_until`` = when the next
+        batch could start (a subclass running several at once keeps the earliest end once all are taken)."""
         self._busy_until = ends
 
-    def _ended(self) -> None:
+    def _ended(self, key: object) -> None:
         self._busy_until = 0.0
 
-    async def _run(self, batch: list[_Item], rows: int) -> None:
-        names = list(batch[0].inputs)
-        merged = {n: (batch[0].inputs[n] if len(batch) == 1
-                      else np.concatenate([it.inputs[n] for it in batch], axis=0)) for n in names}
-        tenants = tuple(it.tenant for it in batch)
-        self.membership.append(tenants)
-        started = time.monotonic()
-        self._began(started + self._compute_ms(rows) / 1000.0)
-        loop = asyncio.get_running_loop()
+    async def _run(self, batch: list[Queued], rows: int) -> None:
         try:
-            parts = await loop.run_in_executor(self._executor, self._execute, merged,
-                                               [(it.lane, it.rows) for it in batch])
+            merged = self._merge(batch)
         except Exception as exc:
-            err = exc if isinstance(exc, MeshError) else MeshError(f"inference failed: {exc}")
-            for it in batch:
-                if not it.future.done():
-                    it.future.set_exception(err)
+            fail_batch(batch, exc)
+            return
+        started = time.monotonic()
+        running = asyncio.get_running_loop().run_in_executor(self._executor, self._execute, merged,
+                                                             [(it.lane, it.rows) for it in batch])
+        self._began(running, started + self._compute_ms(rows) / 1000.0)
+        try:
+            parts = await running
+        except Exception as exc:
+            fail_batch(batch, exc)
             return
         finally:
-            self._ended()
-        done = time.monotonic()
+            self._ended(running)
+        self._answer(batch, rows, started, time.monotonic(), parts)
+
+    def _merge(self, batch: list[Queued]) -> dict[str, np.ndarray]:
+        """The batch's inputs as one array per input; its tenants go into ``membership``. Any thread."""
+        merged = {n: (batch[0].inputs[n] if len(batch) == 1
+                      else np.concatenate([it.inputs[n] for it in batch], axis=0)) for n in batch[0].inputs}
+        self.membership.append(tuple(it.tenant for it in batch))
+        return merged
+
+    def _answer(self, batch: list[Queued], rows: int, started: float, done: float,
+                parts: list[dict[str, np.ndarray] | Exception]) -> None:
+        """Learn from a batch that ran from ``started`` to ``done`` and answer its requests (on the loop)."""
         compute_ms = (done - started) * 1000.0
         self._learn(compute_ms, done, self._profile_ms(rows), self._overhead_at(done))
         if self.on_batch is not None:
             self.on_batch(self.variant_id, rows)
-        n_tenants = len(set(tenants))
+        n_tenants = len(set(it.tenant for it in batch))
         for it, part in zip(batch, parts, strict=True):
             self.served += it.rows
             if it.future.done():
@@ -411,3 +397,4 @@ class Batcher:
             else:
                 it.future.set_result(BatchResult(part, (started - it.enqueued) * 1000.0, compute_ms, rows,
                                                  n_tenants, self.shared_backbone))
+

@@ -31,7 +31,7 @@ import numpy as np
 
 from core_scheduler.state.heartbeat import MeasuredProfile
 from core_scheduler.state.view import MeshView
-from edge_agent.batching import InferFn
+from edge_agent.batch_parts import InferFn
 from edge_agent.host import VariantHost
 from mesh.errors import MeshError, Overloaded
 from mesh.log import get_logger, kv

@@ -2,7 +2,7 @@
 
 import pytest
 
-from edge_agent.batching import batch_window_s
+from edge_agent.batch_parts import batch_window_s
 
 pytestmark = pytest.mark.unit
 

@@ -12,7 +12,7 @@ import pytest
 
 from bench.openloop import climb, interleaved_rounds, median_of_rounds, open_loop
 from bench.shared_backbone import added_p50_ms
-from edge_agent.batching import BatchResult
+from edge_agent.batch_parts import BatchResult
 
 pytestmark = pytest.mark.unit
 
