@@ -236,12 +236,16 @@ class BackboneBatcher(Batcher):
     def _take_now(self, now: float, since: float) -> tuple[list[Any], int, list[Any]]:
         """The next batch, if the loop would form it now (requests queued, the batcher running, no window to
         hold for companions) and this run of batches, begun at ``since``, is not over ``chain_max_s``."""
-        if (now - since > self.chain_max_s or self._task is None or self._chain_pauses or not self._queue):
+        if now - since > self.chain_max_s or self._task is None or self._chain_pauses:
             return [], 0, []
-        if self._queued_rows < self.max_batch and self._skip_windows == 0:
-            head = self._queue[0]
-            window = batch_window_s([self._tightest - now], self._compute_ms(self._queued_rows) / 1000.0,
-                                    self._window_after(), expected_gap_s=self.ewma_gap_s)
+        with self._qlock:  # (another slot may take the head meanwhile: _take pops whatever is there then)
+            head = self._queue[0] if self._queue else None
+            queued, tightest = self._queued_rows, self._tightest
+        if head is None:
+            return [], 0, []
+        if queued < self.max_batch and self._skip_windows == 0:
+            window = batch_window_s([tightest - now], self._compute_ms(queued) / 1000.0, self._window_after(),
+                                    expected_gap_s=self.ewma_gap_s)
             if head.enqueued + window > now:
                 return [], 0, []
         return self._take(now)
