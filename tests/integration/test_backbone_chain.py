@@ -16,6 +16,7 @@ import pytest
 
 from edge_agent.backbone import BackboneBatcher
 from edge_agent.batch_parts import BatchResult
+from edge_agent.host import LoadedVariant, VariantHost
 from mesh.errors import Overloaded
 from tests.helpers_backbone import DIGITS, head_meta, seeded_host
 
@@ -31,6 +32,16 @@ def _reference(head_file: str, x: np.ndarray) -> np.ndarray:
     return np.asarray(head.run(None, {"features": base.run(None, {"x": x})[0]})[0])
 
 
+async def _two_heads(host: VariantHost) -> tuple[BackboneBatcher, LoadedVariant]:
+    """The digits and parity heads loaded on ``host``: their one backbone batcher (every request queued: the digits
+    models are tiny, and alone a request would run inline) and the parity head's instance."""
+    bb = (await host.ensure(DIGITS_HEAD)).batcher
+    parity = await host.ensure(PARITY_HEAD)
+    assert isinstance(bb, BackboneBatcher) and parity.batcher is bb
+    bb.inline_max_ms = 0.0
+    return bb, parity
+
+
 def _burst(bb: BackboneBatcher, n: int) -> list[asyncio.Task[BatchResult]]:
     """``n`` one-row requests queued at once, even rows to the digits head (tenant acme), odd to parity (initech)."""
     deadline = time.monotonic() + 30.0
@@ -43,10 +54,7 @@ def _burst(bb: BackboneBatcher, n: int) -> list[asyncio.Task[BatchResult]]:
 async def test_a_loaded_backbone_runs_its_next_batches_without_handing_them_to_the_loop(tmp_path: Path) -> None:
     host = seeded_host(tmp_path)
     try:
-        bb = (await host.ensure(DIGITS_HEAD)).batcher
-        await host.ensure(PARITY_HEAD)
-        assert isinstance(bb, BackboneBatcher)
-        bb.inline_max_ms = 0.0  # the digits models are tiny: alone, a request would run inline
+        bb, _ = await _two_heads(host)
         want_d, want_p = _reference("head-digits.onnx", X[0::2]), _reference("head-parity.onnx", X[1::2])
         for chain_max_s, chained in ((0.0, False), (60.0, True)):
             bb.chain_max_s, bb.chained, batches = chain_max_s, 0, bb.batches
@@ -70,10 +78,7 @@ async def test_a_loaded_backbone_runs_its_next_batches_without_handing_them_to_t
 async def test_stopping_a_backbone_while_it_runs_batches_itself_answers_every_request(tmp_path: Path) -> None:
     host = seeded_host(tmp_path)
     try:
-        bb = (await host.ensure(DIGITS_HEAD)).batcher
-        await host.ensure(PARITY_HEAD)
-        assert isinstance(bb, BackboneBatcher)
-        bb.inline_max_ms = 0.0
+        bb, _ = await _two_heads(host)
         calls = _burst(bb, 4000)
         await asyncio.wait(calls, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -91,10 +96,7 @@ async def test_a_head_removed_under_load_never_runs_on_its_closed_session(tmp_pa
     closed session; the digits head's requests are all served."""
     host = seeded_host(tmp_path)
     try:
-        bb = (await host.ensure(DIGITS_HEAD)).batcher
-        parity = await host.ensure(PARITY_HEAD)
-        assert isinstance(bb, BackboneBatcher)
-        bb.inline_max_ms = 0.0
+        bb, parity = await _two_heads(host)
         run, inside, leave = parity.runtime._run, threading.Event(), threading.Event()
 
         def held_run(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
