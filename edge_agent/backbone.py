@@ -192,7 +192,12 @@ class BackboneBatcher(Batcher):
         started = time.monotonic()
         self._began(key, started + self._compute_ms(rows) / 1000.0)
         loop = asyncio.get_running_loop()
-        running = loop.run_in_executor(self._executor, self._chain, loop, key, batch, rows, merged, started)
+        try:
+            running = loop.run_in_executor(self._executor, self._chain, loop, key, batch, rows, merged, started)
+        except Exception as exc:  # an executor shut down refuses work: the batch fails, its slot goes back
+            fail_batch(batch, exc)
+            self._ended(key)
+            return
         task = asyncio.create_task(self._chain_done(key, running), name=f"batch:{self.variant_id}")
         self._running.add(task)
         task.add_done_callback(self._running.discard)

@@ -361,8 +361,12 @@ class Batcher:
             fail_batch(batch, exc)
             return
         started = time.monotonic()
-        running = asyncio.get_running_loop().run_in_executor(self._executor, self._execute, merged,
-                                                             [(it.lane, it.rows) for it in batch])
+        try:
+            running = asyncio.get_running_loop().run_in_executor(self._executor, self._execute, merged,
+                                                                 [(it.lane, it.rows) for it in batch])
+        except Exception as exc:  # an executor shut down refuses work: the batch fails, the loop goes on
+            fail_batch(batch, exc)
+            return
         self._began(running, started + self._compute_ms(rows) / 1000.0)
         try:
             parts = await running

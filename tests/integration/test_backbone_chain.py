@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ import pytest
 from edge_agent.backbone import BackboneBatcher
 from edge_agent.batch_parts import BatchResult
 from edge_agent.host import LoadedVariant, VariantHost
-from mesh.errors import Overloaded
+from mesh.errors import MeshError, Overloaded
 from tests.helpers_backbone import DIGITS, head_meta, seeded_host
 
 pytestmark = pytest.mark.integration
@@ -126,5 +127,23 @@ async def test_a_head_removed_under_load_never_runs_on_its_closed_session(tmp_pa
                 assert isinstance(c.exception(), Overloaded), c.exception()
         assert sum(c.exception() is not None for c in calls[1::2]) > 0, "no parity request came after the unload"
         assert bb.chained > 0, "no batch was taken on the executor thread: not much of a test"
+    finally:
+        await host.close()
+
+
+async def test_a_backbone_batch_its_executor_refuses_fails_and_gives_its_slot_back(tmp_path: Path) -> None:
+    host = seeded_host(tmp_path)
+    try:
+        bb, _ = await _two_heads(host)
+        executor = bb._executor
+        with ThreadPoolExecutor(1) as closed:
+            pass
+        bb._executor = closed
+        with pytest.raises(MeshError, match="inference failed"):
+            await asyncio.wait_for(asyncio.gather(*_burst(bb, 4)), 5.0)
+        assert not bb._ends
+        bb._executor = executor  # the slot came back: the next batch runs
+        results = await asyncio.wait_for(asyncio.gather(*_burst(bb, 4)), 5.0)
+        assert [r.outputs["logits"].shape[1] for r in results] == [10, 2, 10, 2]
     finally:
         await host.close()

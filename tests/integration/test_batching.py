@@ -15,7 +15,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from edge_agent.batching import Batcher
-from mesh.errors import Overloaded, PayloadTooLarge
+from mesh.errors import MeshError, Overloaded, PayloadTooLarge
 
 pytestmark = pytest.mark.integration
 
@@ -172,3 +172,24 @@ async def test_a_request_larger_than_the_queue_is_the_callers_error_not_an_overl
             assert ok.outputs["logits"].shape == (8, 10)
         finally:
             await b.stop()
+
+
+async def test_a_batch_its_executor_refuses_fails_its_requests_and_the_loop_goes_on() -> None:
+    """An executor shut down under a running batcher (a site closing) refuses the batch: its requests get an
+    error at once instead of hanging, and the batcher still answers once it has an executor again."""
+    def fast(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"logits": inputs["x"][:, :10]}
+
+    pool = ThreadPoolExecutor(1)
+    b = Batcher("closing", fast, executor=pool, compute_ms=lambda n: 0.01, max_batch=4, inline_max_ms=0.0)
+    b.start()
+    try:
+        pool.shutdown(wait=True)
+        with pytest.raises(MeshError, match="inference failed"):
+            await asyncio.wait_for(b.submit({"x": np.ones((1, 64), np.float32)}, time.monotonic() + 5), 2.0)
+        with ThreadPoolExecutor(1) as again:
+            b._executor = again
+            ok = await asyncio.wait_for(b.submit({"x": np.ones((1, 64), np.float32)}, time.monotonic() + 5), 2.0)
+            assert ok.outputs["logits"].shape == (1, 10)
+    finally:
+        await b.stop()
