@@ -28,8 +28,8 @@ from mesh.client import AsyncClient
 from mesh.errors import MeshError
 from mesh.types import DEFAULT_PREFER
 
-__all__ = ["DEFAULT_CLASSES", "TEXT_CLASS", "QueryRecord", "SloClass", "infer_one", "render_table", "run_workload",
-           "summarise"]
+__all__ = ["DEFAULT_CLASSES", "TEXT_CLASS", "QueryRecord", "SloClass", "WarmUp", "infer_one", "render_table",
+           "run_workload", "summarise", "warm_up"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +110,70 @@ def _client(url: str, tenant: str, credentials: Callable[[str], Mapping[str, Pat
     return AsyncClient(url, timeout=10, cert=files["cert"], key=files["key"], ca=files["ca"])
 
 
+Labelled = tuple[np.ndarray, np.ndarray]  # rows and their labels
+
+
+def _labelled_rows(x: np.ndarray, y: np.ndarray, classes: tuple[SloClass, ...],
+                   data: Mapping[str, Labelled] | None) -> dict[str, Labelled]:
+    rows = {"digit-classification": (x, y), **(data or {})}
+    missing = sorted({c.task for c in classes} - set(rows))
+    if missing:
+        raise ValueError(f"no labelled rows for task(s) {missing}: pass them in data=")
+    return rows
+
+
+@dataclass(frozen=True, slots=True)
+class WarmUp:
+    """What warming one SLO class took: ``queries`` sent over ``seconds`` until every edge had answered one within
+    the class's SLO (``ready``; False: the timeout came first), and the errors met on the way."""
+    queries: int
+    seconds: float
+    ready: bool
+    errors: dict[str, int]
+
+
+async def warm_up(edges: dict[str, str], x: np.ndarray, y: np.ndarray, *, classes: tuple[SloClass, ...],
+                  credentials: Callable[[str], Mapping[str, Path]] | None = None,
+                  data: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None,
+                  timeout_s: float = 30.0, interval_s: float = 0.25) -> dict[str, WarmUp]:
+    """Before a measured run: one query per (class, edge) per round, ``interval_s`` apart, until every edge has
+    answered each class within its SLO (not best effort), or ``timeout_s``. A tenant's private task is placed
+    when its first demand arrives; this is that demand, and the connections' set-up, kept out of the measure
+    (and reported: what each class took). Bounded: at most one query per class and edge per round."""
+    rows = _labelled_rows(x, y, classes, data)
+    tenants = sorted({c.tenant for c in classes})
+    clients = {(e, t): _client(url, t, credentials) for e, url in edges.items() for t in tenants}
+    waiting = {(c.name, e) for c in classes for e in edges}
+    sent: Counter[str] = Counter()
+    errors: dict[str, Counter[str]] = {c.name: Counter() for c in classes}
+    done_at: dict[str, float] = {}
+    t0 = time.perf_counter()
+    try:
+        while waiting and time.perf_counter() - t0 < timeout_s:
+            round_start = time.perf_counter()
+            jobs = [(c, e) for c in classes for e in sorted(edges) if (c.name, e) in waiting]
+            recs = await asyncio.gather(*(
+                infer_one(clients[(e, c.tenant)], c, e, rows[c.task][0][:c.rows], int(rows[c.task][1][0]), t0)
+                for c, e in jobs))
+            for (c, e), rec in zip(jobs, recs, strict=True):
+                sent[c.name] += 1
+                if not rec.ok:
+                    errors[c.name][rec.error] += 1
+                elif rec.total_ms <= rec.budget_ms and not rec.best_effort:
+                    waiting.discard((c.name, e))
+            for c in classes:
+                if c.name not in done_at and not any(n == c.name for n, _ in waiting):
+                    done_at[c.name] = time.perf_counter() - t0
+            if waiting:
+                await asyncio.sleep(max(0.0, interval_s - (time.perf_counter() - round_start)))
+    finally:
+        for client in clients.values():
+            await client.aclose()
+    elapsed = time.perf_counter() - t0
+    return {c.name: WarmUp(sent[c.name], done_at.get(c.name, elapsed), c.name in done_at, dict(errors[c.name]))
+            for c in classes}
+
+
 async def run_workload(edges: dict[str, str], x: np.ndarray, y: np.ndarray, *, duration_s: float,
                        qps: float, classes: tuple[SloClass, ...] = DEFAULT_CLASSES, seed: int = 7,
                        max_queries: int = 20_000, max_inflight: int = 64, on_tick: Any = None,
@@ -120,10 +184,7 @@ async def run_workload(edges: dict[str, str], x: np.ndarray, y: np.ndarray, *, d
     ``x``, ``y`` are the digits rows; ``data`` gives other tasks' labelled rows (``task -> (x, y)``).
     ``request_ids``: send each query under an id of its own (``w<seed>-<n>``) and record the id its answer
     names, so that an answer to the wrong query shows (the SDK then encodes each request in full)."""
-    rows = {"digit-classification": (x, y), **(data or {})}
-    missing = sorted({c.task for c in classes} - set(rows))
-    if missing:
-        raise ValueError(f"no labelled rows for task(s) {missing}: pass them in data=")
+    rows = _labelled_rows(x, y, classes, data)
     rng = random.Random(seed)
     weights = [c.share for c in classes]
     tenants = sorted({c.tenant for c in classes})

@@ -30,7 +30,7 @@ from mesh.v2 import codec as codec
 from mesh.v2.body import HEADER_LENGTH, TENANT_HEADER
 from tests.system.conftest import REPO_ROOT, SMALL_TOPOLOGY, TASK, Holdout, catalog_variants
 from tiermesh.harness import LocalMesh
-from tiermesh.workload import DEFAULT_CLASSES, TEXT_CLASS, QueryRecord, SloClass, run_workload, summarise
+from tiermesh.workload import DEFAULT_CLASSES, TEXT_CLASS, QueryRecord, SloClass, run_workload, summarise, warm_up
 from topology.paths import topology_paths
 from variant_store.meta import VariantMeta
 
@@ -89,6 +89,11 @@ async def test_tiermesh_up_demo_writes_a_report() -> None:
     assert data["addresses"]["variant_store"].startswith("https://"), data["addresses"]
     # both families: the digits classes and acme's text class (held-out package descriptions)
     assert set(data["classes"]) == {c.name for c in (*DEFAULT_CLASSES, TEXT_CLASS)}, data["classes"].keys()
+    # before the measured run, every class was answered within its SLO at every edge (acme's private text task is
+    # placed on that first demand); what it took is in the report, apart from the measure
+    warm = data["warmup"]
+    assert set(warm) == set(data["classes"]) and all(w["ready"] for w in warm.values()), warm
+    assert all(w["queries"] >= 2 for w in warm.values()), warm  # one per edge at least
     for name, s in data["classes"].items():
         served = sum(s["served_at_tier"].values())
         assert served > 0.8 * s["queries"], (name, s)
@@ -210,6 +215,13 @@ async def test_impossible_slo_gets_an_explicit_answer(small_mesh: LocalMesh, hol
     assert all(r.ok and r.best_effort and r.reason == "best_effort_latency" for r in result.records), \
         [r for r in result.records if not (r.ok and r.best_effort)][:3]
     _no_silent_downgrade(result.records, {"impossible": 0.999})
+    # a warm-up (what `tiermesh up` sends before it measures) waits for answers within the SLO, not for answers:
+    # the impossible class is never ready, and its queries stop at the timeout, one per edge a round
+    edges = small_mesh.edge_urls()
+    warm = await warm_up(edges, holdout.x, holdout.y, classes=(DEFAULT_CLASSES[0], *impossible), timeout_s=1.5)
+    assert warm["tight"].ready and warm["tight"].queries >= len(edges) and not warm["tight"].errors, warm
+    assert not warm["impossible"].ready and warm["impossible"].seconds >= 1.5, warm
+    assert 2 * len(edges) <= warm["impossible"].queries <= len(edges) * (1.5 / 0.25 + 2), warm
 
     # accuracy first with a budget the most accurate variant cannot meet (the core is over 30 ms away from
     # an edge): served by the most accurate variant that can answer in time, flagged, never 504 (issue 15:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -36,6 +37,7 @@ from rich.console import Console
 
 from mesh.errors import ConfigError
 from mesh.etcd.server import clear_record, find_running, write_record
+from mesh.lifecycle import cancel_and_wait
 from mesh.settings import MeshSettings
 from tiermesh.cli.agent import INSECURE_WARNING
 from tiermesh.drills import LinkDrill, crosses_link, drill_report, parse_kill, parse_link_drill
@@ -43,7 +45,16 @@ from tiermesh.harness import LocalMesh
 from tiermesh.mesh_options import MeshOptions
 from tiermesh.netns import require_netns
 from tiermesh.secure import OPERATOR
-from tiermesh.workload import DEFAULT_CLASSES, TEXT_CLASS, SloClass, render_table, run_workload, summarise
+from tiermesh.workload import (
+    DEFAULT_CLASSES,
+    TEXT_CLASS,
+    SloClass,
+    WarmUp,
+    render_table,
+    run_workload,
+    summarise,
+    warm_up,
+)
 
 __all__ = ["print_console", "register", "run_up"]
 
@@ -205,6 +216,26 @@ async def _drive(mesh: LocalMesh, args: argparse.Namespace, console: Console, ki
     edges = mesh.edge_urls()
     for url in edges.values():
         await mesh.check_dial(url)  # with --netns: through the run's bridge, never the default route
+    credentials = mesh.tenant_files if mesh.pki is not None else None
+
+    async def _warm() -> dict[str, WarmUp]:
+        found = await warm_up(edges, x, y, classes=classes, data=data, credentials=credentials)
+        await mesh.wait_placed(timeout=30)  # what the warm-up's demand placed, loaded everywhere it was put
+        return found
+
+    with console.status("warming each class at every edge (a tenant's private task is placed on its first "
+                        "demand)..."):
+        warming = asyncio.create_task(_warm())
+        stopper = asyncio.create_task(stop.wait())
+        await asyncio.wait({warming, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        stopper.cancel()
+        if not warming.done():  # Ctrl-C while warming
+            await cancel_and_wait(warming)
+            return 130
+    warm = warming.result()
+    console.print("warm-up (not measured): " + ", ".join(
+        f"{name} {w.seconds:.1f} s/{w.queries} q" + ("" if w.ready else " [bold yellow]NOT READY[/]")
+        for name, w in warm.items()))
     failed: dict[int, list[tuple[str, str]]] = {}
 
     async def _kill_later(site: str, at: float) -> None:
@@ -225,7 +256,7 @@ async def _drive(mesh: LocalMesh, args: argparse.Namespace, console: Console, ki
     work = asyncio.create_task(run_workload(edges, x, y, duration_s=args.duration, qps=args.qps,
                                             classes=classes, data=data,
                                             on_tick=lambda n, _t: offered.__setitem__(0, n),
-                                            credentials=mesh.tenant_files if mesh.pki is not None else None))
+                                            credentials=credentials))
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait({work, stopper}, return_when=asyncio.FIRST_COMPLETED)
     stopper.cancel()
@@ -246,6 +277,7 @@ async def _drive(mesh: LocalMesh, args: argparse.Namespace, console: Console, ki
                               "queries": len(result.records), "offered": offered[0], "lost": lost,
                               "kill": args.kill, "netns": args.netns, "tls": mesh.pki is not None,
                               "addresses": mesh.addresses(),
+                              "warmup": {name: dataclasses.asdict(w) for name, w in warm.items()},
                               "classes": summary}
     if drills:
         report["drills"] = [drill_report(d, result.records, crosses_link(mesh.topology, d.a, d.b), lost=lost,
