@@ -17,7 +17,7 @@ import asyncio
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,8 +28,8 @@ from mesh.client import AsyncClient
 from mesh.errors import MeshError
 from mesh.types import DEFAULT_PREFER
 
-__all__ = ["DEFAULT_CLASSES", "TEXT_CLASS", "QueryRecord", "SloClass", "WarmUp", "infer_one", "render_table",
-           "run_workload", "summarise", "warm_up"]
+__all__ = ["DEFAULT_CLASSES", "TEXT_CLASS", "QueryRecord", "SdkClients", "SloClass", "WarmUp", "infer_one",
+           "render_table", "run_workload", "summarise", "warm_up"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +110,35 @@ def _client(url: str, tenant: str, credentials: Callable[[str], Mapping[str, Pat
     return AsyncClient(url, timeout=10, cert=files["cert"], key=files["key"], ca=files["ca"])
 
 
+class SdkClients:
+    """One SDK client per (edge, tenant). Passed to :func:`warm_up` and then to the :func:`run_workload` it warms,
+    the run starts on the warm-up's connections and task metadata, as a long-lived application would; closed by
+    ``aclose`` (or ``async with``)."""
+
+    def __init__(self, edges: Mapping[str, str], tenants: Iterable[str],
+                 credentials: Callable[[str], Mapping[str, Path]] | None = None) -> None:
+        names = sorted(set(tenants))
+        self._clients = {(e, t): _client(url, t, credentials) for e, url in edges.items() for t in names}
+
+    def __getitem__(self, edge_tenant: tuple[str, str]) -> AsyncClient:
+        return self._clients[edge_tenant]
+
+    def covers(self, edges: Iterable[str], classes: Iterable[SloClass]) -> None:
+        missing = sorted({(e, c.tenant) for e in edges for c in classes} - set(self._clients))
+        if missing:
+            raise ValueError(f"no SDK client for (edge, tenant) {missing}")
+
+    async def aclose(self) -> None:
+        for client in self._clients.values():
+            await client.aclose()
+
+    async def __aenter__(self) -> SdkClients:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
 Labelled = tuple[np.ndarray, np.ndarray]  # rows and their labels
 
 
@@ -135,14 +164,16 @@ class WarmUp:
 async def warm_up(edges: dict[str, str], x: np.ndarray, y: np.ndarray, *, classes: tuple[SloClass, ...],
                   credentials: Callable[[str], Mapping[str, Path]] | None = None,
                   data: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None,
-                  timeout_s: float = 30.0, interval_s: float = 0.25) -> dict[str, WarmUp]:
+                  timeout_s: float = 30.0, interval_s: float = 0.25,
+                  clients: SdkClients | None = None) -> dict[str, WarmUp]:
     """Before a measured run: one query per (class, edge) per round, ``interval_s`` apart, until every edge has
     answered each class within its SLO (not best effort), or ``timeout_s``. A tenant's private task is placed
     when its first demand arrives; this is that demand, and the connections' set-up, kept out of the measure
     (and reported: what each class took). Bounded: at most one query per class and edge per round."""
     rows = _labelled_rows(x, y, classes, data)
-    tenants = sorted({c.tenant for c in classes})
-    clients = {(e, t): _client(url, t, credentials) for e, url in edges.items() for t in tenants}
+    own = clients is None
+    sdk = SdkClients(edges, (c.tenant for c in classes), credentials) if clients is None else clients
+    sdk.covers(edges, classes)
     waiting = {(c.name, e) for c in classes for e in edges}
     sent: Counter[str] = Counter()
     errors: dict[str, Counter[str]] = {c.name: Counter() for c in classes}
@@ -153,7 +184,7 @@ async def warm_up(edges: dict[str, str], x: np.ndarray, y: np.ndarray, *, classe
             round_start = time.perf_counter()
             jobs = [(c, e) for c in classes for e in sorted(edges) if (c.name, e) in waiting]
             recs = await asyncio.gather(*(
-                infer_one(clients[(e, c.tenant)], c, e, rows[c.task][0][:c.rows], int(rows[c.task][1][0]), t0)
+                infer_one(sdk[(e, c.tenant)], c, e, rows[c.task][0][:c.rows], int(rows[c.task][1][0]), t0)
                 for c, e in jobs))
             for (c, e), rec in zip(jobs, recs, strict=True):
                 sent[c.name] += 1
@@ -167,8 +198,8 @@ async def warm_up(edges: dict[str, str], x: np.ndarray, y: np.ndarray, *, classe
             if waiting:
                 await asyncio.sleep(max(0.0, interval_s - (time.perf_counter() - round_start)))
     finally:
-        for client in clients.values():
-            await client.aclose()
+        if own:
+            await sdk.aclose()
     elapsed = time.perf_counter() - t0
     return {c.name: WarmUp(sent[c.name], done_at.get(c.name, elapsed), c.name in done_at, dict(errors[c.name]))
             for c in classes}
@@ -179,16 +210,18 @@ async def run_workload(edges: dict[str, str], x: np.ndarray, y: np.ndarray, *, d
                        max_queries: int = 20_000, max_inflight: int = 64, on_tick: Any = None,
                        credentials: Callable[[str], Mapping[str, Path]] | None = None,
                        data: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None,
-                       request_ids: bool = False) -> WorkloadResult:
+                       request_ids: bool = False, clients: SdkClients | None = None) -> WorkloadResult:
     """Open-loop arrivals at ``qps`` spread over ``edges`` for ``duration_s`` (bounded by ``max_queries``).
     ``x``, ``y`` are the digits rows; ``data`` gives other tasks' labelled rows (``task -> (x, y)``).
     ``request_ids``: send each query under an id of its own (``w<seed>-<n>``) and record the id its answer
-    names, so that an answer to the wrong query shows (the SDK then encodes each request in full)."""
+    names, so that an answer to the wrong query shows (the SDK then encodes each request in full).
+    ``clients``: the SDK clients to send through (a warm-up's; the caller closes them), else the run's own."""
     rows = _labelled_rows(x, y, classes, data)
     rng = random.Random(seed)
     weights = [c.share for c in classes]
-    tenants = sorted({c.tenant for c in classes})
-    clients = {(e, t): _client(url, t, credentials) for e, url in edges.items() for t in tenants}
+    own = clients is None
+    sdk = SdkClients(edges, (c.tenant for c in classes), credentials) if clients is None else clients
+    sdk.covers(edges, classes)
     sem = asyncio.Semaphore(max_inflight)
     result = WorkloadResult()
     tasks: set[asyncio.Task[None]] = set()
@@ -198,7 +231,7 @@ async def run_workload(edges: dict[str, str], x: np.ndarray, y: np.ndarray, *, d
         async with sem:
             cx, cy = rows[cls.task]
             j = i % max(1, len(cx) - cls.rows + 1)
-            rec = await infer_one(clients[(edge, cls.tenant)], cls, edge, cx[j:j + cls.rows], int(cy[j]), t0,
+            rec = await infer_one(sdk[(edge, cls.tenant)], cls, edge, cx[j:j + cls.rows], int(cy[j]), t0,
                                   f"w{seed}-{n}" if request_ids else None)
             result.records.append(rec)
 
@@ -224,8 +257,8 @@ async def run_workload(edges: dict[str, str], x: np.ndarray, y: np.ndarray, *, d
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for c in clients.values():
-            await c.aclose()
+        if own:
+            await sdk.aclose()
     result.duration_s = time.perf_counter() - t0
     return result
 

@@ -48,6 +48,7 @@ from tiermesh.secure import OPERATOR
 from tiermesh.workload import (
     DEFAULT_CLASSES,
     TEXT_CLASS,
+    SdkClients,
     SloClass,
     WarmUp,
     render_table,
@@ -217,82 +218,84 @@ async def _drive(mesh: LocalMesh, args: argparse.Namespace, console: Console, ki
     for url in edges.values():
         await mesh.check_dial(url)  # with --netns: through the run's bridge, never the default route
     credentials = mesh.tenant_files if mesh.pki is not None else None
+    # one SDK client per (edge, tenant) for the warm-up and the run: the run starts on warm connections
+    async with SdkClients(edges, (c.tenant for c in classes), credentials) as clients:
 
-    async def _warm() -> dict[str, WarmUp]:
-        found = await warm_up(edges, x, y, classes=classes, data=data, credentials=credentials)
-        await mesh.wait_placed(timeout=30)  # what the warm-up's demand placed, loaded everywhere it was put
-        return found
+        async def _warm() -> dict[str, WarmUp]:
+            found = await warm_up(edges, x, y, classes=classes, data=data, clients=clients)
+            await mesh.wait_placed(timeout=30)  # what the warm-up's demand placed, loaded everywhere it was put
+            return found
 
-    with console.status("warming each class at every edge (a tenant's private task is placed on its first "
-                        "demand)..."):
-        warming = asyncio.create_task(_warm())
+        with console.status("warming each class at every edge (a tenant's private task is placed on its first "
+                            "demand)..."):
+            warming = asyncio.create_task(_warm())
+            stopper = asyncio.create_task(stop.wait())
+            await asyncio.wait({warming, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            stopper.cancel()
+            if not warming.done():  # Ctrl-C while warming
+                await cancel_and_wait(warming)
+                return 130
+        warm = warming.result()
+        console.print("warm-up (not measured): " + ", ".join(
+            f"{name} {w.seconds:.1f} s/{w.queries} q" + ("" if w.ready else " [bold yellow]NOT READY[/]")
+            for name, w in warm.items()))
+        failed: dict[int, list[tuple[str, str]]] = {}
+
+        async def _kill_later(site: str, at: float) -> None:
+            await asyncio.sleep(at)
+            console.print(f"[bold red]killing {site}[/] (SIGKILL) at t={at:.0f}s")
+            await mesh.kill_site(site)
+
+        async def _drill_later(i: int, d: LinkDrill) -> None:
+            await asyncio.sleep(d.at_s)
+            console.print(f"[bold red]{d.kind} {d.link}[/] at t={d.at_s:.0f}s")
+            failed[i] = await mesh.drill(d.kind, d.a, d.b)
+
+        timers = [asyncio.create_task(_drill_later(i, d)) for i, d in enumerate(drills)]
+        if kill is not None:
+            timers.append(asyncio.create_task(_kill_later(*kill)))
+        offered = [0]
+        console.print(f"workload: {args.qps:.0f} q/s for {args.duration:.0f} s across edges {sorted(edges)}")
+        work = asyncio.create_task(run_workload(edges, x, y, duration_s=args.duration, qps=args.qps,
+                                                classes=classes, data=data,
+                                                on_tick=lambda n, _t: offered.__setitem__(0, n),
+                                                clients=clients))
         stopper = asyncio.create_task(stop.wait())
-        await asyncio.wait({warming, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({work, stopper}, return_when=asyncio.FIRST_COMPLETED)
         stopper.cancel()
-        if not warming.done():  # Ctrl-C while warming
-            await cancel_and_wait(warming)
+        for t in timers:
+            t.cancel()
+        for t in timers:  # a drill that failed says so here, not silently
+            if t.done() and not t.cancelled() and (exc := t.exception()) is not None:
+                raise exc
+        if not work.done():
+            work.cancel()
             return 130
-    warm = warming.result()
-    console.print("warm-up (not measured): " + ", ".join(
-        f"{name} {w.seconds:.1f} s/{w.queries} q" + ("" if w.ready else " [bold yellow]NOT READY[/]")
-        for name, w in warm.items()))
-    failed: dict[int, list[tuple[str, str]]] = {}
-
-    async def _kill_later(site: str, at: float) -> None:
-        await asyncio.sleep(at)
-        console.print(f"[bold red]killing {site}[/] (SIGKILL) at t={at:.0f}s")
-        await mesh.kill_site(site)
-
-    async def _drill_later(i: int, d: LinkDrill) -> None:
-        await asyncio.sleep(d.at_s)
-        console.print(f"[bold red]{d.kind} {d.link}[/] at t={d.at_s:.0f}s")
-        failed[i] = await mesh.drill(d.kind, d.a, d.b)
-
-    timers = [asyncio.create_task(_drill_later(i, d)) for i, d in enumerate(drills)]
-    if kill is not None:
-        timers.append(asyncio.create_task(_kill_later(*kill)))
-    offered = [0]
-    console.print(f"workload: {args.qps:.0f} q/s for {args.duration:.0f} s across edges {sorted(edges)}")
-    work = asyncio.create_task(run_workload(edges, x, y, duration_s=args.duration, qps=args.qps,
-                                            classes=classes, data=data,
-                                            on_tick=lambda n, _t: offered.__setitem__(0, n),
-                                            credentials=credentials))
-    stopper = asyncio.create_task(stop.wait())
-    await asyncio.wait({work, stopper}, return_when=asyncio.FIRST_COMPLETED)
-    stopper.cancel()
-    for t in timers:
-        t.cancel()
-    for t in timers:  # a drill that failed says so here, not silently
-        if t.done() and not t.cancelled() and (exc := t.exception()) is not None:
-            raise exc
-    if not work.done():
-        work.cancel()
-        return 130
-    result = work.result()
-    tiers = {n: s.tier for n, s in mesh.topology.sites.items()}
-    summary = summarise(result.records, tiers)
-    console.print(render_table(summary))
-    lost = offered[0] - len(result.records)
-    report: dict[str, Any] = {"schema": 1, "duration_s": result.duration_s, "qps": args.qps,
-                              "queries": len(result.records), "offered": offered[0], "lost": lost,
-                              "kill": args.kill, "netns": args.netns, "tls": mesh.pki is not None,
-                              "addresses": mesh.addresses(),
-                              "warmup": {name: dataclasses.asdict(w) for name, w in warm.items()},
-                              "classes": summary}
-    if drills:
-        report["drills"] = [drill_report(d, result.records, crosses_link(mesh.topology, d.a, d.b), lost=lost,
-                                         failed_pairs=failed.get(i, [])) for i, d in enumerate(drills)]
-        for section in report["drills"]:
-            noticed = section["detection_s"]
-            console.print(f"{section['kind']} {section['link']} at {section['at_s']:.0f}s: "
-                          f"{section['routed_around']} routed around (first "
-                          f"{'never' if noticed is None else f'{noticed:.2f}s after'}), "
-                          f"{section['crossing_after']} still crossed, errors {section['errors'] or '-'}, "
-                          f"{section['past_deadline_1s']} past deadline+1s, {section['affected_misses']} affected "
-                          f"missed (last {section['last_miss_s']:.2f}s after)")
-    if args.report is not None:
-        args.report.parent.mkdir(parents=True, exist_ok=True)
-        args.report.write_text(json.dumps(report, indent=2))
-        console.print(f"report written to {args.report}")
-    return 0
+        result = work.result()
+        tiers = {n: s.tier for n, s in mesh.topology.sites.items()}
+        summary = summarise(result.records, tiers)
+        console.print(render_table(summary))
+        lost = offered[0] - len(result.records)
+        report: dict[str, Any] = {"schema": 1, "duration_s": result.duration_s, "qps": args.qps,
+                                  "queries": len(result.records), "offered": offered[0], "lost": lost,
+                                  "kill": args.kill, "netns": args.netns, "tls": mesh.pki is not None,
+                                  "addresses": mesh.addresses(),
+                                  "warmup": {name: dataclasses.asdict(w) for name, w in warm.items()},
+                                  "classes": summary}
+        if drills:
+            report["drills"] = [drill_report(d, result.records, crosses_link(mesh.topology, d.a, d.b), lost=lost,
+                                             failed_pairs=failed.get(i, [])) for i, d in enumerate(drills)]
+            for section in report["drills"]:
+                noticed = section["detection_s"]
+                console.print(f"{section['kind']} {section['link']} at {section['at_s']:.0f}s: "
+                              f"{section['routed_around']} routed around (first "
+                              f"{'never' if noticed is None else f'{noticed:.2f}s after'}), "
+                              f"{section['crossing_after']} still crossed, errors {section['errors'] or '-'}, "
+                              f"{section['past_deadline_1s']} past deadline+1s, {section['affected_misses']} affected "
+                              f"missed (last {section['last_miss_s']:.2f}s after)")
+        if args.report is not None:
+            args.report.parent.mkdir(parents=True, exist_ok=True)
+            args.report.write_text(json.dumps(report, indent=2))
+            console.print(f"report written to {args.report}")
+        return 0
 
