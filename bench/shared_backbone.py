@@ -147,7 +147,7 @@ async def deploy(mode: str, n: int, root: Path, cache: Path,
     await asyncio.get_running_loop().run_in_executor(None, _seed_cache, root, cache)
     host = VariantHost(f"bench-{mode}", cache, hardware_class="cpu", memory_budget_bytes=1 << 40, threads=THREADS,
                        max_window_ms=WINDOW_MS, settle_heap=True)  # as an agent's host (mesh.heap)
-    host.blob_url = "http://127.0.0.1:9"  # never dialled: every blob is in the cache already
+    host.blobs.store_url = "http://127.0.0.1:9"  # never dialled: every blob is in the cache already
     submits: list[Submit] = []
     for i, kind in enumerate(kinds):
         classes = 10 if kind == "digits" else 2

@@ -121,7 +121,7 @@ class Agent(AgentTrust, Service):
         metrics = self.metrics
         self.host.on_load = lambda vid, prewarm: metrics.cold_start(vid, prewarm=prewarm)
         self.host.on_batch = metrics.batch_ran
-        self.host.peer_sources = self._blob_peers
+        self.host.blobs.peer_sources = self._blob_peers
         self.selfprof = SelfProfiler(self.site, self.host, self.view, wanted=self._placed,
                                      idle_s=lambda: self.dataplane.idle_s() if self.dataplane is not None else 0.0,
                                      published_cb=self._beat_now)
@@ -150,7 +150,7 @@ class Agent(AgentTrust, Service):
                                    routes=tuple(blob_routes(cache, tls)))
         await self.http.start()
         # blobs from an https:// variant store: with the site's own (reloading) client certificate
-        self.host.blob_ssl = self.http.tls.credentials.client_context() if self.http.tls is not None else None
+        self.host.blobs.ssl = self.http.tls.credentials.client_context() if self.http.tls is not None else None
         self.view.on_change(self._on_view_change)
         self.view.on_change(self._adopt_crl)
         self.view.on_change(self.selfprof.wake)
@@ -228,7 +228,8 @@ class Agent(AgentTrust, Service):
             return
         assert self.view is not None and self.host is not None and self.zmq_client is not None
         svc = self.view.services.get("variant-store")
-        self.host.blob_url = self.cfg.peer_map.get(BLOB_PEER) or (svc.get("url") if isinstance(svc, dict) else None)
+        announced = svc.get("url") if isinstance(svc, dict) else None
+        self.host.blobs.store_url = self.cfg.peer_map.get(BLOB_PEER) or announced
         topo = self.view.topology
         self.metrics.known(tasks=self.view.signatures, tenants=topo.tenants if topo else (),
                            variants=(vid for vs in self.view.variants.values() for vid in vs),

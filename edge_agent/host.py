@@ -1,11 +1,9 @@
 """The variants a site holds: fetch (verified), load into a runtime, batch, unload.
 
-Loads are deduplicated per instance (concurrent callers share one load) and run off the event loop; blob
-downloads per digest likewise (variants that share a blob once fetched it into one ``.part`` file at the same
-time, and one download then lost its file to the other's rename: a ``runtime_load`` failure). A blob comes
-from this site's cache, else the nearest live peer holding it (``peer_sources``), else the variant store,
-verified on arrival either way. A query waits for a load until its deadline at most (``ensure_by``); the load
-goes on, owned here, for the queries after it.
+Loads are deduplicated per instance (concurrent callers share one load) and run off the event loop; their
+files come from the site's :class:`~edge_agent.blob_cache.BlobCache` (``blobs``: cache, nearest peer, variant
+store). A query waits for a load until its deadline at most (``ensure_by``); the load goes on, owned here, for
+the queries after it.
 
 Memory. What a variant holds is measured when it loads (the process's resident growth around the
 session's creation, at least the file's size: ``Runtime.memory_bytes``) and kept per variant
@@ -30,24 +28,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import ssl
 import time
-from collections.abc import Awaitable, Callable, Hashable, Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
 
 from core_scheduler.policy.eviction import DEMAND_TAU_S, Resident, decayed_rate, plan_eviction
 from edge_agent.backbone import BackboneBatcher, measure_compute_ms
 from edge_agent.batching import Batcher
-from edge_agent.blobs import PEER_FETCH_TIMEOUT_S
+from edge_agent.blob_cache import BlobCache
 from mesh.errors import DeadlineExceeded, MeshError, Overloaded, RuntimeLoadError
 from mesh.heap import Settler
-from mesh.lifecycle import cancel_and_wait
+from mesh.lifecycle import cancel_and_wait, single_flight
 from mesh.log import get_logger, kv
-from variant_store.blobs import sha256_file
-from variant_store.fetch import fetch_blob
 from variant_store.hardware import serving_runtime
 from variant_store.meta import Profile, VariantMeta
 from variant_store.runtimes import open_runtime
@@ -57,36 +51,12 @@ __all__ = ["InstanceKey", "LoadedVariant", "VariantHost"]
 
 log = get_logger(__name__)
 InstanceKey = tuple[str, str]  # (variant_id, tenant it is isolated for, or "")
-T = TypeVar("T")
-K = TypeVar("K", bound=Hashable)
-
-
-async def _single_flight(pending: dict[K, asyncio.Future[T]], key: K, make: Callable[[], Awaitable[T]]) -> T:
-    """``await make()``, shared by every caller that asks for ``key`` while it runs."""
-    fut = pending.get(key)
-    if fut is not None:
-        return await asyncio.shield(fut)
-    fut = pending[key] = asyncio.get_running_loop().create_future()
-    try:
-        result = await make()
-        fut.set_result(result)
-        return result
-    except BaseException as exc:
-        fut.set_exception(exc if isinstance(exc, Exception) else RuntimeLoadError("load cancelled"))
-        fut.exception()  # mark retrieved: other waiters re-raise it themselves
-        raise
-    finally:
-        pending.pop(key, None)
 
 
 def _retrieve(task: asyncio.Future[LoadedVariant]) -> None:
     """A load no query waits for any more may fail: its error is read here, not reported as unretrieved."""
     if not task.cancelled():
         task.exception()
-
-
-def _cached(path: Path, digest: str) -> bool:
-    return path.is_file() and sha256_file(path) == digest
 
 
 @dataclass(slots=True)
@@ -139,12 +109,8 @@ class VariantHost:
         self.instances: dict[InstanceKey, LoadedVariant] = {}
         self._loading: dict[InstanceKey, asyncio.Future[LoadedVariant]] = {}
         self._lock = asyncio.Lock()  # every change to what is loaded, and so to the budget
-        self._fetching: dict[str, asyncio.Future[Path]] = {}  # by blob digest
         self._background: set[asyncio.Task[LoadedVariant]] = set()  # loads queries stopped waiting for
-        self.blob_url: str | None = None
-        self.blob_ssl: ssl.SSLContext | None = None  # this site's client certificate, for an https:// store
-        # peers' base URLs that hold a blob (digest -> nearest first), tried before the store (edge_agent.blobs)
-        self.peer_sources: Callable[[str], list[str]] | None = None
+        self.blobs = BlobCache(site, cache_dir)
         # metrics hooks: (variant, prewarm?) of every load; (variant, rows) of every executed batch
         self.on_load: Callable[[str, bool], None] | None = None
         self.on_batch: Callable[[str, int], None] | None = None
@@ -220,7 +186,7 @@ class VariantHost:
                 self.on_load(meta.variant_id, prewarm)
             return lv
 
-        return await _single_flight(self._loading, key, load)
+        return await single_flight(self._loading, key, load, lambda: RuntimeLoadError("load cancelled"))
 
     async def ensure_by(self, meta: VariantMeta, deadline: float, isolated_for: str = "") -> LoadedVariant:
         """``ensure``, waited for until ``deadline`` (a ``time.monotonic`` instant) at most: a query does not
@@ -243,8 +209,8 @@ class VariantHost:
         started = time.monotonic()
         try:
             # blobs are content-addressed and land by rename: fetching outside the lock is safe
-            head_path = await self._fetch(meta.blob_digest, meta.format)
-            base_path = await self._fetch(meta.shared_base_digest, "onnx") if meta.shared_base_digest else None
+            head_path = await self.blobs.fetch(meta.blob_digest, meta.format)
+            base_path = await self.blobs.fetch(meta.shared_base_digest, "onnx") if meta.shared_base_digest else None
         except MeshError:
             raise
         except Exception as exc:
@@ -348,26 +314,6 @@ class VariantHost:
         log.info("opened backbone %s (%d bytes measured)", name, base.memory_bytes,
                  extra=kv(site=self.site, event="backbone_load"))
         return bb
-
-    async def _fetch(self, digest: str, fmt: str) -> Path:
-        suffix = ".tflite" if fmt == "tflite" else ".onnx"
-        path = self.cache_dir / f"{digest}{suffix}"
-        return await _single_flight(self._fetching, digest, lambda: self._fetch_once(digest, path))
-
-    async def _fetch_once(self, digest: str, path: Path) -> Path:
-        """From this site's cache, else the nearest peer holding it, else the variant store; verified on
-        arrival either way."""
-        if await asyncio.get_running_loop().run_in_executor(None, _cached, path, digest):
-            return path
-        for url in self.peer_sources(digest) if self.peer_sources is not None else ():
-            try:
-                return await fetch_blob(url, digest, path, ssl=self.blob_ssl, timeout=PEER_FETCH_TIMEOUT_S)
-            except MeshError as exc:  # gone, refused, or bytes that did not verify: the next source
-                log.info("blob %s from peer %s failed: %s", digest[:12], url, exc,
-                         extra=kv(site=self.site, event="blob_peer_failed"))
-        if self.blob_url is None:
-            raise RuntimeLoadError(f"{self.site}: variant store not announced and no peer holds blob {digest}")
-        return await fetch_blob(self.blob_url, digest, path, ssl=self.blob_ssl)
 
     # -- room --------------------------------------------------------------------------------
     def residents(self, now: float) -> Iterator[Resident]:

@@ -1,6 +1,6 @@
 """One lifecycle for the long-lived parts: :class:`Service` (start once, stop always, ``async with``)
 and :func:`cancel_and_wait` for the background tasks a part owns (every task has an owner that
-stops it).
+stops it); :func:`single_flight` shares one run of a coroutine among the callers asking for the same key.
 
 A subclass writes ``_start`` and ``_stop``; the base keeps the state and the rules around them:
 
@@ -19,14 +19,37 @@ from __future__ import annotations
 import asyncio
 import enum
 import os
+from collections.abc import Awaitable, Callable, Hashable
 from types import TracebackType
-from typing import ClassVar, Self
+from typing import ClassVar, Self, TypeVar
 
 from mesh.log import get_logger
 
-__all__ = ["Service", "State", "cancel_and_wait", "pid_alive"]
+__all__ = ["Service", "State", "cancel_and_wait", "pid_alive", "single_flight"]
 
 log = get_logger("mesh.lifecycle")
+T = TypeVar("T")
+K = TypeVar("K", bound=Hashable)
+
+
+async def single_flight(pending: dict[K, asyncio.Future[T]], key: K, make: Callable[[], Awaitable[T]],
+                        cancelled: Callable[[], Exception] = lambda: RuntimeError("cancelled")) -> T:
+    """``await make()``, shared by every caller that asks for ``key`` while it runs (``pending`` holds the runs in
+    flight). Its error reaches every waiter; if the first caller is cancelled, the others get ``cancelled()``."""
+    fut = pending.get(key)
+    if fut is not None:
+        return await asyncio.shield(fut)
+    fut = pending[key] = asyncio.get_running_loop().create_future()
+    try:
+        result = await make()
+        fut.set_result(result)
+        return result
+    except BaseException as exc:
+        fut.set_exception(exc if isinstance(exc, Exception) else cancelled())
+        fut.exception()  # mark retrieved: other waiters re-raise it themselves
+        raise
+    finally:
+        pending.pop(key, None)
 
 
 async def cancel_and_wait(*tasks: asyncio.Task[object] | None) -> None:

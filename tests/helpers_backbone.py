@@ -49,5 +49,5 @@ def seeded_host(tmp: Path, *, budget: int = 1 << 32, site: str = "edge-test",
     for f in DIGITS.glob("*.onnx"):
         shutil.copyfile(f, cache / f"{_digest(f)}.onnx")
     host = host_cls(site, cache, hardware_class="cpu", memory_budget_bytes=budget, threads=2)
-    host.blob_url = NO_STORE
+    host.blobs.store_url = NO_STORE
     return host

@@ -66,7 +66,7 @@ async def test_a_digits_variant_is_served_on_the_gpu(host: VariantHost) -> None:
 
     assert host.hardware_class == f"gpu-{_WHY}"
     path = DIGITS / "cnn-large.onnx"
-    runner, host.blob_url = await _blob_server([path])
+    runner, host.blobs.store_url = await _blob_server([path])
     try:
         meta = _meta("cnn-large.fp32", "digit-classification", path)
         lv = await host.ensure(meta)
@@ -86,7 +86,7 @@ async def test_the_text_encoder_and_a_head_on_it_are_served_on_the_gpu(host: Var
     from variant_store.families.text_corpus import load_corpus
 
     enc, head = text_family / "minilm-l6.onnx", text_family / "topic-minilm-l6.onnx"
-    runner, host.blob_url = await _blob_server([enc, head])
+    runner, host.blobs.store_url = await _blob_server([enc, head])
     try:
         meta = _meta("topic-minilm-l6.fp32", "text-topic", head, enc)
         lv = await host.ensure(meta)

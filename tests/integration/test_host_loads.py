@@ -72,7 +72,7 @@ async def test_variants_sharing_a_blob_load_together(tmp_path: Path, slow_store:
     heads = [_meta("head-digits.onnx.fp32", DIGITS / "head-digits.onnx", DIGITS / "backbone.onnx"),
              _meta("head-parity.onnx.fp32", DIGITS / "head-parity.onnx", DIGITS / "backbone.onnx")]
     host = VariantHost("edge-test", tmp_path / "blobs", hardware_class="cpu", memory_budget_bytes=1 << 30)
-    host.blob_url = slow_store
+    host.blobs.store_url = slow_store
     try:
         loaded = await asyncio.wait_for(asyncio.gather(host.ensure(backbone), *(host.ensure(h) for h in heads)), 60)
         assert [lv.meta.variant_id for lv in loaded] == [backbone.variant_id, *(h.variant_id for h in heads)]
@@ -92,7 +92,7 @@ async def test_variants_sharing_a_blob_load_together(tmp_path: Path, slow_store:
 async def test_a_query_waits_for_a_slow_load_only_until_its_deadline(tmp_path: Path, slow_store: str) -> None:
     backbone = _meta("backbone.onnx.fp32", DIGITS / "backbone.onnx")  # ~50 KiB at 4 KiB per 2 ms: ~30 ms
     host = VariantHost("edge-test", tmp_path / "blobs", hardware_class="cpu", memory_budget_bytes=1 << 30)
-    host.blob_url = slow_store
+    host.blobs.store_url = slow_store
     try:
         t0 = time.monotonic()
         with pytest.raises(DeadlineExceeded):
@@ -114,7 +114,7 @@ async def test_a_settling_host_frees_an_unloaded_variant(tmp_path: Path, slow_st
 
     host = VariantHost("s", tmp_path / "cache", hardware_class="cpu", memory_budget_bytes=1 << 30,
                        settle_heap=True)
-    host.blob_url = slow_store
+    host.blobs.store_url = slow_store
     assert host.settler is not None
     host.settler.quiet_s = 0.1
     try:
@@ -146,7 +146,7 @@ async def test_a_variant_the_gpu_runtime_refuses_is_served_on_the_cpu(tmp_path: 
 
     monkeypatch.setattr(host_mod, "serving_runtime", serving)
     host = VariantHost("core-test", tmp_path / "blobs", hardware_class="gpu-h100", memory_budget_bytes=1 << 30)
-    host.blob_url = slow_store
+    host.blobs.store_url = slow_store
     try:
         lv = await asyncio.wait_for(host.ensure(_meta("digits.full", DIGITS / "head-digits.onnx")), 60)
         assert asked == ["onnx"] and lv.runtime.name == "onnxruntime"

@@ -69,7 +69,7 @@ async def test_an_edge_loads_a_variant_from_the_neighbour_that_holds_it(
             cached = tmp_path / "edge-par-1" / "sites" / "edge-par-1" / "blobs" / f"{DIGEST}.onnx"
             async with VariantStoreServer(blobs, Catalog(store), host="127.0.0.1"):
                 for _ in range(100):  # bounded: the store's announcement reaches the agents' views
-                    if all(a.host is not None and a.host.blob_url for a in (fra, par)):
+                    if all(a.host is not None and a.host.blobs.store_url for a in (fra, par)):
                         break
                     await asyncio.sleep(0.05)
                 resp = await zmq.request(fra.zmq_endpoint, _served_here("edge-fra-1"))
@@ -79,16 +79,16 @@ async def test_an_edge_loads_a_variant_from_the_neighbour_that_holds_it(
                 good = fra_copy.read_bytes()
                 fra_copy.write_bytes(bytes([good[0] ^ 0xFF]) + good[1:])
                 await _live_holds(par, "edge-fra-1")
-                assert par.host is not None and par.host.peer_sources is not None
-                assert par.host.peer_sources(DIGEST) == [fra.http_url]
+                assert par.host is not None and par.host.blobs.peer_sources is not None
+                assert par.host.blobs.peer_sources(DIGEST) == [fra.http_url]
                 resp = await zmq.request(par.zmq_endpoint, _served_here("edge-par-1"))
                 assert resp.site == "edge-par-1"
                 assert hashlib.sha256(cached.read_bytes()).hexdigest() == DIGEST
                 fra_copy.write_bytes(good)
             # the store is gone: mid has never held it, and gets it from the nearest holder
             await _live_holds(mid, "edge-par-1")
-            assert mid.host is not None and mid.host.peer_sources is not None
-            assert set(mid.host.peer_sources(DIGEST)) == {fra.http_url, par.http_url}
+            assert mid.host is not None and mid.host.blobs.peer_sources is not None
+            assert set(mid.host.blobs.peer_sources(DIGEST)) == {fra.http_url, par.http_url}
             resp = await zmq.request(mid.zmq_endpoint, _served_here("mid-eu"))
             assert resp.site == "mid-eu" and resp.outputs["logits"].shape == (1, 10)
             mid_copy = tmp_path / "mid-eu" / "sites" / "mid-eu" / "blobs" / f"{DIGEST}.onnx"
@@ -97,7 +97,7 @@ async def test_an_edge_loads_a_variant_from_the_neighbour_that_holds_it(
             # the store's withdrawal has not reached mid's view yet: seen once in a fresh-clone CI run)
             assert mid.host is not None
             with pytest.raises((RuntimeLoadError, BlobError, PeerUnavailable)):
-                await mid.host._fetch("0" * 64, tmp_path / "nothing.onnx")
+                await mid.host.blobs.fetch("0" * 64, "onnx")
             async with aiohttp.ClientSession() as http:
                 async with http.get(f"{fra.http_url}/blobs/{DIGEST}") as r:
                     assert r.status == 200 and hashlib.sha256(await r.read()).hexdigest() == DIGEST
