@@ -47,7 +47,7 @@ async def run_decision(ctx: RunContext) -> Path:
 # name -> (module, coroutine function); a module is imported only when its scenario runs, so a host that
 # lacks one scenario's packages (a lent GPU machine has no ZeroMQ) still runs the others
 _TABLE: dict[str, tuple[str, str]] = {
-    "mesh_hop": ("bench.floors", "run_mesh_hop"), "http_api": ("bench.floors", "run_http_api"),
+    "mesh_hop": ("bench.floor_hop", "run_mesh_hop"), "http_api": ("bench.floors", "run_http_api"),
     "sdk_local": ("bench.floors", "run_sdk_local"), "decision": ("bench.__main__", "run_decision"),
     "batching": ("bench.batching", "run_batching"), "geo": ("bench.geo", "run_geo"),
     "geo_hetero": ("bench.geo_hetero", "run_geo_hetero"), "coldstart": ("bench.coldstart", "run_coldstart"),

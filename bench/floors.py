@@ -1,9 +1,6 @@
 """Overhead against the floors, each floor measured in the same run, interleaved in rounds.
 
-* ``mesh_hop``: ``ZmqClient.request`` -> ``ZmqServer`` echoing the tensor as an ``InferResponse``
-  (wire codec both ways) vs a bare ``zmq.asyncio`` DEALER -> ROUTER echo of the same bytes; and the
-  same with CURVE (``mesh.zmq.curve``: site keys bound to certificates, ZAP handler, per-request peer
-  check) vs a bare echo whose two sockets use CURVE keys (the cost of encryption itself is in both).
+* ``mesh_hop``: the ZeroMQ hop between sites, in :mod:`bench.floor_hop`.
 * ``http_api``: a V2 binary request to the edge HTTP API over an echoing data plane (codec both
   ways, HTTP and HTTPS) vs a bare aiohttp echo server posting the same body; and ``mtls``: the edge API
   with mutual TLS as an agent runs it (``EdgeTls``: the mesh CA, a site certificate, the tenant taken from
@@ -18,12 +15,9 @@ count and time. Both side and floor share one event loop, as they would in an ag
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import ssl
 import tempfile
-import time
-from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,8 +25,6 @@ from typing import Any
 
 import aiohttp
 import numpy as np
-import zmq
-import zmq.asyncio
 from aiohttp import web
 
 from bench.common import (
@@ -54,156 +46,28 @@ from edge_agent.http_api import EdgeHttpServer, make_app
 from edge_agent.mtls import EdgeTls
 from mesh.client import AsyncClient
 from mesh.errors import UnknownTask
-from mesh.pki.curve import CurveKeyPair
 from mesh.pki.identity import Identity
 from mesh.pki.local import LocalPki
-from mesh.types import SLO, InferRequest, InferResponse, TaskSignature, TensorSpec, Timing
+from mesh.types import InferRequest, InferResponse, TaskSignature, TensorSpec, Timing
 from mesh.v2 import codec as codec
 from mesh.v2.body import HEADER_LENGTH
-from mesh.zmq.client import ZmqClient
-from mesh.zmq.curve import CurveSecurity, SiteKeys
-from mesh.zmq.server import ZmqServer
 from variant_store.runtimes import open_runtime
 
-__all__ = ["EchoDataPlane", "ModelDataPlane", "mutual_tls", "run_http_api", "run_mesh_hop", "run_sdk_local",
-           "self_signed"]
+__all__ = ["CONCURRENCY", "PAYLOADS", "EchoDataPlane", "ModelDataPlane", "echo_handler", "latency_row",
+           "mutual_tls", "payload", "plot_rows", "run_http_api", "run_sdk_local", "self_signed", "throughput_row"]
 
 PAYLOADS = {"1 KB": 1024, "100 KB": 100 * 1024}
 CONCURRENCY = 8
 Call = Callable[[], Awaitable[object]]
 
 
-def _payload(nbytes: int) -> np.ndarray:
+def payload(nbytes: int) -> np.ndarray:
     return np.random.default_rng(nbytes).random((1, nbytes // 4), dtype=np.float32)
 
 
-# ------------------------------------------------------------------ zmq
-
-
-class _BareZmqEcho:
-    """The floor: a ROUTER that sends every message straight back, and a DEALER whose replies are
-    matched first-in first-out (one ROUTER loop and one TCP stream keep them in order)."""
-
-    def __init__(self, curve: tuple[CurveKeyPair, CurveKeyPair] | None = None) -> None:
-        self.ctx = zmq.asyncio.Context()
-        self.router = self.ctx.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.LINGER, 0)
-        self.dealer = self.ctx.socket(zmq.DEALER)
-        self.dealer.setsockopt(zmq.LINGER, 0)
-        if curve is not None:  # (server, client) key pairs
-            self.router.setsockopt(zmq.CURVE_SERVER, 1)
-            self.router.setsockopt(zmq.CURVE_SECRETKEY, curve[0].secret)
-            self.dealer.setsockopt(zmq.CURVE_SERVERKEY, curve[0].public)
-            self.dealer.setsockopt(zmq.CURVE_PUBLICKEY, curve[1].public)
-            self.dealer.setsockopt(zmq.CURVE_SECRETKEY, curve[1].secret)
-        self.router.bind("tcp://127.0.0.1:0")
-        self.dealer.connect(self.router.getsockopt_string(zmq.LAST_ENDPOINT))
-        self._pending: deque[asyncio.Future[list[zmq.Frame]]] = deque()
-        self._tasks = [asyncio.create_task(self._echo()), asyncio.create_task(self._receive())]
-
-    async def _echo(self) -> None:
-        while True:
-            msg = await self.router.recv_multipart(copy=False)
-            await self.router.send_multipart(msg, copy=False)
-
-    async def _receive(self) -> None:
-        while True:
-            msg = await self.dealer.recv_multipart(copy=False)
-            fut = self._pending.popleft()
-            if not fut.done():
-                fut.set_result(msg)
-
-    async def call(self, payload: memoryview) -> list[zmq.Frame]:
-        fut: asyncio.Future[list[zmq.Frame]] = asyncio.get_running_loop().create_future()
-        self._pending.append(fut)
-        await self.dealer.send_multipart([payload], copy=False)
-        return await asyncio.wait_for(fut, 10.0)
-
-    async def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self.ctx.destroy(linger=0)
-
-
-async def _echo_handler(req: InferRequest) -> InferResponse:
+async def echo_handler(req: InferRequest) -> InferResponse:
     return InferResponse(request_id=req.request_id, outputs={"y": req.inputs["x"]}, site="bench",
                          variant="echo", accuracy=1.0, reason="local_ok", tenant=req.tenant)
-
-
-@contextlib.asynccontextmanager
-async def _curve_ends() -> AsyncIterator[tuple[ZmqServer, ZmqClient, _BareZmqEcho]]:
-    """A CURVE mesh hop as an agent runs it (a CA, a site certificate binding its key, the ZAP handler, the
-    per-request peer check) and the bare CURVE echo with the same keys. The site dials its own port: its
-    server and client share one ``CurveSecurity`` and so one context, as the plain hop's ends share one."""
-    with tempfile.TemporaryDirectory(prefix="bench-curve-") as tmp:
-        pki = LocalPki.under(tmp)
-        pki.init()
-        site = Identity("site", "core")
-        pki.issue(site)
-        keys = pki.curve(site)
-        security = CurveSecurity(keys, SiteKeys(pki.paths))
-        server = ZmqServer(_echo_handler, security=security)
-        client = ZmqClient(security=security, server_key_for=lambda _ep, _lost: keys.public)
-        floor = _BareZmqEcho((keys, keys))
-        try:
-            await server.start()
-            yield server, client, floor
-        finally:
-            await client.close()
-            await server.stop()
-            await floor.close()
-
-
-async def run_mesh_hop(ctx: RunContext) -> Path:
-    rows: list[dict[str, Any]] = []
-    floor = _BareZmqEcho()
-    server = ZmqServer(_echo_handler)
-    client = ZmqClient()
-    try:
-        await server.start()
-        await _hop_rows(ctx, rows, server, client, floor, PAYLOADS)
-    finally:
-        await client.close()
-        await server.stop()
-        await floor.close()
-    async with _curve_ends() as (cserver, cclient, cfloor):
-        await _hop_rows(ctx, rows, cserver, cclient, cfloor, {"1 KB": 1024}, prefix="CURVE ")
-    limits = {"1 KB": 1.3, "100 KB": 1.15, "CURVE 1 KB": 1.15}
-    targets = [target(f"mesh hop / bare zmq echo, median latency, {r['case']}", r["ratio"], limits[r["case"]],
-                      unit="x") for r in rows if r["metric"] == "latency"]
-    _plot(ctx, "mesh_hop", "Mesh hop (ZmqClient -> ZmqServer) vs bare zmq.asyncio DEALER/ROUTER echo", rows)
-    return write_result(ctx, "mesh_hop", rows, targets, notes=(
-        "system = ZmqClient.request -> ZmqServer echo handler (msgpack header + raw tensor frame both ways); "
-        "floor = bare zmq.asyncio DEALER -> ROUTER echo of the tensor bytes as one frame. One event loop, "
-        f"latency with one request in flight, throughput at concurrency {CONCURRENCY}. 'CURVE' cases: both "
-        "sides encrypt with CURVE; the mesh side also runs the ZAP handler and the per-request peer check. Both "
-        "sides one context each (a site dialling its own port: an agent's server and client share one)."))
-
-
-async def _hop_rows(ctx: RunContext, rows: list[dict[str, Any]], server: ZmqServer, client: ZmqClient,
-                    floor: _BareZmqEcho, payloads: dict[str, int], prefix: str = "") -> None:
-    rounds, per_round = ctx.pick(8, 30), ctx.pick(100, 200)
-    tp_total, tp_rounds = ctx.pick(2000, 8000), ctx.pick(3, 5)
-    endpoint = server.endpoint
-    for label, nbytes in payloads.items():
-        arr = _payload(nbytes)
-        raw = arr.reshape(-1).view(np.uint8).data
-
-        async def hop(arr: np.ndarray = arr) -> InferResponse:
-            req = InferRequest(task="echo", inputs={"x": arr}, slo=SLO(10_000.0),
-                               deadline=time.monotonic() + 10.0)
-            return await client.request(endpoint, req)
-
-        async def bare(raw: memoryview = raw) -> list[zmq.Frame]:
-            return await floor.call(raw)
-
-        check = await hop()
-        if not np.array_equal(check.outputs["y"], arr):
-            raise AssertionError("mesh hop echo returned different bytes")
-        case = prefix + label
-        rows.append(await _latency_row(case, {"floor": bare, "system": hop}, rounds, per_round))
-        rows.append(await _throughput_row(case, {"floor": bare, "system": hop}, tp_total, tp_rounds))
 
 
 # ------------------------------------------------------------------ http
@@ -238,7 +102,7 @@ class EchoDataPlane(_OneTaskPlane):
         self.signature = TaskSignature(task, (TensorSpec("x", "float32", spec),), (TensorSpec("y", "float32", spec),))
 
     async def infer(self, req: InferRequest) -> InferResponse:
-        return await _echo_handler(req)
+        return await echo_handler(req)
 
 
 
@@ -362,7 +226,7 @@ async def run_http_api(ctx: RunContext) -> Path:
             async with _site(_bare_echo_app(), ftls) as floor_url, _edge(dp, etls) as edge_url, \
                     _session(ctls) as session:
                 for label, nbytes in payloads.items():
-                    arr = _payload(nbytes)
+                    arr = payload(nbytes)
                     body, headers = _v2_body({"x": arr})
                     floor = _post(session, f"{floor_url}/echo", body, headers)
 
@@ -379,15 +243,15 @@ async def run_http_api(ctx: RunContext) -> Path:
                     if not np.array_equal(out, arr):
                         raise AssertionError("edge HTTP echo returned different bytes")
                     name = f"{scheme} {label}"
-                    rows.append(await _latency_row(name, {"floor": floor, "system": system}, rounds, per_round))
-                    rows.append(await _throughput_row(name, {"floor": floor, "system": system},
+                    rows.append(await latency_row(name, {"floor": floor, "system": system}, rounds, per_round))
+                    rows.append(await throughput_row(name, {"floor": floor, "system": system},
                                                       tp_total, tp_rounds))
     targets = [target(f"edge HTTP API / bare aiohttp echo, median latency, {r['case']}", r["ratio"], 1.4,
                       unit="x") for r in rows if r["metric"] == "latency" and not r["case"].startswith("mtls")]
     targets += [target(f"mTLS edge API / bare aiohttp HTTPS echo with client certificates, median latency, "
                        f"{r['case'].removeprefix('mtls ')}", r["ratio"], 1.4, unit="x")
                 for r in rows if r["metric"] == "latency" and r["case"].startswith("mtls")]
-    _plot(ctx, "http_api", "Edge HTTP API (V2 binary) vs bare aiohttp echo", rows)
+    plot_rows(ctx, "http_api", "Edge HTTP API (V2 binary) vs bare aiohttp echo", rows)
     return write_result(ctx, "http_api", rows, targets, notes=(
         "system = one aiohttp ClientSession: encode V2 binary request, POST /v2/models/echo/infer to the edge "
         "HTTP API over an echoing data plane, decode the reply; floor = POST of the same body to a bare aiohttp "
@@ -477,7 +341,7 @@ async def run_sdk_local(ctx: RunContext) -> Path:
                              "ort_median_us": o["median_us"], "echo_median_us": e["median_us"]})
                 if max_batch == 1:
                     ort_rate = 1e6 / max(o["mean_us"], 1e-3)  # direct calls are serial on the loop
-                    tp = await _throughput_row(case, {"floor": echo, "system": sdk}, tp_total, tp_rounds)
+                    tp = await throughput_row(case, {"floor": echo, "system": sdk}, tp_total, tp_rounds)
                     # floor: every request costs one echo and one ORT run, so their times add
                     tp["floor"] = round(1.0 / (1.0 / tp["floor"] + 1.0 / ort_rate), 1)
                     tp["ratio"] = ratio(tp["floor"], tp["system"])
@@ -486,7 +350,7 @@ async def run_sdk_local(ctx: RunContext) -> Path:
             await dp.close()
     targets = [target(f"SDK at the edge / (ORT run + bare HTTP echo), median latency, {r['case']}", r["ratio"],
                       1.5, unit="x") for r in rows if r["metric"] == "latency"]
-    _plot(ctx, "sdk_local", "SDK served locally at an edge vs ORT session.run + bare HTTP echo", rows)
+    plot_rows(ctx, "sdk_local", "SDK served locally at an edge vs ORT session.run + bare HTTP echo", rows)
     return write_result(ctx, "sdk_local", rows, targets, notes=(
         f"model: {provenance}. system = mesh.AsyncClient.infer -> EdgeHttpServer -> data plane -> "
         "edge_agent.batching.Batcher (max_batch=1 unless the case says otherwise) -> onnxruntime (1 intra-op "
@@ -498,7 +362,7 @@ async def run_sdk_local(ctx: RunContext) -> Path:
 # ------------------------------------------------------------------ rows and plots
 
 
-async def _latency_row(case: str, calls: dict[str, Call], rounds: int, per_round: int) -> dict[str, Any]:
+async def latency_row(case: str, calls: dict[str, Call], rounds: int, per_round: int) -> dict[str, Any]:
     samples = await interleave(calls, rounds=rounds, per_round=per_round)
     f, s = summarize(samples["floor"]), summarize(samples["system"])
     return {"case": case, "metric": "latency", "unit": "µs", "floor": f["median_us"], "system": s["median_us"],
@@ -506,7 +370,7 @@ async def _latency_row(case: str, calls: dict[str, Call], rounds: int, per_round
             "n": s["n"]}
 
 
-async def _throughput_row(case: str, calls: dict[str, Call], total: int, rounds: int) -> dict[str, Any]:
+async def throughput_row(case: str, calls: dict[str, Call], total: int, rounds: int) -> dict[str, Any]:
     """Requests/s at ``CONCURRENCY``; ``ratio`` is floor/system, so > 1 means slower, as for latency."""
     rates: dict[str, list[float]] = {k: [] for k in calls}
     for r in range(rounds):
@@ -518,7 +382,7 @@ async def _throughput_row(case: str, calls: dict[str, Call], total: int, rounds:
             "system": round(s, 1), "ratio": ratio(f, s), "n": total}
 
 
-def _plot(ctx: RunContext, name: str, title: str, rows: list[dict[str, Any]]) -> None:
+def plot_rows(ctx: RunContext, name: str, title: str, rows: list[dict[str, Any]]) -> None:
     lat = [r for r in rows if r["metric"] == "latency"]
     tput = [r for r in rows if r["metric"].startswith("throughput")]
     panels = [Panel("median latency (one in flight)", "µs", [r["case"] for r in lat],
