@@ -28,8 +28,8 @@ from mesh.client import AsyncClient
 from mesh.errors import MeshError
 from mesh.types import DEFAULT_PREFER
 
-__all__ = ["DEFAULT_CLASSES", "TEXT_CLASS", "QueryRecord", "SdkClients", "SloClass", "WarmUp", "infer_one",
-           "render_table", "run_workload", "summarise", "warm_up"]
+__all__ = ["DEFAULT_CLASSES", "TEXT_CLASS", "QueryRecord", "SdkClients", "SloClass", "WarmUp", "by_edge", "infer_one",
+           "render_edges", "render_table", "run_workload", "summarise", "warm_up"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,6 +290,38 @@ def summarise(records: list[QueryRecord], tiers: Mapping[str, str]) -> dict[str,
             "accuracy": (sum(1 for r in ok if r.predicted == r.label) / len(ok)) if ok else 0.0,
         }
     return out
+
+
+def by_edge(records: list[QueryRecord]) -> dict[str, dict[str, Any]]:
+    """Per edge the queries arrived at, per SLO class: how many, SLO attainment, p99 of the answered, errors
+    (which edge a class suffers at: a capped edge, or one far from where its class is served)."""
+    out: dict[str, dict[str, Any]] = {}
+    for edge in sorted({r.edge for r in records}):
+        out[edge] = {}
+        for name in sorted({r.slo_class for r in records if r.edge == edge}):
+            rs = [r for r in records if r.edge == edge and r.slo_class == name]
+            ok = [r for r in rs if r.ok]
+            met = sum(1 for r in ok if r.total_ms <= r.budget_ms and not r.best_effort)
+            out[edge][name] = {"queries": len(rs), "slo_attainment": met / len(rs),
+                               "p99_ms": _pct([r.total_ms for r in ok], 99),
+                               "best_effort": sum(1 for r in ok if r.best_effort),
+                               "errors": dict(Counter(r.error for r in rs if not r.ok))}
+    return out
+
+
+def render_edges(edges: dict[str, dict[str, Any]]) -> Any:
+    """SLO met per edge (rows) and class (columns); a cell is ``attainment (queries)``."""
+    from rich.table import Table
+
+    classes = sorted({c for per in edges.values() for c in per})
+    table = Table(title="SLO met per edge")
+    table.add_column("edge")
+    for c in classes:
+        table.add_column(c)
+    for edge, per in edges.items():
+        table.add_row(edge, *(f"{100 * per[c]['slo_attainment']:.1f} % ({per[c]['queries']})" if c in per else "-"
+                              for c in classes))
+    return table
 
 
 def render_table(summary: dict[str, Any]) -> Any:

@@ -100,7 +100,13 @@ async def test_tiermesh_up_demo_writes_a_report() -> None:
         # the text heads measure 0.66-0.78 on held-out rows (0.9+ for digits); a short run samples few
         floor = 0.6 if name == TEXT_CLASS.name else 0.9
         assert 0.0 <= s["slo_attainment"] <= 1.0 and s["accuracy"] > floor, (name, s)
-    assert "tiermesh workload" in text  # the table was printed too
+    # per edge: every edge the workload used, each class's queries there adding up to the class's total
+    assert set(data["edges"]) == {"edge-fra-1", "edge-par-1"}, data["edges"].keys()
+    for name, s in data["classes"].items():
+        assert sum(per[name]["queries"] for per in data["edges"].values() if name in per) == s["queries"], name
+        met = sum(per[name]["slo_attainment"] * per[name]["queries"] for per in data["edges"].values() if name in per)
+        assert met == pytest.approx(s["slo_attainment"] * s["queries"]), (name, data["edges"])
+    assert "tiermesh workload" in text and "SLO met per edge" in text  # the tables were printed too
 
 
 def _mixed_violations(records: list[QueryRecord], summary: dict[str, Any], metas: dict[str, VariantMeta],

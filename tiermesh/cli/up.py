@@ -51,6 +51,8 @@ from tiermesh.workload import (
     SdkClients,
     SloClass,
     WarmUp,
+    by_edge,
+    render_edges,
     render_table,
     run_workload,
     summarise,
@@ -275,13 +277,15 @@ async def _drive(mesh: LocalMesh, args: argparse.Namespace, console: Console, ki
         tiers = {n: s.tier for n, s in mesh.topology.sites.items()}
         summary = summarise(result.records, tiers)
         console.print(render_table(summary))
+        per_edge = by_edge(result.records)
+        console.print(render_edges(per_edge))
         lost = offered[0] - len(result.records)
         report: dict[str, Any] = {"schema": 1, "duration_s": result.duration_s, "qps": args.qps,
                                   "queries": len(result.records), "offered": offered[0], "lost": lost,
                                   "kill": args.kill, "netns": args.netns, "tls": mesh.pki is not None,
                                   "addresses": mesh.addresses(),
                                   "warmup": {name: dataclasses.asdict(w) for name, w in warm.items()},
-                                  "classes": summary}
+                                  "classes": summary, "edges": per_edge}
         if drills:
             report["drills"] = [drill_report(d, result.records, crosses_link(mesh.topology, d.a, d.b), lost=lost,
                                              failed_pairs=failed.get(i, [])) for i, d in enumerate(drills)]
