@@ -231,9 +231,13 @@ class VariantStoreServer(Service):
         headers["Content-Length"] = str(length)
         resp = web.StreamResponse(status=status, headers=headers)
         await resp.prepare(request)
-        if request.method != "HEAD" and length:
-            await self._send(resp, path, start, length)
-        await resp.write_eof()
+        try:
+            if request.method != "HEAD" and length:
+                await self._send(resp, path, start, length)
+            await resp.write_eof()
+        except ConnectionResetError:  # the client went away mid-blob (a fetch given up, a site stopped): not an error
+            log.info("blob %s: the client left after part of it", digest[:12],
+                     extra=kv(tenant=request[IDENTITY], event="blob_client_gone"))
         return resp
 
     async def _send(self, resp: web.StreamResponse, path: os.PathLike[str], start: int, length: int) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import logging
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -189,3 +191,34 @@ async def test_catalog_health_and_announcement(tmp_path: Path, store: Any,
         async with http.get(f"{server.url}/catalog", params={"task": "text-embedding"}) as r:
             assert (await r.json())["variants"] == []
     assert await store.get(blobs_key()) is None  # the announcement goes with the server
+
+
+async def test_a_client_leaving_mid_blob_is_no_error_and_the_store_serves_on(
+        tmp_path: Path, store: Any, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture) -> None:
+    """A site stopped (or a fetch given up) halfway through a large blob: the store logs that the client left,
+    not a server error with a traceback, and answers the next request whole."""
+    caplog.set_level(logging.INFO)
+    big = os.urandom(24 * 1024 * 1024)  # more than loopback's socket buffers hold: the send is still going
+    blobs = BlobStore(tmp_path / "blobs")
+    digest = blobs.put_bytes(big)
+    small = blobs.put_bytes(PAYLOAD)
+    async with VariantStoreServer(blobs, Catalog(store), authenticate=header_identity, lease_ttl=5) as server:
+        host, port = server.url.removeprefix("http://").rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(f"GET /blobs/{digest} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        await writer.drain()
+        got = 0
+        while got < 256 * 1024:  # part of it, then gone
+            chunk = await asyncio.wait_for(reader.read(65536), 10)
+            assert chunk, "the store closed first"
+            got += len(chunk)
+        writer.transport.abort()  # a reset, as a killed process's socket gives
+        for _ in range(100):  # until the store has noticed (bounded: 10 s)
+            if any(getattr(r, "tm", {}).get("event") == "blob_client_gone" for r in caplog.records):
+                break
+            await asyncio.sleep(0.1)
+        async with http.get(f"{server.url}/blobs/{small}") as r:
+            assert r.status == 200 and await r.read() == PAYLOAD
+    assert any(getattr(r, "tm", {}).get("event") == "blob_client_gone" for r in caplog.records), caplog.text[-2000:]
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
