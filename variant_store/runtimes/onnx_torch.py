@@ -27,7 +27,7 @@ from mesh.errors import RuntimeLoadError
 from mesh.types import TensorSpec
 from variant_store.runtimes.onnx_torch_ops import ONNX_DTYPES, OPS, SMALL_INT, SUPPORTED_OPS
 
-__all__ = ["SUPPORTED_OPS", "TorchGraph", "graph_specs"]
+__all__ = ["TorchGraph", "graph_specs"]
 
 
 
