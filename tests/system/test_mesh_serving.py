@@ -109,6 +109,40 @@ async def test_tiermesh_up_demo_writes_a_report() -> None:
     assert "tiermesh workload" in text and "SLO met per edge" in text  # the tables were printed too
 
 
+@pytest.mark.slow
+async def test_tiermesh_up_ctrl_c_mid_workload_exits_130_and_stops_everything() -> None:
+    """Ctrl-C while the workload runs: exit code 130, no traceback, no report, etcd and the agents stopped."""
+    with tempfile.TemporaryDirectory(prefix="tiermesh-up-", ignore_cleanup_errors=True) as tmp:
+        report = Path(tmp) / "report.json"
+        out_path = Path(tmp) / "out.txt"
+        with out_path.open("wb") as out:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "tiermesh", "up", "--topology", str(SMALL_TOPOLOGY), "--home",
+                str(Path(tmp) / "home"), "--duration", "60", "--qps", "20", "--report", str(report), "--no-caps",
+                "--no-text", cwd=REPO_ROOT, stdin=asyncio.subprocess.DEVNULL, stdout=out,
+                stderr=asyncio.subprocess.STDOUT, env={**os.environ, "COLUMNS": "160"})
+            try:
+                for _ in range(240):  # until the measured run has begun (bounded: 120 s)
+                    if b"workload:" in out_path.read_bytes() or proc.returncode is not None:
+                        break
+                    await asyncio.sleep(0.5)
+                assert b"workload:" in out_path.read_bytes(), out_path.read_text(errors="replace")[-3000:]
+                await asyncio.sleep(2.0)
+                proc.send_signal(signal.SIGINT)
+                rc = await asyncio.wait_for(proc.wait(), 60)
+            finally:
+                if proc.returncode is None:
+                    proc.kill()
+                    await proc.wait()
+        text = out_path.read_text(errors="replace")
+        assert rc == 130, text[-3000:]
+        assert "Traceback" not in text and not report.exists(), text[-3000:]
+        # what it started is gone: no etcd or agent process still runs from this home
+        ps = await asyncio.create_subprocess_exec("pgrep", "-f", tmp, stdout=asyncio.subprocess.PIPE)
+        left, _ = await ps.communicate()
+        assert not left.strip(), left
+
+
 def _mixed_violations(records: list[QueryRecord], summary: dict[str, Any], metas: dict[str, VariantMeta],
                       tiers: Mapping[str, str]) -> list[str]:
     """Which Done-when properties one mixed-workload run broke (empty: all held)."""

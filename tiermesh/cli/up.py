@@ -270,8 +270,8 @@ async def _drive(mesh: LocalMesh, args: argparse.Namespace, console: Console, ki
         for t in timers:  # a drill that failed says so here, not silently
             if t.done() and not t.cancelled() and (exc := t.exception()) is not None:
                 raise exc
-        if not work.done():
-            work.cancel()
+        if not work.done():  # Ctrl-C: the run's queries end before its SDK clients close
+            await cancel_and_wait(work)
             return 130
         result = work.result()
         tiers = {n: s.tier for n, s in mesh.topology.sites.items()}
