@@ -75,6 +75,11 @@ class QueryRecord:
     request_id: str = ""          # what the query was sent as ...
     reply_id: str = ""            # ... and what its answer said it answered ("" when it failed)
 
+    @property
+    def met(self) -> bool:
+        """Its SLO was met: answered within the budget, not as best effort (which keeps no promise)."""
+        return self.ok and self.total_ms <= self.budget_ms and not self.best_effort
+
 
 @dataclass(slots=True)
 class WorkloadResult:
@@ -123,10 +128,17 @@ class SdkClients:
     def __getitem__(self, edge_tenant: tuple[str, str]) -> AsyncClient:
         return self._clients[edge_tenant]
 
-    def covers(self, edges: Iterable[str], classes: Iterable[SloClass]) -> None:
-        missing = sorted({(e, c.tenant) for e in edges for c in classes} - set(self._clients))
+    @classmethod
+    def given_or_own(cls, clients: SdkClients | None, edges: Mapping[str, str], classes: tuple[SloClass, ...],
+                     credentials: Callable[[str], Mapping[str, Path]] | None) -> tuple[SdkClients, bool]:
+        """``clients`` (checked to cover every edge and class's tenant), else new ones; and whether they are new
+        (the caller's to close)."""
+        if clients is None:
+            return cls(edges, (c.tenant for c in classes), credentials), True
+        missing = sorted({(e, c.tenant) for e in edges for c in classes} - set(clients._clients))
         if missing:
             raise ValueError(f"no SDK client for (edge, tenant) {missing}")
+        return clients, False
 
     async def aclose(self) -> None:
         for client in self._clients.values():
@@ -171,9 +183,7 @@ async def warm_up(edges: dict[str, str], x: np.ndarray, y: np.ndarray, *, classe
     when its first demand arrives; this is that demand, and the connections' set-up, kept out of the measure
     (and reported: what each class took). Bounded: at most one query per class and edge per round."""
     rows = _labelled_rows(x, y, classes, data)
-    own = clients is None
-    sdk = SdkClients(edges, (c.tenant for c in classes), credentials) if clients is None else clients
-    sdk.covers(edges, classes)
+    sdk, own = SdkClients.given_or_own(clients, edges, classes, credentials)
     waiting = {(c.name, e) for c in classes for e in edges}
     sent: Counter[str] = Counter()
     errors: dict[str, Counter[str]] = {c.name: Counter() for c in classes}
@@ -190,7 +200,7 @@ async def warm_up(edges: dict[str, str], x: np.ndarray, y: np.ndarray, *, classe
                 sent[c.name] += 1
                 if not rec.ok:
                     errors[c.name][rec.error] += 1
-                elif rec.total_ms <= rec.budget_ms and not rec.best_effort:
+                elif rec.met:
                     waiting.discard((c.name, e))
             for c in classes:
                 if c.name not in done_at and not any(n == c.name for n, _ in waiting):
@@ -219,9 +229,7 @@ async def run_workload(edges: dict[str, str], x: np.ndarray, y: np.ndarray, *, d
     rows = _labelled_rows(x, y, classes, data)
     rng = random.Random(seed)
     weights = [c.share for c in classes]
-    own = clients is None
-    sdk = SdkClients(edges, (c.tenant for c in classes), credentials) if clients is None else clients
-    sdk.covers(edges, classes)
+    sdk, own = SdkClients.given_or_own(clients, edges, classes, credentials)
     sem = asyncio.Semaphore(max_inflight)
     result = WorkloadResult()
     tasks: set[asyncio.Task[None]] = set()
@@ -273,7 +281,7 @@ def summarise(records: list[QueryRecord], tiers: Mapping[str, str]) -> dict[str,
     for name in sorted({r.slo_class for r in records}):
         rs = [r for r in records if r.slo_class == name]
         ok = [r for r in rs if r.ok]
-        met = [r for r in ok if r.total_ms <= r.budget_ms and not r.best_effort]
+        met = [r for r in ok if r.met]
         out[name] = {
             "queries": len(rs),
             "budget_ms": rs[0].budget_ms,
@@ -301,7 +309,7 @@ def by_edge(records: list[QueryRecord]) -> dict[str, dict[str, Any]]:
         for name in sorted({r.slo_class for r in records if r.edge == edge}):
             rs = [r for r in records if r.edge == edge and r.slo_class == name]
             ok = [r for r in rs if r.ok]
-            met = sum(1 for r in ok if r.total_ms <= r.budget_ms and not r.best_effort)
+            met = sum(1 for r in ok if r.met)
             out[edge][name] = {"queries": len(rs), "slo_attainment": met / len(rs),
                                "p99_ms": _pct([r.total_ms for r in ok], 99),
                                "best_effort": sum(1 for r in ok if r.best_effort),

@@ -64,7 +64,7 @@ class Verdict:
 
 
 def attained(r: QueryRecord) -> bool:
-    return r.ok and not r.best_effort and r.total_ms <= r.budget_ms
+    return r.met
 
 
 def _typed(code: str) -> bool:
