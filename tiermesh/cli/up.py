@@ -204,6 +204,18 @@ def print_console(mesh: LocalMesh, console: Console, *, serving: bool = True) ->
     console.print(f"[bold]console[/] {mesh.console.login_url}{note}", soft_wrap=True)
 
 
+async def _until_stopped(task: asyncio.Task[Any], stop: asyncio.Event) -> bool:
+    """Wait for ``task`` or ``stop`` (Ctrl-C), whichever comes first; on ``stop`` cancel the task and wait until it
+    has ended. Whether the task finished by itself."""
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    await cancel_and_wait(stopper)
+    if task.done():
+        return True
+    await cancel_and_wait(task)
+    return False
+
+
 async def _drive(mesh: LocalMesh, args: argparse.Namespace, console: Console, kill: tuple[str, float] | None,
                  drills: list[LinkDrill], stop: asyncio.Event) -> int:
     from variant_store.families.datasets import load_validation_npz
@@ -231,11 +243,7 @@ async def _drive(mesh: LocalMesh, args: argparse.Namespace, console: Console, ki
         with console.status("warming each class at every edge (a tenant's private task is placed on its first "
                             "demand)..."):
             warming = asyncio.create_task(_warm())
-            stopper = asyncio.create_task(stop.wait())
-            await asyncio.wait({warming, stopper}, return_when=asyncio.FIRST_COMPLETED)
-            stopper.cancel()
-            if not warming.done():  # Ctrl-C while warming
-                await cancel_and_wait(warming)
+            if not await _until_stopped(warming, stop):
                 return 130
         warm = warming.result()
         console.print("warm-up (not measured): " + ", ".join(
@@ -262,16 +270,13 @@ async def _drive(mesh: LocalMesh, args: argparse.Namespace, console: Console, ki
                                                 classes=classes, data=data,
                                                 on_tick=lambda n, _t: offered.__setitem__(0, n),
                                                 clients=clients))
-        stopper = asyncio.create_task(stop.wait())
-        await asyncio.wait({work, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        stopper.cancel()
+        finished = await _until_stopped(work, stop)  # else Ctrl-C: its queries ended before the clients close
         for t in timers:
             t.cancel()
         for t in timers:  # a drill that failed says so here, not silently
             if t.done() and not t.cancelled() and (exc := t.exception()) is not None:
                 raise exc
-        if not work.done():  # Ctrl-C: the run's queries end before its SDK clients close
-            await cancel_and_wait(work)
+        if not finished:
             return 130
         result = work.result()
         tiers = {n: s.tier for n, s in mesh.topology.sites.items()}
