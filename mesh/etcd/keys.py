@@ -19,6 +19,7 @@ __all__ = [
     "MODELS",
     "PKI",
     "PKI_CRL",
+    "PKI_SITES",
     "PLACEMENT",
     "SERVICES",
     "SITES",
@@ -35,6 +36,7 @@ __all__ = [
     "model_key",
     "parse_key",
     "placement_key",
+    "site_cert_key",
     "site_key",
     "task_key",
     "tenant_key",
@@ -50,6 +52,9 @@ MODELS = "models/"
 SERVICES = "services/"
 PKI = "pki/"
 PKI_CRL = PKI + "crl"  # the CA-signed revocation list (PEM), published by `tiermesh pki revoke`
+# every site's certificate (public), written by the site itself or `tiermesh pki issue`: how peers learn the CURVE
+# key to admit and dial. Trusted only when the CA vouches for it (mesh.zmq.curve.SiteKeys); etcd only delivers
+PKI_SITES = PKI + "sites/"
 TOPOLOGY_META = "topology/meta"
 # what the last topology apply that changed something changed (for the console): written in its txn
 TOPOLOGY_LAST_APPLY = "topology/last_apply"
@@ -101,6 +106,11 @@ def model_key(task: str, family: str) -> str:
 
 
 
+def site_cert_key(site: str) -> str:
+    """Where ``site``'s certificate is published (``{"schema": 1, "pem": ...}``, :mod:`mesh.pki.published`)."""
+    return PKI_SITES + _segment("site", site)
+
+
 def live_key(site: str) -> str:
     return LIVE + _segment("site", site)
 
@@ -119,14 +129,15 @@ def last_segment(key: str) -> str:
     return key.rstrip("/").rsplit("/", 1)[-1]
 
 
-KeyKind = Literal["site", "link", "tenant", "task", "variant", "live", "placement", "service", "crl"]
+KeyKind = Literal["site", "link", "tenant", "task", "variant", "live", "placement", "service", "crl", "site_cert"]
 _ONE_LEVEL: dict[str, KeyKind] = {TENANTS[:-1]: "tenant", LIVE[:-1]: "live", PLACEMENT[:-1]: "placement"}
 
 
 def parse_key(key: str) -> tuple[KeyKind, tuple[str, ...]] | None:
     """The kind of a key and the names in it, e.g. ``live/edge-1`` -> ``("live", ("edge-1",))``,
     ``catalog/t/_task`` -> ``("task", ("t",))``, ``services/variant-store`` ->
-    ``("service", ("variant-store",))``, ``pki/crl`` -> ``("crl", ())``; ``None`` for keys no view follows
+    ``("service", ("variant-store",))``, ``pki/crl`` -> ``("crl", ())``, ``pki/sites/edge-1`` ->
+    ``("site_cert", ("edge-1",))``; ``None`` for keys no view follows
     (meta, models, events, election, the rest of pki) and for malformed ones."""
     if key == PKI_CRL:
         return "crl", ()
@@ -134,6 +145,8 @@ def parse_key(key: str) -> tuple[KeyKind, tuple[str, ...]] | None:
     parts = tuple(rest.split("/")) if rest else ()
     if not all(parts):
         return None
+    if head == "pki" and len(parts) == 2 and parts[0] == "sites":
+        return "site_cert", parts[1:]
     if head == "topology" and len(parts) >= 2:
         kind, names = parts[0], parts[1:]
         if kind == "sites" and len(names) == 1:

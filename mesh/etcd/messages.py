@@ -219,6 +219,22 @@ class AuthUserGrantRoleResponse(Message):
     FIELDS = fields(_HEADER)
 
 
+class AuthUserRevokeRoleRequest(Message):
+    FIELDS = fields((1, "name", "string"), (2, "role", "string"))
+
+
+class AuthUserRevokeRoleResponse(Message):
+    FIELDS = fields(_HEADER)
+
+
+class AuthUserDeleteRequest(Message):
+    FIELDS = fields((1, "name", "string"))
+
+
+class AuthUserDeleteResponse(Message):
+    FIELDS = fields(_HEADER)
+
+
 # service -> method -> (request, reply, streaming); paths are /etcdserverpb.<service>/<method>
 SERVICES: dict[str, dict[str, tuple[str, str, bool]]] = {
     "KV": {"Range": ("RangeRequest", "RangeResponse", False), "Put": ("PutRequest", "PutResponse", False),
@@ -232,6 +248,8 @@ SERVICES: dict[str, dict[str, tuple[str, str, bool]]] = {
              "UserAdd": ("AuthUserAddRequest", "AuthUserAddResponse", False),
              "RoleAdd": ("AuthRoleAddRequest", "AuthRoleAddResponse", False),
              "RoleGrantPermission": ("AuthRoleGrantPermissionRequest", "AuthRoleGrantPermissionResponse", False),
-             "UserGrantRole": ("AuthUserGrantRoleRequest", "AuthUserGrantRoleResponse", False)},
+             "UserGrantRole": ("AuthUserGrantRoleRequest", "AuthUserGrantRoleResponse", False),
+             "UserRevokeRole": ("AuthUserRevokeRoleRequest", "AuthUserRevokeRoleResponse", False),
+             "UserDelete": ("AuthUserDeleteRequest", "AuthUserDeleteResponse", False)},
 }
 PACKAGE = "etcdserverpb"

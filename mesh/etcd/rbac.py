@@ -5,11 +5,12 @@ With ``--client-cert-auth`` etcd takes the client certificate's subject CN as th
 CA writes ``<kind>:<name>`` there (:attr:`mesh.pki.identity.Identity.common_name`), so the users here are
 named after identities and have no password. Roles (all relative to the store prefix ``P``):
 
-- ``site:<S>`` (an edge agent): read everything under ``P``; write only ``P live/<S>`` (its heartbeat).
+- ``site:<S>`` (an agent): read everything under ``P``; write only ``P live/<S>`` (its heartbeat) and
+  ``P pki/sites/<S>`` (its own certificate, public: peers believe it only if the CA signed it).
 - ``scheduler:<N>``: read everything under ``P``; write ``placement/``, ``events/`` and ``election/``.
-- ``admin:<N>`` (operators, and the variant store, which runs as an operator identity: it publishes
-  catalog entries and ``services/variant-store``, which only operators may write, and the PKI has no
-  kind of its own for it): read everything under ``P``; write ``topology/``, ``tenants/``, ``catalog/``,
+- ``store:<N>`` (the variant store): read everything under ``P``; write ``catalog/``, ``models/`` (what it
+  builds) and ``services/`` (its announcement).
+- ``admin:<N>`` (operators): read everything under ``P``; write ``topology/``, ``tenants/``, ``catalog/``,
   ``models/``, ``pki/`` and ``services/``.
 - ``root_admins`` (the admin identities that apply this plan; at least one): etcd's ``root`` role, which
   user and role management, ``auth enable`` and compaction need.
@@ -38,6 +39,7 @@ from mesh.etcd.keys import (
     SERVICES,
     TENANTS,
     live_key,
+    site_cert_key,
 )
 from mesh.etcd.store import Store
 from mesh.etcd.wire import prefix_end
@@ -50,6 +52,7 @@ ROOT_USER = "root"  # etcd refuses `auth enable` unless a user named root with t
 Access = Literal["read", "write", "readwrite"]
 _PERM = {"read": rpc.Permission.READ, "write": rpc.Permission.WRITE, "readwrite": rpc.Permission.READWRITE}
 OPERATOR_WRITES = ("topology/", TENANTS, CATALOG, MODELS, PKI, SERVICES)
+STORE_WRITES = (CATALOG, MODELS, SERVICES)
 SCHEDULER_WRITES = (PLACEMENT, EVENTS_PLACEMENT.split("/")[0] + "/", ELECTION_SCHEDULER.split("/")[0] + "/")
 
 
@@ -90,7 +93,7 @@ def _names(kind: str, names: Iterable[str]) -> list[Identity]:
 
 
 def plan(prefix: str, *, sites: Iterable[str], schedulers: Iterable[str] = (), admins: Iterable[str] = (),
-         root_admins: Iterable[str]) -> RbacPlan:
+         root_admins: Iterable[str], stores: Iterable[str] = ()) -> RbacPlan:
     """The RBAC plan for a mesh under ``prefix``. Names are identity names (``edge-1``), not CNs."""
     if not prefix.startswith("/") or not prefix.endswith("/") or prefix == "/":
         raise ConfigError(f"an RBAC prefix must start and end with '/' and not be '/': {prefix!r}")
@@ -102,12 +105,17 @@ def plan(prefix: str, *, sites: Iterable[str], schedulers: Iterable[str] = (), a
     read_all = Grant(prefix, "read", True)
     for site in _names("site", sites):
         role = f"tiermesh-{site.common_name}"
-        roles[role] = (read_all, Grant(prefix + live_key(site.name), "write", False))
+        roles[role] = (read_all, Grant(prefix + live_key(site.name), "write", False),
+                       Grant(prefix + site_cert_key(site.name), "write", False))
         users[site.common_name] = (role,)
     sched_role = "tiermesh-scheduler"
     roles[sched_role] = (read_all, *(Grant(prefix + k, "write", True) for k in SCHEDULER_WRITES))
     for s in _names("scheduler", schedulers):
         users[s.common_name] = (sched_role,)
+    store_role = "tiermesh-store"
+    roles[store_role] = (read_all, *(Grant(prefix + k, "write", True) for k in STORE_WRITES))
+    for v in _names("store", stores):
+        users[v.common_name] = (store_role,)
     op_role = "tiermesh-operator"
     roles[op_role] = (read_all, *(Grant(prefix + k, "write", True) for k in OPERATOR_WRITES))
     for a in _names("admin", admins):

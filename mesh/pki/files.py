@@ -5,6 +5,13 @@
     sites/S.pem  S-key.pem(0600)  S.curve(0600)
     admins/A.pem  A-key.pem(0600)
     schedulers/X.pem  X-key.pem(0600)
+    stores/V.pem  V-key.pem(0600)
+
+What one host of the mesh holds (a site's machine, the variant store's, a scheduler's) is
+:meth:`PkiPaths.host_files`: the CA, the revocation list, and its own certificate, key and (a site) CURVE key
+pair, nothing of any other identity. Peers' certificates reach it through etcd (``pki/sites/<site>``) and are
+believed only when the CA vouches for them. The lab (``tiermesh up --netns``), the Kubernetes renderer
+(``tiermesh.deploy``) and ``tiermesh pki bundle`` all take the list from there.
 
 Every file is written whole and renamed into place (a reader never sees half a PEM), keys with mode 0600 from
 their first byte. ``S.curve`` is ZeroMQ's ZPL certificate format (what ``zmq.auth.load_certificate`` reads):
@@ -28,9 +35,12 @@ if TYPE_CHECKING:  # imported by the functions that parse or write PEM: paths an
     from cryptography import x509
     from cryptography.hazmat.primitives.asymmetric import ec
 
-__all__ = ["PkiPaths", "cert_pem", "curve_text", "key_pem", "read_cert", "read_curve", "read_key", "write_file"]
+__all__ = ["PRIVATE_FILES", "PkiPaths", "cert_pem", "curve_text", "key_pem", "read_cert", "read_curve", "read_key",
+           "write_file"]
 
-_DIRS: dict[Kind, str] = {"tenant": "tenants", "site": "sites", "admin": "admins", "scheduler": "schedulers"}
+_DIRS: dict[Kind, str] = {"tenant": "tenants", "site": "sites", "admin": "admins", "scheduler": "schedulers",
+                          "store": "stores"}
+PRIVATE_FILES = ("key", "curve")  # the roles of host_files that are secrets (written 0600)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +77,14 @@ class PkiPaths:
         if identity.kind != "site":
             raise PkiError(f"only sites have CURVE keys, not {identity}")
         return self.root / _DIRS[identity.kind] / f"{identity.name}.curve"
+
+    def host_files(self, identity: Identity) -> dict[str, Path]:
+        """Everything the host of ``identity`` holds under this PKI root, by role: ``ca``, ``crl``, ``cert``,
+        ``key`` and, for a site, ``curve``. Nothing else: no other identity's certificate or key."""
+        files = {"ca": self.ca_cert, "crl": self.crl, "cert": self.cert(identity), "key": self.key(identity)}
+        if identity.kind == "site":
+            files["curve"] = self.curve(identity)
+        return files
 
 
 def write_file(path: Path, data: bytes, *, private: bool = False) -> None:

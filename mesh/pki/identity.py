@@ -16,7 +16,7 @@ from mesh.errors import ConfigError
 
 __all__ = ["KINDS", "NAME_RE", "TRUST_DOMAIN", "Identity", "Kind"]
 
-Kind = Literal["tenant", "site", "admin", "scheduler"]
+Kind = Literal["tenant", "site", "admin", "scheduler", "store"]
 KINDS: tuple[Kind, ...] = get_args(Kind)
 TRUST_DOMAIN = "tiermesh"
 NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")

@@ -5,7 +5,8 @@ site's CURVE key pair, bound into its certificate), replacing the previous ones 
 processes pick them up (:class:`mesh.pki.reload.ReloadingCredentials`); ``revoke`` puts every live
 certificate of an identity on ``crl.pem`` (``tiermesh pki revoke`` then publishes it through etcd ``pki/crl``;
 ``adopt_crl`` takes a newer list from there first, so two operators' homes never fork the numbering);
-``listing`` reads the issuance log against the list.
+``listing`` reads the issuance log against the list; ``bundle`` copies what one host needs (and nothing else) into
+that host's own PKI directory.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import BestAvailableEncryption, pkcs12
 
-from mesh.errors import ConfigError, PkiError
+from mesh.errors import ConfigError, MeshError, PkiError
 from mesh.pki.ca import CertificateAuthority, IssuedCertificate
 from mesh.pki.crl import REASONS, Revocation, RevocationList
 from mesh.pki.curve import CurveKeyPair
 from mesh.pki.files import (
+    PRIVATE_FILES,
     PkiPaths,
     cert_pem,
     curve_text,
@@ -165,6 +167,33 @@ class LocalPki:
         crl = self.crl()
         return [IssuedRecord(r.identity, r.serial, r.not_before, r.not_after, crl.is_revoked(r.serial))
                 for r in self._records()]
+
+    def bundle(self, identity: Identity, dest: PkiPaths) -> dict[str, Path]:
+        """Copy exactly the files the host of ``identity`` holds (:meth:`PkiPaths.host_files`: the CA, the
+        revocation list, its certificate, key and a site's CURVE keys) into ``dest``, in the layout the host reads
+        them from; secrets 0600. Refuses an identity whose certificate this CA does not vouch for (missing,
+        revoked, expired): a host must not start with credentials every peer refuses. Returns role -> path."""
+        from mesh.pki.verify import verify_certificate
+
+        src = self.paths.host_files(identity)
+        if not src["cert"].exists():
+            raise ConfigError(f"no certificate for {identity} in {self.paths.root}: issue it first "
+                              f"(`tiermesh pki issue --{identity.kind} {identity.name}`)")
+        try:
+            verify_certificate(read_cert(src["cert"]), ca=self.ca().cert, crl=self.crl(), use="client",
+                               kinds=(identity.kind,))
+        except MeshError as exc:
+            raise ConfigError(f"{identity}'s certificate is not valid ({exc}): issue it again before bundling "
+                              f"it") from exc
+        out: dict[str, Path] = {}
+        for role, path in dest.host_files(identity).items():
+            try:
+                data = src[role].read_bytes()
+            except OSError as exc:
+                raise PkiError(f"cannot read {src[role]} ({role} of {identity}): {exc}") from exc
+            write_file(path, data, private=role in PRIVATE_FILES)
+            out[role] = path
+        return out
 
     def certificate(self, identity: Identity) -> x509.Certificate:
         return read_cert(self.paths.cert(identity))

@@ -26,6 +26,7 @@ LIFETIMES: Mapping[Kind, timedelta] = MappingProxyType({
     "site": timedelta(hours=24),
     "admin": timedelta(hours=8),
     "scheduler": timedelta(hours=24),
+    "store": timedelta(hours=24),
 })
 # Verifiers accept a certificate this long before its notBefore and after its notAfter; the CA also backdates
 # notBefore by as much, so a peer whose clock runs a little behind the issuer's accepts a fresh certificate.
@@ -36,12 +37,13 @@ USE_EKU: Mapping[Use, x509.ObjectIdentifier] = MappingProxyType({
     "client": ExtendedKeyUsageOID.CLIENT_AUTH,
     "server": ExtendedKeyUsageOID.SERVER_AUTH,
 })
-# Sites serve and dial other sites; the scheduler also serves the admin console.
+# Sites serve and dial other sites; the scheduler also serves the admin console; the variant store serves blobs.
 EKUS: Mapping[Kind, tuple[Use, ...]] = MappingProxyType({
     "tenant": ("client",),
     "site": ("server", "client"),
     "admin": ("client",),
     "scheduler": ("server", "client"),
+    "store": ("server", "client"),  # serves blobs over HTTPS; a client of etcd
 })
 
 # tiermesh's private OID arc: a UUID OID (ITU-T X.667, 2.25.<uuid>) needs no registration, and its owner

@@ -36,16 +36,19 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     r = sub.add_parser("etcd-rbac", help="create etcd users and roles for the mesh's identities and enable auth",
                        description="One etcd user per identity, named by its certificate's CN (etcd takes the CN "
                                    "as the user under --client-cert-auth): each site may write only its own "
-                                   "live/<site> key; schedulers write placement/, events/, election/; admins "
-                                   "write topology/, tenants/, catalog/, models/, pki/, services/ (the variant "
-                                   "store runs as an admin); tenants get no user. Everyone in the plan reads the "
-                                   "prefix. Run it with a --root-admin's certificate (--etcd-cert/--etcd-key) "
+                                   "live/<site> and pki/sites/<site> keys; schedulers write placement/, events/, "
+                                   "election/; variant stores write catalog/, models/, services/; admins write "
+                                   "topology/, tenants/, catalog/, models/, pki/, services/; tenants get no user. "
+                                   "Everyone in the plan reads the prefix. Run it with a --root-admin's certificate "
+                                   "(--etcd-cert/--etcd-key) "
                                    "against an etcd with TLS and --client-cert-auth; it is idempotent.")
     add_common(r)
     r.add_argument("--topology", metavar="FILE", required=True, help="topology file: its sites get users")
     r.add_argument("--scheduler", metavar="NAME", action="append", default=[], help="a scheduler identity "
                    "(repeatable)")
     r.add_argument("--admin", metavar="NAME", action="append", default=[], help="an operator identity (repeatable)")
+    r.add_argument("--store", metavar="NAME", action="append", default=[],
+                   help="a variant store identity (store:NAME; repeatable)")
     r.add_argument("--root-admin", metavar="NAME", action="append", default=[], required=True,
                    help="an admin identity with etcd's root role (repeatable; include the one running this)")
     r.add_argument("--dry-run", action="store_true", help="print the users and roles, change nothing")
@@ -100,7 +103,7 @@ async def run_rbac(args: argparse.Namespace) -> int:
     topo = load_topology_file(args.topology)
     prefix = args.prefix or "/tiermesh/"
     plan = rbac.plan(prefix, sites=topo.sites, schedulers=args.scheduler, admins=args.admin,
-                     root_admins=args.root_admin)
+                     root_admins=args.root_admin, stores=args.store)
     for user, roles in sorted(plan.users.items()):
         print(f"user {user}: {', '.join(roles)}")
     for role, grants in sorted(plan.roles.items()):

@@ -5,6 +5,8 @@
               CURVE key pair (sites/S.curve, 0600) bound into its certificate
     revoke    put every live certificate of an identity on crl.pem and publish it at etcd pki/crl (when an etcd
               is named with --etcd / $TIERMESH_ETCD or runs for this home), where every agent picks it up
+    bundle    copy what one host holds (the CA, the revocation list, its own certificate, key and a site's CURVE
+              keys: nothing of any other identity) into DIR/pki/, to carry to that host as its TIERMESH_HOME
     list      every certificate issued: identity, serial, not-after, state
     verify    check a certificate file strictly against the CA and the revocation list
 
@@ -69,8 +71,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     _home_arg(s)
     _identity_args(s)
     s.add_argument("--address", action="append", default=[], metavar="HOST",
-                   help="(sites and schedulers) a DNS name or IP it is reached at (a site's edge API, a scheduler's "
-                        "console), added as a SAN; repeatable")
+                   help="(sites, stores and schedulers) a DNS name or IP it is reached at (a site's edge API and "
+                        "ZeroMQ endpoint, the variant store's URL, a scheduler's console), added as a SAN; "
+                        "repeatable. A site's IP addresses bind it: peers refuse to dial it at another IP")
     s.add_argument("--hours", type=float, default=None, metavar="N", help="lifetime in hours instead of the default")
     s.set_defaults(func=_issue)
 
@@ -85,6 +88,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     r.add_argument("--reason", default=None, choices=REASONS, metavar="REASON",
                    help=f"RFC 5280 reason: {', '.join(REASONS)}")
     r.set_defaults(func=_revoke)
+
+    bu = ps.add_parser("bundle", help="copy one host's files (and nothing else) into DIR/pki/",
+                       description="Copy exactly what the host of one identity holds into DIR/pki/, in the layout "
+                                   "it reads: the CA certificate (ca.pem), the revocation list (crl.pem), its "
+                                   "certificate and key, and for a site its CURVE key pair. No other identity's "
+                                   "files: peers' certificates reach a site through etcd (pki/sites/), vouched "
+                                   "for by the CA. Carry DIR to the host and run it with TIERMESH_HOME=DIR (or "
+                                   "--home DIR). Refuses a missing, expired or revoked certificate.")
+    _home_arg(bu)
+    _identity_args(bu)
+    bu.add_argument("--out", type=Path, required=True, metavar="DIR", help="the host's home directory to fill")
+    bu.set_defaults(func=_bundle)
 
     ls = ps.add_parser("list", help="every certificate issued, with its state")
     _home_arg(ls)
@@ -203,6 +218,18 @@ def _print_revoked(identity: Identity, new: list[int]) -> None:
         print(f"revoked {identity} serial {serial:x}")
     if not new:
         print(f"{identity}: every live certificate was already revoked")
+
+
+def _bundle(args: argparse.Namespace) -> int:
+    from mesh.pki.files import PkiPaths
+
+    identity = _identity(args)
+    files = _pki(args).bundle(identity, PkiPaths.under(args.out))
+    for role, path in files.items():
+        print(f"{role:6} {path}")
+    print(f"{identity}: {len(files)} files under {args.out}/pki; on that host run with TIERMESH_HOME={args.out} "
+          f"(and etcd's addresses in TIERMESH_ETCD)", file=sys.stderr)
+    return EXIT_OK
 
 
 def _list(args: argparse.Namespace) -> int:

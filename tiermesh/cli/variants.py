@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mesh.errors import ConfigError
 from tiermesh.cli.main import EXIT_OK, add_addresses, add_common
 from variant_store.blobs import BlobStore
 from variant_store.catalog import Catalog
@@ -90,9 +89,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                     help="topology site this store runs at: routing charges a cold start elsewhere the "
                          "fetch over that site's path (default: none, fetches count as free)")
     sv.add_argument("--pki-dir", type=Path, default=None,
-                    help="serve HTTPS with client certificates from this mesh PKI directory, as the --site's "
-                         "identity (pki/sites/SITE.pem); a tenant-private variant then goes only to its tenant, "
-                         "to sites and to admins. Without it: plain HTTP that serves anyone (development only)")
+                    help="serve HTTPS with client certificates from this mesh PKI directory, as the store identity "
+                         "--name (stores/NAME.pem, NAME-key.pem: `tiermesh pki issue --store NAME --address HOST`); "
+                         "a tenant-private variant then goes only to its tenant, to sites and to admins, and the "
+                         "revocation list is followed from etcd pki/crl. Without it: plain HTTP that serves anyone "
+                         "(development only)")
+    sv.add_argument("--name", default="variant-store", metavar="NAME",
+                    help="the store's identity with --pki-dir: spiffe://tiermesh/store/NAME (default variant-store)")
     sv.set_defaults(func=_serve)
 
     for sp in (r, b, d, t, pr, ls, sh, sv):
@@ -208,9 +211,7 @@ async def _serve(args: argparse.Namespace) -> int:
         from mesh.pki.identity import Identity
         from variant_store.access import StoreTls
 
-        if not args.site:
-            raise ConfigError("--pki-dir serves HTTPS as a site's identity: name it with --site")
-        tls = StoreTls(PkiPaths(args.pki_dir), Identity("site", args.site))
+        tls = StoreTls(PkiPaths(args.pki_dir), Identity("store", args.name))
     else:
         print("WARNING: the variant store serves plain HTTP: anyone who reaches it reads every variant, "
               "tenant-private ones included (pass --pki-dir for HTTPS)", file=sys.stderr, flush=True)
