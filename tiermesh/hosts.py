@@ -86,7 +86,7 @@ def store_command(*, home: str, advertise: str, site: str | None, bind: str = "0
     """The variant store: HTTPS as its own ``store`` identity (never a site's), blobs under ``home/blobs``,
     announced in etcd at ``advertise``; ``site`` is where it runs in the topology (fetches are priced from
     there)."""
-    args = ("variants", "serve", "--bind", bind, "--advertise", advertise, "--port", str(port),
+    args: tuple[str, ...] = ("variants", "serve", "--bind", bind, "--advertise", advertise, "--port", str(port),
             "--pki-dir", str(_pki(home).root), "--name", identity.name)
     args += ("--site", site) if site else ()
     return HostCommand(identity, args, identity_env(identity, home))
