@@ -81,12 +81,17 @@ def port_free(host: str, port: int) -> bool:
 class ServerTLS:
     """TLS for the client port of an embedded etcd: its certificate and key, the CA it trusts for
     client certificates, and whether it demands one (``--client-cert-auth``). The server's own
-    certificate must also allow client auth (EKU): the health probe presents it."""
+    certificate must also allow client auth (EKU): the health probe presents it.
+
+    ``crl_file``: the mesh CA's revocation list (``--client-crl-file``). etcd reads it at every client handshake, so
+    rewriting it in place refuses a revoked certificate's next connection without a restart (measured on 3.5.1);
+    connections already open are not re-checked (see :mod:`tiermesh.crl_follow`)."""
 
     cert_file: Path
     key_file: Path
     ca_file: Path
     client_cert_auth: bool = True
+    crl_file: Path | None = None
 
     def client_context(self) -> ssl.SSLContext:
         ctx = ssl.create_default_context(cafile=str(self.ca_file))
@@ -278,6 +283,8 @@ class EmbeddedEtcd(Service):
                     "--trusted-ca-file", str(self.tls.ca_file)]
             if self.tls.client_cert_auth:
                 cmd.append("--client-cert-auth")
+            if self.tls.crl_file is not None:
+                cmd += ["--client-crl-file", str(self.tls.crl_file)]
         if self.unsafe_no_fsync:
             cmd.append("--unsafe-no-fsync")
         if not self.initial_cluster:

@@ -1,13 +1,19 @@
 """The revocation list: which certificates the CA has withdrawn before they expire.
 
-An X.509 CRL signed by the mesh CA, one entry per revoked serial, each carrying the revoked identity's URI
-(private entry extension :data:`mesh.pki.policy.REVOKED_IDENTITY_OID`) so that people and logs can read who
-was cut off. A ``CRLNumber`` grows by one with every new list, so a reader holding several copies (the file,
-etcd ``pki/crl``) keeps the highest. Its nextUpdate is the CA's notAfter: the list lives as long as the CA
-that signs it. Entries are dropped once the certificate they name has expired (it is refused anyway).
+An X.509 CRL signed by the mesh CA, one entry per revoked serial (with its reason), and nothing a standard parser
+cannot read: etcd reads this very file (``--client-crl-file``), and Go's parser refuses a list with an entry
+extension under tiermesh's private OID arc ("asn1: base 128 integer too large"), which made etcd refuse *every*
+client once one certificate was revoked (measured on etcd 3.5.1). Who each serial belonged to is kept beside the
+list instead: the CA's issuance log, and ``identities`` in the etcd record (for people and logs; the serial alone
+decides). Lists written before carried the identity as a private entry extension
+(:data:`mesh.pki.policy.REVOKED_IDENTITY_OID`); it is still read. A ``CRLNumber`` grows by one with every new list,
+so a reader holding several copies (the file, etcd ``pki/crl``) keeps the highest. Its nextUpdate is the CA's
+notAfter: the list lives as long as the CA that signs it. Entries are dropped once the certificate they name has
+expired (it is refused anyway).
 
-In etcd (``pki/crl``) the list travels as :func:`crl_record`: ``{"schema": 1, "number": N, "pem": "..."}``;
-the number is there for people and guards, readers trust only the signed PEM (:func:`crl_pem_from_record`).
+In etcd (``pki/crl``) the list travels as :func:`crl_record`: ``{"schema": 1, "number": N, "pem": "...",
+"identities": {serial hex: identity URI}}``; the number and identities are there for people and guards, readers
+trust only the signed PEM (:func:`crl_pem_from_record`).
 """
 
 from __future__ import annotations
@@ -40,13 +46,6 @@ class Revocation:
     reason: str | None = None
     # notAfter of the revoked certificate: after it the entry may be dropped (None: keep it)
     expires: datetime | None = None
-
-
-def _utf8_der(text: str) -> bytes:
-    data = text.encode()
-    if len(data) > 127:
-        raise ConfigError("identity URI too long for a CRL entry")
-    return b"\x0c" + bytes([len(data)]) + data
 
 
 def _from_utf8_der(value: bytes) -> str:
@@ -107,11 +106,10 @@ class RevocationList:
             rb = x509.RevokedCertificateBuilder().serial_number(e.serial).revocation_date(e.revoked_at)
             if e.reason:
                 rb = rb.add_extension(x509.CRLReason(x509.ReasonFlags[e.reason]), critical=False)
-            if e.identity is not None:
-                rb = rb.add_extension(x509.UnrecognizedExtension(REVOKED_IDENTITY_OID, _utf8_der(e.identity.uri)),
-                                      critical=False)
             builder = builder.add_revoked_certificate(rb.build())
-        return cls.load(builder.sign(ca.key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM), ca.cert)
+        names = {e.serial: e.identity for e in kept if e.identity is not None}
+        return cls.load(builder.sign(ca.key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM), ca.cert,
+                        names=names)
 
     @classmethod
     def empty(cls, ca: CertificateAuthority, now: datetime | None = None) -> RevocationList:
@@ -126,9 +124,11 @@ class RevocationList:
         return RevocationList.sign(ca, (*old, *revocations), number=self.number + 1, now=now)
 
     @classmethod
-    def load(cls, pem: bytes, ca_cert: x509.Certificate, *, now: datetime | None = None) -> RevocationList:
+    def load(cls, pem: bytes, ca_cert: x509.Certificate, *, now: datetime | None = None,
+             names: Mapping[int, Identity] | None = None) -> RevocationList:
         """Parse and check a CRL: signed by ``ca_cert``, issued by it, not past nextUpdate. Anything else is a
-        ``PkiError``: a list we cannot trust is our problem, never a reason to admit a peer."""
+        ``PkiError``: a list we cannot trust is our problem, never a reason to admit a peer. ``names``: who each
+        serial was issued to (the issuance log), for the entries' ``identity``."""
         try:
             crl = x509.load_pem_x509_crl(pem)
         except ValueError as exc:
@@ -144,14 +144,16 @@ class RevocationList:
             number = crl.extensions.get_extension_for_class(x509.CRLNumber).value.crl_number
         except x509.ExtensionNotFound:
             number = 0
-        entries = tuple(Revocation(serial=e.serial_number, identity=_entry_identity(e),
+        names = names or {}
+        entries = tuple(Revocation(serial=e.serial_number, identity=_entry_identity(e) or names.get(e.serial_number),
                                    revoked_at=e.revocation_date_utc, reason=_entry_reason(e)) for e in crl)
         return cls(crl, entries, number)
 
 
 def crl_record(crl: RevocationList) -> dict[str, Any]:
     """The etcd value of ``pki/crl`` for ``crl``."""
-    return {"schema": CRL_RECORD_SCHEMA, "number": crl.number, "pem": crl.to_pem().decode()}
+    return {"schema": CRL_RECORD_SCHEMA, "number": crl.number, "pem": crl.to_pem().decode(),
+            "identities": {f"{e.serial:x}": e.identity.uri for e in crl.entries if e.identity is not None}}
 
 
 def crl_pem_from_record(value: Any) -> bytes:

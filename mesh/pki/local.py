@@ -97,7 +97,8 @@ class LocalPki:
             pem = self.paths.crl.read_bytes()
         except OSError as exc:
             raise PkiError(f"cannot read the revocation list {self.paths.crl}: {exc}") from exc
-        return RevocationList.load(pem, read_cert(self.paths.ca_cert))
+        return RevocationList.load(pem, read_cert(self.paths.ca_cert),
+                                   names={r.serial: r.identity for r in self._records()})
 
     def adopt_crl(self, pem: bytes) -> bool:
         """Replace ``crl.pem`` with ``pem`` if it is a list signed by this CA and newer than the one here.

@@ -48,10 +48,12 @@ EKUS: Mapping[Kind, tuple[Use, ...]] = MappingProxyType({
 
 # tiermesh's private OID arc: a UUID OID (ITU-T X.667, 2.25.<uuid>) needs no registration, and its owner
 # allocates beneath it. Go's ASN.1 parser refuses its arcs (above 2**31-1), so it is used only where no Go program
-# reads: the CRL (Python readers only). Certificates carry no private extension (etcd parses client certificates;
-# the CURVE key binding is a subject attribute, see mesh.pki.curve).
+# reads. Neither certificates nor revocation lists carry one now (etcd parses both: client certificates, and the list
+# given by --client-crl-file); lists written before carried the revoked identity under .2, still read (the CURVE
+# key binding is a subject attribute, see mesh.pki.curve).
 _ARC = "2.25.104453098811647246352016318826609560993"
-# Non-critical CRL entry extension: the identity URI of the revoked certificate, DER UTF8String.
+# Non-critical CRL entry extension of lists written before: the identity URI of the revoked certificate, DER
+# UTF8String. Read (mesh.pki.crl), never written.
 REVOKED_IDENTITY_OID = x509.ObjectIdentifier(_ARC + ".2")
 
 

@@ -12,10 +12,10 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from mesh.errors import ConfigError, PermissionDenied, PkiError, Unauthenticated
 from mesh.pki.ca import CertificateAuthority
-from mesh.pki.crl import Revocation, RevocationList
+from mesh.pki.crl import Revocation, RevocationList, crl_record
 from mesh.pki.curve import CURVE_KEY_PREFIX, CurveKeyPair, curve_key_from_certificate, z85_decode, z85_encode
 from mesh.pki.identity import KINDS, Identity
-from mesh.pki.policy import CLOCK_SKEW, EKUS, LIFETIMES, USE_EKU
+from mesh.pki.policy import CLOCK_SKEW, EKUS, LIFETIMES, REVOKED_IDENTITY_OID, USE_EKU
 from mesh.pki.verify import verify_certificate
 from tests.helpers.pki_certs import CLIENT, SERVER, odd_leaf
 
@@ -285,11 +285,32 @@ def test_crl_names_identities_and_reasons_and_counts_up(ca: CertificateAuthority
     crl1 = RevocationList.empty(ca)
     crl2 = crl1.add(ca, [Revocation(7, TENANT, now, "key_compromise")])
     crl3 = crl2.add(ca, [Revocation(9, SITE, now)])
-    again = RevocationList.load(crl3.to_pem(), ca.cert)
+    assert {(e.serial, e.identity, e.reason) for e in crl3.entries} == {(7, TENANT, "key_compromise"),
+                                                                          (9, SITE, None)}
+    again = RevocationList.load(crl3.to_pem(), ca.cert)  # the PEM alone: serials and reasons, no names
     assert (crl1.number, crl2.number, again.number) == (1, 2, 3)
-    assert {(e.serial, e.identity, e.reason) for e in again.entries} == {(7, TENANT, "key_compromise"),
-                                                                           (9, SITE, None)}
+    assert {(e.serial, e.identity, e.reason) for e in again.entries} == {(7, None, "key_compromise"), (9, None, None)}
+    named = RevocationList.load(crl3.to_pem(), ca.cert, names={7: TENANT, 9: SITE})  # names from the issuance log
+    assert {(e.serial, e.identity) for e in named.entries} == {(7, TENANT), (9, SITE)}
     assert again.is_revoked(7) and again.is_revoked(9) and not again.is_revoked(8)
+    # nothing but standard extensions: Go's parser (etcd's --client-crl-file) refuses tiermesh's private OID arc
+    assert {ext.oid for entry in again.crl for ext in entry.extensions} == {x509.oid.CRLEntryExtensionOID.CRL_REASON}
+    assert crl_record(crl3)["identities"] == {"7": TENANT.uri, "9": SITE.uri}
+
+
+def test_a_list_written_before_still_names_its_identities(ca: CertificateAuthority) -> None:
+    """Lists written before carried the identity as a private entry extension: still read."""
+    from cryptography.hazmat.primitives import hashes
+
+    entry = (x509.RevokedCertificateBuilder().serial_number(5).revocation_date(datetime.now(UTC))
+             .add_extension(x509.UnrecognizedExtension(REVOKED_IDENTITY_OID, b"\x0c" + bytes([len(TENANT.uri)])
+                                                       + TENANT.uri.encode()), critical=False).build())
+    now = datetime.now(UTC)
+    old = (x509.CertificateRevocationListBuilder().issuer_name(ca.cert.subject).last_update(now)
+           .next_update(now + timedelta(days=1)).add_extension(x509.CRLNumber(4), critical=False)
+           .add_revoked_certificate(entry).sign(ca.key, hashes.SHA256()))
+    crl = RevocationList.load(old.public_bytes(serialization.Encoding.PEM), ca.cert)
+    assert [(e.serial, e.identity) for e in crl.entries] == [(5, TENANT)] and crl.number == 4
 
 
 def test_crl_drops_entries_whose_certificate_expired(ca: CertificateAuthority) -> None:
