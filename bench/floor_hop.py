@@ -32,8 +32,9 @@ from mesh.pki.identity import Identity
 from mesh.pki.local import LocalPki
 from mesh.types import SLO, InferRequest, InferResponse
 from mesh.zmq.client import ZmqClient
-from mesh.zmq.curve import CurveSecurity, SiteKeys
+from mesh.zmq.curve import CurveSecurity
 from mesh.zmq.server import ZmqServer
+from mesh.zmq.site_keys import SiteKeys
 
 __all__ = ["run_mesh_hop"]
 
@@ -95,7 +96,7 @@ async def _curve_ends() -> AsyncIterator[tuple[ZmqServer, ZmqClient, _BareZmqEch
         site = Identity("site", "core")
         pki.issue(site)
         keys = pki.curve(site)
-        security = CurveSecurity(keys, SiteKeys(pki.paths))
+        security = CurveSecurity(keys, SiteKeys(pki.paths, site=site.name))  # it dials itself: its own key
         server = ZmqServer(echo_handler, security=security)
         client = ZmqClient(security=security, server_key_for=lambda _ep, _lost: keys.public)
         floor = _BareZmqEcho((keys, keys))

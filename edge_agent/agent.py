@@ -5,7 +5,8 @@ store -> view (watch) -> variant host -> ZeroMQ server + client -> HTTP front ->
 placement follower. Every background task is owned here and cancelled on stop.
 
 The revocation list published at etcd ``pki/crl`` reaches both trust stores (edge TLS and CURVE) through the
-view, so a revocation takes effect here even when this site's own ``crl.pem`` is stale (:mod:`edge_agent.agent_trust`).
+view, so a revocation takes effect here even when this site's own ``crl.pem`` is stale; peers' certificates arrive
+the same way, from ``pki/sites/`` (:mod:`edge_agent.agent_trust`).
 """
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ class Agent(AgentTrust, Service):
         self._tasks: list[asyncio.Task[None]] = []
         self._reconcile = asyncio.Event()
         self._crl_seen: bytes | None = None  # the pki/crl PEM last handed to the trust stores
+        self._certs_seen: dict[str, bytes] | None = None  # the pki/sites/ certificates last handed to CURVE
+        self._published_pem: bytes | None = None  # our certificate as we last published it at pki/sites/<site>
         self._rekeying: asyncio.Task[None] | None = None  # taking our own re-issued CURVE key
         # refused here, before anything starts, when nobody could dial what we would advertise
         self.advertise_host = advertised_host(cfg.bind, cfg.advertise)
@@ -151,8 +154,10 @@ class Agent(AgentTrust, Service):
         await self.http.start()
         # blobs from an https:// variant store: with the site's own (reloading) client certificate
         self.host.blobs.ssl = self.http.tls.credentials.client_context() if self.http.tls is not None else None
-        self.view.on_change(self._on_view_change)
+        # trust first (peers' certificates, the revocation list), so routing and re-dialling see it
         self.view.on_change(self._adopt_crl)
+        self.view.on_change(self._adopt_site_certs)
+        self.view.on_change(self._on_view_change)
         self.view.on_change(self.selfprof.wake)
         self._adopt_crl()
         self._on_view_change()

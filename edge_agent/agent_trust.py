@@ -2,6 +2,12 @@
 taken without a restart, peers re-dialled when theirs change, and the revocation list from etcd handed to
 both trust stores (edge TLS and CURVE). A mixin of :class:`edge_agent.agent.Agent`.
 
+A site holds only its own identity (:meth:`mesh.pki.files.PkiPaths.host_files`). It publishes its certificate at
+etcd ``pki/sites/<site>`` (public; RBAC lets it write that one key) and learns its peers' from there, through its
+view: :class:`mesh.zmq.site_keys.SiteKeys` believes a published certificate only when the CA signed it for that
+site and has not revoked it. A re-issued certificate is published first and its key taken a moment later
+(``REKEY_PUBLISH_LEAD_S``), so peers already hold the new certificate when the new key knocks.
+
 CURVE and mutual TLS load ``cryptography``: imported where a secured agent builds them, so an ``--insecure``
 agent never loads it (the edge footprint)."""
 
@@ -10,10 +16,13 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-from mesh.errors import ConfigError, MeshError, PkiError
+from mesh.errors import ConfigError, MeshError, PkiError, StoreError
+from mesh.etcd.channels import StorePermissionDenied
+from mesh.etcd.keys import site_cert_key
 from mesh.log import get_logger, kv
 from mesh.pki.files import PkiPaths, read_curve
 from mesh.pki.identity import Identity
+from mesh.pki.published import site_cert_record
 
 if TYPE_CHECKING:
     from core_scheduler.state.view import MeshView
@@ -21,18 +30,23 @@ if TYPE_CHECKING:
     from edge_agent.http_api import EdgeHttpServer
     from edge_agent.liveness import Liveness
     from edge_agent.peer_keys import PeerKeys
+    from mesh.etcd.store import Store
     from mesh.pki.curve import CurveKeyPair
     from mesh.zmq.client import ZmqClient
     from mesh.zmq.curve import CurveSecurity
     from mesh.zmq.server import ZmqServer
 
-__all__ = ["AgentTrust"]
+__all__ = ["REKEY_PUBLISH_LEAD_S", "AgentTrust"]
 
 log = get_logger("edge_agent.agent")
+# a re-issued certificate is in etcd this long before its key is taken: peers' views (a watch event, then a
+# 0.2 s debounce) have it by then, so none refuses the new key's first handshake
+REKEY_PUBLISH_LEAD_S = 1.0
 
 
 class AgentTrust:
     site: str
+    store: Store | None
     view: MeshView | None
     curve: CurveSecurity | None
     peer_keys: PeerKeys | None
@@ -41,6 +55,8 @@ class AgentTrust:
     http: EdgeHttpServer | None
     liveness: Liveness | None
     _crl_seen: bytes | None
+    _certs_seen: dict[str, bytes] | None
+    _published_pem: bytes | None
     _rekeying: asyncio.Task[None] | None
     cfg: AgentConfig
 
@@ -63,21 +79,68 @@ class AgentTrust:
                         "`tiermesh pki issue --site %s`)", paths.root, self.site,
                         extra=kv(site=self.site, event="insecure"))
             return None
-        from mesh.zmq.curve import CurveSecurity, SiteKeys
+        from mesh.zmq.curve import CurveSecurity
+        from mesh.zmq.site_keys import SiteKeys
 
         keys = read_curve(paths.curve(me))
-        sites = SiteKeys(paths)
+        view = self.view
+        sites = SiteKeys(paths, site=self.site, known=lambda: view.topology.sites if view and view.topology else ())
         # our own certificate must bind our own key, or no peer would ever admit us
         sites.trust.verify(paths.cert(me).read_bytes(), use="server", kinds=(me.kind,), curve_public=keys.public)
+        await self._publish_certificate(paths.cert(me).read_bytes())
+        if view is not None and view.crl is not None:  # etcd's list before any peer is believed
+            try:
+                sites.trust.load_crl(view.crl)
+            except PkiError as exc:
+                log.warning("revocation list from etcd not adopted by CURVE: %s", exc,
+                            extra=kv(site=self.site, event="crl_refused"))
+        self._certs_seen = None
+        self._adopt_site_certs(sites)
         await sites.start()
-        log.info("CURVE on: %d site keys admitted", len(sites.sites()), extra=kv(site=self.site, event="curve"))
+        log.info("CURVE on: %d site keys admitted (%d refused)", len(sites.sites()),
+                 sum(sites.refuses(s) for s in (view.site_certs if view else {})),
+                 extra=kv(site=self.site, event="curve"))
         sites.on_change.append(self._check_own_key)
         return CurveSecurity(keys, sites)
 
+    async def _publish_certificate(self, pem: bytes) -> None:
+        """Put our certificate at etcd ``pki/sites/<site>`` unless it is there already (an operator's
+        ``tiermesh pki issue`` may have put it): peers learn our CURVE key from it. Refused by RBAC: a clear
+        error, since no peer could admit us."""
+        assert self.store is not None
+        key = site_cert_key(self.site)
+        record = site_cert_record(pem)
+        try:
+            held = await self.store.get(key)
+            if held is not None and held.value == record:
+                self._published_pem = pem
+                return
+            await self.store.put(key, record)
+        except StorePermissionDenied as exc:
+            raise ConfigError(f"etcd refused to let site {self.site} publish its certificate at {key}: grant it "
+                              f"with `tiermesh etcd-rbac` (a site may write its own pki/sites key); peers cannot "
+                              f"admit a site whose certificate they cannot read") from exc
+        self._published_pem = pem
+        log.info("certificate published at %s", key, extra=kv(site=self.site, event="cert_published"))
+
+    def _adopt_site_certs(self, sites: object | None = None) -> None:
+        """Hand the site certificates the view holds (etcd ``pki/sites/``) to the CURVE trust: it believes each
+        only if the CA vouches for it. Called on every view change; cheap when nothing changed."""
+        from mesh.zmq.site_keys import SiteKeys
+
+        holder = sites if sites is not None else (self.curve.sites if self.curve is not None else None)
+        if not isinstance(holder, SiteKeys) or self.view is None:
+            return
+        certs = self.view.site_certs
+        if certs == self._certs_seen:
+            return
+        self._certs_seen = dict(certs)
+        holder.publish(certs)
+
     def _check_own_key(self) -> None:
-        """Our certificate was re-issued with a new CURVE key (rotation): take the new pair without a restart.
-        Only once the key file on disk holds the pair the valid certificate binds (files are replaced one by
-        one)."""
+        """Our certificate was re-issued with a new CURVE key (rotation): publish it, then take the new pair
+        without a restart. Only once the key file on disk holds the pair the valid certificate binds (files are
+        replaced one by one)."""
         if self.curve is None or self._rekeying is not None:
             return
         bound = self.curve.sites.key_of(self.site)
@@ -95,12 +158,18 @@ class AgentTrust:
     async def _rekey(self, keys: CurveKeyPair) -> None:
         assert self.curve is not None and self.zmq_server is not None and self.zmq_client is not None
         try:
+            pem = self._pki_paths().cert(Identity("site", self.site)).read_bytes()
+            if pem != self._published_pem:    # peers learn the new key from etcd: put it there first, and
+                await self._publish_certificate(pem)  # give their views a moment to take it
+                await asyncio.sleep(REKEY_PUBLISH_LEAD_S)
             self.curve.keys = keys             # new sockets (server and client) use the new pair ...
             await self.zmq_server.rebind()     # ... and the listener now, so that peers dialling the key our
             self.zmq_client.drop_idle()        # certificate binds get through; idle client sockets reopen
             if self.liveness is not None:      # say so at once: peers dial the key our live record publishes
                 await self.liveness.beat()
             log.info("CURVE key rotated without a restart", extra=kv(site=self.site, event="rekey"))
+        except (StoreError, OSError) as exc:  # not taken: the next refresh that sees our key differ tries again
+            log.warning("CURVE key rotation postponed: %s", exc, extra=kv(site=self.site, event="rekey"))
         except Exception:
             log.exception("CURVE key rotation failed", extra=kv(site=self.site, event="rekey"))
         finally:

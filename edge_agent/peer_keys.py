@@ -7,7 +7,10 @@ that drops or fails its handshake names the key it had (``lost``): the next sock
 how a peer re-binding with its new key is reached at the first reconnect, without waiting for its live record
 (etcd, then this site's view, a few hundred milliseconds later), and how one that had not re-keyed yet is
 dialled back with the old key at the next failure. A live record publishing a key the certificate does not bind
-(nor bound before its re-issue) is refused: that peer is not dialled.
+(nor bound before its re-issue) is refused, and so is a peer whose certificate is not known here (not published in
+etcd, or not vouched for by the CA): etcd delivers keys, the CA decides, so a key etcd alone vouches for is never
+dialled. Nor is a peer advertising an endpoint at an address its certificate does not name
+(:meth:`mesh.zmq.site_keys.SiteKeys.names_host`).
 """
 
 from __future__ import annotations
@@ -18,21 +21,31 @@ from typing import TYPE_CHECKING, Any
 from mesh.log import get_logger, kv
 
 if TYPE_CHECKING:  # CURVE loads cryptography: only a secured agent builds this
-    from mesh.zmq.curve import SiteKeys
+    from mesh.zmq.site_keys import SiteKeys
 
 __all__ = ["PeerKeys", "serving_keys"]
 
 log = get_logger(__name__)
 
 
+def _host_of(endpoint: object) -> str | None:
+    """The host of a ``tcp://HOST:PORT`` endpoint (IPv6 in brackets), or None for anything else."""
+    if not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
+        return None
+    host, sep, _ = endpoint[len("tcp://"):].rpartition(":")
+    return host.strip("[]") if sep and host else None
+
+
 def serving_keys(bound: bytes | None, previous: bytes | None, published: bytes | None) -> tuple[bytes, ...] | None:
     """The keys a peer may be serving with, the one to try first first, from the key its certificate binds
     (``bound``), the one it bound before a re-issue still in its grace period (``previous``) and the one its
-    live record publishes. ``()``: none known; None: the live record publishes a key the certificate does not
-    bind (read the certificates again before refusing it)."""
-    if bound is None or published is None:
-        key = bound or published
-        return (key,) if key else ()
+    live record publishes. ``()``: none known (no valid certificate: a published key alone is never enough); None:
+    the live record publishes a key the certificate does not bind (read the certificates again before refusing
+    it)."""
+    if bound is None:
+        return ()
+    if published is None:
+        return (bound,)
     if published == bound:
         return (bound,)
     if published == previous:  # re-issued: it has not said yet that it took the new key
@@ -48,6 +61,7 @@ class PeerKeys:
                  endpoint_of: Callable[[str], str | None]) -> None:
         self.here, self.sites, self._live, self._endpoint_of = here, sites, live, endpoint_of
         self._dialled: dict[str, bytes | None] = {}  # endpoint -> the key its socket was opened with
+        self._warned: set[tuple[str, str]] = set()  # (site, endpoint) refused for its address: said once
 
     def server_key(self, endpoint: str, lost: bytes | None = None) -> bytes | None:
         """``ZmqClient``'s ``server_key_for``: the key to dial ``endpoint`` with now, remembered."""
@@ -97,6 +111,13 @@ class PeerKeys:
                 continue
             bound = self.sites.key_of(site)
             if bound is None and self.sites.refuses(site):
+                return None
+            host = _host_of(rec.endpoint)
+            if bound is not None and host is not None and not self.sites.names_host(site, host):
+                if (site, rec.endpoint) not in self._warned and len(self._warned) < 1024:
+                    self._warned.add((site, rec.endpoint))
+                    log.warning("%s advertises %s, an address its certificate does not name: not dialled", site,
+                                rec.endpoint, extra=kv(site=self.here, peer=site, event="endpoint_not_named"))
                 return None
             published = rec.curve_key.encode() if rec.curve_key else None
             return site, serving_keys(bound, self.sites.previous_key(site), published)

@@ -56,7 +56,7 @@ from tiermesh.launcher import AgentLauncher
 from tiermesh.mesh_options import MeshOptions, SiteProcess, free_port
 from tiermesh.netns import NetnsLab
 from tiermesh.readiness import Readiness
-from tiermesh.secure import OPERATOR, SCHEDULER, MeshCredentials, rbac_plan
+from tiermesh.secure import OPERATOR, SCHEDULER, STORE, MeshCredentials, rbac_plan
 from tiermesh.wan import WanLinks
 from topology.loader import load_topology_file
 from topology.schema import Topology
@@ -152,7 +152,7 @@ class LocalMesh(Readiness, MeshIdentities, WanLinks, Service):
             await self._start_control()
         else:
             store_site = self._store_site()
-            tls = StoreTls(self.creds.pki.paths, Identity("site", self._store_identity())) if self.creds else None
+            tls = StoreTls(self.creds.pki.paths, STORE) if self.creds else None
             self.variant_server = VariantStoreServer(self.blobs, self.catalog, site=store_site, tls=tls)
             await self.variant_server.start()
             self.store_url = self.variant_server.url
@@ -239,8 +239,8 @@ class LocalMesh(Readiness, MeshIdentities, WanLinks, Service):
                               "and proactive can be set")
         self.control = ControlProcesses(ControlOptions(
             etcd_url=self.etcd_url, prefix=o.prefix, home=o.home, bind=self._address("ctl"),
-            store_args=([*self.creds.etcd_args(OPERATOR), "--pki-dir", str(self.creds.root),
-                         "--site", self._store_identity()] if self.creds else []),
+            store_args=([*self.creds.etcd_args(STORE), "--pki-dir", str(self.creds.root),
+                         "--name", STORE.name] if self.creds else []),
             scheduler_args=self.creds.etcd_args(SCHEDULER) if self.creds else [],
             exec_prefix=self._exec_prefix("ctl"), store_site=self._store_site(), scheduler=o.scheduler,
             scheduler_id=f"up-{os.getpid()}", mode=o.mode, interval_s=o.interval_s, proactive=o.proactive,
@@ -336,10 +336,6 @@ class LocalMesh(Readiness, MeshIdentities, WanLinks, Service):
             return await Store.connect(self.etcd_url, self.opts.prefix)
         f = self.creds.files(who)
         return await Store.connect(self.etcd_url, self.opts.prefix, ca=f["ca"], cert=f["cert"], key=f["key"])
-
-    def _store_identity(self) -> str:
-        """The site whose certificate the variant store serves HTTPS with: the site it runs at, else the first."""
-        return self._store_site() or sorted(self.topology.sites)[0]
 
     def _store_site(self) -> str | None:
         if self.opts.store_site is not None:

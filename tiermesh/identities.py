@@ -38,7 +38,6 @@ class MeshIdentities:
 
     if TYPE_CHECKING:
         def _address(self, role: str) -> str: ...
-        def _store_identity(self) -> str: ...
 
     def tenants(self) -> list[str]:
         """Every tenant a caller may be: the topology's, and the default ``public``."""
@@ -50,8 +49,7 @@ class MeshIdentities:
         if self.creds is None:
             return
         sites = {n: self._address(n) for n in names}
-        sites.setdefault(self._store_identity(), self._address("ctl"))
-        self.creds.issue(sites, self.tenants(), etcd_address=self._address("etcd"))
+        self.creds.issue(sites, self.tenants(), etcd_address=self._address("etcd"), store_address=self._address("ctl"))
         if self.opts.console:  # the console's server and scrape identities, and one for a person's browser
             pki = self.creds.pki
             pki.issue(CONSOLE_SERVER, addresses=["127.0.0.1", "localhost"])

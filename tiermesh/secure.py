@@ -6,15 +6,16 @@ running processes re-read the files):
     identity                 used by                                     for
     site:<S>                 the agent of S                              edge HTTPS, CURVE, etcd client, blob fetches
     tenant:<T>               SDK / tritonclient callers of tenant T      edge HTTPS client certificate
-    admin:operator           this harness, the variant store's etcd side etcd root (applies RBAC, topology, catalog)
+    admin:operator           this harness                                etcd root (applies RBAC, topology, catalog)
     scheduler:scheduler      the scheduler                               etcd: placements, events, election
+    store:variant-store      the variant store                           blob HTTPS; etcd: catalog, its announcement
     site:etcd (no CURVE key, etcd's server certificate (server + client EKU: etcd's own health probe presents it);
       kept under pki/etcd/)  not in pki/sites, so no ZeroMQ peer admits it and RBAC gives it no etcd user
 
 etcd then runs with TLS and client-certificate auth, and :func:`rbac_plan` gives each identity only what its
-role needs (:mod:`mesh.etcd.rbac`): an agent writes only its own ``live/<site>``; tenants have no etcd user.
-The variant store serves HTTPS as the site it runs at and hands a tenant-private variant only to that tenant,
-to sites and to admins (:mod:`variant_store.access`).
+role needs (:mod:`mesh.etcd.rbac`): an agent writes only its own ``live/<site>`` and ``pki/sites/<site>``; tenants
+have no etcd user. The variant store serves HTTPS as its own ``store`` identity (never a site's) and hands a
+tenant-private variant only to that tenant, to sites and to admins (:mod:`variant_store.access`).
 """
 
 from __future__ import annotations
@@ -28,12 +29,14 @@ from mesh.etcd.server import ServerTLS
 from mesh.pki.files import cert_pem, key_pem, write_file
 from mesh.pki.identity import Identity
 from mesh.pki.local import LocalPki
+from tiermesh.hosts import SCHEDULER_IDENTITY, STORE_IDENTITY
 
-__all__ = ["ETCD_SERVER", "OPERATOR", "SCHEDULER", "MeshCredentials", "rbac_plan"]
+__all__ = ["ETCD_SERVER", "OPERATOR", "SCHEDULER", "STORE", "MeshCredentials", "rbac_plan"]
 
 ETCD_SERVER = Identity("site", "etcd")
 OPERATOR = Identity("admin", "operator")
-SCHEDULER = Identity("scheduler", "scheduler")
+SCHEDULER = SCHEDULER_IDENTITY
+STORE = STORE_IDENTITY
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,13 +55,15 @@ class MeshCredentials:
         d = self.root / "etcd"
         return d / "etcd.pem", d / "etcd-key.pem"
 
-    def issue(self, sites: Mapping[str, str], tenants: Iterable[str], *, etcd_address: str) -> None:
+    def issue(self, sites: Mapping[str, str], tenants: Iterable[str], *, etcd_address: str,
+              store_address: str) -> None:
         """The CA (made if missing), then a fresh certificate for every identity above; ``sites`` maps each
-        site to the address callers dial (named in its certificate)."""
+        site to the address callers and peers dial (named in its certificate, which binds it there)."""
         if not self.pki.exists():
             self.pki.init()
         for name, address in sites.items():
             self.pki.issue(Identity("site", name), addresses=[address])
+        self.pki.issue(STORE, addresses=list(dict.fromkeys([store_address, "localhost"])))
         for tenant in tenants:
             self.pki.issue(Identity("tenant", tenant))
         for who in (OPERATOR, SCHEDULER):
@@ -86,4 +91,4 @@ def rbac_plan(prefix: str, sites: Iterable[str]) -> RbacPlan:
     """Who may touch which etcd keys in a local mesh: each site its own live key, the scheduler its keys, the
     operator (root: this harness and the variant store) everything."""
     return plan(prefix, sites=sites, schedulers=[SCHEDULER.name], admins=[OPERATOR.name],
-                root_admins=[OPERATOR.name])
+                root_admins=[OPERATOR.name], stores=[STORE.name])

@@ -4,7 +4,8 @@ An agent routes each query to itself or to a site whose path round trip leaves r
 budget; a site a thousand kilometres away never wins a decision an edge makes, yet following its
 heartbeat costs this agent an event every time it changes. So an agent follows:
 
-* the mesh's shared configuration (``topology/``, ``tenants/``, ``catalog/``, ``services/``, ``pki/crl``),
+* the mesh's shared configuration (``topology/``, ``tenants/``, ``catalog/``, ``services/``, ``pki/crl``, the sites'
+  certificates ``pki/sites/``),
   whose size grows with the mesh but which changes only when an operator acts;
 * its own ``placement/<site>``;
 * the ``live/<site>`` records of its **route set**: the ``peers`` nearest sites by path round trip (ties
@@ -25,7 +26,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from mesh.etcd.keys import CATALOG, LIVE, PKI_CRL, SERVICES, TENANTS, TOPOLOGY_META, live_key, placement_key
+from mesh.etcd.keys import (
+    CATALOG,
+    LIVE,
+    PKI_CRL,
+    PKI_SITES,
+    SERVICES,
+    TENANTS,
+    TOPOLOGY_META,
+    live_key,
+    placement_key,
+)
 from mesh.etcd.watch import KeyRange
 from topology.paths import topology_paths
 from topology.schema import Topology
@@ -92,7 +103,8 @@ def live_ranges(route: frozenset[str], all_sites: list[str] | tuple[str, ...]) -
 def view_ranges(topology: Topology | None, scope: Scope) -> tuple[KeyRange, ...]:
     """Every key range an agent's view follows; before a topology is known, every live record."""
     fixed = (KeyRange.under(TOPOLOGY_META.split("/")[0] + "/"), KeyRange.under(TENANTS), KeyRange.under(CATALOG),
-             KeyRange.under(SERVICES), KeyRange.key(PKI_CRL), KeyRange.key(placement_key(scope.here)))
+             KeyRange.under(SERVICES), KeyRange.key(PKI_CRL), KeyRange.under(PKI_SITES),
+             KeyRange.key(placement_key(scope.here)))
     if topology is None:
         return (*fixed, KeyRange.under(LIVE))
     return (*fixed, *live_ranges(route_set(topology, scope), tuple(topology.sites)))

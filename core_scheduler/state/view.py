@@ -12,7 +12,9 @@ the whole prefix. What changed is kept per kind (``revisions``) and per heartbea
 so a snapshot builder redoes only what changed; ``generation`` counts full re-reads.
 
 ``crl`` is the revocation list PEM published at ``pki/crl`` (unverified: the agent hands it to its trust
-stores, which check the CA signature and adopt only a newer list).
+stores, which check the CA signature and adopt only a newer list); ``site_certs`` the site certificates published
+at ``pki/sites/<site>`` (PEM, unverified: the agent's CURVE trust believes one only if the CA signed it for that
+site and has not revoked it).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from mesh.etcd.store import Store
 from mesh.etcd.watch import KeyRange
 from mesh.lifecycle import Service, cancel_and_wait
 from mesh.log import get_logger, kv
+from mesh.pki.published import cert_pem_from_record
 from mesh.types import TaskSignature
 from topology.schema import Link, Site, Tenant, Topology
 from variant_store.catalog import signature_from_json
@@ -65,6 +68,7 @@ class MeshView(Service):
         self.placement: dict[str, dict[str, Any]] = {}
         self.services: dict[str, Any] = {}
         self.crl: bytes | None = None
+        self.site_certs: dict[str, bytes] = {}
         self._topology: Topology | None = None
         self._listeners: list[Callable[[], None]] = []
         self._dirty = asyncio.Event()
@@ -109,6 +113,7 @@ class MeshView(Service):
         self.variants, self.signatures = {}, {}
         self.live, self.placement, self.services = {}, {}, {}
         self.crl = None
+        self.site_certs = {}
         self._topology = None
         self.revisions, self.live_revision = {}, {}
 
@@ -255,6 +260,8 @@ class MeshView(Service):
                 from mesh.pki.crl import crl_pem_from_record  # cryptography: only once a mesh publishes one
 
                 self.crl = None if value is None else crl_pem_from_record(value)
+            elif kind == "site_cert":
+                _set(self.site_certs, names[0], None if value is None else cert_pem_from_record(value))
         except (KeyError, TypeError, ValueError) as exc:
             log.warning("ignoring malformed value at %s: %s", key, exc, extra=kv(site=self.site))
 

@@ -16,6 +16,7 @@ first use.
     reload     ReloadingCredentials: SSLContexts that follow their files (standard library only)
     trust      TrustStore: the CA and revocation list a verifier trusts, following their files
     peers      TlsPeers: a mutual-TLS server's credentials and its callers' identities, checked per connection
+    published  a site's certificate as etcd carries it (pki/sites/<site>): delivered by etcd, believed by the CA
 """
 
 from typing import TYPE_CHECKING

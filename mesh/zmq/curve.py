@@ -1,8 +1,7 @@
 """CURVE between sites, bound to the mesh CA: who may open a ZeroMQ connection to a site, and as whom.
 
-    SiteKeys        the CURVE public keys of the sites whose certificates (``pki/sites/*.pem``) verify against
-                    the CA and the revocation list (a :class:`mesh.pki.TrustStore`), re-read when those files
-                    change: key -> site, site -> key
+    SiteKeys        (:mod:`mesh.zmq.site_keys`) the CURVE public keys of the sites whose certificates, published
+                    in etcd, verify against the CA and the revocation list: key -> site, site -> key
     CurveSecurity   the :class:`mesh.zmq.base.SocketSecurity` of a site: its own key pair on every socket; on a
                     server, a ZAP handler that admits a client key only if ``SiteKeys`` knows it, with the
                     site's name as the connection's ZMTP ``User-Id``
@@ -26,30 +25,22 @@ import os
 import socket
 import time
 from collections import OrderedDict
-from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from mesh.errors import ConfigError, MeshError, PeerUnavailable
+from mesh.errors import PeerUnavailable
 from mesh.log import get_logger, kv
-from mesh.pki.curve import CurveKeyPair, curve_key_from_certificate, raw_curve_key, z85_encode
-from mesh.pki.files import PkiPaths, read_cert
-from mesh.pki.identity import Kind
-from mesh.pki.reload import Poller
-
-if TYPE_CHECKING:  # the trust store (cryptography) is built when CURVE is on, not by every importer of
-    from mesh.pki.trust import TrustStore  # RateLimitedLog (an --insecure agent)
+from mesh.pki.curve import CurveKeyPair
 from mesh.zmq.pump import Pump, io_socket
 
-__all__ = ["ROTATION_GRACE_S", "ZAP_ENDPOINT", "CurveSecurity", "RateLimitedLog", "SiteKeys"]
+if TYPE_CHECKING:  # the site keys (cryptography) are built when CURVE is on, not by every importer of
+    from mesh.zmq.site_keys import SiteKeys  # RateLimitedLog (an --insecure agent)
+
+__all__ = ["ZAP_ENDPOINT", "CurveSecurity", "RateLimitedLog"]
 
 log = get_logger("mesh.zmq")
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by ZeroMQ RFC 27
-_SITE: tuple[Kind, ...] = ("site",)
-_RECHECK_S = 30.0  # re-verify unchanged certificates this often anyway: they expire without changing
-ROTATION_GRACE_S = 60.0  # a re-issued site's previous CURVE key stays admitted this long
 
 
 class RateLimitedLog:
@@ -79,126 +70,6 @@ class RateLimitedLog:
         log.warning(message + (f" ({held} more from {key} not logged)" if held else ""), *args,
                     extra=kv(peer=key, **fields))
         return True
-
-
-class SiteKeys(Poller):
-    """The CURVE keys bound by valid, unrevoked site certificates in ``paths.root/sites``. ``refresh()`` re-reads
-    them when a certificate, the CA or the revocation list changed (and every 30 s regardless); started as a
-    ``Service`` it does so every ``interval_s``."""
-
-    def __init__(self, paths: PkiPaths, trust: TrustStore | None = None, *, interval_s: float = 1.0,
-                 rotation_grace_s: float = ROTATION_GRACE_S) -> None:
-        from mesh.pki.trust import TrustStore
-
-        self.paths, self.interval_s, self.rotation_grace_s = paths, interval_s, rotation_grace_s
-        self.trust = trust or TrustStore.under(paths, interval_s=interval_s)
-        self._by_key: dict[bytes, str] = {}
-        self._by_site: dict[str, bytes] = {}
-        self._stamp: tuple[Any, ...] | None = None
-        self._checked = 0.0
-        self._refused: dict[str, str] = {}
-        self._previous_by_key: dict[bytes, tuple[str, float]] = {}  # rotated-away key -> (site, grace end)
-        # called with the sites no longer admitted (revoked, expired, removed) after each refresh that drops any
-        self.on_revoked: list[Callable[[set[str]], object]] = []
-        # called after every refresh that re-read the keys (a site re-issued, revoked, added)
-        self.on_change: list[Callable[[], object]] = []
-        self.refresh(force=True)
-
-    def site_of(self, public: bytes) -> str | None:
-        """The site whose certificate binds ``public`` (32 raw bytes, as ZAP gives it), or None. A site's key
-        from before its certificate was re-issued still counts for ``ROTATION_GRACE_S``, so its connections
-        and its peers' get through while it takes the new key (it is rotated, not revoked)."""
-        site = self._by_key.get(public)
-        if site is None:
-            prev = self._previous_by_key.get(public)
-            if prev is not None and prev[1] > time.monotonic() and prev[0] in self._by_site:
-                return prev[0]
-        return site
-
-    def previous_key(self, site: str) -> bytes | None:
-        """The Z85 key ``site``'s certificate bound before it was re-issued, within ``ROTATION_GRACE_S``."""
-        for raw, (owner, until) in self._previous_by_key.items():
-            if owner == site and until > time.monotonic():
-                return z85_encode(raw)
-        return None
-
-    def key_of(self, site: str) -> bytes | None:
-        """The Z85 CURVE public key ``site``'s valid certificate binds, or None."""
-        return self._by_site.get(site)
-
-    def sites(self) -> list[str]:
-        return sorted(self._by_site)
-
-    def admits(self, site: str) -> bool:
-        return site in self._by_site
-
-    def refuses(self, site: str) -> bool:
-        """Whether ``site`` has a certificate here that is refused (revoked, expired, not binding a key)."""
-        return f"{site}.pem" in self._refused
-
-    def _files(self) -> list[Path]:
-        return sorted(p for p in (self.paths.root / "sites").glob("*.pem") if not p.name.endswith("-key.pem"))
-
-    def load_crl(self, pem: bytes) -> bool:
-        """Adopt a newer revocation list received from elsewhere (etcd ``pki/crl``) and drop the keys of sites
-        it revokes at once. ``PkiError`` if it does not verify; True if adopted."""
-        if not self.trust.load_crl(pem):
-            return False
-        self.refresh(force=True)
-        return True
-
-    def refresh(self, *, force: bool = False) -> bool:
-        trust_changed = self.trust.refresh()
-        files = self._files()
-        stamp = tuple((p.name, *_stat(p)) for p in files)
-        now = time.monotonic()
-        if not (force or trust_changed or stamp != self._stamp or now - self._checked > _RECHECK_S):
-            return False
-        by_key: dict[bytes, str] = {}
-        refused: dict[str, str] = {}
-        for path in files:
-            try:
-                cert = read_cert(path)
-                site = self.trust.verify(cert, use="client", kinds=_SITE).name
-                if site != path.name[:-4]:
-                    raise ConfigError(f"{path} holds the certificate of {site}")
-                key = curve_key_from_certificate(cert)
-                if key is None:
-                    raise ConfigError("the certificate binds no CURVE key")
-            except (MeshError, OSError) as exc:
-                refused[path.name] = str(exc)
-                continue
-            by_key[raw_curve_key(key)] = site
-        for name, why in refused.items():
-            if self._refused.get(name) != why:
-                log.warning("site certificate %s not admitted to CURVE: %s", name, why,
-                            extra=kv(event="curve_refused"))
-        gone = set(self._by_site) - set(by_key.values())
-        if gone:
-            log.warning("CURVE keys of %s no longer admitted", sorted(gone), extra=kv(event="curve_revoked"))
-        for raw, site in self._by_key.items():  # re-issued (still valid under a new key): a grace period
-            if site in by_key.values() and raw not in by_key:
-                self._previous_by_key[raw] = (site, now + self.rotation_grace_s)
-        self._previous_by_key = {k: v for k, v in self._previous_by_key.items()
-                                 if v[1] > now and v[0] not in gone and k not in by_key}
-        self._by_key = by_key
-        self._by_site = {site: z85_encode(raw) for raw, site in by_key.items()}
-        self._refused, self._stamp, self._checked = refused, stamp, now
-        calls = [lambda f=f: f(gone) for f in self.on_revoked] if gone else []
-        for call in [*calls, *self.on_change]:
-            try:
-                call()
-            except Exception:
-                log.exception("a site-keys listener failed")
-        return True
-
-
-def _stat(path: Path) -> tuple[int, int]:
-    try:
-        st = path.stat()
-    except OSError:  # gone between the listing and now: the next refresh sees it gone
-        return (0, -1)
-    return (st.st_mtime_ns, st.st_size)
 
 
 _MAX_CONNECTIONS = 4096

@@ -18,12 +18,14 @@ import pytest
 
 from edge_agent.agent import Agent
 from edge_agent.agent_config import AgentConfig
-from mesh.etcd.keys import PKI_CRL
+from mesh.etcd.keys import PKI_CRL, site_cert_key
 from mesh.etcd.server import EmbeddedEtcd
 from mesh.etcd.store import Store
 from mesh.pki.crl import RevocationList, crl_pem_from_record
+from mesh.pki.files import PkiPaths
 from mesh.pki.identity import Identity
 from mesh.pki.local import LocalPki
+from mesh.pki.published import site_cert_record
 from tests.helpers.mtls_edge import IO_TIMEOUT, tenant_context
 from tests.helpers.waiting import eventually
 from tiermesh.cli.main import EXIT_OK, main
@@ -79,8 +81,10 @@ async def test_revocation_through_etcd_reaches_an_agent_with_a_stale_crl(store: 
     pki.issue(ACME)
     pki.issue(GLOBEX)
     agent_home = tmp_path / "agent"
-    shutil.copytree(pki.paths.root, agent_home / "pki")  # the agent's copy: never updated by the operator
+    pki.bundle(SITE, PkiPaths.under(agent_home))  # the agent's own files only: its crl.pem never updated
     stale = (agent_home / "pki" / "crl.pem").read_bytes()
+    # the peer's certificate reaches the agent through etcd, as the peer's own agent publishes it
+    await store.put(site_cert_key(PEER.name), site_cert_record(pki.paths.cert(PEER).read_bytes()))
     cfg = AgentConfig(site=SITE.name, etcd=etcd_server.url, prefix=store.prefix, home=agent_home, lease_ttl_s=2.0,
                       tls=True)
     statuses: dict[str, list[tuple[float, int | str]]] = {"acme": [], "globex": []}

@@ -22,8 +22,10 @@ from mesh.pki.local import LocalPki
 from mesh.types import SLO, InferRequest, InferResponse
 from mesh.zmq.base import DEFAULT_HEARTBEAT
 from mesh.zmq.client import ZmqClient
-from mesh.zmq.curve import CurveSecurity, SiteKeys
+from mesh.zmq.curve import CurveSecurity
 from mesh.zmq.server import ZmqServer, current_peer
+from mesh.zmq.site_keys import SiteKeys
+from tests.helpers.site_certs import published_certs
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -62,7 +64,7 @@ class Sites:
         for who in (CORE, MID):
             self.pki.issue(who)
             new[who] = self.pki.curve(who).public
-        self.keys.refresh()
+        self.keys.publish(published_certs(self.pki))  # each publishes its re-issued certificate in etcd
         for who in (CORE, MID):
             self.servers[who][1].keys = self.pki.curve(who)
         await asyncio.gather(*(self.servers[w][0].rebind(drain_s=0.0) for w in (CORE, MID)))
@@ -76,6 +78,7 @@ async def sites(tmp_path: Path) -> AsyncIterator[Sites]:
     for who in (EDGE, CORE, MID):
         pki.issue(who)
     keys = SiteKeys(pki.paths, interval_s=0.2)
+    keys.publish(published_certs(pki))  # every site's certificate, as etcd delivers them
     servers: dict[Identity, tuple[ZmqServer, CurveSecurity]] = {}
     async with keys:
         try:
@@ -166,19 +169,23 @@ async def test_a_re_keyed_peer_is_redialled_with_its_certificate_key_before_its_
     assert sites.published == old  # nothing was published: the certificate's key did it
 
 
-async def test_a_client_re_keyed_before_the_servers_poll_is_admitted_at_its_first_handshake(tmp_path: Path) -> None:
-    """The server polls the site certificates only every 60 s here: a peer that took its re-issued key is
-    admitted anyway, because an unknown key makes the ZAP handler read the certificates again."""
+async def test_a_client_re_keyed_after_publishing_is_admitted_at_its_first_handshake(tmp_path: Path) -> None:
+    """The server polls its files only every 60 s here: a peer that published its re-issued certificate and then
+    took its key is admitted at its first handshake, because a delivered certificate is believed at once (the
+    agent publishes before it re-keys: edge_agent.agent_trust.REKEY_PUBLISH_LEAD_S)."""
     pki = LocalPki.under(tmp_path)
     pki.init()
     for who in (EDGE, CORE):
         pki.issue(who)
-    server_keys, client_keys = SiteKeys(pki.paths, interval_s=60.0), SiteKeys(pki.paths, interval_s=60.0)
+    server_keys = SiteKeys(pki.paths, site=CORE.name, interval_s=60.0)
+    client_keys = SiteKeys(pki.paths, site=EDGE.name, interval_s=60.0)
+    server_keys.publish(published_certs(pki))
     server = ZmqServer(slow_echo, security=CurveSecurity(pki.curve(CORE), server_keys))
     await server.start()
     try:
-        pki.issue(EDGE)  # the edge re-issued: the server's SiteKeys has not read it
+        pki.issue(EDGE)  # the edge re-issued ...
         assert server_keys.key_of("edge-a") != pki.curve(EDGE).public
+        server_keys.publish(published_certs(pki))  # ... and published it: etcd delivers it to the core
         async with ZmqClient(security=CurveSecurity(pki.curve(EDGE), client_keys),
                              server_key_for=lambda _ep, _lost: pki.curve(CORE).public) as client:
             resp = await client.request(server.endpoint, make_req(3.0))

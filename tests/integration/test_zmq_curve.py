@@ -21,8 +21,10 @@ from mesh.pki.identity import Identity
 from mesh.pki.local import LocalPki
 from mesh.types import SLO, InferRequest, InferResponse
 from mesh.zmq.client import ZmqClient
-from mesh.zmq.curve import CurveSecurity, SiteKeys
+from mesh.zmq.curve import CurveSecurity
 from mesh.zmq.server import ZmqServer, current_peer
+from mesh.zmq.site_keys import SiteKeys
+from tests.helpers.site_certs import published_certs
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -64,7 +66,8 @@ async def mesh(tmp_path: Path) -> AsyncIterator[Mesh]:
     pki.init()
     for site in (EDGE, CORE):
         pki.issue(site)
-    keys = SiteKeys(pki.paths, interval_s=0.2)
+    keys = SiteKeys(pki.paths, site=CORE.name, interval_s=0.2)  # the core's own certificate from its file ...
+    keys.publish(published_certs(pki))  # ... its peers' as etcd delivers them
     security = CurveSecurity(pki.curve(CORE), keys)
     async with keys, ZmqServer(echo_peer, security=security) as server:
         yield Mesh(pki, keys, server, security)
@@ -132,7 +135,7 @@ async def test_a_revoked_sites_open_connection_is_closed_within_5_s(mesh: Mesh) 
     fails the handshake (its client marks the server unreachable), while another site's connection stays."""
     other = Identity("site", "edge-b")
     mesh.pki.issue(other)
-    mesh.keys.refresh()
+    mesh.keys.publish(published_certs(mesh.pki))
     async with mesh.client(mesh.pki.curve(EDGE)) as revoked, mesh.client(mesh.pki.curve(other)) as kept:
         assert (await revoked.request(mesh.server.endpoint, make_req(deadline_s=5.0))).variant == "edge-a"
         assert (await kept.request(mesh.server.endpoint, make_req(deadline_s=5.0))).variant == "edge-b"
@@ -149,7 +152,7 @@ async def test_a_re_issued_site_is_admitted_with_its_new_key(mesh: Mesh) -> None
     mesh.pki.issue(EDGE)
     new = mesh.pki.curve(EDGE)
     assert old.public != new.public
-    mesh.keys.refresh()
+    mesh.keys.publish(published_certs(mesh.pki))  # the re-issued certificate, as the edge publishes it
     async with mesh.client(new) as client:
         assert (await client.request(mesh.server.endpoint, make_req(deadline_s=5.0))).variant == "edge-a"
     # rotated, not revoked: the previous key still gets through for the grace period (while the site takes
@@ -231,13 +234,43 @@ async def test_header_claims_are_trusted_only_from_an_authenticated_site(mesh: M
 
 
 def test_site_keys_admit_only_valid_site_certificates_under_their_own_name(mesh: Mesh) -> None:
-    sites = mesh.pki.paths.root / "sites"
-    tenant = Identity("tenant", "acme")
+    tenant, stranger = Identity("tenant", "acme"), Identity("site", "edge-z")
     mesh.pki.issue(tenant)
-    # a tenant's certificate dropped among the sites, and a site's certificate under another site's name
-    (sites / "impostor.pem").write_bytes(mesh.pki.paths.cert(tenant).read_bytes())
-    (sites / "edge-b.pem").write_bytes(mesh.pki.paths.cert(EDGE).read_bytes())
-    assert mesh.keys.refresh()
+    other_ca = LocalPki.under(mesh.pki.paths.root.parent / "other")
+    other_ca.init()
+    other_ca.issue(stranger)
+    published = published_certs(mesh.pki)
+    # what a hostile etcd (or a compromised site's writes) could deliver: a tenant's certificate as a site, a site's
+    # certificate under another site's name, another CA's site, our own name with someone else's certificate, junk
+    published |= {"impostor": mesh.pki.paths.cert(tenant).read_bytes(),
+                  "edge-b": mesh.pki.paths.cert(EDGE).read_bytes(),
+                  "edge-z": other_ca.paths.cert(stranger).read_bytes(),
+                  "core": mesh.pki.paths.cert(EDGE).read_bytes(),
+                  "junk": b"-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n"}
+    assert mesh.keys.publish(published)
     assert mesh.keys.sites() == ["core", "edge-a"]
     assert mesh.keys.key_of("edge-a") == mesh.pki.curve(EDGE).public
+    assert mesh.keys.key_of("core") == mesh.pki.curve(CORE).public  # its own from its file, never from etcd
     assert mesh.keys.site_of(bytes(32)) is None
+    for name in ("impostor", "edge-b", "edge-z", "junk"):
+        assert mesh.keys.refuses(name), name
+    assert "certificate of edge-a" in (mesh.keys.refusal("edge-b") or "")
+    assert not mesh.keys.publish(published)  # the same delivery again: nothing re-read
+
+
+def test_site_keys_refuse_a_site_the_topology_does_not_name_and_bind_its_addresses(tmp_path: Path) -> None:
+    pki = LocalPki.under(tmp_path)
+    pki.init()
+    pki.issue(CORE)
+    pki.issue(EDGE, addresses=["10.9.0.2", "edge-a.example"])
+    pki.issue(Identity("site", "edge-b"))  # names no address: bound to none
+    known = {"core", "edge-a"}
+    keys = SiteKeys(pki.paths, site=CORE.name, known=lambda: known)
+    keys.publish(published_certs(pki))
+    assert keys.sites() == ["core", "edge-a"] and "not a site of the topology" in (keys.refusal("edge-b") or "")
+    assert keys.names_host("edge-a", "10.9.0.2") and keys.names_host("edge-a", "EDGE-A.example.")
+    assert not keys.names_host("edge-a", "10.9.0.3") and not keys.names_host("edge-a", "other.example")
+    known.add("edge-b")  # the topology grew: read again
+    assert keys.refresh() and keys.admits("edge-b")
+    assert keys.names_host("edge-b", "10.1.1.1") and keys.names_host("edge-b", "anything.example")
+    assert not keys.names_host("nobody", "10.9.0.2")

@@ -65,6 +65,7 @@ def test_self_link_is_refused():
     (keys.placement_key("mid"), ("placement", ("mid",))),
     (keys.blobs_key(), ("service", ("variant-store",))),
     (keys.PKI_CRL, ("crl", ())),
+    (keys.site_cert_key("edge-1"), ("site_cert", ("edge-1",))),
 ])
 def test_every_built_key_parses_back_to_its_kind(key, expected):
     assert keys.parse_key(key) == expected
@@ -73,6 +74,7 @@ def test_every_built_key_parses_back_to_its_kind(key, expected):
 @pytest.mark.parametrize("key", [keys.TOPOLOGY_META, keys.EVENTS_PLACEMENT, keys.ELECTION_SCHEDULER + "/1",
                                  keys.model_key("digits", "mlp"), "live/", "live/a/b", "topology/sites/a/b",
                                  "topology/links/a", "catalog/t", "catalog//v", "tenants", "",
-                                 keys.PKI + "ca", keys.PKI_CRL + "/x"])
+                                 keys.PKI + "ca", keys.PKI_CRL + "/x", keys.PKI_SITES, keys.PKI_SITES + "a/b",
+                                 keys.PKI_SITES + "/a"])
 def test_keys_no_view_follows_parse_to_none(key):
     assert keys.parse_key(key) is None
