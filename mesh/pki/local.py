@@ -100,6 +100,19 @@ class LocalPki:
         return RevocationList.load(pem, read_cert(self.paths.ca_cert),
                                    names={r.serial: r.identity for r in self._records()})
 
+    def standardise_crl(self) -> bool:
+        """Re-sign ``crl.pem`` (number + 1, same entries) if it was written with tiermesh's private entry extension,
+        which etcd's parser refuses (:mod:`mesh.pki.crl`): an etcd given such a list refuses every client. True if
+        it was re-signed."""
+        from mesh.pki.policy import REVOKED_IDENTITY_OID
+
+        crl = self.crl()
+        if not any(ext.oid == REVOKED_IDENTITY_OID for entry in crl.crl for ext in entry.extensions):
+            return False
+        updated = crl.add(self.ca(), [], expiry={r.serial: r.not_after for r in self._records()})
+        write_file(self.paths.crl, updated.to_pem())
+        return True
+
     def adopt_crl(self, pem: bytes) -> bool:
         """Replace ``crl.pem`` with ``pem`` if it is a list signed by this CA and newer than the one here.
         ``PkiError`` if it does not verify. True if adopted."""

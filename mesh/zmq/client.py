@@ -105,9 +105,11 @@ class ZmqClient(Service):
 
     def connect(self, endpoint: str) -> None:
         """Open the connection to ``endpoint`` now rather than on the first request: over a WAN the
-        TCP + ZMTP handshake costs several round trips, which the first queries would otherwise pay."""
+        TCP + ZMTP handshake costs several round trips, which the first queries would otherwise pay. A peer with
+        no CURVE key known yet (its certificate not delivered yet) is left for later: a request to it says so."""
         if self._state is State.RUNNING and endpoint not in self._peers:
-            self._open_peer(endpoint)
+            with contextlib.suppress(PeerUnavailable):
+                self._open_peer(endpoint)
 
     def add_reachability_listener(self, listener: ReachabilityListener) -> None:
         """Call ``listener(endpoint, unreachable)`` whenever an endpoint's mark changes: ``True``

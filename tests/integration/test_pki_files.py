@@ -112,3 +112,29 @@ def test_trust_store_adopts_only_newer_lists_from_elsewhere(pki: LocalPki) -> No
     write_file(pki.paths.crl, old_pem)  # the file goes back to an older list: the newer one stays
     trust.refresh()
     assert trust.crl is not None and trust.crl.number == crl.number
+
+
+def test_a_list_written_before_is_re_signed_in_a_form_etcd_reads(pki: LocalPki) -> None:
+    """Lists once carried the revoked identity as a private entry extension, which etcd's parser refuses: such a
+    home's crl.pem is re-signed (same serials, number + 1) before etcd is given it."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+
+    from mesh.pki.policy import REVOKED_IDENTITY_OID
+
+    pki.issue(TENANT)
+    serial = pki.certificate(TENANT).serial_number
+    ca = pki.ca()
+    now = datetime.now(UTC)
+    entry = (x509.RevokedCertificateBuilder().serial_number(serial).revocation_date(now)
+             .add_extension(x509.UnrecognizedExtension(REVOKED_IDENTITY_OID, b"\x0c\x03abc"), critical=False).build())
+    old = (x509.CertificateRevocationListBuilder().issuer_name(ca.cert.subject).last_update(now)
+           .next_update(now + timedelta(days=1)).add_extension(x509.CRLNumber(7), critical=False)
+           .add_revoked_certificate(entry).sign(ca.key, hashes.SHA256()))
+    write_file(pki.paths.crl, old.public_bytes(serialization.Encoding.PEM))
+    assert pki.standardise_crl()
+    crl = pki.crl()
+    assert crl.number == 8 and crl.serials == {serial}
+    assert not any(ext.oid == REVOKED_IDENTITY_OID for e in crl.crl for ext in e.extensions)
+    assert [e.identity for e in crl.entries] == [TENANT]  # named from the issuance log
+    assert not pki.standardise_crl()  # already standard: left alone
