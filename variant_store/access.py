@@ -1,6 +1,6 @@
 """Who may read which variant from the variant store over HTTPS: the caller's identity comes from its client
-certificate (mesh CA, checked with a :class:`~mesh.pki.trust.TrustStore`: one URI SAN, clientAuth EKU, not a
-CA, not revoked); what it may read from the variant's ``owner``:
+certificate (mesh CA, checked by :class:`~mesh.pki.peers.TlsPeers`: one URI SAN, clientAuth EKU, not a CA, not
+revoked); what it may read from the variant's ``owner``:
 
     variant owner          served to
     "public"               any valid identity
@@ -15,20 +15,15 @@ entry names yet is served to infrastructure identities only (sites, admins, sche
 
 from __future__ import annotations
 
-import time
-import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from aiohttp import web
 
-from mesh.errors import PermissionDenied, PkiError, Unauthenticated
-from mesh.lifecycle import Service
+from mesh.errors import PkiError
 from mesh.pki.files import PkiPaths
-from mesh.pki.identity import KINDS, Identity
-from mesh.pki.reload import ReloadingCredentials
-from mesh.pki.trust import TrustStore
-from mesh.pki.verify import peer_certificate
+from mesh.pki.identity import Identity
+from mesh.pki.peers import TlsPeers
 from variant_store.meta import VariantMeta
 
 __all__ = ["PUBLIC", "Serves", "StoreTls", "blob_readable", "may_read"]
@@ -59,54 +54,24 @@ def blob_readable(identity: Identity, digest: str, metas: Iterable[VariantMeta],
     return any(may_read(identity, o, serves) for o in owners)
 
 
-class StoreTls(Service):
+class StoreTls(TlsPeers):
     """The variant store's mutual-TLS side: ``ssl_context`` for its listener (``identity``'s certificate, which
-    needs the serverAuth EKU: a site or scheduler identity), ``peer(request)`` for the caller's identity.
-    Certificates and the revocation list are re-read on change (``interval_s``)."""
+    needs the serverAuth EKU: a store, site or scheduler identity), ``peer(request)`` for the caller's identity.
+    Certificates and the revocation list are re-read on change (``interval_s``); a newer list from etcd
+    ``pki/crl`` comes in through :meth:`~mesh.pki.peers.TlsPeers.load_crl` (the serve command follows it), and
+    either way a revoked caller's open keep-alive connections are closed (:class:`~mesh.pki.peers.TlsPeers`)."""
 
     def __init__(self, paths: PkiPaths, identity: Identity, *, interval_s: float = 1.0) -> None:
-        self.identity = identity
         try:
-            self.credentials = ReloadingCredentials.for_identity(paths, identity, interval_s=interval_s)
-            self.trust = TrustStore.under(paths, interval_s=interval_s)
+            super().__init__(paths, identity, interval_s=interval_s)
         except PkiError as exc:
             raise PkiError(f"the variant store cannot serve HTTPS as {identity}: {exc} (issue it with "
                            f"`tiermesh pki issue`)") from exc
-        self.ssl_context = self.credentials.server_context()
-        # per connection: (identity or error, CA, CRL, expiry) so keep-alive requests pay the check once
-        self._verdicts: weakref.WeakKeyDictionary[object, tuple[Identity | Unauthenticated | PermissionDenied,
-                                                                object, object, float]] = \
-            weakref.WeakKeyDictionary()
 
     @classmethod
     def under(cls, home: Path | str, identity: Identity, *, interval_s: float = 1.0) -> StoreTls:
         return cls(PkiPaths.under(home), identity, interval_s=interval_s)
 
-    async def _start(self) -> None:
-        await self.trust.start()
-        await self.credentials.start()
-
-    async def _stop(self) -> None:
-        await self.credentials.stop()
-        await self.trust.stop()
-
     def peer(self, request: web.Request) -> Identity:
         """The caller's verified identity; ``Unauthenticated`` (401) when its certificate proves none."""
-        transport = request.transport
-        ssl_object = transport.get_extra_info("ssl_object") if transport is not None else None
-        if ssl_object is None:
-            raise Unauthenticated("no TLS connection", reason="no_certificate")
-        ca, crl = self.trust.ca, self.trust.crl
-        v = self._verdicts.get(ssl_object)
-        if v is None or v[1] is not ca or v[2] is not crl or time.time() > v[3]:
-            try:
-                cert = peer_certificate(ssl_object)
-                found: Identity | Unauthenticated | PermissionDenied = self.trust.verify(cert, use="client",
-                                                                                         kinds=KINDS)
-                not_after = cert.not_valid_after_utc.timestamp()
-            except (Unauthenticated, PermissionDenied) as exc:
-                found, not_after = exc, float("inf")
-            v = self._verdicts[ssl_object] = (found, ca, crl, not_after)
-        if isinstance(v[0], Identity):
-            return v[0]
-        raise type(v[0])(v[0].message, **v[0].details)
+        return self.identify(request.transport)

@@ -14,8 +14,11 @@ Errors are ``MeshError`` JSON bodies (``{"code", "error"}``) with the error's ``
 With ``tls`` (a :class:`~variant_store.access.StoreTls`) it serves HTTPS with client certificates from the
 mesh CA: the caller's identity is its certificate's (401 when it proves none), and a tenant-private variant's
 catalog entry and blob are served only to identities :func:`~variant_store.access.may_read` admits (403 for
-a blob, left out of ``/catalog``). Without ``tls`` (development only) it is plain HTTP and anyone reads
-everything.
+a blob, left out of ``/catalog``). A revoked caller is refused on its next request and its open keep-alive
+connections are closed once ``tls`` holds a list naming it: from its ``crl.pem``, or from etcd ``pki/crl``
+through ``tls.load_crl`` (``tiermesh variants serve`` runs a :mod:`tiermesh.crl_follow` follower for that: the
+store stands below the command line, so the command owns the follow task). Without ``tls`` (development only) it
+is plain HTTP and anyone reads everything.
 """
 
 from __future__ import annotations

@@ -227,6 +227,14 @@ class AuthUserRevokeRoleResponse(Message):
     FIELDS = fields(_HEADER)
 
 
+class AuthUserGetRequest(Message):
+    FIELDS = fields((1, "name", "string"))
+
+
+class AuthUserGetResponse(Message):
+    FIELDS = fields(_HEADER, (2, "roles", "string", True))
+
+
 class AuthUserDeleteRequest(Message):
     FIELDS = fields((1, "name", "string"))
 
@@ -249,6 +257,7 @@ SERVICES: dict[str, dict[str, tuple[str, str, bool]]] = {
              "RoleAdd": ("AuthRoleAddRequest", "AuthRoleAddResponse", False),
              "RoleGrantPermission": ("AuthRoleGrantPermissionRequest", "AuthRoleGrantPermissionResponse", False),
              "UserGrantRole": ("AuthUserGrantRoleRequest", "AuthUserGrantRoleResponse", False),
+             "UserGet": ("AuthUserGetRequest", "AuthUserGetResponse", False),
              "UserRevokeRole": ("AuthUserRevokeRoleRequest", "AuthUserRevokeRoleResponse", False),
              "UserDelete": ("AuthUserDeleteRequest", "AuthUserDeleteResponse", False)},
 }

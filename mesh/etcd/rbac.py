@@ -14,11 +14,21 @@ named after identities and have no password. Roles (all relative to the store pr
   ``models/``, ``pki/`` and ``services/``.
 - ``root_admins`` (the admin identities that apply this plan; at least one): etcd's ``root`` role, which
   user and role management, ``auth enable`` and compaction need.
+- ``crl_followers`` (any identity, usually etcd's own server certificate ``site:etcd``): read ``P pki/crl``
+  and nothing else: all ``tiermesh pki follow-crl`` needs to keep etcd's ``--client-crl-file`` current. Such
+  a user may not count the prefix as :meth:`Store.connect <mesh.etcd.store.Store.connect>` does, so it
+  connects with ``probe=PKI_CRL``.
 - tenants: no etcd user at all, so etcd refuses everything they ask (permission denied).
 
 :func:`apply` is idempotent (existing users and roles are kept; permissions are granted again) and ends
 with ``auth enable``. Run it as a root admin's certificate: before auth is enabled anyone may manage
 users; after, only a user with the ``root`` role may.
+
+:func:`cut_off` is the other direction, for ``tiermesh pki revoke``: etcd checks a client certificate against
+``--client-crl-file`` only at the TLS handshake, so a revoked identity's open connections keep working until
+they end. Taking its user's roles away makes etcd refuse every request on them at once (unary requests; an
+open watch stream keeps delivering and a lease keep-alive keeps its lease: measured on 3.5.1, which is why the
+CRL follower also ends those connections), and revoking a site's ``live/<site>`` lease drops its heartbeat now.
 """
 
 from __future__ import annotations
@@ -29,12 +39,14 @@ from typing import Any, Literal
 
 from mesh.errors import ConfigError, StoreError
 from mesh.etcd import messages as rpc
+from mesh.etcd.channels import StorePermissionDenied
 from mesh.etcd.keys import (
     CATALOG,
     ELECTION_SCHEDULER,
     EVENTS_PLACEMENT,
     MODELS,
     PKI,
+    PKI_CRL,
     PLACEMENT,
     SERVICES,
     TENANTS,
@@ -45,10 +57,12 @@ from mesh.etcd.store import Store
 from mesh.etcd.wire import prefix_end
 from mesh.pki.identity import Identity
 
-__all__ = ["ROOT_ROLE", "ROOT_USER", "Grant", "RbacPlan", "apply", "plan"]
+__all__ = ["CRL_FOLLOWER_ROLE", "ROOT_ROLE", "ROOT_USER", "CutOff", "Grant", "RbacPlan", "apply",
+           "cut_off", "plan"]
 
 ROOT_ROLE = "root"
 ROOT_USER = "root"  # etcd refuses `auth enable` unless a user named root with the root role exists
+CRL_FOLLOWER_ROLE = "tiermesh-crl-follower"
 Access = Literal["read", "write", "readwrite"]
 _PERM = {"read": rpc.Permission.READ, "write": rpc.Permission.WRITE, "readwrite": rpc.Permission.READWRITE}
 OPERATOR_WRITES = ("topology/", TENANTS, CATALOG, MODELS, PKI, SERVICES)
@@ -93,8 +107,9 @@ def _names(kind: str, names: Iterable[str]) -> list[Identity]:
 
 
 def plan(prefix: str, *, sites: Iterable[str], schedulers: Iterable[str] = (), admins: Iterable[str] = (),
-         root_admins: Iterable[str], stores: Iterable[str] = ()) -> RbacPlan:
-    """The RBAC plan for a mesh under ``prefix``. Names are identity names (``edge-1``), not CNs."""
+         root_admins: Iterable[str], stores: Iterable[str] = (), crl_followers: Iterable[Identity] = ()) -> RbacPlan:
+    """The RBAC plan for a mesh under ``prefix``. Names are identity names (``edge-1``), not CNs;
+    ``crl_followers`` are whole identities (any kind: etcd's own certificate is a site's)."""
     if not prefix.startswith("/") or not prefix.endswith("/") or prefix == "/":
         raise ConfigError(f"an RBAC prefix must start and end with '/' and not be '/': {prefix!r}")
     roots = _names("admin", root_admins)
@@ -122,6 +137,11 @@ def plan(prefix: str, *, sites: Iterable[str], schedulers: Iterable[str] = (), a
         users[a.common_name] = (op_role,)
     for a in roots:
         users[a.common_name] = (ROOT_ROLE, op_role)
+    followers = sorted(set(crl_followers))
+    if followers:
+        roles[CRL_FOLLOWER_ROLE] = (Grant(prefix + PKI_CRL, "read", False),)
+    for f in followers:  # added to what the identity has already (etcd's certificate may also be a site's)
+        users[f.common_name] = (*users.get(f.common_name, ()), CRL_FOLLOWER_ROLE)
     return RbacPlan(prefix, roles, users)
 
 
@@ -129,8 +149,8 @@ def _exists(exc: StoreError) -> bool:
     return "already exists" in str(exc) or "already granted" in str(exc)
 
 
-async def _auth(store: Store, what: str, method: str, req: Any) -> None:
-    await store.call(what, lambda m, t: getattr(m.auth, method)(req, timeout=t))
+async def _auth(store: Store, what: str, method: str, req: Any) -> Any:
+    return await store.call(what, lambda m, t: getattr(m.auth, method)(req, timeout=t))
 
 
 async def apply(store: Store, rbac: RbacPlan, *, enable: bool = True) -> None:
@@ -157,3 +177,79 @@ async def apply(store: Store, rbac: RbacPlan, *, enable: bool = True) -> None:
                         rpc.AuthUserGrantRoleRequest(user=user, role=role))
     if enable:
         await _auth(store, "auth enable", "AuthEnable", rpc.AuthEnableRequest())
+
+
+@dataclass(frozen=True, slots=True)
+class CutOff:
+    """What :func:`cut_off` did: the etcd user (None: etcd has no such user), the roles it took away, and the
+    lease of the site's ``live/`` key it revoked (None: no key, or not a site)."""
+
+    identity: Identity
+    user: str | None
+    roles: tuple[str, ...] = ()
+    lease: int | None = None
+
+    def lines(self) -> list[str]:
+        """What was done, for people."""
+        out = []
+        if self.user is None:
+            out.append(f"etcd has no user {self.identity.common_name}: no roles to take away")
+        elif self.roles:
+            out.append(f"etcd user {self.user}: took away {', '.join(self.roles)} (every request on a connection "
+                       f"it holds is refused from now on)")
+        else:
+            out.append(f"etcd user {self.user} holds no role (already cut off)")
+        if self.identity.kind == "site":
+            out.append(f"revoked lease {self.lease:x} of {live_key(self.identity.name)}: its heartbeat is gone"
+                       if self.lease is not None else f"no {live_key(self.identity.name)} heartbeat to revoke")
+        return out
+
+
+def _not_found(exc: StoreError) -> bool:
+    return "not found" in str(exc) or "not granted" in str(exc)
+
+
+async def cut_off(store: Store, identity: Identity) -> CutOff:
+    """Cut ``identity`` off etcd now: take every role from its etcd user (``identity.common_name``), so etcd
+    refuses each request on a connection it already holds, and for a site revoke the lease of its
+    ``live/<site>`` key, so its heartbeat disappears and it cannot write it again. Idempotent; a missing user,
+    role or key is not an error. ``store`` must hold a root admin's certificate (``StorePermissionDenied``
+    otherwise). Giving the roles back is :func:`apply`'s (``tiermesh etcd-rbac``), for an identity issued again.
+
+    The roles go first (root last, so a root admin revoking itself still gets through the rest): a site whose
+    lease vanished while it could still write would re-create its heartbeat under a fresh lease."""
+    user = identity.common_name
+    try:
+        held = await _auth(store, f"user get {user}", "UserGet", rpc.AuthUserGetRequest(name=user))
+        roles: list[str] | None = list(held.roles)
+    except StorePermissionDenied:
+        raise
+    except StoreError as exc:
+        if not _not_found(exc):
+            raise
+        roles = None
+    taken: list[str] = []
+    lease = None
+    for role in (r for r in roles or () if r != ROOT_ROLE):
+        if await _revoke_role(store, user, role):
+            taken.append(role)
+    if identity.kind == "site":
+        live = await store.get(live_key(identity.name))
+        if live is not None and live.lease and await store.revoke_lease(live.lease):
+            lease = live.lease
+    if roles is not None and ROOT_ROLE in roles and await _revoke_role(store, user, ROOT_ROLE):
+        taken.append(ROOT_ROLE)
+    return CutOff(identity, None if roles is None else user, tuple(taken), lease)
+
+
+async def _revoke_role(store: Store, user: str, role: str) -> bool:
+    try:
+        await _auth(store, f"user {user} revoke {role}", "UserRevokeRole",
+                    rpc.AuthUserRevokeRoleRequest(name=user, role=role))
+    except StorePermissionDenied:
+        raise
+    except StoreError as exc:
+        if _not_found(exc):
+            return False  # revoked meanwhile by someone else: the same end
+        raise
+    return True

@@ -72,12 +72,15 @@ _OPS = {"==": rpc.Compare.EQUAL, "!=": rpc.Compare.NOT_EQUAL, "<": rpc.Compare.L
 class Store(Service):
     """A connection to an etcd cluster under one key prefix. Create with ``await Store.connect(urls)``."""
 
-    def __init__(self, endpoints: EtcdEndpoints, prefix: str, timeout: float) -> None:
+    def __init__(self, endpoints: EtcdEndpoints, prefix: str, timeout: float, probe: str | None = None) -> None:
         self.endpoints = endpoints
         self._channels = Channels(endpoints)
         self.url = str(endpoints)
         self.prefix = prefix if prefix.endswith("/") else prefix + "/"
         self._bprefix = self.prefix.encode()
+        # what connecting and revision() ask etcd about (any answer carries the revision): the whole prefix, or
+        # the one key an identity that may read only that key may read (a CRL follower: pki/crl)
+        self._probe = (self._bprefix, prefix_end(self._bprefix)) if probe is None else (self._k(probe), b"")
         self.timeout = timeout
         self._leases: set[Lease] = set()
         self._watches: set[Watch] = set()
@@ -85,10 +88,12 @@ class Store(Service):
     @classmethod
     async def connect(cls, urls: str | list[str] | tuple[str, ...] | EtcdEndpoints, prefix: str = "/tiermesh/",
                       *, timeout: float = 5.0, ca: str | Path | None = None,  # noqa: ASYNC109
-                      cert: str | Path | None = None, key: str | Path | None = None) -> Store:
+                      cert: str | Path | None = None, key: str | Path | None = None,
+                      probe: str | None = None) -> Store:
         """Connect to the first member of ``urls`` (comma-separated or a list) that answers.
-        ``ConfigError`` for bad URLs or TLS files, ``StoreUnavailable`` if no member answers."""
-        store = cls(parse_endpoints(urls, ca=ca, cert=cert, key=key), prefix, timeout)
+        ``ConfigError`` for bad URLs or TLS files, ``StoreUnavailable`` if no member answers. ``probe``: a key
+        (under the prefix) to ask about instead of the whole prefix, for an identity RBAC lets read that key only."""
+        store = cls(parse_endpoints(urls, ca=ca, cert=cert, key=key), prefix, timeout, probe)
         try:
             await store.start()
         except StorePermissionDenied:
@@ -164,7 +169,7 @@ class Store(Service):
         return await self._unary(what, call, idempotent=idempotent)
 
     async def _revision_once(self, timeout: float) -> int:  # noqa: ASYNC109
-        req = rpc.RangeRequest(key=self._bprefix, range_end=prefix_end(self._bprefix), count_only=True)
+        req = rpc.RangeRequest(key=self._probe[0], range_end=self._probe[1], count_only=True)
         _, member = self._member()
         resp = await member.kv.Range(req, timeout=timeout)
         return int(resp.header.revision)
@@ -212,7 +217,7 @@ class Store(Service):
 
     async def revision(self) -> int:
         """The current revision of the whole etcd key space."""
-        req = rpc.RangeRequest(key=self._bprefix, range_end=prefix_end(self._bprefix), count_only=True)
+        req = rpc.RangeRequest(key=self._probe[0], range_end=self._probe[1], count_only=True)
         resp = await self._unary("revision", lambda m, t: m.kv.Range(req, timeout=t))
         return int(resp.header.revision)
 

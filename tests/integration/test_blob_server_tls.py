@@ -5,17 +5,21 @@ certificates refused. Real TLS on loopback, real etcd."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import ssl
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
 
 from mesh.errors import PermissionDenied
+from mesh.pki.crl import Revocation
 from mesh.pki.identity import Identity
 from mesh.pki.local import LocalPki
 from mesh.pki.reload import ReloadingCredentials
@@ -43,7 +47,7 @@ def _meta(variant: str, digest: str, size: int, owner: str) -> VariantMeta:
 async def secured(tmp_path: Path, store: Any) -> AsyncIterator[tuple[VariantStoreServer, LocalPki, dict[str, str]]]:
     pki = LocalPki.under(tmp_path / "home")
     pki.init()
-    pki.issue(Identity("site", "store"), addresses=["127.0.0.1"])
+    pki.issue(Identity("store", "store"), addresses=["127.0.0.1"])
     for ident in IDS:
         pki.issue(ident)
     blobs = BlobStore(tmp_path / "blobs")
@@ -52,7 +56,7 @@ async def secured(tmp_path: Path, store: Any) -> AsyncIterator[tuple[VariantStor
     await cat.put_variant(_meta("mlp.public", digests["public"], len(PUBLIC_BYTES), "public"))
     await cat.put_variant(_meta("mlp.head-a", digests["a"], len(A_BYTES), "tenant-a"))
     await cat.put_variant(_meta("mlp.head-b", digests["b"], len(B_BYTES), "tenant-b"))
-    tls = StoreTls(pki.paths, Identity("site", "store"), interval_s=0.2)
+    tls = StoreTls(pki.paths, Identity("store", "store"), interval_s=0.2)
     # edge-2 does not serve tenant-b (the topology's tenants name no sites yet: a hook for when they do)
     server = VariantStoreServer(blobs, cat, host="127.0.0.1", tls=tls, announce=False,
                                 serves=lambda site, tenant: not (site == "edge-2" and tenant == "tenant-b"))
@@ -135,3 +139,27 @@ async def test_no_or_foreign_or_revoked_certificate_is_refused(secured: Any, tmp
             break
         await asyncio.sleep(0.2)
     assert status == 401, body
+
+
+async def test_a_list_from_etcd_closes_a_revoked_callers_open_connection_at_once(secured: Any) -> None:
+    """The path the serve command's CRL follower takes (``load_crl``, crl.pem untouched): the revoked caller's idle
+    keep-alive connection is closed when the list is adopted, without waiting for its next request."""
+    server, pki, digests = secured
+    a, b = IDS[0], IDS[1]
+    url = urlsplit(f"{server.url}/blobs/{digests['public']}")
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(url.hostname, url.port, ssl=_client(pki, a)), 10)
+    try:
+        writer.write(f"GET {url.path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert head.startswith(b"HTTP/1.1 200")
+        await asyncio.wait_for(reader.readexactly(len(PUBLIC_BYTES)), 10)
+        newer = pki.crl().add(pki.ca(), [Revocation(pki.certificate(a).serial_number, a, datetime.now(UTC))])
+        assert server.tls.load_crl(newer.to_pem())
+        assert await asyncio.wait_for(reader.read(1), 2) == b""  # closed by the store
+        assert (await _get(f"{server.url}/blobs/{digests['public']}", _client(pki, a)))[0] == 401
+        assert (await _get(f"{server.url}/blobs/{digests['public']}", _client(pki, b))) == (200, PUBLIC_BYTES)
+        assert not server.tls.load_crl(newer.to_pem())  # the same list again: nothing to adopt
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError, ssl.SSLError):
+            await writer.wait_closed()

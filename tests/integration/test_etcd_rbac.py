@@ -69,7 +69,8 @@ async def _cli_apply(srv: EmbeddedEtcd, pki: LocalPki, topology: Path) -> None:
     root = Identity("admin", "root-op")
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "tiermesh", "etcd-rbac", "--topology", str(topology), "--prefix", PREFIX,
-        "--scheduler", "s1", "--admin", "op", "--root-admin", "root-op", "--etcd", srv.url,
+        "--scheduler", "s1", "--admin", "op", "--root-admin", "root-op", "--crl-follower", "site:etcd",
+        "--etcd", srv.url,
         "--etcd-ca", str(pki.paths.ca_cert), "--etcd-cert", str(pki.paths.cert(root)),
         "--etcd-key", str(pki.paths.key(root)),
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
@@ -82,6 +83,7 @@ async def _cli_apply(srv: EmbeddedEtcd, pki: LocalPki, topology: Path) -> None:
             await proc.wait()
     assert proc.returncode == 0, err.decode()
     assert b"user site:edge-1: tiermesh-site:edge-1" in out
+    assert b"user site:etcd: tiermesh-crl-follower" in out
 
 
 async def test_roles_are_enforced(mesh_etcd: tuple[EmbeddedEtcd, LocalPki], tmp_path: Path) -> None:
@@ -95,6 +97,9 @@ async def test_roles_are_enforced(mesh_etcd: tuple[EmbeddedEtcd, LocalPki], tmp_
         await apply(root, rbac)  # idempotent, and the root admin may still manage users once auth is on
         await root.put(tenant_key("acme"), {"name": "acme"})  # root keeps full access
     await srv.restart()  # with auth on, etcd still passes its health probe and keeps users and roles
+
+    with pytest.raises(StorePermissionDenied):  # etcd's own certificate reads pki/crl, not the prefix
+        await _connect(srv, pki, "site", "etcd")
 
     async with await _connect(srv, pki, "site", "edge-1") as agent:
         lease = await agent.lease(5)

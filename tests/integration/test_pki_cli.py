@@ -153,4 +153,19 @@ def test_help_states_the_default_lifetimes(capsys: pytest.CaptureFixture[str]) -
         assert "tenant 12 h" in out and "site 24 h" in out and "admin 8 h" in out and "CA 30 days" in out
     with pytest.raises(SystemExit):
         main(["pki", "revoke", "--help"])
-    assert "etcd" in capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())
+    assert "etcd" in out and "gets its roles back from `tiermesh etcd-rbac`" in out
+    with pytest.raises(SystemExit):
+        main(["pki", "follow-crl", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--client-crl-file" in out and "--drop-connections PORT" in out and "--stagger-s" in out
+
+
+def test_follow_crl_needs_the_etcd_it_serves(home: Path, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv("TIERMESH_ETCD", raising=False)
+    assert run(home, "follow-crl", "--out", str(home / "etcd-crl.pem")) == EXIT_BAD_INPUT
+    assert "follow-crl needs the etcd it serves" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:  # one bound at a time
+        run(home, "follow-crl", "--out", "x", "--drop-connections", "2379", "--signal-process", "etcd")
+    assert info.value.code == EXIT_BAD_INPUT

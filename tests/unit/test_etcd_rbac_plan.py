@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from mesh.errors import ConfigError
-from mesh.etcd.rbac import ROOT_ROLE, ROOT_USER, plan
-from tiermesh.cli.main import EXIT_OK, main
+from mesh.etcd.rbac import CRL_FOLLOWER_ROLE, ROOT_ROLE, ROOT_USER, plan
+from mesh.pki.identity import Identity
+from tiermesh.cli.main import EXIT_BAD_INPUT, EXIT_OK, main
 
 pytestmark = pytest.mark.unit
 
@@ -54,3 +55,31 @@ def test_cli_dry_run_prints_the_plan(capsys: pytest.CaptureFixture[str]) -> None
     assert "user site:edge-fra-1: tiermesh-site:edge-fra-1" in out
     assert "role tiermesh-site:edge-fra-1: write /tiermesh/live/edge-fra-1\n" in out
     assert "user admin:boss: root, tiermesh-operator" in out
+
+
+def test_a_crl_follower_reads_pki_crl_and_nothing_else() -> None:
+    etcd = Identity("site", "etcd")
+    p = plan(P, sites=["edge-1"], root_admins=["boss"], crl_followers=[etcd, etcd])
+    assert p.users["site:etcd"] == (CRL_FOLLOWER_ROLE,)
+    assert p.may("site:etcd", "read", P + "pki/crl")
+    for key in ("pki/crl2", "pki/sites/edge-1", "topology/sites/edge-1", "live/edge-1", ""):
+        assert not p.may("site:etcd", "read", P + key), key
+    assert not p.may("site:etcd", "write", P + "pki/crl")
+    # an identity that is also a site of the plan keeps its site role beside it
+    both = plan(P, sites=["edge-1"], root_admins=["boss"], crl_followers=[Identity("site", "edge-1")])
+    assert both.users["site:edge-1"] == ("tiermesh-site:edge-1", CRL_FOLLOWER_ROLE)
+    assert CRL_FOLLOWER_ROLE not in plan(P, sites=["edge-1"], root_admins=["boss"]).roles
+
+
+def test_cli_takes_crl_followers_as_kind_and_name(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["etcd-rbac", "--topology", str(EXAMPLE), "--root-admin", "boss", "--crl-follower", "site:etcd",
+                 "--dry-run"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert f"user site:etcd: {CRL_FOLLOWER_ROLE}\n" in out
+    assert f"role {CRL_FOLLOWER_ROLE}: read /tiermesh/pki/crl\n" in out
+    for bad, why in (("etcd", "expected KIND:NAME"), ("robot:x", "unknown identity kind"),
+                     ("site:Bad Name", "invalid site name")):
+        with pytest.raises(SystemExit) as exc:
+            main(["etcd-rbac", "--topology", str(EXAMPLE), "--root-admin", "boss", "--crl-follower", bad, "--dry-run"])
+        assert exc.value.code == EXIT_BAD_INPUT
+        assert why in capsys.readouterr().err

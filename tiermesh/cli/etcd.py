@@ -17,6 +17,7 @@ from mesh.errors import ConfigError
 from mesh.etcd import rbac
 from mesh.etcd.cluster import EtcdCluster
 from mesh.etcd.server import EmbeddedEtcd, clear_record, find_running, write_record
+from mesh.pki.identity import Identity
 from mesh.settings import MeshSettings
 from tiermesh.cli.main import EXIT_FAILED, EXIT_OK, add_common
 from topology.loader import load_topology_file
@@ -39,7 +40,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                                    "live/<site> and pki/sites/<site> keys; schedulers write placement/, events/, "
                                    "election/; variant stores write catalog/, models/, services/; admins write "
                                    "topology/, tenants/, catalog/, models/, pki/, services/; tenants get no user. "
-                                   "Everyone in the plan reads the prefix. Run it with a --root-admin's certificate "
+                                   "Everyone in the plan reads the prefix, except a --crl-follower, which reads "
+                                   "pki/crl only. It also gives back the roles `tiermesh pki revoke` took from an "
+                                   "identity: run it after issuing a revoked identity again. "
+                                   "Run it with a --root-admin's certificate "
                                    "(--etcd-cert/--etcd-key) "
                                    "against an etcd with TLS and --client-cert-auth; it is idempotent.")
     add_common(r)
@@ -49,10 +53,24 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     r.add_argument("--admin", metavar="NAME", action="append", default=[], help="an operator identity (repeatable)")
     r.add_argument("--store", metavar="NAME", action="append", default=[],
                    help="a variant store identity (store:NAME; repeatable)")
+    r.add_argument("--crl-follower", metavar="KIND:NAME", action="append", default=[], type=_identity,
+                   help="an identity that may read pki/crl and nothing else: `tiermesh pki follow-crl` beside etcd, "
+                        "with etcd's own certificate (site:etcd); repeatable")
     r.add_argument("--root-admin", metavar="NAME", action="append", default=[], required=True,
                    help="an admin identity with etcd's root role (repeatable; include the one running this)")
     r.add_argument("--dry-run", action="store_true", help="print the users and roles, change nothing")
     r.set_defaults(func=run_rbac)
+
+
+def _identity(text: str) -> Identity:
+    """``KIND:NAME`` (a certificate's CN, as etcd names its user) as an identity."""
+    kind, sep, name = text.partition(":")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected KIND:NAME (e.g. site:etcd), not {text!r}")
+    try:
+        return Identity(kind, name)  # type: ignore[arg-type]  # Identity checks the kind
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 async def run_etcd(args: argparse.Namespace) -> int:
@@ -103,7 +121,7 @@ async def run_rbac(args: argparse.Namespace) -> int:
     topo = load_topology_file(args.topology)
     prefix = args.prefix or "/tiermesh/"
     plan = rbac.plan(prefix, sites=topo.sites, schedulers=args.scheduler, admins=args.admin,
-                     root_admins=args.root_admin, stores=args.store)
+                     root_admins=args.root_admin, stores=args.store, crl_followers=args.crl_follower)
     for user, roles in sorted(plan.users.items()):
         print(f"user {user}: {', '.join(roles)}")
     for role, grants in sorted(plan.roles.items()):

@@ -4,7 +4,11 @@
     issue     issue (or rotate) a tenant / site / admin / scheduler certificate and key; a site also gets a
               CURVE key pair (sites/S.curve, 0600) bound into its certificate
     revoke    put every live certificate of an identity on crl.pem and publish it at etcd pki/crl (when an etcd
-              is named with --etcd / $TIERMESH_ETCD or runs for this home), where every agent picks it up
+              is named with --etcd / $TIERMESH_ETCD or runs for this home), where every agent picks it up; with
+              a root admin's certificate also cut the identity off etcd now (its roles, a site's heartbeat lease)
+    follow-crl
+              keep etcd's --client-crl-file current from etcd pki/crl, and end the connections a newly revoked
+              identity already holds (reset them, or restart etcd one member at a time)
     bundle    copy what one host holds (the CA, the revocation list, its own certificate, key and a site's CURVE
               keys: nothing of any other identity) into DIR/pki/, to carry to that host as its TIERMESH_HOME
     list      every certificate issued: identity, serial, not-after, state
@@ -82,12 +86,48 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                                   "HOME/pki/crl.pem and publish it at etcd pki/crl, where every agent adopts it "
                                   "within seconds (a list older than the one in etcd is never published; a newer "
                                   "one found there is adopted into crl.pem first). Without an etcd (--etcd, "
-                                  "$TIERMESH_ETCD, or one running for HOME) only crl.pem is written.")
+                                  "$TIERMESH_ETCD, or one running for HOME) only crl.pem is written. With a root "
+                                  "admin's certificate (--etcd-cert) it also cuts the identity off etcd at once: "
+                                  "its etcd user loses every role, so each request on a connection it already "
+                                  "holds is refused, and a site's live/<site> lease is revoked, so its heartbeat "
+                                  "disappears. An identity issued again later gets its roles back from `tiermesh "
+                                  "etcd-rbac`. Its open watch streams and lease keep-alives end only with its "
+                                  "connections: `tiermesh pki follow-crl` beside etcd ends those.")
     add_common(r)
     _identity_args(r)
     r.add_argument("--reason", default=None, choices=REASONS, metavar="REASON",
                    help=f"RFC 5280 reason: {', '.join(REASONS)}")
     r.set_defaults(func=_revoke)
+
+    f = ps.add_parser("follow-crl", help="keep etcd's --client-crl-file current from etcd pki/crl",
+                      description="Follow etcd pki/crl, verify each list against the CA certificate, and write "
+                                  "every newer one atomically to --out, the file etcd's --client-crl-file names "
+                                  "(etcd reads it at each TLS handshake: a revoked certificate's next connection "
+                                  "is refused). etcd never checks a connection again once open, so when a list "
+                                  "revokes a serial the previous one did not, end the open connections: "
+                                  "--drop-connections PORT resets every established connection to etcd's client "
+                                  "port (ss -K; needs CAP_NET_ADMIN in etcd's network namespace; every client "
+                                  "dials again, the revoked one is refused), or --signal-process etcd "
+                                  "--stagger-s S sends SIGTERM to etcd after S x the hostname's ordinal seconds "
+                                  "(etcd-2: 2 S; needs a PID namespace shared with etcd), so a StatefulSet "
+                                  "restarts its members one at a time and keeps quorum. etcd refuses every client "
+                                  "while that file is missing, so a missing --out is first written from "
+                                  "HOME/pki/crl.pem (the host's own copy). Run it with etcd's own "
+                                  "certificate (--etcd-cert), given read access to pki/crl only by "
+                                  "`tiermesh etcd-rbac --crl-follower site:etcd`. Runs until stopped.")
+    add_common(f)
+    f.add_argument("--ca", type=Path, default=None, metavar="FILE",
+                   help="the mesh CA certificate lists must be signed by (default HOME/pki/ca.pem)")
+    f.add_argument("--out", type=Path, required=True, metavar="FILE", help="where to write the list (PEM)")
+    bound = f.add_mutually_exclusive_group()
+    bound.add_argument("--drop-connections", type=int, default=None, metavar="PORT",
+                       help="reset every established TCP connection whose local port is PORT after a revocation")
+    bound.add_argument("--signal-process", default=None, metavar="NAME",
+                       help="send SIGTERM to the process NAME after a revocation (staggered by --stagger-s)")
+    f.add_argument("--stagger-s", type=float, default=30.0, metavar="S",
+                   help="with --signal-process: wait S x the trailing integer of the hostname first (default 30)")
+    f.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
+    f.set_defaults(func=_follow_crl)
 
     bu = ps.add_parser("bundle", help="copy one host's files (and nothing else) into DIR/pki/",
                        description="Copy exactly what the host of one identity holds into DIR/pki/, in the layout "
@@ -205,11 +245,66 @@ async def _revoke(args: argparse.Namespace) -> int:
         crl, new = pki.revoke(identity, reason=args.reason)
         _print_revoked(identity, new)
         published, number = await publish_crl(store, crl, pki.ca().cert)
+        if published:
+            await _cut_off(store, identity)
     if not published:
         print(f"error: {pki.paths.crl} is list number {crl.number} but etcd {PKI_CRL} already holds number "
               f"{number}: not published; run the command again", file=sys.stderr)
         return EXIT_FAILED
     print(f"list number {crl.number} written to {pki.paths.crl} and published at etcd {PKI_CRL}", file=sys.stderr)
+    return EXIT_OK
+
+
+async def _cut_off(store: Store, identity: Identity) -> None:
+    """Take the identity's etcd roles (and a site's heartbeat lease) away now: etcd checks the revocation
+    list only when a connection opens."""
+    from mesh.etcd.channels import StorePermissionDenied
+    from mesh.etcd.rbac import cut_off
+
+    try:
+        done = await cut_off(store, identity)
+    except StorePermissionDenied as exc:
+        print(f"warning: not cut off in etcd: the certificate used may not manage etcd users (a root admin's may): "
+              f"connections {identity} holds keep working until they end ({exc})", file=sys.stderr)
+        return
+    for line in done.lines():
+        print(f"etcd: {line}")
+    if done.roles:
+        print(f"etcd: a watch stream or lease keep-alive it holds open ends only with its connection (`tiermesh pki "
+              f"follow-crl` beside etcd ends those); if {identity} is issued again, `tiermesh etcd-rbac` gives its "
+              f"roles back", file=sys.stderr)
+
+
+async def _follow_crl(args: argparse.Namespace) -> int:
+    from mesh.pki.files import PkiPaths, read_cert, write_file
+    from mesh.settings import MeshSettings
+    from tiermesh.crl_follow import CrlFollower, OnRevoked, connect_crl_reader, drop_connections, signal_process
+
+    settings = MeshSettings()
+    target = etcd_endpoints(args.etcd, args.etcd_ca, args.etcd_cert, args.etcd_key, settings)
+    if target is None:
+        raise ConfigError("follow-crl needs the etcd it serves: --etcd https://... (or $TIERMESH_ETCD) with "
+                          "--etcd-ca, --etcd-cert and --etcd-key")
+    paths = PkiPaths.under(Path(args.home) if args.home else settings.home)
+    ca = args.ca or paths.ca_cert
+    if not args.out.exists() and paths.crl.exists():
+        # etcd refuses every client, this one included, while its --client-crl-file is missing (3.5.1: "open ...:
+        # no such file"): start from the host's own copy, and etcd's newer list replaces it once connected
+        write_file(args.out, RevocationList.load(paths.crl.read_bytes(), read_cert(ca)).to_pem())
+        print(f"{args.out} was missing: started it from {paths.crl}", file=sys.stderr)
+    bound: OnRevoked | None = None
+    if args.drop_connections is not None:
+        bound = drop_connections(args.drop_connections)
+    elif args.signal_process is not None:
+        bound = signal_process(args.signal_process, args.stagger_s)
+    async with await connect_crl_reader(target, args.prefix or settings.prefix) as store, \
+            CrlFollower(store, ca, args.out, on_revoked=bound) as follower:
+        held = follower.crl.number if follower.crl is not None else "none"
+        print(f"following etcd {PKI_CRL} into {args.out} (list held: {held})", flush=True)
+        if args.duration is None:
+            await asyncio.Event().wait()  # until stopped
+        else:
+            await asyncio.sleep(args.duration)
     return EXIT_OK
 
 

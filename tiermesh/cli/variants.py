@@ -197,6 +197,7 @@ async def _show(args: argparse.Namespace) -> int:
 
 async def _serve(args: argparse.Namespace) -> int:
     import asyncio
+    import contextlib
 
     from mesh.settings import MeshSettings
     from tiermesh.cli.context import open_store, store_args
@@ -215,9 +216,17 @@ async def _serve(args: argparse.Namespace) -> int:
     else:
         print("WARNING: the variant store serves plain HTTP: anyone who reaches it reads every variant, "
               "tenant-private ones included (pass --pki-dir for HTTPS)", file=sys.stderr, flush=True)
-    async with open_store(**store_args(args)) as store, \
-            VariantStoreServer(BlobStore(blob_root(args)), Catalog(store), bind, args.port,
-                               advertise=advertise, site=args.site, tls=tls) as server:
+    async with contextlib.AsyncExitStack() as stack:
+        store = await stack.enter_async_context(open_store(**store_args(args)))
+        if tls is not None:
+            from tiermesh.crl_follow import CrlFollower
+
+            # revocations come from etcd pki/crl, not from a crl.pem shared with the operator: a revoked
+            # caller is refused on its next request and its open connections closed as soon as etcd has the list
+            await stack.enter_async_context(CrlFollower.for_peers(store, tls))
+        server = await stack.enter_async_context(
+            VariantStoreServer(BlobStore(blob_root(args)), Catalog(store), bind, args.port, advertise=advertise,
+                               site=args.site, tls=tls))
         print(f"variant store serving at {server.url}", flush=True)
         if args.duration is None:
             await asyncio.Event().wait()  # until interrupted
