@@ -1,6 +1,7 @@
 """The control services as child processes: the variant store (``tiermesh variants serve``) and a
 scheduler replica (``tiermesh scheduler``), started with a command prefix such as
-``ip netns exec NS`` so they run on a host of their own (``tiermesh up --netns``).
+``ip netns exec NS`` so they run on a host of their own (``tiermesh up --netns``), with the command lines
+and settings the deployed hosts use (:mod:`tiermesh.hosts`, via :mod:`tiermesh.lab_hosts`).
 
 :class:`ControlProcesses` starts the store, waits until its announcement in etcd is its own (the
 pid matches: a stale record of an earlier run does not count), then the scheduler; it stops them
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import sys
 import time
@@ -25,7 +25,7 @@ from mesh.etcd.store import Store
 from mesh.lifecycle import Service
 from tiermesh.launcher import ForkedChild
 
-__all__ = ["ControlOptions", "ControlProcesses", "PrefixedEtcd", "terminate"]
+__all__ = ["ControlCommand", "ControlOptions", "ControlProcesses", "PrefixedEtcd", "terminate"]
 
 
 async def terminate(proc: asyncio.subprocess.Process | ForkedChild, *, graceful: bool = True,
@@ -57,22 +57,20 @@ class PrefixedEtcd(EmbeddedEtcd):
 
 
 @dataclass(slots=True)
+class ControlCommand:
+    """One control process: ``python -m tiermesh <args>`` with exactly ``env``."""
+
+    args: list[str]
+    env: dict[str, str]
+
+
+@dataclass(slots=True)
 class ControlOptions:
-    etcd_url: str
-    prefix: str
-    home: Path
-    bind: str                              # the address both listen on (the console's, later)
+    logs: Path                             # where each process's log goes (<logs>/<name>.log)
+    store: ControlCommand                  # the variant store (``tiermesh variants serve ...``)
+    scheduler: ControlCommand | None = None
     exec_prefix: list[str] = field(default_factory=list)
-    store_site: str | None = None
-    scheduler: bool = True
-    scheduler_id: str = ""
-    mode: str = "tiermesh"
-    interval_s: float | None = None
-    proactive: bool = True
-    env: dict[str, str] = field(default_factory=dict)
     startup_timeout_s: float = 90.0
-    store_args: list[str] = field(default_factory=list)      # the variant store's etcd and HTTPS credentials
-    scheduler_args: list[str] = field(default_factory=list)  # the scheduler's etcd credentials
 
 
 class ControlProcesses(Service):
@@ -84,36 +82,29 @@ class ControlProcesses(Service):
 
     async def _start(self) -> None:
         o = self.opts
-        common = ["--etcd", o.etcd_url, "--prefix", o.prefix, "--home", str(o.home), "--bind", o.bind]
-        serve = ["variants", "serve", *common, "--port", "0", *o.store_args]
-        serve += ["--site", o.store_site] if o.store_site else []
-        proc = await self._spawn("variant-store", serve)
+        proc = await self._spawn("variant-store", o.store)
         deadline = time.monotonic() + o.startup_timeout_s
         while (rec := await self.store.get(blobs_key())) is None or rec.value.get("pid") != proc.pid:
             if proc.returncode is not None or time.monotonic() > deadline:
                 raise MeshError(f"the variant store did not announce itself; see {self._log('variant-store')}")
             await asyncio.sleep(0.1)
         self.store_url = str(rec.value["url"])
-        if o.scheduler:
-            sched = ["scheduler", *common, *o.scheduler_args, "--id", o.scheduler_id or f"up-{os.getpid()}",
-                     "--mode", o.mode]
-            sched += ["--interval", str(o.interval_s)] if o.interval_s is not None else []
-            sched += [] if o.proactive else ["--reactive"]
-            await self._spawn("scheduler", sched)
+        if o.scheduler is not None:
+            await self._spawn("scheduler", o.scheduler)
 
     async def _stop(self) -> None:
         for name in reversed(list(self.procs)):
             await terminate(self.procs.pop(name))
 
     def _log(self, name: str) -> Path:
-        return self.opts.home / "ctl" / f"{name}.log"
+        return self.opts.logs / f"{name}.log"
 
-    async def _spawn(self, name: str, args: list[str]) -> asyncio.subprocess.Process:
+    async def _spawn(self, name: str, command: ControlCommand) -> asyncio.subprocess.Process:
         path = self._log(name)
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("ab") as logf:  # the child keeps its own descriptor
             proc = await asyncio.create_subprocess_exec(
-                *self.opts.exec_prefix, sys.executable, "-m", "tiermesh", *args, stdout=logf, stderr=logf,
-                env={**os.environ, **self.opts.env}, stdin=asyncio.subprocess.DEVNULL)
+                *self.opts.exec_prefix, sys.executable, "-m", "tiermesh", *command.args, stdout=logf, stderr=logf,
+                env=command.env, stdin=asyncio.subprocess.DEVNULL)
         self.procs[name] = proc
         return proc

@@ -37,7 +37,7 @@ import random
 import re
 import signal
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -210,11 +210,12 @@ def ss_argv(port: int) -> list[str]:
     return ["ss", "-K", "-H", "-t", "state", "established", f"( sport = :{port} )"]
 
 
-def drop_connections(port: int) -> OnRevoked:
-    """A bound that resets every connection to ``port`` (a server in this network namespace): clients dial
-    again and the revoked one fails the handshake. ``ss`` answers 0 even when the kernel refuses it
-    ("SOCK_DESTROY answers: Operation not permitted" without CAP_NET_ADMIN): that is an error here."""
-    argv = ss_argv(port)
+def drop_connections(port: int, *, exec_prefix: Sequence[str] = ()) -> OnRevoked:
+    """A bound that resets every connection to ``port`` (a server in this network namespace, or in the one
+    ``exec_prefix`` enters: ``ip netns exec NS``): clients dial again and the revoked one fails the handshake.
+    ``ss`` answers 0 even when the kernel refuses it ("SOCK_DESTROY answers: Operation not permitted" without
+    CAP_NET_ADMIN): that is an error here."""
+    argv = [*exec_prefix, *ss_argv(port)]
 
     async def drop(crl: RevocationList, serials: frozenset[int]) -> None:
         proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE,

@@ -33,6 +33,7 @@ import os
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -49,10 +50,13 @@ from mesh.log import get_logger, kv
 from mesh.pki.identity import Identity
 from mesh.pki.local import LocalPki
 from tiermesh.caps import CpuCgroups, SiteCaps, machine_memory_mb, plan_caps
-from tiermesh.control import ControlOptions, ControlProcesses, PrefixedEtcd, terminate
+from tiermesh.control import ControlCommand, ControlOptions, ControlProcesses, PrefixedEtcd, terminate
+from tiermesh.crl_follow import CrlFollower
 from tiermesh.delayproxy import ProxyPool
 from tiermesh.identities import CONSOLE_SCRAPER, CONSOLE_SERVER, MeshIdentities
+from tiermesh.lab_hosts import HostHomes
 from tiermesh.launcher import AgentLauncher
+from tiermesh.membership_ops import Membership
 from tiermesh.mesh_options import MeshOptions, SiteProcess, free_port
 from tiermesh.netns import NetnsLab
 from tiermesh.readiness import Readiness
@@ -73,7 +77,7 @@ __all__ = ["LocalMesh"]
 log = get_logger(__name__)
 
 
-class LocalMesh(Readiness, MeshIdentities, WanLinks, Service):
+class LocalMesh(Readiness, MeshIdentities, HostHomes, Membership, WanLinks, Service):
     def __init__(self, opts: MeshOptions) -> None:
         self.opts = opts
         self.topology: Topology = load_topology_file(opts.topology)
@@ -91,6 +95,7 @@ class LocalMesh(Readiness, MeshIdentities, WanLinks, Service):
         self.console: ConsoleServer | None = None
         self.launcher: AgentLauncher | None = None
         self._launcher_start: asyncio.Task[None] | None = None
+        self._crl_follow: list[CrlFollower] = []  # etcd's CRL file (and the in-process store's list) from pki/crl
         # in a namespace of its own etcd has its ports to itself
         self.pki = LocalPki.under(opts.home) if opts.tls else None
         self.creds = MeshCredentials(self.pki) if self.pki is not None else None
@@ -123,6 +128,10 @@ class LocalMesh(Readiness, MeshIdentities, WanLinks, Service):
         for name in names:
             if name not in self.topology.sites:
                 raise ConfigError(f"site {name!r} is not in {self.opts.topology}")
+        for name in self.opts.joins:
+            if name not in names:
+                raise ConfigError(f"joining site {name!r} is not one of this mesh's sites {names}")
+        started = [n for n in names if n not in self.opts.joins]  # the others are added later (join_site)
         if self.opts.caps:
             self._plan_caps(names)
         if self.opts.netns:
@@ -134,16 +143,16 @@ class LocalMesh(Readiness, MeshIdentities, WanLinks, Service):
             self.launcher = AgentLauncher(startup_timeout_s=self.opts.startup_timeout_s)
             self._launcher_start = asyncio.create_task(self.launcher.start(), name="launcher-start")
         if self.opts.tls:
-            self._issue_certificates(names)
+            self._issue_certificates(started)
         elif self.opts.curve:
-            self._issue_site_credentials(names)
+            self._issue_site_credentials(started)
         await self.start_etcd()
         assert self.store is not None
-        diff = await apply_topology(self.store, self.topology,
-                                    source=self.opts.topology.read_text(encoding="utf-8", errors="replace"))
+        diff = await apply_topology(self.store, self.initial_topology(), source=None if self.opts.joins else
+                                    self.opts.topology.read_text(encoding="utf-8", errors="replace"))
         log.info("topology applied: %s", diff.summary() if hasattr(diff, "summary") else diff,
                  extra=kv(event="topology_apply"))
-        self.blobs = BlobStore(home / "blobs")
+        self.blobs = BlobStore(self.host_home("ctl") / "blobs")  # the variant store's host holds the blobs
         self.catalog = Catalog(self.store)
         await ensure_digits_family(self.catalog, self.blobs)
         if self.opts.text_backbones is not None:
@@ -162,6 +171,7 @@ class LocalMesh(Readiness, MeshIdentities, WanLinks, Service):
                     sched_store = self._sched_store = await self._connect_as(SCHEDULER)
                 self.scheduler = Scheduler(sched_store, self.opts.scheduler_config(f"up-{os.getpid()}"))
                 await self.scheduler.start()
+        await self.start_crl_follow()
         if self.opts.console:
             await self._start_console()
         for name in names:
@@ -172,7 +182,7 @@ class LocalMesh(Readiness, MeshIdentities, WanLinks, Service):
             await self._start_proxies()
         if self._launcher_start is not None:
             await self._launcher_start
-        await asyncio.gather(*(self.start_site(n) for n in names))
+        await asyncio.gather(*(self.start_site(n) for n in started))
 
     async def _stop(self) -> None:
         try:
@@ -194,6 +204,8 @@ class LocalMesh(Readiness, MeshIdentities, WanLinks, Service):
                 with contextlib.suppress(Exception):
                     async with asyncio.timeout(10):
                         await step()
+        with contextlib.suppress(Exception):
+            await self.stop_crl_follow()
         self.scheduler = None
         self.variant_server = None
         self.console = None
@@ -230,22 +242,22 @@ class LocalMesh(Readiness, MeshIdentities, WanLinks, Service):
                 "sites": {n: c.to_json() for n, c in sorted(self.site_caps.items())}}
 
     async def _start_control(self) -> None:
-        """The variant store and the scheduler as child processes in the ``ctl`` namespace."""
+        """The variant store and the scheduler as child processes on the ``ctl`` host, as deployed
+        (:meth:`deployed_control`), plus the lab's scheduler knobs."""
         assert self.store is not None
         o = self.opts
         if any(getattr(o, k) is not None for k in ("forecast_horizon_s", "forecast_period_s", "forecast_bin_s",
                                                     "idle_evict_s", "min_residency_s")):
             raise ConfigError("with netns the scheduler runs as `tiermesh scheduler`: only interval_s, mode "
                               "and proactive can be set")
+        store, sched, store_env, sched_env = self.deployed_control(f"up-{os.getpid()}")
+        knobs = ["--mode", o.mode, *(["--interval", str(o.interval_s)] if o.interval_s is not None else []),
+                 *([] if o.proactive else ["--reactive"])]
+        extra = {"TIERMESH_LOG_LEVEL": o.agent_log_level, **o.agent_env}
         self.control = ControlProcesses(ControlOptions(
-            etcd_url=self.etcd_url, prefix=o.prefix, home=o.home, bind=self._address("ctl"),
-            store_args=([*self.creds.etcd_args(STORE), "--pki-dir", str(self.creds.root),
-                         "--name", STORE.name] if self.creds else []),
-            scheduler_args=self.creds.etcd_args(SCHEDULER) if self.creds else [],
-            exec_prefix=self._exec_prefix("ctl"), store_site=self._store_site(), scheduler=o.scheduler,
-            scheduler_id=f"up-{os.getpid()}", mode=o.mode, interval_s=o.interval_s, proactive=o.proactive,
-            env={"TIERMESH_LOG_LEVEL": o.agent_log_level, **o.agent_env}, startup_timeout_s=o.startup_timeout_s),
-            self.store)
+            logs=o.home / "ctl", store=ControlCommand(list(store.args), store_env | extra),
+            scheduler=ControlCommand([*sched.args, *knobs], sched_env | extra) if o.scheduler else None,
+            exec_prefix=self._exec_prefix("ctl"), startup_timeout_s=o.startup_timeout_s), self.store)
         await self.control.start()
         self.store_url = self.control.store_url
 
@@ -295,12 +307,12 @@ class LocalMesh(Readiness, MeshIdentities, WanLinks, Service):
         if self.etcd is None and self.opts.etcd_members > 1:
             if self.lab is not None:
                 raise ConfigError("an etcd cluster (etcd_members > 1) in network namespaces is not built yet")
-            self.etcd = EtcdCluster(self.opts.home / "etcd", size=self.opts.etcd_members,
-                                    tls=self.creds.etcd_server() if self.creds else None)
+            self.etcd = EtcdCluster(self.opts.home / "etcd", size=self.opts.etcd_members, tls=self.etcd_tls())
         elif self.etcd is None:
-            kw: dict[str, Any] = {"data_dir": self.opts.home / "etcd", "host": self._address("etcd"),
+            data = self.host_home("etcd") / "data" if self.own_homes else self.opts.home / "etcd"
+            kw: dict[str, Any] = {"data_dir": data, "host": self._address("etcd"),
                                   "client_port": self.etcd_port, "peer_port": self.etcd_peer_port,
-                                  "tls": self.creds.etcd_server() if self.creds else None}
+                                  "tls": self.etcd_tls()}
             self.etcd = PrefixedEtcd(self._exec_prefix("etcd"), **kw) if self.lab else EmbeddedEtcd(**kw)
         await self.check_dial(self.etcd_url)
         await self.etcd.start()
@@ -352,20 +364,26 @@ class LocalMesh(Readiness, MeshIdentities, WanLinks, Service):
         ready.parent.mkdir(parents=True, exist_ok=True)
         ready.unlink(missing_ok=True)
         sp.log_path = self.opts.home / "sites" / name / "agent.log"
-        cmd = [sys.executable, "-m", "tiermesh", "agent", "--site", name, "--etcd", self.etcd_url,
-               "--prefix", self.opts.prefix, "--home", str(self.opts.home), "--zmq-port", "0",
-               "--lease-ttl", str(self.opts.lease_ttl_s), "--ready-file", str(ready),
-               "--routing-mode", self.opts.mode, "--bind", self._address(name)]
+        # what the lab adds to an agent's command line: plumbing (readiness, timing, the WAN emulation), never trust
+        lab = ["--lease-ttl", str(self.opts.lease_ttl_s), "--ready-file", str(ready), "--routing-mode", self.opts.mode]
         if sp.peer_map_path is not None:
-            cmd += ["--peer-map", str(sp.peer_map_path)]
-        if sp.http:  # a restart keeps the site's address: its callers' URLs stay good
-            cmd += ["--http-port", str(urlsplit(sp.http).port)]
-        if self.opts.tls or self.opts.curve:
-            cmd += ["--pki-dir", str(LocalPki.under(self.opts.home).paths.root)]
-        if self.creds is not None:
-            cmd += self.creds.etcd_args(Identity("site", name))
-        if not self.opts.tls:
-            cmd.append("--no-edge-tls" if self.opts.curve else "--insecure")
+            lab += ["--peer-map", str(sp.peer_map_path)]
+        if self.own_homes:  # as deployed: its own home and files, the manifests' command line and ports
+            cmd, env = self.deployed_agent(name)
+            cmd += lab
+        else:
+            cmd = [sys.executable, "-m", "tiermesh", "agent", "--site", name, "--etcd", self.etcd_url,
+                   "--prefix", self.opts.prefix, "--home", str(self.opts.home), "--zmq-port", "0",
+                   "--bind", self._address(name), *lab]
+            if sp.http:  # a restart keeps the site's address: its callers' URLs stay good
+                cmd += ["--http-port", str(urlsplit(sp.http).port)]
+            if self.opts.tls or self.opts.curve:
+                cmd += ["--pki-dir", str(LocalPki.under(self.opts.home).paths.root)]
+            if self.creds is not None:
+                cmd += self.creds.etcd_args(Identity("site", name))
+            if not self.opts.tls:
+                cmd.append("--no-edge-tls" if self.opts.curve else "--insecure")
+            env = dict(os.environ)
         caps = self.site_caps.get(name)
         prefix = self._exec_prefix(name)
         if caps is not None:
@@ -375,8 +393,7 @@ class LocalMesh(Readiness, MeshIdentities, WanLinks, Service):
                 # the cgroup first: `ip netns exec` keeps it (and remounts /sys, so the agent is told its cap too)
                 prefix = [*self.cgroups.wrap(name), *prefix]
                 cmd += ["--cpu-cap", f"{caps.cpu:.3f}"]
-        env = {**os.environ, "TIERMESH_LOG_LEVEL": self.opts.agent_log_level, **self.opts.agent_env,
-               **sp.extra_env}
+        env |= {"TIERMESH_LOG_LEVEL": self.opts.agent_log_level, **self.opts.agent_env, **sp.extra_env}
         if self.launcher is not None:  # cmd without `python -m tiermesh`; the child joins its cgroup first
             procs = self.cgroups.procs_file(name) if caps is not None and caps.cpu is not None and \
                 self.cgroups is not None else None
@@ -391,7 +408,8 @@ class LocalMesh(Readiness, MeshIdentities, WanLinks, Service):
         deadline = time.monotonic() + self.opts.startup_timeout_s
         while not ready.exists():
             if sp.proc.returncode is not None:
-                raise MeshError(f"agent {name} exited with {sp.proc.returncode}; see {sp.log_path}")
+                raise MeshError(f"agent {name} exited with {sp.proc.returncode}; see {sp.log_path}:\n"
+                                f"{_tail(sp.log_path)}")
             if time.monotonic() > deadline:
                 raise MeshError(f"agent {name} not ready in {self.opts.startup_timeout_s:.0f} s; "
                                 f"see {sp.log_path}")
@@ -414,3 +432,10 @@ class LocalMesh(Readiness, MeshIdentities, WanLinks, Service):
         return {n: sp.http for n, sp in self.sites.items()
                 if sp.http and self.topology.sites[n].tier == "edge"}
 
+
+def _tail(path: Path | None, lines: int = 12) -> str:
+    """The last lines of a log (what a failed start said), for the error that reports it."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path is not None else ""
+    except OSError:
+        return ""

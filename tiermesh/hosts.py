@@ -24,15 +24,22 @@ from mesh.pki.identity import Identity
 __all__ = [
     "AGENT_HTTP_PORT",
     "AGENT_ZMQ_PORT",
+    "CONSOLE_PORT",
+    "CONSOLE_SCRAPER",
+    "ETCD_IDENTITY",
+    "OPERATOR_IDENTITY",
     "SCHEDULER_IDENTITY",
     "STORE_IDENTITY",
     "STORE_PORT",
     "HostCommand",
     "agent_command",
+    "crl_follower_command",
+    "etcd_rbac_command",
     "identity_env",
     "scheduler_command",
     "shared_env",
     "store_command",
+    "topology_apply_command",
 ]
 
 AGENT_HTTP_PORT = 8000  # Open Inference Protocol (KServe V2) over mutual TLS; /metrics for admins on the same port
@@ -40,6 +47,12 @@ AGENT_ZMQ_PORT = 5555   # site-to-site ZeroMQ (CURVE)
 STORE_PORT = 8080       # the variant store's blobs and catalog over mutual TLS; /metrics for admins and schedulers
 STORE_IDENTITY = Identity("store", "variant-store")
 SCHEDULER_IDENTITY = Identity("scheduler", "scheduler")
+CONSOLE_PORT = 8443     # a scheduler's admin console over mutual TLS (admins only): the scheduler's /metrics is there
+CONSOLE_SCRAPER = Identity("admin", "console")  # the console reads the agents' /metrics as this admin
+OPERATOR_IDENTITY = Identity("admin", "operator")  # etcd root: applies RBAC and the topology
+# etcd's own server certificate; also the etcd client identity of the CRL follower beside it, which RBAC lets read
+# pki/crl and nothing else (`tiermesh etcd-rbac --crl-follower site:etcd`)
+ETCD_IDENTITY = Identity("site", "etcd")
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +62,18 @@ class HostCommand:
     identity: Identity
     args: tuple[str, ...]
     env: Mapping[str, str] = field(default_factory=dict)
+    # other identities whose own files this host holds too (a scheduler's console scrapes agents as an admin)
+    also: tuple[Identity, ...] = ()
+
+    def pki_files(self, home: str) -> dict[PurePosixPath, tuple[Identity, str]]:
+        """Every file this host holds under ``home/pki`` -> (the identity, its role in
+        :meth:`~mesh.pki.files.PkiPaths.host_files`): the union of its identities' host files, nothing else. The CA
+        and the revocation list are everyone's; they are listed once, under the host's own identity."""
+        files: dict[PurePosixPath, tuple[Identity, str]] = {}
+        for who in (self.identity, *self.also):
+            for role, path in _pki(home).host_files(who).items():
+                files.setdefault(PurePosixPath(path), (who, role))
+        return files
 
 
 def _pki(home: str | PurePosixPath) -> PkiPaths:
@@ -82,16 +107,59 @@ def agent_command(site: str, *, home: str, advertise: str, bind: str = "0.0.0.0"
 
 
 def store_command(*, home: str, advertise: str, site: str | None, bind: str = "0.0.0.0", port: int = STORE_PORT,
-                  identity: Identity = STORE_IDENTITY) -> HostCommand:
+                  identity: Identity = STORE_IDENTITY, tls: bool = True) -> HostCommand:
     """The variant store: HTTPS as its own ``store`` identity (never a site's), blobs under ``home/blobs``,
     announced in etcd at ``advertise``; ``site`` is where it runs in the topology (fetches are priced from
-    there)."""
-    args: tuple[str, ...] = ("variants", "serve", "--bind", bind, "--advertise", advertise, "--port", str(port),
-            "--pki-dir", str(_pki(home).root), "--name", identity.name)
+    there). ``tls`` False: plain HTTP, for an ``--insecure`` lab only (never rendered into a manifest)."""
+    args: tuple[str, ...] = ("variants", "serve", "--bind", bind, "--advertise", advertise, "--port", str(port))
+    args += ("--pki-dir", str(_pki(home).root), "--name", identity.name) if tls else ()
     args += ("--site", site) if site else ()
     return HostCommand(identity, args, identity_env(identity, home))
 
 
-def scheduler_command(candidate_id: str, *, home: str, identity: Identity = SCHEDULER_IDENTITY) -> HostCommand:
-    """A scheduler replica (placement, leader election), candidate ``candidate_id`` (a pod name)."""
-    return HostCommand(identity, ("scheduler", "--id", candidate_id), identity_env(identity, home))
+def scheduler_command(candidate_id: str, *, home: str, identity: Identity = SCHEDULER_IDENTITY,
+                      console_port: int | None = None, bind: str = "0.0.0.0", advertise: str | None = None,
+                      scraper: Identity = CONSOLE_SCRAPER) -> HostCommand:
+    """A scheduler replica (placement, leader election), candidate ``candidate_id`` (a pod name). With
+    ``console_port`` it also serves the admin console there (HTTPS as ``identity`` itself, so the host needs no
+    second server certificate; the scheduler's ``/metrics`` is served only there) at ``bind``, printed as
+    ``advertise``, and scrapes the agents as ``scraper``, an admin identity whose files it then holds too."""
+    args: tuple[str, ...] = ("scheduler", "--id", candidate_id)
+    if console_port is None:
+        return HostCommand(identity, args, identity_env(identity, home))
+    args += ("--bind", bind, *(("--advertise", advertise) if advertise else ()), "--console-port", str(console_port),
+             "--console-name", identity.name, "--console-admin", scraper.name)
+    return HostCommand(identity, args, identity_env(identity, home), also=(scraper,))
+
+
+def etcd_rbac_command(topology: str, *, etcd: str, prefix: str, home: str,
+                      root_admin: Identity = OPERATOR_IDENTITY, scheduler: Identity = SCHEDULER_IDENTITY,
+                      store: Identity = STORE_IDENTITY, crl_follower: Identity = ETCD_IDENTITY) -> HostCommand:
+    """etcd's users and roles for the mesh of ``topology`` (a file on the host), then auth on; idempotent, so a Job
+    may run it on every apply. As ``root_admin`` (etcd root). etcd's URLs and the prefix are flags:
+    ``etcd-rbac`` reads neither from ``TIERMESH_ETCD`` / ``TIERMESH_PREFIX``."""
+    args = ("etcd-rbac", "--topology", topology, "--etcd", etcd, "--prefix", prefix,
+            "--root-admin", root_admin.name, "--scheduler", scheduler.name, "--store", store.name,
+            "--crl-follower", crl_follower.common_name)
+    return HostCommand(root_admin, args, identity_env(root_admin, home))
+
+
+def topology_apply_command(topology: str, *, home: str, identity: Identity = OPERATOR_IDENTITY) -> HostCommand:
+    """Apply the topology file ``topology`` (one transaction, idempotent), as an operator."""
+    return HostCommand(identity, ("topology", "apply", topology), identity_env(identity, home))
+
+
+def crl_follower_command(out: str, *, home: str, identity: Identity = ETCD_IDENTITY,
+                         signal_process: str | None = None, stagger_s: float | None = None,
+                         drop_connections: int | None = None) -> HostCommand:
+    """Beside etcd: keep ``out`` (etcd's ``--client-crl-file``) current from etcd ``pki/crl``, verified against
+    ``home/pki/ca.pem``, and after a list that revokes someone new end the connections they hold: SIGTERM
+    ``signal_process`` (shared PID namespace, after ``stagger_s`` x the hostname's ordinal) or reset every
+    connection to port ``drop_connections`` (CAP_NET_ADMIN). As etcd's own certificate (``identity``)."""
+    args: tuple[str, ...] = ("pki", "follow-crl", "--out", out)
+    if signal_process is not None:
+        args += ("--signal-process", signal_process)
+        args += ("--stagger-s", f"{stagger_s:g}") if stagger_s is not None else ()
+    elif drop_connections is not None:
+        args += ("--drop-connections", str(drop_connections))
+    return HostCommand(identity, args, identity_env(identity, home))

@@ -38,6 +38,7 @@ class MeshIdentities:
 
     if TYPE_CHECKING:
         def _address(self, role: str) -> str: ...
+        def fill_hosts(self, sites: list[str]) -> None: ...
 
     def tenants(self) -> list[str]:
         """Every tenant a caller may be: the topology's, and the default ``public``."""
@@ -59,13 +60,14 @@ class MeshIdentities:
             pki.export_pkcs12(CONSOLE_ADMIN, password)
             write_file(pki.paths.cert(CONSOLE_ADMIN).with_suffix(".p12.password"), password.encode() + b"\n",
                        private=True)
+        self.fill_hosts(names)  # with hosts of their own: each gets its own files, as an operator copies them
 
     def rotate_certificates(self) -> None:
         """Re-issue every certificate (and every site's CURVE key) in place, as an operator rotating would;
         running processes pick them up from the files, none restarts."""
         if self.creds is None:
             raise ConfigError("this mesh runs without TLS (MeshOptions.tls is off): there are no certificates")
-        self._issue_certificates(sorted(self.sites))
+        self._issue_certificates(sorted(n for n, sp in self.sites.items() if sp.proc is not None))
 
     def tenant_files(self, tenant: str) -> dict[str, Path]:
         """``cert``, ``key`` and ``ca`` for an SDK client of ``tenant`` (``AsyncClient(url, **files)``)."""
@@ -90,3 +92,4 @@ class MeshIdentities:
             pki.init()
         for name in names:
             pki.issue(Identity("site", name))
+        self.fill_hosts(names)

@@ -47,6 +47,9 @@ class MeshOptions:
     wan: bool = True                 # delay proxies between sites (False: direct loopback)
     scheduler: bool = True
     sites: list[str] | None = None   # None: every site of the topology
+    # sites that are not there at start (their links neither): each joins when join_site() is called, as an
+    # operator adds a machine (tiermesh.lab_hosts); with netns its namespace exists from the start, empty
+    joins: list[str] = field(default_factory=list)
     agent_log_level: str = "WARNING"
     startup_timeout_s: float = 90.0
     mode: str = "tiermesh"          # routing + placement mode (baselines for benchmarks)

@@ -27,10 +27,14 @@ class Readiness:
     catalog: Catalog | None
     sites: dict[str, SiteProcess]
 
+    def running_sites(self) -> list[str]:
+        """The sites whose agent runs (not one yet to join, nor one killed)."""
+        return [name for name, sp in self.sites.items() if sp.proc is not None]
+
     async def wait_live(self, names: list[str] | None = None, timeout: float = 30.0) -> None:  # noqa: ASYNC109
         assert self.store is not None
         deadline = time.monotonic() + timeout
-        for name in names or list(self.sites):
+        for name in names or self.running_sites():
             while await self.store.get(live_key(name)) is None:
                 if time.monotonic() > deadline:
                     raise MeshError(f"site {name} not live after {timeout} s")
@@ -40,7 +44,7 @@ class Readiness:
         """Per site: the variants its placement asks for and its live record (``None`` where there is none)."""
         assert self.store is not None
         out: list[tuple[str, set[str] | None, dict[str, Any] | None]] = []
-        for name in self.sites:
+        for name in self.running_sites():
             place = await self.store.get(f"placement/{name}")
             live = await self.store.get(live_key(name))
             out.append((name, None if place is None else {v["variant_id"] for v in place.value.get("variants", [])},
@@ -102,7 +106,7 @@ class Readiness:
         pending: dict[str, int] = {}
         while time.monotonic() < deadline:
             pending = {}
-            for name in self.sites:
+            for name in self.running_sites():
                 live = await self.store.get(live_key(name))
                 left = int(live.value.get("profiling_pending", 0)) if live is not None else -1
                 if left != 0:

@@ -61,6 +61,7 @@ class MeshCredentials:
         site to the address callers and peers dial (named in its certificate, which binds it there)."""
         if not self.pki.exists():
             self.pki.init()
+        self.pki.standardise_crl()  # a home from before: etcd must be able to read its list
         for name, address in sites.items():
             self.pki.issue(Identity("site", name), addresses=[address])
         self.pki.issue(STORE, addresses=list(dict.fromkeys([store_address, "localhost"])))
@@ -74,8 +75,13 @@ class MeshCredentials:
         write_file(cert, cert_pem(issued.cert))
 
     def etcd_server(self) -> ServerTLS:
+        """etcd's TLS: its certificate and key, the CA, and its own copy of the revocation list (``--client-crl-file``,
+        made from ``crl.pem`` if missing; a follower keeps it current from etcd ``pki/crl``)."""
         cert, key = self._etcd_files()
-        return ServerTLS(cert, key, self.pki.paths.ca_cert)
+        crl = cert.parent / "crl.pem"
+        if not crl.exists():
+            write_file(crl, self.pki.paths.crl.read_bytes())
+        return ServerTLS(cert, key, self.pki.paths.ca_cert, crl_file=crl)
 
     def files(self, who: Identity) -> dict[str, Path]:
         """``ca``, ``cert`` and ``key`` of ``who`` (``Store.connect(url, prefix, **files)``)."""

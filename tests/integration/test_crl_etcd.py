@@ -29,7 +29,7 @@ from mesh.pki.published import site_cert_record
 from tests.helpers.mtls_edge import IO_TIMEOUT, tenant_context
 from tests.helpers.waiting import eventually
 from tiermesh.cli.main import EXIT_OK, main
-from tiermesh.cli.pki import publish_crl
+from tiermesh.pki_etcd import publish_crl
 from topology.loader import load_topology_file
 from topology.store_io import apply as apply_topology
 from variant_store.build import signature_from_onnx

@@ -21,8 +21,8 @@ from mesh.pki.crl import RevocationList, crl_record
 from mesh.pki.identity import Identity
 from mesh.pki.local import LocalPki
 from tests.helpers.waiting import eventually
-from tiermesh.cli.pki import publish_crl
 from tiermesh.crl_follow import CrlFollower, drop_connections
+from tiermesh.pki_etcd import publish_crl
 
 pytestmark = pytest.mark.integration
 ACME, GLOBEX = Identity("tenant", "acme"), Identity("tenant", "globex")

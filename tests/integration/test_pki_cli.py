@@ -3,13 +3,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import stat
 from pathlib import Path
 
 import pytest
 
+from mesh.etcd.server import EmbeddedEtcd
+from mesh.etcd.store import Store
 from mesh.pki.files import read_curve
+from mesh.pki.identity import Identity
 from mesh.pki.local import LocalPki
 from mesh.pki.verify import verify_certificate
 from tiermesh.cli.main import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, main
@@ -169,3 +173,33 @@ def test_follow_crl_needs_the_etcd_it_serves(home: Path, monkeypatch: pytest.Mon
     with pytest.raises(SystemExit) as info:  # one bound at a time
         run(home, "follow-crl", "--out", "x", "--drop-connections", "2379", "--signal-process", "etcd")
     assert info.value.code == EXIT_BAD_INPUT
+
+
+async def test_issue_publishes_a_site_certificate_in_etcd_and_bundle_copies_one_hosts_files(
+        home: Path, store: Store, etcd_server: EmbeddedEtcd, tmp_path: Path) -> None:
+    from mesh.etcd.keys import PKI_SITES, site_cert_key
+    from mesh.pki.files import PkiPaths
+    from mesh.pki.published import cert_pem_from_record
+
+    def issue(*who: str) -> int:
+        return main(["pki", "issue", "--home", str(home), *who, "--etcd", etcd_server.url, "--prefix", store.prefix])
+
+    assert await asyncio.to_thread(issue, "--site", "edge-1", "--address", "10.0.0.7") == EXIT_OK
+    held = await store.get(site_cert_key("edge-1"))
+    assert held is not None and cert_pem_from_record(held.value) == (home / "pki/sites/edge-1.pem").read_bytes()
+    assert await asyncio.to_thread(issue, "--site", "edge-1") == EXIT_OK  # re-issued: the new one is published
+    held = await store.get(site_cert_key("edge-1"))
+    assert held is not None and cert_pem_from_record(held.value) == (home / "pki/sites/edge-1.pem").read_bytes()
+    assert await asyncio.to_thread(issue, "--tenant", "acme") == EXIT_OK
+    assert [kv.key for kv in await store.get_prefix(PKI_SITES)] == [site_cert_key("edge-1")]  # tenants: nothing
+    # the host's files, and only those: nothing of acme's, nor of another site's
+    assert await asyncio.to_thread(run, home, "issue", "--site", "core-1") == EXIT_OK
+    host = tmp_path / "edge-1-host"
+    assert main(["pki", "bundle", "--home", str(home), "--site", "edge-1", "--out", str(host)]) == EXIT_OK
+    files = sorted(str(p.relative_to(host)) for p in host.rglob("*") if p.is_file())
+    assert files == sorted(str(p.relative_to(host)) for p in
+                           PkiPaths.under(host).host_files(Identity("site", "edge-1")).values())
+    assert mode(host / "pki/sites/edge-1-key.pem") == 0o600 and mode(host / "pki/sites/edge-1.curve") == 0o600
+    LocalPki.under(home).revoke(Identity("site", "core-1"))
+    assert main(["pki", "bundle", "--home", str(home), "--site", "core-1", "--out", str(tmp_path / "x")]) \
+        == EXIT_BAD_INPUT  # a revoked identity is not bundled

@@ -88,7 +88,7 @@ async def wait_warm(mesh: LocalMesh, x: np.ndarray, *, timeout_s: float = 90.0) 
     ``LocalMesh.wait_placed`` returns as soon as each placement key exists, and the first plan
     the scheduler writes is empty (no demand seen yet), so it does not wait for this."""
     deadline = time.monotonic() + timeout_s
-    names = list(mesh.sites)
+    names = mesh.running_sites()
     edges = mesh.edge_urls()
     files = mesh.tenant_files("public") if mesh.pki is not None else {}
     clients = [AsyncClient(url, timeout=5.0, **files) for url in edges.values()]
@@ -121,9 +121,11 @@ async def wait_warm(mesh: LocalMesh, x: np.ndarray, *, timeout_s: float = 90.0) 
 
 @contextlib.asynccontextmanager
 async def mesh_running(**options: Any) -> AsyncIterator[LocalMesh]:
-    """A started ``LocalMesh`` on the small topology in a private home; stopped and removed after."""
+    """A started ``LocalMesh`` on the small topology (or ``topology=``) in a private home; stopped and removed
+    after."""
+    topology = options.pop("topology", SMALL_TOPOLOGY)
     with tempfile.TemporaryDirectory(prefix="tiermesh-sys-", ignore_cleanup_errors=True) as tmp:
-        mesh = LocalMesh(MeshOptions(topology=SMALL_TOPOLOGY, home=Path(tmp), **options))
+        mesh = LocalMesh(MeshOptions(topology=topology, home=Path(tmp), **options))
         try:
             await mesh.start()
             yield mesh

@@ -26,24 +26,21 @@ import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from cryptography import x509
-
-from mesh.errors import ConfigError, ConflictError, PkiError, Unauthenticated
-from mesh.etcd.keys import PKI_CRL
-from mesh.etcd.store import Store
-from mesh.pki.crl import REASONS, RevocationList, crl_pem_from_record, crl_record
+from mesh.errors import ConfigError, Unauthenticated
+from mesh.etcd.keys import PKI_CRL, site_cert_key
+from mesh.pki.crl import REASONS, RevocationList
 from mesh.pki.identity import KINDS, Identity, Kind
 from mesh.pki.local import LocalPki
 from mesh.pki.policy import CLOCK_SKEW, lifetimes_text
 from mesh.pki.verify import load_certificate, verify_certificate
 from tiermesh.cli.context import etcd_endpoints, open_store, store_args
 from tiermesh.cli.main import EXIT_FAILED, EXIT_OK, add_common
+from tiermesh.pki_etcd import Revoked, publish_site_certificate, revoke
 
-__all__ = ["publish_crl", "register"]
+__all__ = ["register"]
 
 _NOT_PUBLISHED = ("no etcd named (--etcd, $TIERMESH_ETCD) or running for this home: the list is written to "
                   "pki/crl.pem only, and agents see it only if their own crl.pem is updated")
-_PUBLISH_TRIES = 5
 
 
 def _home_arg(p: argparse.ArgumentParser) -> None:
@@ -71,8 +68,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     s = ps.add_parser("issue", help="issue or rotate an identity's certificate",
                       description=f"Issue (or rotate: issue again) an identity's certificate and key. "
-                                  f"{lifetimes_text()}; never past the CA's own notAfter.")
-    _home_arg(s)
+                                  f"{lifetimes_text()}; never past the CA's own notAfter. A site's certificate "
+                                  f"is also published at etcd pki/sites/<site> when an etcd is named (--etcd, "
+                                  f"$TIERMESH_ETCD) or runs for HOME: its peers learn its CURVE key there (the "
+                                  f"site's agent publishes it too when it starts).")
+    add_common(s)
     _identity_args(s)
     s.add_argument("--address", action="append", default=[], metavar="HOST",
                    help="(sites, stores and schedulers) a DNS name or IP it is reached at (a site's edge API and "
@@ -178,7 +178,7 @@ def _init(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _issue(args: argparse.Namespace) -> int:
+async def _issue(args: argparse.Namespace) -> int:
     identity = _identity(args)
     if args.hours is not None and not 0 < args.hours <= 24 * 366:
         raise ConfigError(f"--hours must be > 0 and at most a year, got {args.hours:g}")
@@ -190,34 +190,22 @@ def _issue(args: argparse.Namespace) -> int:
     if identity.kind == "site":
         print(f"CURVE key pair {pki.paths.curve(identity)} (0600), public key {pki.curve(identity).public.decode()} "
               f"bound into the certificate")
+        await _publish_site(args, pki, identity)
     return EXIT_OK
 
 
-async def publish_crl(store: Store, crl: RevocationList, ca_cert: x509.Certificate) -> tuple[bool, int]:
-    """Put ``crl`` at ``pki/crl`` unless etcd already holds a list of this CA numbered as high or higher: an
-    older list never undoes a revocation. The put is a compare-and-swap on the key's revision, so a list
-    published by someone else between our read and our write is seen, not overwritten. Returns (published,
-    the number etcd holds now)."""
-    for _ in range(_PUBLISH_TRIES):
-        held = await store.get(PKI_CRL)
-        number = _held_number(held.value, ca_cert) if held is not None else None
-        if number is not None and number >= crl.number:
-            return False, number
-        try:
-            await store.put_if_mod_revision(PKI_CRL, crl_record(crl), held.mod_revision if held else 0)
-        except ConflictError:
-            continue  # someone published meanwhile: look again
-        return True, crl.number
-    raise ConflictError(f"{PKI_CRL} kept changing while publishing list {crl.number}: run the command again")
+async def _publish_site(args: argparse.Namespace, pki: LocalPki, identity: Identity) -> None:
+    from mesh.etcd.server import find_running
+    from mesh.settings import MeshSettings
 
-
-def _held_number(value: object, ca_cert: x509.Certificate) -> int | None:
-    """The number of the list in a ``pki/crl`` value if it verifies against ``ca_cert``; None if it does not
-    (unreadable, or from a replaced CA: ours supersedes it)."""
-    try:
-        return RevocationList.load(crl_pem_from_record(value), ca_cert).number
-    except (ValueError, PkiError):
-        return None
+    named = etcd_endpoints(args.etcd, args.etcd_ca, args.etcd_cert, args.etcd_key, MeshSettings())
+    if named is None and await asyncio.to_thread(find_running, pki.paths.root.parent) is None:
+        print("no etcd named (--etcd, $TIERMESH_ETCD) or running for this home: the certificate is not published; "
+              "the site's agent publishes it at etcd pki/sites/ when it starts", file=sys.stderr)
+        return
+    async with open_store(**store_args(args)) as store:
+        changed = await publish_site_certificate(store, identity.name, pki.paths.cert(identity).read_bytes())
+    print(f"{'published' if changed else 'already'} at etcd {site_cert_key(identity.name)}", file=sys.stderr)
 
 
 async def _revoke(args: argparse.Namespace) -> int:
@@ -234,42 +222,34 @@ async def _revoke(args: argparse.Namespace) -> int:
         print(f"{pki.paths.crl} is now list number {crl.number}; {_NOT_PUBLISHED}", file=sys.stderr)
         return EXIT_OK
     async with open_store(**store_args(args)) as store:
-        held = await store.get(PKI_CRL)
-        if held is not None:
-            try:
-                if pki.adopt_crl(crl_pem_from_record(held.value)):
-                    print(f"adopted the newer list from etcd {PKI_CRL} into {pki.paths.crl}", file=sys.stderr)
-            except (ValueError, PkiError) as exc:
-                print(f"warning: etcd {PKI_CRL} holds no list of this CA ({exc}); it will be replaced",
-                      file=sys.stderr)
-        crl, new = pki.revoke(identity, reason=args.reason)
-        _print_revoked(identity, new)
-        published, number = await publish_crl(store, crl, pki.ca().cert)
-        if published:
-            await _cut_off(store, identity)
-    if not published:
-        print(f"error: {pki.paths.crl} is list number {crl.number} but etcd {PKI_CRL} already holds number "
-              f"{number}: not published; run the command again", file=sys.stderr)
+        done = await revoke(pki, store, identity, reason=args.reason)
+    if done.adopted:
+        print(f"adopted the newer list from etcd {PKI_CRL} into {pki.paths.crl}", file=sys.stderr)
+    if done.foreign is not None:
+        print(f"warning: etcd {PKI_CRL} held no list of this CA ({done.foreign}); it was replaced", file=sys.stderr)
+    _print_revoked(identity, done.new)
+    if not done.published:
+        print(f"error: {pki.paths.crl} is list number {done.crl.number} but etcd {PKI_CRL} already holds number "
+              f"{done.held_number}: not published; run the command again", file=sys.stderr)
         return EXIT_FAILED
-    print(f"list number {crl.number} written to {pki.paths.crl} and published at etcd {PKI_CRL}", file=sys.stderr)
+    _print_cut_off(identity, done)
+    print(f"list number {done.crl.number} written to {pki.paths.crl} and published at etcd {PKI_CRL}",
+          file=sys.stderr)
     return EXIT_OK
 
 
-async def _cut_off(store: Store, identity: Identity) -> None:
-    """Take the identity's etcd roles (and a site's heartbeat lease) away now: etcd checks the revocation
+def _print_cut_off(identity: Identity, done: Revoked) -> None:
+    """What taking the identity's etcd roles (and a site's heartbeat lease) away did: etcd checks the revocation
     list only when a connection opens."""
-    from mesh.etcd.channels import StorePermissionDenied
-    from mesh.etcd.rbac import cut_off
-
-    try:
-        done = await cut_off(store, identity)
-    except StorePermissionDenied as exc:
+    if done.cut_refused is not None:
         print(f"warning: not cut off in etcd: the certificate used may not manage etcd users (a root admin's may): "
-              f"connections {identity} holds keep working until they end ({exc})", file=sys.stderr)
+              f"connections {identity} holds keep working until they end ({done.cut_refused})", file=sys.stderr)
         return
-    for line in done.lines():
+    if done.cut is None:
+        return
+    for line in done.cut.lines():
         print(f"etcd: {line}")
-    if done.roles:
+    if done.cut.roles:
         print(f"etcd: a watch stream or lease keep-alive it holds open ends only with its connection (`tiermesh pki "
               f"follow-crl` beside etcd ends those); if {identity} is issued again, `tiermesh etcd-rbac` gives its "
               f"roles back", file=sys.stderr)

@@ -6,8 +6,11 @@ userspace TCP proxies, prints the edge API addresses, and with ``--duration`` ru
 workload through the SDK, then prints (and with ``--report`` writes) a table per SLO class.
 
 With ``--netns`` (root) every site, etcd and the control services run in network namespaces of their
-own, each with its own address on a bridge this run creates and removes; the report lists them.
-``--kill``, ``--cut`` and ``--blackhole`` are failure drills at a time into the workload.
+own, each with its own address on a bridge this run creates and removes, and each a host as deployed: a home of
+its own (HOME/hosts/<role>) holding only its own identity's files, started with the command line the Kubernetes
+manifests use; the report lists them. ``--kill``, ``--cut`` and ``--blackhole`` are failure drills at a time into the
+workload; ``--join`` adds a machine mid-run as an operator does and ``--revoke`` takes one out
+(``tiermesh pki revoke``).
 
 Secured by default: the edge APIs speak HTTPS with client certificates; the run creates the mesh CA
 under HOME/pki (or keeps the one there), a certificate per site and one per tenant of the topology, and
@@ -42,6 +45,7 @@ from mesh.settings import MeshSettings
 from tiermesh.cli.agent import INSECURE_WARNING
 from tiermesh.drills import LinkDrill, crosses_link, drill_report, parse_kill, parse_link_drill
 from tiermesh.harness import LocalMesh
+from tiermesh.membership import REVOKE_GRACE_S, MembershipDrill, check_drills, membership_report, parse_membership
 from tiermesh.mesh_options import MeshOptions
 from tiermesh.netns import require_netns
 from tiermesh.secure import OPERATOR
@@ -58,6 +62,7 @@ from tiermesh.workload import (
     summarise,
     warm_up,
 )
+from topology.loader import load_topology_file
 
 __all__ = ["print_console", "register", "run_up"]
 
@@ -80,6 +85,15 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                         "connections are reset (repeatable)")
     p.add_argument("--blackhole", metavar="A-B@SECONDS", action="append", default=[],
                    help="like --cut, but packets vanish without a reset: a gray failure (repeatable)")
+    p.add_argument("--join", metavar="SITE@SECONDS", action="append", default=[],
+                   help="a site of the topology that is not there at start: this many seconds into the workload it "
+                        "joins as an operator adds a machine (topology applied with it, its certificate issued for "
+                        "its address, its files copied to its host, its agent started); the report says when it "
+                        "served its first query (repeatable)")
+    p.add_argument("--revoke", metavar="SITE@SECONDS", action="append", default=[],
+                   help="`tiermesh pki revoke --site SITE` this many seconds into the workload (its agent keeps "
+                        "running, as a compromised machine would); the report shows what it served after and that "
+                        "its peers sent it nothing from 5 s after (repeatable; needs the secured mesh)")
     p.add_argument("--netns", action="store_true",
                    help="every site, etcd and the control services in a network namespace of its own, with "
                         "its own address on a private bridge (root; removed on exit)")
@@ -120,7 +134,14 @@ async def run_up(args: argparse.Namespace) -> int:
         raise ConfigError("--etcd-members > 1 with --netns is not built yet (etcd runs in one namespace)")
     if not 0 <= args.console_port <= 65535:
         raise ConfigError(f"--console-port {args.console_port}: a port is 0..65535")
+    topology_sites = set(load_topology_file(args.topology).sites)
+    members = [parse_membership("join", d, topology_sites) for d in args.join]
+    members += [parse_membership("revoke", d, topology_sites) for d in args.revoke]
+    check_drills(members, topology_sites - {d.site for d in members if d.kind == "join"})
+    if args.revoke and args.insecure:
+        raise ConfigError("--revoke revokes a certificate: the --insecure mesh has none")
     opts = MeshOptions(topology=args.topology, home=home, wan=not args.no_wan, netns=args.netns,
+                       joins=[d.site for d in members if d.kind == "join"],
                        etcd_members=args.etcd_members, tls=not args.insecure, caps=not args.no_caps,
                        text_backbones=None if args.no_text else [],
                        console=not (args.no_console or args.netns), console_port=args.console_port)
@@ -178,7 +199,7 @@ async def run_up(args: argparse.Namespace) -> int:
             if pending:
                 await mesh.wait_profiled(timeout=45)
             await mesh.wait_placed(timeout=60)
-        rc = await _drive(mesh, args, console, kill, drills, stop)
+        rc = await _drive(mesh, args, console, kill, drills, stop, members)
         print_console(mesh, console, serving=args.then_serve)
         if args.then_serve and rc == 0 and not stop.is_set():
             console.print("serving; Ctrl-C to stop")
@@ -217,7 +238,7 @@ async def _until_stopped(task: asyncio.Task[Any], stop: asyncio.Event) -> bool:
 
 
 async def _drive(mesh: LocalMesh, args: argparse.Namespace, console: Console, kill: tuple[str, float] | None,
-                 drills: list[LinkDrill], stop: asyncio.Event) -> int:
+                 drills: list[LinkDrill], stop: asyncio.Event, members: list[MembershipDrill]) -> int:
     from variant_store.families.datasets import load_validation_npz
 
     val = load_validation_npz()
@@ -261,7 +282,22 @@ async def _drive(mesh: LocalMesh, args: argparse.Namespace, console: Console, ki
             console.print(f"[bold red]{d.kind} {d.link}[/] at t={d.at_s:.0f}s")
             failed[i] = await mesh.drill(d.kind, d.a, d.b)
 
+        joined: dict[str, float] = {}
+        forwarded: dict[str, int | None] = {}
+
+        async def _member_later(d: MembershipDrill) -> None:
+            await asyncio.sleep(d.at_s)
+            if d.kind == "join":
+                console.print(f"[bold green]joining {d.site}[/] at t={d.at_s:.0f}s")
+                joined[d.site] = await mesh.join_site(d.site)
+                return
+            console.print(f"[bold red]revoking {d.site}[/] at t={d.at_s:.0f}s")
+            await mesh.revoke_site(d.site)
+            await asyncio.sleep(REVOKE_GRACE_S)  # from here on its peers must send it nothing
+            forwarded[d.site] = await mesh.forwarded_served(d.site)
+
         timers = [asyncio.create_task(_drill_later(i, d)) for i, d in enumerate(drills)]
+        timers += [asyncio.create_task(_member_later(d)) for d in members]
         if kill is not None:
             timers.append(asyncio.create_task(_kill_later(*kill)))
         offered = [0]
@@ -302,9 +338,32 @@ async def _drive(mesh: LocalMesh, args: argparse.Namespace, console: Console, ki
                               f"{section['crossing_after']} still crossed, errors {section['errors'] or '-'}, "
                               f"{section['past_deadline_1s']} past deadline+1s, {section['affected_misses']} affected "
                               f"missed (last {section['last_miss_s']:.2f}s after)")
+        if members:
+            report["membership"] = []
+            for d in members:
+                after = None
+                if d.kind == "revoke" and forwarded.get(d.site) is not None:
+                    end = await mesh.forwarded_served(d.site)
+                    after = None if end is None else end - forwarded[d.site]  # type: ignore[operator]
+                section = membership_report(d, result.records, ready_s=joined.get(d.site), forwarded_after_grace=after)
+                report["membership"].append(section)
+                console.print(_membership_line(section))
         if args.report is not None:
             args.report.parent.mkdir(parents=True, exist_ok=True)
             args.report.write_text(json.dumps(report, indent=2))
             console.print(f"report written to {args.report}")
         return 0
 
+
+def _membership_line(section: dict[str, Any]) -> str:
+    if section["kind"] == "join":
+        first = section["first_served_s"]
+        return (f"join {section['site']} at {section['at_s']:.0f}s: agent up {section['ready_s']}s after, first query "
+                f"served {'never' if first is None else f'{first:.2f}s after'}, {section['served']} served")
+    last = section["last_served_s"]
+    return (f"revoke {section['site']} at {section['at_s']:.0f}s: {section['served_before']} served in the "
+            f"{REVOKE_GRACE_S:.0f}s before, {section['served_after']} after"
+            f"{'' if last is None else f' (the last {last:.2f}s after)'}, {section['served_from_grace']} from "
+            f"{REVOKE_GRACE_S:.0f}s after; "
+            f"run for its peers from then: {section['forwarded_to_it_from_grace']}; errors after "
+            f"{section['errors_after'] or '-'}")
