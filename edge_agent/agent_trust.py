@@ -72,6 +72,12 @@ class AgentTrust:
             return None
         paths = self._pki_paths()
         if not (paths.cert(me).exists() and paths.curve(me).exists()):
+            others = sorted(p.name[:-4] for p in (paths.root / "sites").glob("*.pem")
+                            if not p.name.endswith("-key.pem"))
+            if others:  # files copied to the wrong host, or the wrong --site: never run as someone else, nor open
+                raise ConfigError(f"{paths.root} holds the files of site {', '.join(others)}, not of {self.site}: "
+                                  f"copy this site's own (`tiermesh pki bundle --site {self.site} --out DIR`) or "
+                                  f"start the agent with the --site its files are for")
             if cfg.pki_dir is not None:
                 raise ConfigError(f"no certificate or CURVE key for site {self.site} in {paths.root} "
                                   f"(run `tiermesh pki issue --site {self.site}`, or pass --insecure)")
@@ -85,8 +91,11 @@ class AgentTrust:
         keys = read_curve(paths.curve(me))
         view = self.view
         sites = SiteKeys(paths, site=self.site, known=lambda: view.topology.sites if view and view.topology else ())
-        # our own certificate must bind our own key, or no peer would ever admit us
-        sites.trust.verify(paths.cert(me).read_bytes(), use="server", kinds=(me.kind,), curve_public=keys.public)
+        # our own certificate must be this site's and bind our own key, or no peer would ever admit us
+        proved = sites.trust.verify(paths.cert(me).read_bytes(), use="server", kinds=(me.kind,),
+                                    curve_public=keys.public)
+        if proved != me:
+            raise ConfigError(f"{paths.cert(me)} is the certificate of {proved}, not of site {self.site}")
         await self._publish_certificate(paths.cert(me).read_bytes())
         if view is not None and view.crl is not None:  # etcd's list before any peer is believed
             try:

@@ -13,6 +13,7 @@ from edge_agent.agent_config import AgentConfig
 from mesh.errors import ConfigError
 from mesh.etcd.server import EmbeddedEtcd
 from mesh.etcd.store import Store
+from mesh.pki.files import PkiPaths
 from mesh.pki.identity import Identity
 from mesh.pki.local import LocalPki
 from mesh.settings import MeshSettings
@@ -55,3 +56,27 @@ async def test_curve_follows_the_site_credentials(store: Store, etcd_server: Emb
         assert agent._live_record().curve_key == pki.curve(Identity("site", SITE)).public.decode()
     async with Agent(_cfg(store, etcd_server, tmp_path, insecure=True)) as agent:
         assert agent.curve is None and "NOT authenticated" in caplog.text
+
+
+async def test_a_home_holding_another_sites_files_is_refused_with_the_reason(store: Store, etcd_server: EmbeddedEtcd,
+                                                                             tmp_path: Path) -> None:
+    """Files copied to the wrong host: the agent neither runs as that other site nor runs without CURVE."""
+    await apply_topology(store, load_topology_file(TOPOLOGY))
+    operator = LocalPki.under(tmp_path / "operator")
+    operator.init()
+    other = Identity("site", "core-eu")
+    operator.issue(other)
+    operator.bundle(other, PkiPaths.under(tmp_path / "host"))  # core-eu's files on edge-fra-1's host
+    with pytest.raises(ConfigError, match="holds the files of site core-eu, not of edge-fra-1"):
+        async with Agent(_cfg(store, etcd_server, tmp_path / "host")):
+            pass
+    # and core-eu's certificate renamed as this site's: refused for what it proves, not its file name
+    paths = PkiPaths.under(tmp_path / "host")
+    me = Identity("site", SITE)
+    for role in ("cert", "key", "curve"):
+        src, dst = paths.host_files(other)[role], paths.host_files(me)[role]
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        src.rename(dst)
+    with pytest.raises(ConfigError, match="certificate of spiffe://tiermesh/site/core-eu, not of site edge-fra-1"):
+        async with Agent(_cfg(store, etcd_server, tmp_path / "host")):
+            pass
