@@ -1,6 +1,6 @@
 """What the operator's PKI puts into etcd, as functions the CLI (``tiermesh pki revoke`` / ``issue``) and the lab's
 drills (:mod:`tiermesh.membership_ops`) both run: the revocation list at ``pki/crl`` (and cutting the revoked
-identity off etcd at once), and a site's certificate at ``pki/sites/<site>``.
+identity off etcd at once), and a site's certificate at ``pki/sites/<site>`` with its etcd user and role.
 
 ``revoke`` adopts a newer list from etcd first (two operators' copies of the CA never undo each other's
 revocations), revokes every live certificate of the identity, publishes the list by compare-and-swap (an older list
@@ -17,14 +17,14 @@ from cryptography import x509
 from mesh.errors import ConflictError, PkiError
 from mesh.etcd.channels import StorePermissionDenied
 from mesh.etcd.keys import PKI_CRL, site_cert_key
-from mesh.etcd.rbac import CutOff, cut_off
+from mesh.etcd.rbac import CutOff, cut_off, grant_site
 from mesh.etcd.store import Store
 from mesh.pki.crl import RevocationList, crl_pem_from_record, crl_record
 from mesh.pki.identity import Identity
 from mesh.pki.local import LocalPki
 from mesh.pki.published import site_cert_record
 
-__all__ = ["Revoked", "publish_crl", "publish_site_certificate", "revoke"]
+__all__ = ["Revoked", "grant_site_access", "publish_crl", "publish_site_certificate", "revoke"]
 
 _PUBLISH_TRIES = 5
 
@@ -91,6 +91,15 @@ async def revoke(pki: LocalPki, store: Store, identity: Identity, *, reason: str
         except StorePermissionDenied as exc:
             done.cut_refused = str(exc)
     return done
+
+
+async def grant_site_access(store: Store, site: str) -> str | None:
+    """The site's etcd user and role (:func:`mesh.etcd.rbac.grant_site`), so a machine added to a running mesh can
+    connect; None (and nothing changed) when ``store`` may not manage users: then `tiermesh etcd-rbac` does it."""
+    try:
+        return await grant_site(store, site)
+    except StorePermissionDenied:
+        return None
 
 
 async def publish_site_certificate(store: Store, site: str, pem: bytes) -> bool:

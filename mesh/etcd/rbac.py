@@ -58,7 +58,7 @@ from mesh.etcd.wire import prefix_end
 from mesh.pki.identity import Identity
 
 __all__ = ["CRL_FOLLOWER_ROLE", "ROOT_ROLE", "ROOT_USER", "CutOff", "Grant", "RbacPlan", "apply",
-           "cut_off", "plan"]
+           "cut_off", "grant_site", "plan", "site_role"]
 
 ROOT_ROLE = "root"
 ROOT_USER = "root"  # etcd refuses `auth enable` unless a user named root with the root role exists
@@ -102,6 +102,23 @@ class RbacPlan:
                    for r in roles for g in self.roles.get(r, ()))
 
 
+def site_role(prefix: str, site: Identity) -> tuple[str, tuple[Grant, ...]]:
+    """A site's role: read everything under ``prefix``, write its own heartbeat and its own certificate."""
+    return f"tiermesh-{site.common_name}", (Grant(prefix, "read", True),
+                                            Grant(prefix + live_key(site.name), "write", False),
+                                            Grant(prefix + site_cert_key(site.name), "write", False))
+
+
+async def grant_site(store: Store, site: str) -> str:
+    """Give site ``site`` its etcd user and role (a machine added to a running mesh; a site issued again after a
+    revocation took its roles), idempotently, without touching anyone else's. Returns the role.
+    ``StorePermissionDenied`` unless ``store`` speaks as a root admin."""
+    me = Identity("site", site)
+    role, grants = site_role(store.prefix, me)
+    await apply(store, RbacPlan(store.prefix, {role: grants}, {me.common_name: (role,)}), enable=False)
+    return role
+
+
 def _names(kind: str, names: Iterable[str]) -> list[Identity]:
     return sorted({Identity(kind, n) for n in names})  # type: ignore[arg-type]  # Identity checks the kind
 
@@ -119,9 +136,8 @@ def plan(prefix: str, *, sites: Iterable[str], schedulers: Iterable[str] = (), a
     users: dict[str, tuple[str, ...]] = {ROOT_USER: (ROOT_ROLE,)}
     read_all = Grant(prefix, "read", True)
     for site in _names("site", sites):
-        role = f"tiermesh-{site.common_name}"
-        roles[role] = (read_all, Grant(prefix + live_key(site.name), "write", False),
-                       Grant(prefix + site_cert_key(site.name), "write", False))
+        role, grants = site_role(prefix, site)
+        roles[role] = grants
         users[site.common_name] = (role,)
     sched_role = "tiermesh-scheduler"
     roles[sched_role] = (read_all, *(Grant(prefix + k, "write", True) for k in SCHEDULER_WRITES))

@@ -22,7 +22,7 @@ import pytest
 
 from mesh.errors import StoreError
 from mesh.etcd.channels import StorePermissionDenied
-from mesh.etcd.keys import PKI_CRL, live_key, site_key
+from mesh.etcd.keys import PKI_CRL, live_key, site_cert_key, site_key
 from mesh.etcd.rbac import apply, cut_off, plan
 from mesh.etcd.server import EmbeddedEtcd, ServerTLS
 from mesh.etcd.store import Store
@@ -273,3 +273,26 @@ async def _saw(h: Holder, key: str) -> bool:
 
 async def _both_saw(a: Holder, b: Holder, key: str) -> bool:
     return a.saw(key) and b.saw(key)
+
+
+async def test_a_site_added_to_a_running_mesh_gets_its_etcd_role_from_pki_issue(
+        mesh: Mesh, capsys: pytest.CaptureFixture[str]) -> None:
+    """`tiermesh pki issue --site S` as a root admin: S's certificate is published and S's etcd user and role are
+    made (it may connect, write its own heartbeat and certificate, nothing of another site's); as an operator who
+    may not manage users, it says what is left to do."""
+    new = Identity("site", "edge-3")
+
+    def issue(as_: Identity) -> int:
+        return main(["pki", "issue", "--home", str(mesh.home), "--site", new.name, *mesh.etcd_args(as_)])
+
+    assert await asyncio.to_thread(issue, OP) == 0
+    assert "give site:edge-3 its etcd role with `tiermesh etcd-rbac`" in capsys.readouterr().err
+    with pytest.raises(StorePermissionDenied):
+        await mesh.connect(new)
+    assert await asyncio.to_thread(issue, ROOT) == 0
+    assert "etcd user site:edge-3 has role tiermesh-site:edge-3" in capsys.readouterr().err
+    async with await mesh.connect(new) as store:
+        await store.put(live_key(new.name), {"ok": 1})
+        assert await store.get(site_cert_key(new.name)) is not None
+        with pytest.raises(StorePermissionDenied):
+            await store.put(live_key("edge-1"), {"forged": True})

@@ -35,7 +35,7 @@ from mesh.pki.policy import CLOCK_SKEW, lifetimes_text
 from mesh.pki.verify import load_certificate, verify_certificate
 from tiermesh.cli.context import etcd_endpoints, open_store, store_args
 from tiermesh.cli.main import EXIT_FAILED, EXIT_OK, add_common
-from tiermesh.pki_etcd import Revoked, publish_site_certificate, revoke
+from tiermesh.pki_etcd import Revoked, grant_site_access, publish_site_certificate, revoke
 
 __all__ = ["register"]
 
@@ -71,7 +71,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                                   f"{lifetimes_text()}; never past the CA's own notAfter. A site's certificate "
                                   f"is also published at etcd pki/sites/<site> when an etcd is named (--etcd, "
                                   f"$TIERMESH_ETCD) or runs for HOME: its peers learn its CURVE key there (the "
-                                  f"site's agent publishes it too when it starts).")
+                                  f"site's agent publishes it too when it starts); with a root admin's certificate "
+                                  f"the site's etcd user and role are made too (a machine added to a running mesh).")
     add_common(s)
     _identity_args(s)
     s.add_argument("--address", action="append", default=[], metavar="HOST",
@@ -205,7 +206,14 @@ async def _publish_site(args: argparse.Namespace, pki: LocalPki, identity: Ident
         return
     async with open_store(**store_args(args)) as store:
         changed = await publish_site_certificate(store, identity.name, pki.paths.cert(identity).read_bytes())
+        role = await grant_site_access(store, identity.name)
     print(f"{'published' if changed else 'already'} at etcd {site_cert_key(identity.name)}", file=sys.stderr)
+    if role is not None:
+        print(f"etcd user {identity.common_name} has role {role} (read the mesh, write its own live/ and pki/sites/ "
+              f"keys)", file=sys.stderr)
+    else:
+        print(f"warning: the certificate used may not manage etcd users: give {identity.common_name} its etcd role "
+              f"with `tiermesh etcd-rbac` as a root admin before its agent starts", file=sys.stderr)
 
 
 async def _revoke(args: argparse.Namespace) -> int:
