@@ -37,6 +37,7 @@ class Peer:
     watchdog: asyncio.TimerHandle | None = None
     key: bytes | None = None  # the server key it dialled with (under security)
     redial: bool = False  # opened to carry the requests of a dropped connection: new ones wait for it too
+    retry: asyncio.TimerHandle | None = None  # a probe whose handshake failed: dialled again then
 
 
 @dataclass(eq=False, slots=True)

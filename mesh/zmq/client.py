@@ -42,6 +42,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import random
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -70,6 +71,13 @@ _PEER_DEAD_EVENTS: dict[int, str] = {
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake failed (protocol)",
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "handshake failed (authentication)",
 }
+# libzmq ends a session whose handshake failed and never reconnects it (it does for a lost connection): a probe
+# that met one is dialled again by us, after RETRY_FIRST_S doubling up to RETRY_MAX_S. Found with sites that learn
+# each other's certificates through etcd: a site that dialled a peer before its certificate reached that peer was
+# refused once and, left to libzmq, kept routing around the peer for as long as it ran
+_HANDSHAKE_FAILED = frozenset({zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                               zmq.EVENT_HANDSHAKE_FAILED_AUTH})
+RETRY_FIRST_S, RETRY_MAX_S = 0.25, 5.0
 _MONITORED = zmq.EVENT_HANDSHAKE_SUCCEEDED
 for _event in _PEER_DEAD_EVENTS:
     _MONITORED |= _event
@@ -98,6 +106,7 @@ class ZmqClient(Service):
         self._peers: dict[str, Peer] = {}
         # endpoint -> monotonic instant it was marked unreachable (its socket only probes)
         self._down: dict[str, float] = {}
+        self._retry_s: dict[str, float] = {}  # endpoint -> the wait before its next dial after a failed handshake
         self._listeners: list[ReachabilityListener] = []
         self._dying: set[asyncio.Task[None]] = set()
         self._state = State.RUNNING  # usable from construction: peers open on first use
@@ -316,10 +325,25 @@ class ZmqClient(Service):
             if peer.endpoint not in self._down:
                 self._mark_down(peer, reason)
                 return
-            # a probe's failed attempt: libzmq tries again, unless the key to dial changed meanwhile
+            # a probe's failed attempt: libzmq tries again, unless the key to dial changed meanwhile or the
+            # handshake failed (it ends that session for good): then a new socket, now or a little later
             if self._key_changed(peer):
                 self.redial(peer.endpoint, f"{reason}; its server key changed", lost=peer.key)
                 return
+            if code in _HANDSHAKE_FAILED:
+                self._retry_later(peer, reason)
+                return
+
+    def _retry_later(self, peer: Peer, reason: str) -> None:
+        delay = self._retry_s.get(peer.endpoint, RETRY_FIRST_S)
+        self._retry_s[peer.endpoint] = min(delay * 2, RETRY_MAX_S)
+
+        def again() -> None:
+            peer.retry = None
+            if self._peers.get(peer.endpoint) is peer and self._state is State.RUNNING:
+                self.redial(peer.endpoint, f"{reason}; dialled again", lost=peer.key)
+
+        peer.retry = peer.pump.loop.call_later(delay * random.uniform(0.75, 1.25), again) if peer.pump else None
 
     def _handshake_overdue(self, peer: Peer) -> None:
         peer.watchdog = None
@@ -328,6 +352,7 @@ class ZmqClient(Service):
 
     def _mark_up(self, peer: Peer) -> None:
         peer.up = True
+        self._retry_s.pop(peer.endpoint, None)
         if peer.watchdog is not None:
             peer.watchdog.cancel()
             peer.watchdog = None
@@ -405,6 +430,9 @@ class ZmqClient(Service):
         if peer.watchdog is not None:
             peer.watchdog.cancel()
             peer.watchdog = None
+        if peer.retry is not None:
+            peer.retry.cancel()
+            peer.retry = None
         if peer.pump is not None:
             peer.pump.close()  # before the socket closes: the pump's handle dies with it
         failed = fail(peer.pending.values(), f"{peer.endpoint}: {reason}")

@@ -274,3 +274,25 @@ def test_site_keys_refuse_a_site_the_topology_does_not_name_and_bind_its_address
     assert keys.refresh() and keys.admits("edge-b")
     assert keys.names_host("edge-b", "10.1.1.1") and keys.names_host("edge-b", "anything.example")
     assert not keys.names_host("nobody", "10.9.0.2")
+
+
+async def test_a_site_refused_before_its_certificate_arrived_gets_through_once_it_has(tmp_path: Path) -> None:
+    """libzmq never reconnects a session whose handshake failed: a site that dialled a peer before its certificate
+    reached that peer (through etcd) was refused once and then routed around it for good. The client dials such a
+    probe again (backing off), so it gets through once the peer holds the certificate."""
+    pki = LocalPki.under(tmp_path)
+    pki.init()
+    for site in (EDGE, CORE):
+        pki.issue(site)
+    server_keys = SiteKeys(pki.paths, site=CORE.name)  # nothing delivered yet: the edge's key is unknown
+    client = ZmqClient(security=CurveSecurity(pki.curve(EDGE), SiteKeys(pki.paths, site=EDGE.name)),
+                       server_key_for=lambda _ep, _lost: pki.curve(CORE).public)
+    async with ZmqServer(echo_peer, security=CurveSecurity(pki.curve(CORE), server_keys)) as server, client:
+        client.connect(server.endpoint)
+        await wait_for(lambda: server.endpoint in client.unreachable(), 5.0)
+        assert server.endpoint in client.unreachable(), "the first handshake was not refused"
+        await asyncio.sleep(1.0)  # refused again meanwhile: libzmq alone would not try any more
+        server_keys.publish(published_certs(pki))  # the edge's certificate arrives
+        await wait_for(lambda: server.endpoint not in client.unreachable(), 10.0)
+        assert server.endpoint not in client.unreachable(), "never dialled again"
+        assert (await client.request(server.endpoint, make_req(deadline_s=5.0))).variant == "edge-a"
