@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 DEMO_SECONDS ?= 30
 SERVE ?=   # `make demo SERVE=1`: keep the mesh and its console up after the report, until Ctrl-C
 
-.PHONY: venv sysdeps demo test test-fast lint bench bench-quick chaos clean models
+.PHONY: venv sysdeps demo test test-fast lint bench bench-quick chaos clean models deploy-check
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,9 @@ bench-quick: venv
 
 bench: venv
 	$(PY) -m bench
+
+deploy-check: venv  ## build deploy/Containerfile and run a small mesh from the image, a container per host (root; not in `make test`)
+	@bash scripts/deploy_check.sh
 
 models:  ## retrain the digits family (needs the 'convert' extra: torch CPU)
 	$(PY) -m pip install -q -e '.[convert]'

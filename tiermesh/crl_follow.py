@@ -19,7 +19,7 @@ not, it runs ``on_revoked``, the bound on connections already open:
                                    local port is ``port``: every client dials again,   network namespace, a kernel
                                    the revoked one fails the handshake                 with INET_DIAG_DESTROY
     signal_process(name, S)        SIGTERM the process ``name`` (found in /proc) after  a PID namespace shared with
-                                   S x the hostname's ordinal (etcd-2: 2 S), so a       that process
+                                   S x (the hostname's ordinal + 1) (etcd-2: 3 S), so a that process
                                    StatefulSet restarts its members one at a time and
                                    keeps its quorum
 
@@ -140,7 +140,8 @@ class CrlFollower(Service):
         in force kept; a failure to read the CA or write ``out`` raises (the follow loop reads again later)."""
         if value is None:
             if self.crl is not None:
-                log.warning("%s is gone from etcd; keeping list %d", PKI_CRL, self.crl.number,
+                log.warning("no list at %s in etcd (none published yet, or deleted); keeping list %d", PKI_CRL,
+                            self.crl.number,
                             extra=kv(event="crl_follow_missing"))
             return
         ca = await asyncio.to_thread(read_cert, self.ca_path)
@@ -252,9 +253,11 @@ def find_processes(name: str, proc: Path = Path("/proc")) -> list[int]:
 
 def signal_process(name: str, stagger_s: float, *, hostname: str | None = None,
                    proc: Path = Path("/proc")) -> OnRevoked:
-    """A bound that SIGTERMs the process ``name`` after ``stagger_s`` x this host's :func:`ordinal`: a
-    StatefulSet member restarts (its container), one member at a time when ``stagger_s`` exceeds a restart."""
-    delay = stagger_s * ordinal(hostname if hostname is not None else socket.gethostname())
+    """A bound that SIGTERMs the process ``name`` after ``stagger_s`` x (this host's :func:`ordinal` + 1): a
+    StatefulSet member restarts (its container), one member at a time when ``stagger_s`` exceeds a restart. Member 0
+    waits too: restarting at once cut off the very `tiermesh pki revoke` that published the list, before it had
+    taken the revoked identity's etcd roles away (seen in deploy-check)."""
+    delay = stagger_s * (ordinal(hostname if hostname is not None else socket.gethostname()) + 1)
 
     async def restart(crl: RevocationList, serials: frozenset[int]) -> None:
         if delay:

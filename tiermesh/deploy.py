@@ -1,26 +1,32 @@
-"""Kubernetes manifests generated from a topology file, so the per-site parts never drift from it.
+"""Kubernetes manifests generated from a topology file and :mod:`tiermesh.hosts`, so the per-site parts never drift
+from the topology, and no pod's command line or files drift from what the lab runs.
 
 ``python -m tiermesh.deploy render examples/topology.yaml --out deploy/k8s`` writes
 
-- ``40-topology.yaml``: the ConfigMap holding the topology file verbatim (the apply Job mounts it);
-- ``placeholder-secrets/sites.yaml``: a placeholder certificate Secret per site (``tiermesh pki`` issues
-  the real ones; the folder is outside ``kubectl apply -f deploy/k8s/`` so real ones are never overwritten);
+- ``30-config.yaml``: the ConfigMap every tiermesh container takes its shared settings from
+  (:func:`tiermesh.hosts.shared_env`: etcd's members, the key prefix, the home, the log format);
+- ``40-topology.yaml``: the ConfigMap holding the topology file verbatim (the RBAC and apply Jobs mount it);
+- ``placeholder-secrets/sites.yaml``: a placeholder certificate Secret per site (``tiermesh pki`` issues the real
+  ones; the folder is outside ``kubectl apply -f deploy/k8s/`` so real ones are never overwritten);
 - ``80-agents.yaml``: per site, one agent Deployment pinned to that site's nodes (``nodeSelector`` on
   ``topology.kubernetes.io/region`` and ``tiermesh.io/site``), its resources mirroring the site's declared
   hardware, and for an edge site a Service for the Open Inference Protocol API.
 
-The agent is secured (HTTPS with client certificates at the edge; ``--insecure`` is never rendered). It reads
-its PKI where ``tiermesh pki`` writes it, ``$TIERMESH_HOME/pki`` (:class:`mesh.pki.files.PkiPaths`), so its pod
-projects two Secrets there (:func:`agent_pki_files`): the mesh-wide ``tiermesh-trust`` (the CA and the
-revocation list, one object to update on ``tiermesh pki revoke``) and the site's own (certificate, key, CURVE
-keys). Kubernetes updates projected files in place, and the agent re-reads them: rotation needs no restart.
-Its probes cannot be ``httpGet`` (the kubelet has no client certificate): liveness and startup are
-``tcpSocket``; readiness runs ``tiermesh agent --probe``, a GET of ``/v2/health/ready`` with the site's own
-certificate.
+An agent's arguments and its own environment are :func:`tiermesh.hosts.agent_command`'s, with the pod IP as the
+address peers dial. It is secured (HTTPS with client certificates at the edge; ``--insecure`` is never rendered)
+and reads its PKI where ``tiermesh pki`` writes it, ``$TIERMESH_HOME/pki`` (:class:`mesh.pki.files.PkiPaths`).
+Every tiermesh pod holds there exactly the host files of its identities (:meth:`tiermesh.hosts.HostCommand.
+pki_files`), projected from two Secrets (:func:`pki_files`): the mesh-wide ``tiermesh-trust`` (the CA and the
+revocation list, one object to update on ``tiermesh pki revoke``) and the identity's own
+(:func:`identity_secret`: certificate, key, a site's CURVE keys). Kubernetes updates projected files in place, and
+the processes re-read them: rotation needs no restart. An agent's probes cannot be ``httpGet`` (the kubelet has no
+client certificate): liveness and startup are ``tcpSocket``; readiness runs ``tiermesh agent --probe``, a GET of
+``/v2/health/ready`` with the site's own certificate.
 
 ``--check`` compares instead of writing (exit 1 and the name of each stale file); without ``--out`` the
-documents go to stdout. The hand-written manifests beside them (etcd, scheduler, variant store, the apply
-Job) share the names and ports below; ``tests/unit/test_deploy_manifests.py`` holds both sides to them.
+documents go to stdout. The hand-written manifests beside them (etcd, the RBAC and topology Jobs, the variant
+store, the schedulers, the metrics Services) use the same names, ports and :mod:`tiermesh.hosts` command lines;
+``tests/unit/test_deploy_manifests.py`` holds both sides to them.
 """
 
 from __future__ import annotations
@@ -38,31 +44,33 @@ from ruamel.yaml.scalarstring import LiteralScalarString
 from mesh.errors import ConfigError, MeshError
 from mesh.pki.files import PkiPaths
 from mesh.pki.identity import Identity
+from tiermesh.hosts import AGENT_HTTP_PORT, AGENT_ZMQ_PORT, HostCommand, agent_command, shared_env
 from topology.loader import parse_topology
 from topology.schema import Site, Topology
 
 __all__ = [
-    "AGENTS_FILE", "AGENT_PKI", "CONFIG_MAP", "ETCD_MEMBERS", "ETCD_URLS", "GPU_IMAGE", "HOME", "HTTP_PORT",
-    "IMAGE", "METRICS_PORT", "NAMESPACE", "PKI_DIR", "SITE_SECRETS_FILE", "TOPOLOGY_CONFIG_FILE",
-    "TOPOLOGY_CONFIG_MAP", "TOPOLOGY_FILE", "TRUST_SECRET", "UID", "ZMQ_PORT", "agent_documents",
-    "agent_pki_files", "container_security", "main", "pod_security", "render", "site_secret",
+    "AGENTS_FILE", "AGENT_PKI", "CONFIG_FILE", "CONFIG_MAP", "ETCD_MEMBERS", "ETCD_URLS", "GPU_IMAGE", "HOME",
+    "IMAGE", "NAMESPACE", "PREFIX", "SECRET_KEYS", "SITE_SECRETS_FILE", "TOPOLOGY_CONFIG_FILE", "TOPOLOGY_CONFIG_MAP",
+    "TOPOLOGY_FILE", "TRUST_SECRET", "UID", "agent_documents", "agent_pki_files", "config_documents",
+    "container_security", "identity_secret", "main", "pki_files", "pki_volume", "pod_security", "render",
     "site_secret_documents", "topology_documents",
 ]
 
 NAMESPACE: Final = "tiermesh"
 IMAGE: Final = "tiermesh:0.1.0"  # built from deploy/Containerfile; push it to your registry and edit
 GPU_IMAGE: Final = "tiermesh:0.1.0-gpu"  # the same recipe with --build-arg EXTRAS=all,gpu
-HTTP_PORT: Final = 8000  # Open Inference Protocol (KServe V2) HTTP API of every agent
-ZMQ_PORT: Final = 5555  # site-to-site ZeroMQ; peers dial the pod IP each agent advertises in etcd
-METRICS_PORT: Final = 9100  # Prometheus; served once the metrics issue lands (declared now so Services exist)
 HOME: Final = "/var/lib/tiermesh"  # TIERMESH_HOME: the only writable place besides /tmp
-PKI_DIR: Final = "/etc/tiermesh/pki"  # ca.crt, tls.crt, tls.key of the pod's identity (its etcd client cert)
-# Agents instead read theirs where `tiermesh pki` writes them, as the agent looks for them: $TIERMESH_HOME/pki.
+PREFIX: Final = "/tiermesh/"  # the etcd key prefix of this mesh
+# $TIERMESH_HOME/pki of every tiermesh pod, where `tiermesh pki` writes and every process reads its files
 AGENT_PKI: Final = PkiPaths.under(HOME)
-TRUST_SECRET: Final = "tiermesh-trust"  # ca.crt (the mesh CA) and crl.pem (its revocation list), for every agent
+TRUST_SECRET: Final = "tiermesh-trust"  # ca.crt (the mesh CA) and crl.pem (its revocation list), for every pod
+# the key in a Secret of each role of PkiPaths.host_files; ca and crl are in TRUST_SECRET, the rest the identity's
+SECRET_KEYS: Final = {"ca": "ca.crt", "crl": "crl.pem", "cert": "tls.crt", "key": "tls.key", "curve": "curve"}
+_TRUST_ROLES: Final = ("ca", "crl")
 CONFIG_MAP: Final = "tiermesh-config"  # TIERMESH_* settings shared by every tiermesh container
 TOPOLOGY_CONFIG_MAP: Final = "tiermesh-topology"
 TOPOLOGY_FILE: Final = "topology.yaml"
+CONFIG_FILE: Final = "30-config.yaml"
 TOPOLOGY_CONFIG_FILE: Final = "40-topology.yaml"
 AGENTS_FILE: Final = "80-agents.yaml"
 SITE_SECRETS_FILE: Final = "placeholder-secrets/sites.yaml"
@@ -75,32 +83,41 @@ _HEADER = ("# GENERATED by `python -m tiermesh.deploy render {src} --out deploy/
            "# Do not edit: edit the topology and re-render (a unit test fails while this file is stale).\n")
 
 
-def site_secret(site: str) -> str:
-    """The Secret holding a site's certificate (``tiermesh pki`` issues it; placeholders in sites.yaml)."""
-    return f"tiermesh-site-{site}"
+def identity_secret(identity: Identity) -> str:
+    """The Secret holding an identity's own files (``tls.crt``, ``tls.key``, a site's ``curve``)."""
+    return f"tiermesh-{identity.kind}-{identity.name}"
 
 
-# key in the site's Secret -> what it holds, for the placeholders
-_SITE_KEYS: Final = {"tls.crt": "certificate of site {s} (spiffe://tiermesh/site/{s}) (PEM): pki/sites/{s}.pem",
-                     "tls.key": "private key of site {s} (PEM): pki/sites/{s}-key.pem",
-                     "curve": "CURVE key pair of site {s} (ZeroMQ between sites): pki/sites/{s}.curve"}
+# what a placeholder says each key of an identity's Secret holds
+_PLACEHOLDER: Final = {"cert": "certificate of {who} (PEM): pki/{path}",
+                       "key": "private key of {who} (PEM): pki/{path}",
+                       "curve": "CURVE key pair of {who} (ZeroMQ between sites): pki/{path}"}
+
+
+def pki_files(host: HostCommand) -> dict[Path, tuple[str, str]]:
+    """Every file ``host``'s pod holds under ``$TIERMESH_HOME/pki`` (exactly its host files) -> the (Secret, key) it
+    is projected from. ``crl.pem`` is required: agents and the store refuse to serve HTTPS without a list."""
+    return {Path(path): (TRUST_SECRET if role in _TRUST_ROLES else identity_secret(who), SECRET_KEYS[role])
+            for path, (who, role) in host.pki_files(HOME).items()}
 
 
 def agent_pki_files(site: str) -> dict[Path, tuple[str, str]]:
-    """Every file the agent of ``site`` reads under ``$TIERMESH_HOME/pki`` -> (Secret, key) it is projected
-    from. ``crl.pem`` is required: the agent refuses to serve HTTPS without a revocation list."""
-    me = Identity("site", site)
-    return {AGENT_PKI.ca_cert: (TRUST_SECRET, "ca.crt"), AGENT_PKI.crl: (TRUST_SECRET, "crl.pem"),
-            AGENT_PKI.cert(me): (site_secret(site), "tls.crt"), AGENT_PKI.key(me): (site_secret(site), "tls.key"),
-            AGENT_PKI.curve(me): (site_secret(site), "curve")}
+    """:func:`pki_files` of the agent of ``site``."""
+    return pki_files(_agent(site))
 
 
-def _pki_volume(site: str) -> dict[str, Any]:
+def pki_volume(host: HostCommand, name: str = "pki") -> dict[str, Any]:
+    """The projected volume, mounted at ``$TIERMESH_HOME/pki``, holding :func:`pki_files` of ``host``."""
     sources: dict[str, list[dict[str, str]]] = {}
-    for path, (secret, key) in agent_pki_files(site).items():
+    for path, (secret, key) in pki_files(host).items():
         sources.setdefault(secret, []).append({"key": key, "path": str(path.relative_to(AGENT_PKI.root))})
-    return {"name": "pki", "projected": {"defaultMode": 0o440, "sources": [
+    # 0440 and the pod's fsGroup: readable by the process, the keys by nobody else
+    return {"name": name, "projected": {"defaultMode": 0o440, "sources": [
         {"secret": {"name": secret, "items": items}} for secret, items in sources.items()]}}
+
+
+def _agent(site: str, advertise: str = "$(POD_IP)") -> HostCommand:
+    return agent_command(site, home=HOME, advertise=advertise)
 
 
 def _labels(component: str, **extra: str) -> dict[str, str]:
@@ -140,33 +157,32 @@ def _agent_deployment(site: Site) -> dict[str, Any]:
     selector = {"app.kubernetes.io/name": "tiermesh-agent", "tiermesh.io/site": site.name}
     labels = _labels("agent", **{"tiermesh.io/site": site.name, "tiermesh.io/tier": site.tier})
     gpus = bool(site.hardware.gpus)
+    host = _agent(site.name)
     container: dict[str, Any] = {
         "name": "agent",
         "image": GPU_IMAGE if gpus else IMAGE,
         "imagePullPolicy": "IfNotPresent",
-        # $(POD_IP) is expanded by the kubelet from the env below: peers dial the pod, not a Service,
-        # because every site is its own ZeroMQ peer. Bind on all IPv4 addresses (use "::" on IPv6 clusters).
-        "args": ["agent", "--site", site.name, "--bind", "0.0.0.0", "--advertise", "$(POD_IP)",
-                 "--http-port", str(HTTP_PORT), "--zmq-port", str(ZMQ_PORT)],
-        # The agent is its site to etcd too: these override the shared config's paths (env beats envFrom).
+        # tiermesh.hosts.agent_command, as the lab runs it. $(POD_IP) is expanded by the kubelet from the env
+        # below: peers dial the pod, not a Service, because every site is its own ZeroMQ peer. It binds all IPv4
+        # addresses (use "::" on IPv6 clusters).
+        "args": list(host.args),
+        # The agent is its site to etcd too (its own files under $TIERMESH_HOME/pki).
         "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-                {"name": "TIERMESH_ETCD_CA", "value": str(AGENT_PKI.ca_cert)},
-                {"name": "TIERMESH_ETCD_CERT", "value": str(AGENT_PKI.cert(Identity("site", site.name)))},
-                {"name": "TIERMESH_ETCD_KEY", "value": str(AGENT_PKI.key(Identity("site", site.name)))}],
+                *({"name": k, "value": v} for k, v in host.env.items())],
         "envFrom": [{"configMapRef": {"name": CONFIG_MAP}}],
-        "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
-                  {"name": "zmq", "containerPort": ZMQ_PORT, "protocol": "TCP"},
-                  {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
+        # 8000 serves the Open Inference Protocol and, for admin and scheduler certificates, /metrics: both HTTPS
+        "ports": [{"name": "https", "containerPort": AGENT_HTTP_PORT, "protocol": "TCP"},
+                  {"name": "zmq", "containerPort": AGENT_ZMQ_PORT, "protocol": "TCP"}],
         # Ready once the agent holds a routing snapshot and the catalog's task signatures. The edge API
         # wants a client certificate, which an httpGet probe cannot present: the agent's own command asks it
         # with the site's certificate (a Python start, ~0.5 s of CPU: hence every 10 s and a long timeout).
         "readinessProbe": {"exec": {"command": ["tiermesh", "agent", "--site", site.name,
-                                                "--http-port", str(HTTP_PORT), "--probe"]},
+                                                "--http-port", str(AGENT_HTTP_PORT), "--probe"]},
                            "periodSeconds": 10, "timeoutSeconds": 10, "failureThreshold": 3},
         # Alive while the HTTPS listener accepts connections (a TCP connect, no handshake).
-        "livenessProbe": {"tcpSocket": {"port": "http"},
+        "livenessProbe": {"tcpSocket": {"port": "https"},
                           "periodSeconds": 10, "timeoutSeconds": 3, "failureThreshold": 3},
-        "startupProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 2, "failureThreshold": 60},
+        "startupProbe": {"tcpSocket": {"port": "https"}, "periodSeconds": 2, "failureThreshold": 60},
         "resources": _resources(site),
         "securityContext": container_security(),
         "volumeMounts": [{"name": "home", "mountPath": HOME}, {"name": "tmp", "mountPath": "/tmp"},
@@ -184,7 +200,7 @@ def _agent_deployment(site: Site) -> dict[str, Any]:
             # since every cached variant is one the site could load.
             {"name": "home", "emptyDir": {"sizeLimit": f"{site.hardware.memory_mb}Mi"}},
             {"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}},
-            _pki_volume(site.name),
+            pki_volume(host),
         ],
     }
     if gpus:
@@ -197,7 +213,7 @@ def _agent_deployment(site: Site) -> dict[str, Any]:
             # Recreate, so a rollout never runs the old and the new agent of a site side by side.
             "replicas": 1, "strategy": {"type": "Recreate"},
             "selector": {"matchLabels": selector},
-            "template": {"metadata": {"labels": {**labels, "tiermesh.io/metrics": "true"}}, "spec": pod},
+            "template": {"metadata": {"labels": labels}, "spec": pod},
         },
     }
 
@@ -211,7 +227,7 @@ def _oip_service(site: Site) -> dict[str, Any]:
                      "labels": _labels("agent", **{"tiermesh.io/site": site.name})},
         "spec": {"type": "ClusterIP",
                  "selector": {"app.kubernetes.io/name": "tiermesh-agent", "tiermesh.io/site": site.name},
-                 "ports": [{"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP",
+                 "ports": [{"name": "https", "port": AGENT_HTTP_PORT, "targetPort": "https", "protocol": "TCP",
                             "appProtocol": "https"}]},  # mutual TLS: no TLS-terminating proxy in between
     }
 
@@ -244,14 +260,29 @@ def topology_documents(text: str) -> list[dict[str, Any]]:
 
 
 def site_secret_documents(topo: Topology) -> list[dict[str, Any]]:
-    """A placeholder certificate Secret per site, under the name its agent Deployment mounts."""
+    """A placeholder Secret per site, under the name its agent's pod projects: the site's own files (the CA and
+    the revocation list are in ``tiermesh-trust``)."""
     _check_names(topo)
-    return [{"apiVersion": "v1", "kind": "Secret",
-             "metadata": {"name": site_secret(site.name), "namespace": NAMESPACE,
-                          "labels": _labels("agent", **{"tiermesh.io/site": site.name})},
-             "type": "Opaque",
-             "stringData": {k: f"PLACEHOLDER: {v.format(s=site.name)}" for k, v in _SITE_KEYS.items()}}
-            for site in topo.sites.values()]
+    docs: list[dict[str, Any]] = []
+    for site in topo.sites.values():
+        me = Identity("site", site.name)
+        own = {role: path for role, path in AGENT_PKI.host_files(me).items() if role not in _TRUST_ROLES}
+        docs.append({"apiVersion": "v1", "kind": "Secret",
+                     "metadata": {"name": identity_secret(me), "namespace": NAMESPACE,
+                                  "labels": _labels("agent", **{"tiermesh.io/site": site.name})},
+                     "type": "Opaque",
+                     "stringData": {SECRET_KEYS[role]: "PLACEHOLDER: " + _PLACEHOLDER[role].format(
+                         who=me.uri, path=path.relative_to(AGENT_PKI.root)) for role, path in own.items()}})
+    return docs
+
+
+def config_documents() -> list[dict[str, Any]]:
+    """The settings every tiermesh container shares (``envFrom``): :func:`tiermesh.hosts.shared_env`. Each pod
+    adds its own identity's etcd client files (``env`` beats ``envFrom``)."""
+    return [{"apiVersion": "v1", "kind": "ConfigMap",
+             "metadata": {"name": CONFIG_MAP, "namespace": NAMESPACE, "labels": {"app.kubernetes.io/part-of":
+                                                                                  "tiermesh"}},
+             "data": shared_env(etcd=ETCD_URLS, prefix=PREFIX, home=HOME)}]
 
 
 def _dump(docs: list[dict[str, Any]], src: str) -> str:
@@ -269,7 +300,8 @@ def render(topology_path: Path, src: str | None = None) -> dict[str, str]:
     text = topology_path.read_text(encoding="utf-8")
     topo = parse_topology(text, file=str(topology_path))  # a bad topology fails here with its line
     name = src or str(topology_path)
-    return {TOPOLOGY_CONFIG_FILE: _dump(topology_documents(text), name),
+    return {CONFIG_FILE: _dump(config_documents(), name),
+            TOPOLOGY_CONFIG_FILE: _dump(topology_documents(text), name),
             SITE_SECRETS_FILE: _dump(site_secret_documents(topo), name),
             AGENTS_FILE: _dump(agent_documents(topo), name)}
 

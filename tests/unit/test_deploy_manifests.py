@@ -21,7 +21,7 @@ from mesh.errors import ConfigError
 from mesh.pki.files import PkiPaths
 from mesh.pki.identity import Identity
 from mesh.settings import setting_names
-from tiermesh import deploy
+from tiermesh import deploy, hosts
 from tiermesh.cli.main import build_parser
 from topology.loader import load_topology_file, parse_topology
 
@@ -32,8 +32,6 @@ K8S = ROOT / "deploy" / "k8s"
 TOPOLOGY = ROOT / "examples" / "topology.yaml"
 KUBERNETES_VERSION = "1.30"  # the oldest release the manifests promise to work on
 
-# Flags and settings agreed for issue 10 whose implementation is on another branch: parsed away here
-# while the CLI lacks them (a flag the CLI knows is parsed for real). Remove once merged.
 # flags and settings the manifests may use before the CLI has them (none now: all have landed)
 PENDING_FLAGS: dict[str, set[str]] = {}
 PENDING_SETTINGS: set[str] = set()
@@ -71,6 +69,11 @@ def _containers(pod_spec: Doc) -> list[Doc]:
 
 def _is_tiermesh(container: Doc) -> bool:
     return str(container["image"]).split(":")[0] == deploy.IMAGE.split(":")[0]
+
+
+def _runs_tiermesh(container: Doc) -> bool:
+    """A tiermesh process: the image's entrypoint (etcd's crl-seed uses the image for a plain ``cp``)."""
+    return _is_tiermesh(container) and "command" not in container
 
 
 def test_manifests_found() -> None:
@@ -131,7 +134,7 @@ def test_every_site_has_its_agent() -> None:
         assert pod_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         assert "--insecure" not in args, "agents are secured: HTTPS with client certificates"
         # the kubelet has no client certificate: no httpGet; readiness asks with the site's own one
-        assert c["livenessProbe"]["tcpSocket"]["port"] == c["startupProbe"]["tcpSocket"]["port"] == "http"
+        assert c["livenessProbe"]["tcpSocket"]["port"] == c["startupProbe"]["tcpSocket"]["port"] == "https"
         command, ns = _parse(c["readinessProbe"]["exec"]["command"][1:])
         assert c["readinessProbe"]["exec"]["command"][0] == "tiermesh"
         assert (command, ns.probe, ns.site, ns.insecure) == ("agent", True, site.name, False)
@@ -142,7 +145,7 @@ def test_every_site_has_its_agent() -> None:
         mounted = _secret_files(pod, c)
         wanted = {pki.ca_cert, pki.crl, pki.cert(me), pki.key(me), pki.curve(me)}
         assert {Path(f) for f in mounted if Path(f).is_relative_to(pki.root)} == wanted, site.name
-        assert {mounted[str(pki.cert(me))][0], mounted[str(pki.key(me))][0]} == {deploy.site_secret(site.name)}
+        assert {mounted[str(pki.cert(me))][0], mounted[str(pki.key(me))][0]} == {deploy.identity_secret(me)}
         assert mounted[str(pki.ca_cert)][0] == mounted[str(pki.crl)][0] == deploy.TRUST_SECRET
         assert {Path(f): v for f, v in mounted.items()} == deploy.agent_pki_files(site.name)
         # and its etcd client certificate is the site's own
@@ -179,7 +182,7 @@ def test_etcd_is_a_three_member_cluster_named_by_its_pods() -> None:
     ns = sts["metadata"]["namespace"]
     domain = f"{svc['metadata']['name']}.{ns}.svc"
     pods = [f"{sts['metadata']['name']}-{i}" for i in range(sts["spec"]["replicas"])]
-    (c,) = sts["spec"]["template"]["spec"]["containers"]
+    c = next(c for c in sts["spec"]["template"]["spec"]["containers"] if c["name"] == "etcd")
     args = c["args"]
     members = dict(m.split("=", 1) for m in _flag(args, "--initial-cluster").split(","))
     assert members == {p: f"https://{p}.{domain}:2380" for p in pods}
@@ -248,7 +251,7 @@ def test_tiermesh_pods_find_their_etcd_certificates() -> None:
     seen = 0
     for _, tpl in _pod_templates():
         for c in _containers(tpl["spec"]):
-            if not _is_tiermesh(c):
+            if not _runs_tiermesh(c):
                 continue
             assert {"configMapRef": {"name": deploy.CONFIG_MAP}} in c.get("envFrom", []), c["name"]
             env = _env(c)
@@ -382,16 +385,20 @@ def test_container_args_are_real_cli_flags() -> None:
         for c in _containers(tpl["spec"]):
             if not _is_tiermesh(c):
                 continue
-            assert "command" not in c, "tiermesh containers use the image's entrypoint"
+            if not _runs_tiermesh(c):  # the one utility use of the image: seeding etcd's revocation list
+                assert c["name"] == "crl-seed" and c["command"][0] == "cp", c["name"]
+                continue
             command, ns = _parse(c["args"])
             commands.add(command)
             ports = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
             if command == "agent":
-                assert (ns.http_port, ns.zmq_port) == (ports["http"], ports["zmq"]) == (deploy.HTTP_PORT,
-                                                                                         deploy.ZMQ_PORT)
+                assert (ns.http_port, ns.zmq_port) == (ports["https"], ports["zmq"]) == (hosts.AGENT_HTTP_PORT,
+                                                                                          hosts.AGENT_ZMQ_PORT)
             if command == "variants serve":
-                assert ns.port == ports["http"]
-    assert commands == {"agent", "scheduler", "variants serve", "topology apply"}
+                assert ns.port == ports["https"] == hosts.STORE_PORT
+            if command == "scheduler":
+                assert ns.console_port == ports["console"] == hosts.CONSOLE_PORT
+    assert commands == {"agent", "scheduler", "variants serve", "topology apply", "etcd-rbac", "pki follow-crl"}
 
 
 def test_the_parse_check_rejects_an_unknown_flag() -> None:
@@ -432,8 +439,11 @@ def test_pods_are_restricted() -> None:
             assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True, where
             assert sc["capabilities"]["drop"] == ["ALL"], where
             assert "limits" in c["resources"] and "requests" in c["resources"], where
-            if _is_tiermesh(c):
-                assert pod["securityContext"]["runAsUser"] == deploy.UID, where
+            if _runs_tiermesh(c):
+                # the image's user, except beside etcd: the CRL follower runs as etcd's user to signal it
+                uid = sc.get("runAsUser", pod["securityContext"]["runAsUser"])
+                etcd_uid = pod["securityContext"]["runAsUser"] if workload["metadata"]["name"] == "etcd" else None
+                assert uid in (deploy.UID, etcd_uid), where
                 mounts = {m["mountPath"] for m in c["volumeMounts"]}
                 assert {deploy.HOME, "/tmp"} <= mounts, f"{where}: the writable places of a read-only root"
 
@@ -444,15 +454,32 @@ def test_everything_is_in_the_namespace() -> None:
             assert d["metadata"].get("namespace") == deploy.NAMESPACE, f"{file}: {d['kind']}/{d['metadata']['name']}"
 
 
-def test_metrics_port_is_declared_where_the_service_looks() -> None:
-    svc = _named("Service", "tiermesh-metrics")
-    assert svc["spec"]["clusterIP"] == "None"
-    labelled = [t for _, t in _pod_templates() if svc["spec"]["selector"].items() <= t["metadata"]["labels"].items()]
-    assert {t["metadata"]["labels"]["app.kubernetes.io/name"] for t in labelled} == {
-        "tiermesh-agent", "tiermesh-scheduler", "tiermesh-variant-store"}
-    for t in labelled:
-        ports = {p["name"]: p["containerPort"] for c in t["spec"]["containers"] for p in c.get("ports", [])}
-        assert ports["metrics"] == deploy.METRICS_PORT
+# where each kind of pod really serves /metrics (edge_agent/observe.py, variant_store/server.py, and the scheduler
+# only through its console): every one HTTPS with client certificates
+METRICS = {"tiermesh-agent-metrics": ("tiermesh-agent", hosts.AGENT_HTTP_PORT),
+           "tiermesh-store-metrics": ("tiermesh-variant-store", hosts.STORE_PORT),
+           "tiermesh-scheduler-metrics": ("tiermesh-scheduler", hosts.CONSOLE_PORT)}
+
+
+def test_metrics_services_point_where_metrics_are_served() -> None:
+    services = {d["metadata"]["name"]: d for d in _kind("Service")
+                if d["metadata"]["labels"].get("app.kubernetes.io/name") == "tiermesh-metrics"}
+    assert set(services) == set(METRICS)
+    for name, (app, port) in METRICS.items():
+        svc = services[name]
+        assert svc["spec"]["clusterIP"] == "None", name  # headless: Prometheus scrapes every pod
+        selector = svc["spec"]["selector"].items()
+        selected = [t for _, t in _pod_templates() if selector <= t["metadata"]["labels"].items()]
+        assert {t["metadata"]["labels"]["app.kubernetes.io/name"] for t in selected} == {app}, name
+        (sp,) = svc["spec"]["ports"]
+        assert sp["port"] == port and sp["appProtocol"] == "https", name
+        for t in selected:
+            ports = {p["name"]: p["containerPort"] for c in t["spec"]["containers"] for p in c.get("ports", [])}
+            assert ports[sp["targetPort"]] == port, name
+    # nothing declares a port that nothing serves (the old placeholder 9100)
+    for _, t in _pod_templates():
+        for c in _containers(t["spec"]):
+            assert all(p["containerPort"] != 9100 for p in c.get("ports", [])), c["name"]
 
 
 def test_render_refuses_names_kubernetes_cannot_take() -> None:
@@ -474,7 +501,9 @@ def test_render_check_reports_a_stale_file(tmp_path: Path, capsys: pytest.Captur
 
 def test_containerfile_installs_this_tree() -> None:
     recipe = (ROOT / "deploy" / "Containerfile").read_text(encoding="utf-8")
-    assert re.search(r"^FROM python:3\.11-slim\b", recipe, re.M)
+    # one recipe for python:3.11-slim and an offline Debian base (make deploy-check): the base is a build argument
+    assert re.search(r"^ARG BASE=python:3\.11-slim$", recipe, re.M)
+    assert re.findall(r"^FROM (\S+)", recipe, re.M) == ["${BASE}", "${BASE}"]
     assert 'ENTRYPOINT ["tiermesh"]' in recipe
     assert re.search(rf"^USER {deploy.UID}:{deploy.UID}$", recipe, re.M)
     assert f"TIERMESH_HOME={deploy.HOME}" in recipe
@@ -482,6 +511,10 @@ def test_containerfile_installs_this_tree() -> None:
                if line.strip() and not line.startswith("#")}
     sources = [s for line in re.findall(r"^COPY (?!--from)(.+)$", recipe, re.M) for s in line.split()[:-1]]
     assert "pyproject.toml" in sources and "tiermesh/" in sources
+    # every package setuptools installs is copied (console/ was once forgotten: tiermesh imports it)
+    packages = re.search(r"^include = \[(.+)\]$", (ROOT / "pyproject.toml").read_text(), re.M)
+    assert packages is not None
+    assert {p.strip(' "*') + "/" for p in packages.group(1).split(",")} <= set(sources)
     for src in sources:
         assert (ROOT / src).exists(), src
         assert src.rstrip("/") not in ignored, f"{src} is copied but .containerignore drops it"

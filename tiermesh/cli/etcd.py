@@ -118,8 +118,9 @@ async def run_etcd(args: argparse.Namespace) -> int:
 async def run_rbac(args: argparse.Namespace) -> int:
     from tiermesh.cli.context import open_store, store_args
 
+    settings = MeshSettings()
     topo = load_topology_file(args.topology)
-    prefix = args.prefix or "/tiermesh/"
+    prefix = args.prefix or settings.prefix
     plan = rbac.plan(prefix, sites=topo.sites, schedulers=args.scheduler, admins=args.admin,
                      root_admins=args.root_admin, stores=args.store, crl_followers=args.crl_follower)
     for user, roles in sorted(plan.users.items()):
@@ -129,7 +130,7 @@ async def run_rbac(args: argparse.Namespace) -> int:
             print(f"role {role}: {g.access} {g.key}{'*' if g.prefix else ''}")
     if args.dry_run:
         return EXIT_OK
-    if not args.etcd:
+    if not (args.etcd or settings.etcd):
         raise ConfigError("etcd-rbac needs --etcd https://... with --etcd-ca, --etcd-cert and --etcd-key "
                           "(a root admin's certificate): RBAC on an etcd without TLS client auth names no one")
     async with open_store(**store_args(args)) as store:

@@ -109,8 +109,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                                   "--drop-connections PORT resets every established connection to etcd's client "
                                   "port (ss -K; needs CAP_NET_ADMIN in etcd's network namespace; every client "
                                   "dials again, the revoked one is refused), or --signal-process etcd "
-                                  "--stagger-s S sends SIGTERM to etcd after S x the hostname's ordinal seconds "
-                                  "(etcd-2: 2 S; needs a PID namespace shared with etcd), so a StatefulSet "
+                                  "--stagger-s S sends SIGTERM to etcd after S x (the hostname's ordinal + 1) s "
+                                  "(etcd-2: 3 S; needs a PID namespace shared with etcd), so a StatefulSet "
                                   "restarts its members one at a time and keeps quorum. etcd refuses every client "
                                   "while that file is missing, so a missing --out is first written from "
                                   "HOME/pki/crl.pem (the host's own copy). Run it with etcd's own "
@@ -126,7 +126,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bound.add_argument("--signal-process", default=None, metavar="NAME",
                        help="send SIGTERM to the process NAME after a revocation (staggered by --stagger-s)")
     f.add_argument("--stagger-s", type=float, default=30.0, metavar="S",
-                   help="with --signal-process: wait S x the trailing integer of the hostname first (default 30)")
+                   help="with --signal-process: wait S x (the hostname's trailing integer + 1) first (default 30)")
     f.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
     f.set_defaults(func=_follow_crl)
 
