@@ -32,7 +32,7 @@ from core_scheduler.state.view import MeshView
 from mesh.errors import StoreError
 from mesh.etcd.election import Election
 from mesh.etcd.keys import EVENTS_PLACEMENT, placement_key
-from mesh.etcd.ops import Compare, CreateRevision, Put, chunk_ops
+from mesh.etcd.ops import Compare, CreateRevision, Delete, Put, chunk_ops
 from mesh.etcd.store import Store
 from mesh.lifecycle import Service, cancel_and_wait
 from mesh.log import get_logger, kv
@@ -284,6 +284,12 @@ class Scheduler(Service):
             for vid in sorted(before - set(vids)):
                 if (site, vid) not in explained:
                     events.append({"site": site, "variant_id": vid, "action": "evict", "reason": "not planned"})
+        # a site taken out of the topology is retired: its placement goes (nothing would ever rewrite it)
+        topo = self.view.topology
+        for site in sorted(set(self.view.placement) - set(topo.sites if topo is not None else self.view.placement)):
+            ops.append(Delete(placement_key(site)))
+            changed.append(site)
+            events.append({"site": site, "variant_id": "*", "action": "retire", "reason": "left the topology"})
         if not ops:
             return 0
         assert self.election.key is not None

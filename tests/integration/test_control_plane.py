@@ -19,7 +19,7 @@ from core_scheduler.state.scope import Scope
 from core_scheduler.state.view import MeshView
 from edge_agent.liveness import Liveness
 from mesh.errors import StoreError
-from mesh.etcd.keys import PLACEMENT, catalog_key, live_key, placement_key
+from mesh.etcd.keys import EVENTS_PLACEMENT, PLACEMENT, catalog_key, live_key, placement_key
 from mesh.etcd.ops import Put, chunk_ops
 from mesh.etcd.store import Store
 from mesh.etcd.watch import KeyRange
@@ -226,3 +226,33 @@ async def _placed_at(store: Store, site: str, variant: str) -> list[str] | None:
     kv = await store.get(placement_key(site))
     names = sorted(v["variant_id"] for v in kv.value["variants"]) if kv is not None else []
     return names if variant in names else None
+
+
+async def test_a_site_taken_out_of_the_topology_is_retired(store: Store) -> None:
+    """`topology apply` without a site retires it cleanly: the leader deletes its placement (nothing would ever
+    rewrite it) and says so in its events; the other sites keep theirs."""
+    from topology.store_io import apply as apply_topology
+
+    topo = _topology(2)
+    await _seed(store, topo)
+    lease = await store.lease(30)
+    for s in topo.sites:
+        await store.put(live_key(s), _record(s), lease=lease)
+    sched = Scheduler(store, SchedulerConfig(candidate_id="a", interval_s=0.3, proactive=False))
+    await sched.start()
+    try:
+        await eventually(lambda: _placed(store, 3), 20, "a placement for each of the three sites")
+        await store.delete(live_key("e001"))  # the machine is gone (revoked: its lease revoked) ...
+        smaller = Topology(sites={n: s for n, s in topo.sites.items() if n != "e001"},
+                           links=tuple(lk for lk in topo.links if "e001" not in lk.ends))
+        await apply_topology(store, smaller)  # ... and the operator takes it out of the topology
+
+        async def retired() -> bool:
+            return await store.get(placement_key("e001")) is None
+
+        await eventually(retired, 20, "the retired site's placement deleted")
+        assert await store.get(placement_key("e000")) is not None and await store.get(placement_key("c")) is not None
+        events = (await store.get(EVENTS_PLACEMENT)).value["events"]  # type: ignore[union-attr]
+        assert any(e["site"] == "e001" and e["action"] == "retire" for e in events)
+    finally:
+        await sched.stop()
