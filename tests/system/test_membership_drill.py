@@ -28,9 +28,9 @@ pytestmark = [pytest.mark.system, pytest.mark.slow, pytest.mark.timeout(300),
 
 TOPOLOGY = Path(__file__).resolve().parents[1] / "data" / "topology_join.yaml"
 SITES = ["core-eu", "core-eu-2", "mid-eu", "edge-fra-1"]
-JOIN = MembershipDrill("join", "core-eu-2", 4.0)
-REVOKE = MembershipDrill("revoke", "core-eu", 14.0)
-RUN_S, QPS, MARGIN_MS = 26.0, 20.0, 1000.0
+JOIN = MembershipDrill("join", "core-eu-2", 3.0)
+REVOKE = MembershipDrill("revoke", "core-eu", 11.0)
+RUN_S, QPS, MARGIN_MS = 19.0, 20.0, 1000.0
 
 
 async def test_a_site_joins_mid_run_and_a_revoked_one_is_out_within_5_s(holdout: Holdout) -> None:
@@ -69,7 +69,7 @@ async def test_a_site_joins_mid_run_and_a_revoked_one_is_out_within_5_s(holdout:
     revoke = membership_report(REVOKE, recs, forwarded_after_grace=None if grace is None or end is None
                                else end - grace)
     print(json.dumps({"join": join, "revoke": revoke}))  # the numbers, for whoever reads the log
-    assert offered[0] > 300 and len(recs) == offered[0], f"{offered[0] - len(recs)} queries lost"
+    assert offered[0] > 250 and len(recs) == offered[0], f"{offered[0] - len(recs)} queries lost"
     hung = [(r.slo_class, r.budget_ms, round(r.client_ms), r.error) for r in recs
             if r.client_ms > r.budget_ms + MARGIN_MS]
     assert not hung, hung

@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.system, pytest.mark.slow, pytest.mark.timeout(300),
               pytest.mark.skipif(REASON is not None, reason=f"network namespaces unavailable: {REASON}")]
 
 SITES = ["core-eu", "mid-eu", "edge-fra-1", "edge-par-1"]
-RUN_S, QPS = 20.0, 20.0
+RUN_S, QPS = 12.0, 20.0
 
 
 def _files(home: Path) -> set[str]:
@@ -72,7 +72,7 @@ async def test_sites_holding_only_their_own_identity_serve_and_forward(holdout: 
     tiers = {n: mesh.topology.sites[n].tier for n in SITES}
     summary = summarise(recs, tiers)
     print(json.dumps(summary))  # the numbers, for whoever reads the log
-    assert offered[0] > 200 and len(recs) == offered[0], f"{offered[0] - len(recs)} queries lost"
+    assert offered[0] > 150 and len(recs) == offered[0], f"{offered[0] - len(recs)} queries lost"
     # forwarded over two links: an edge's query served at the core crosses edge-mid and mid-core
     assert all(len(topology_paths(mesh.topology).path(edge, "core-eu")) == 3 for edge in edges)
     served_at = Counter(r.site for r in recs if r.ok)
