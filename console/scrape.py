@@ -3,6 +3,13 @@ HTTPS with the console's admin certificate (plain HTTP when the mesh runs ``--in
 
 Each call has a short timeout and reports failure as a value, never an exception: one dead or slow agent
 must not hold up the view of the others.
+
+Which URL is a site's (:meth:`Scraper.targets`): a site writes its own live record, so its ``http`` is believed
+only as far as its certificate vouches for it (:func:`mesh.pki.site_names.believe`: https, on an address the
+certificate names), never a URL of the site's choosing (SSRF through the console); and each answer is used only
+from a server that proves to be that site (its certificate's URI SAN). The certificates are the ones the sites
+publish at etcd ``pki/sites/``, believed when the CA this client's TLS trusts signed them for that site. An
+``--insecure`` console (no TLS) has nothing to check a URL by and takes them as written.
 """
 
 from __future__ import annotations
@@ -10,18 +17,40 @@ from __future__ import annotations
 import asyncio
 import ssl
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
 from console.digest import SiteMetrics, digest
 from console.promtext import parse_text
+from mesh.errors import MeshError
 from mesh.lifecycle import Service
+from mesh.pki.site_names import Believer, Claim, SiteNames, response_ssl_object, server_site
+
+if TYPE_CHECKING:  # cryptography: a secured console only
+    from cryptography import x509
+
+    from mesh.pki.identity import Identity, Kind
 
 __all__ = ["Scrape", "Scraper"]
 
 _TRACE_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
+_SITE: tuple[Kind, ...] = ("site",)
+_RECHECK_S = 30.0  # a published certificate believed is verified again this often (it expires without changing)
+
+
+class _NotThatSite(Exception):
+    """The server behind a site's URL proved to be someone else (or nobody)."""
+
+
+def _context_ca(ctx: ssl.SSLContext) -> x509.Certificate | None:
+    """The CA certificate ``ctx`` verifies servers with (the mesh CA: ``ReloadingCredentials`` loads exactly one)."""
+    from cryptography import x509
+
+    cas = ctx.get_ca_certs(binary_form=True)
+    return x509.load_der_x509_certificate(cas[0]) if len(cas) == 1 else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +70,56 @@ class Scraper(Service):
         self.ssl_context = ssl_context
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session: aiohttp.ClientSession | None = None
+        self._ca = _context_ca(ssl_context) if ssl_context is not None else None
+        self._believer = Believer("console")
+        self._names: dict[str, tuple[bytes, SiteNames | None, float]] = {}  # site -> (PEM, its names, checked at)
+
+    # -- which URL is a site's -------------------------------------------------------------------------------------
+    def targets(self, live: Mapping[str, Any], certs: Mapping[str, bytes]) -> dict[str, str]:
+        """site -> the edge URL to scrape, from the live records (``endpoint``, ``http``) and the site
+        certificates published in etcd (``certs``: site -> PEM). See the module docstring."""
+        if self.ssl_context is None:  # --insecure: no certificates to check a URL by
+            return {n: hb.http for n, hb in live.items() if getattr(hb, "http", None)}
+        claims = {n: Claim(getattr(hb, "endpoint", None), getattr(hb, "http", None)) for n, hb in live.items()}
+        names = {n: found for n in claims if (found := self._site_names(n, certs.get(n))) is not None}
+        return {n: b.http for n, b in self._believer.update(claims, names).items() if b.http is not None}
+
+    def _site_names(self, site: str, pem: bytes | None) -> SiteNames | None:
+        """The addresses ``site``'s published certificate binds, if the CA signed it for ``site``."""
+        if pem is None or self._ca is None:
+            return None
+        now = time.monotonic()
+        held = self._names.get(site)
+        if held is not None and held[0] == pem and now - held[2] < _RECHECK_S:
+            return held[1]
+        from mesh.pki.verify import load_certificate
+
+        try:
+            cert = load_certificate(pem)
+            found = SiteNames.of(cert) if self._verify_site(cert).name == site else None
+        except (MeshError, ValueError):
+            found = None
+        self._names[site] = (pem, found, now)
+        return found
+
+    def _verify_site(self, cert: x509.Certificate) -> Identity:
+        from mesh.pki.verify import verify_certificate
+
+        assert self._ca is not None
+        return verify_certificate(cert, ca=self._ca, crl=None, use="server", kinds=_SITE)
+
+    def _check_server(self, resp: aiohttp.ClientResponse, site: str) -> None:
+        """With TLS, the server that answered must prove to be ``site``; ``_NotThatSite`` if it does not."""
+        if self.ssl_context is None:
+            return
+        if self._ca is None:
+            raise _NotThatSite("no mesh CA to check the server by")
+        try:
+            proved = server_site(response_ssl_object(resp), self._verify_site)
+        except MeshError as exc:
+            raise _NotThatSite(str(exc)) from exc
+        if proved != site:
+            raise _NotThatSite(f"the server is site {proved}, not {site}")
 
     async def _start(self) -> None:
         connector = aiohttp.TCPConnector(ssl=self.ssl_context if self.ssl_context is not None else False,
@@ -61,10 +140,13 @@ class Scraper(Service):
     async def metrics(self, site: str, base_url: str) -> Scrape:
         now = time.monotonic()
         try:
-            async with self.session.get(f"{base_url.rstrip('/')}/metrics") as resp:
+            async with self.session.get(f"{base_url.rstrip('/')}/metrics", allow_redirects=False) as resp:
+                self._check_server(resp, site)
                 body = await resp.text()
                 if resp.status != 200:
                     return Scrape(site, now, True, error=f"HTTP {resp.status}")
+        except _NotThatSite as exc:
+            return Scrape(site, now, False, error=f"not {site}: {exc}"[:200])
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             return Scrape(site, now, False, error=f"{type(exc).__name__}: {exc}"[:200])
         try:
@@ -72,13 +154,14 @@ class Scraper(Service):
         except ValueError as exc:
             return Scrape(site, now, True, error=f"unparseable metrics: {exc}"[:200])
 
-    async def _json(self, url: str) -> tuple[int, Any]:
+    async def _json(self, site: str, url: str) -> tuple[int, Any]:
         try:
-            async with self.session.get(url) as resp:
+            async with self.session.get(url, allow_redirects=False) as resp:
+                self._check_server(resp, site)
                 if resp.status != 200:
                     return resp.status, None
                 return 200, await resp.json(content_type=None)
-        except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError, _NotThatSite):
             return 0, None
 
     async def trace(self, request_id: str, sites: dict[str, str]) -> tuple[str, dict[str, Any]] | None:
@@ -87,7 +170,7 @@ class Scraper(Service):
         if not request_id or len(request_id) > 128 or not set(request_id) <= _TRACE_ID_CHARS:
             raise ValueError(f"not a request id: {request_id[:40]!r}")
         names = sorted(sites)
-        answers = await asyncio.gather(*(self._json(f"{sites[n].rstrip('/')}/v2/traces/{request_id}")
+        answers = await asyncio.gather(*(self._json(n, f"{sites[n].rstrip('/')}/v2/traces/{request_id}")
                                          for n in names))
         for name, (status, body) in zip(names, answers, strict=True):
             if status == 200 and isinstance(body, dict) and isinstance(body.get("hops"), list):
@@ -97,7 +180,7 @@ class Scraper(Service):
     async def recent_traces(self, sites: dict[str, str], limit: int = 20) -> list[dict[str, Any]]:
         """Trace summaries from every agent (``GET /v2/traces?limit=N``), each tagged with its ``site``."""
         names = sorted(sites)
-        answers = await asyncio.gather(*(self._json(f"{sites[n].rstrip('/')}/v2/traces?limit={limit}")
+        answers = await asyncio.gather(*(self._json(n, f"{sites[n].rstrip('/')}/v2/traces?limit={limit}")
                                          for n in names))
         out: list[dict[str, Any]] = []
         for name, (status, body) in zip(names, answers, strict=True):

@@ -96,8 +96,9 @@ class ConsoleState(Service):
         return self.snapshot
 
     def live_urls(self) -> dict[str, str]:
-        """site -> edge API URL, from the live records."""
-        return {n: hb.http for n, hb in self.view.live.items() if hb.http}
+        """site -> edge API URL: what of the live records' ``http`` the sites' certificates vouch for
+        (:meth:`console.scrape.Scraper.targets`: never a URL a site chose for the console to fetch)."""
+        return self.scraper.targets(self.view.live, self.view.site_certs)
 
     # -- the loop ----------------------------------------------------------------------------
     def touch(self) -> None:

@@ -25,15 +25,15 @@ from core_scheduler.state.snapshot import SnapshotBuilder
 from core_scheduler.state.view import MeshView
 from edge_agent.agent_config import BLOB_PEER, AgentConfig
 from edge_agent.agent_trust import AgentTrust
-from edge_agent.blobs import blob_routes, peer_sources
+from edge_agent.blobs import PeerSource, blob_routes, peer_sources
 from edge_agent.demand import DemandMeter
 from edge_agent.host import VariantHost
-from edge_agent.http_api import EdgeHttpServer
+from edge_agent.http_api import EdgeHttpServer, task_visible
 from edge_agent.liveness import Liveness
 from edge_agent.metrics import AgentMetrics, Gauges
 from edge_agent.observe import Observe
-from edge_agent.peer_keys import PeerKeys
-from edge_agent.quota import DoorQuotas, limits_from_view
+from edge_agent.peer_keys import PeerAddresses, PeerKeys
+from edge_agent.quota import DoorQuotas, PeerQuotas, limits_from_view
 from edge_agent.selfprofile import SelfProfiler
 from edge_agent.site_dataplane import SiteDataPlane
 from edge_agent.traces import TraceStore
@@ -44,6 +44,8 @@ from mesh.etcd.store import Store
 from mesh.heap import settle
 from mesh.lifecycle import Service, State, cancel_and_wait
 from mesh.log import get_logger, kv
+from mesh.pki.identity import Kind
+from mesh.pki.site_names import server_site
 from mesh.zmq.client import ZmqClient
 from mesh.zmq.server import ZmqServer
 from topology.paths import topology_paths
@@ -59,6 +61,7 @@ log = get_logger(__name__)
 # Batching keeps a core busy with several queries in flight; past this many per core the
 # queue wait dominates and routing should look elsewhere.
 INFLIGHT_PER_CORE = 8
+SITE_KIND: tuple[Kind, ...] = ("site",)
 
 
 class Agent(AgentTrust, Service):
@@ -74,6 +77,8 @@ class Agent(AgentTrust, Service):
         self.zmq_client: ZmqClient | None = None
         self.curve: CurveSecurity | None = None
         self.peer_keys: PeerKeys | None = None  # the CURVE key each peer is dialled with (CURVE on)
+        # where each peer is dialled and which of its URLs is used: what its certificate vouches for (CURVE on)
+        self.peer_addresses: PeerAddresses | None = None
         self.http: EdgeHttpServer | None = None
         self.liveness: Liveness | None = None
         self.dataplane: SiteDataPlane | None = None
@@ -81,6 +86,7 @@ class Agent(AgentTrust, Service):
         self.table_version = 0
         self.demand = DemandMeter(window_s=cfg.demand_window_s)
         self.quota = DoorQuotas()
+        self.peer_quota = PeerQuotas()  # what each door may spend here of its tenants' quotas (forwarded)
         self._tasks: list[asyncio.Task[None]] = []
         self._reconcile = asyncio.Event()
         self._crl_seen: bytes | None = None  # the pki/crl PEM last handed to the trust stores
@@ -128,32 +134,42 @@ class Agent(AgentTrust, Service):
         self.selfprof = SelfProfiler(self.site, self.host, self.view, wanted=self._placed,
                                      idle_s=lambda: self.dataplane.idle_s() if self.dataplane is not None else 0.0,
                                      published_cb=self._beat_now)
+        tls = None
+        if cfg.tls:  # its credentials first: an edge without them says so (PkiError), whatever CURVE would say
+            from edge_agent.mtls import EdgeTls
+
+            tls = EdgeTls(self._pki_paths(), self.site)
         self.curve = await self._open_curve()
         if self.curve is not None:
             view = self.view
+            self.peer_addresses = PeerAddresses(self.site, self.curve.sites, cfg.peer_map)
+            self.peer_addresses.update(view.live)
+            self.curve.sites.on_change.append(self._believe_peers)
             self.peer_keys = PeerKeys(self.site, self.curve.sites, lambda: view.live, self._peer_endpoint)
         self.zmq_client = ZmqClient(security=self.curve,
                                     server_key_for=self.peer_keys.server_key if self.peer_keys else None)
         self.dataplane = SiteDataPlane(self.site, self.view, self.host, self.zmq_client,
                                        table=lambda: self.table, peer_endpoint=self._peer_endpoint,
                                        demand=self.demand, quota=self.quota, metrics=self.metrics,
-                                       traces=self.traces, trace_sample_rate=cfg.trace_sample_rate)
+                                       traces=self.traces, trace_sample_rate=cfg.trace_sample_rate,
+                                       peer_quota=self.peer_quota)
         self.dataplane.secured = self.curve is not None
         self.zmq_server = ZmqServer(self.dataplane.infer_from_peer, bind=tcp_endpoint(cfg.bind, cfg.zmq_port),
                                     max_bytes=cfg.max_body_bytes, security=self.curve)
         await self.zmq_server.start()
-        tls = None
-        if cfg.tls:
-            from edge_agent.mtls import EdgeTls
-
-            tls = EdgeTls(self._pki_paths(), self.site)
         self.http = EdgeHttpServer(self.dataplane, host=cfg.bind, port=cfg.http_port,
                                    advertise=self.advertise_host, max_body_bytes=cfg.max_body_bytes,
                                    tls=tls, observe=Observe(self.metrics, self.traces, tls),
-                                   routes=tuple(blob_routes(cache, tls)))
+                                   routes=tuple(blob_routes(cache, tls)), visible=self._task_visible,
+                                   quota_check=self.quota.check)
         await self.http.start()
-        # blobs from an https:// variant store: with the site's own (reloading) client certificate
-        self.host.blobs.ssl = self.http.tls.credentials.client_context() if self.http.tls is not None else None
+        # blobs from an https:// variant store or peer: with the site's own (reloading) client certificate; a peer
+        # must prove to be the site it is fetched from
+        if self.http.tls is not None:
+            edge_tls = self.http.tls
+            self.host.blobs.ssl = edge_tls.credentials.client_context()
+            self.host.blobs.verify_server = lambda ssl_object: server_site(
+                ssl_object, lambda cert: edge_tls.trust.verify(cert, use="server", kinds=SITE_KIND))
         # trust first (peers' certificates, the revocation list), so routing and re-dialling see it
         self.view.on_change(self._adopt_crl)
         self.view.on_change(self._adopt_site_certs)
@@ -207,12 +223,13 @@ class Agent(AgentTrust, Service):
         assert self.http is not None
         return self.http.url
 
-    def _peer_endpoint(self, site: str) -> str | None:
-        if self.view is None or site not in self.view.live:
-            return None
-        return self.cfg.peer_map.get(site) or self.view.live[site].endpoint
+    def _task_visible(self, task: str, tenant: str) -> bool:
+        """Whether ``tenant`` may know of ``task`` at all (a public or its own variant): another tenant's private
+        task answers exactly as one that does not exist (:func:`edge_agent.http_api.task_visible`)."""
+        variants = self.view.variants.get(task) if self.view is not None else None
+        return task_visible((m.owner for m in (variants or {}).values()), tenant)
 
-    def _blob_peers(self, digest: str) -> list[str]:
+    def _blob_peers(self, digest: str) -> list[PeerSource]:
         """Where a blob can be fetched from before the variant store: live peers holding it, nearest first."""
         view = self.view
         topo = view.topology if view is not None else None
@@ -226,7 +243,7 @@ class Agent(AgentTrust, Service):
             return float(paths.rtt_ms[here, there]) if here is not None and there is not None else float("inf")
 
         by_id = {vid: meta for vs in view.variants.values() for vid, meta in vs.items()}
-        return peer_sources(digest, self.site, view.live, rtt, by_id.get)
+        return peer_sources(digest, self.site, view.live, rtt, by_id.get, self._peer_http)
 
     def _on_view_change(self) -> None:
         if self.state is State.STOPPING:  # its servers are going: a change now has nothing left to route
@@ -240,8 +257,10 @@ class Agent(AgentTrust, Service):
                            variants=(vid for vs in self.view.variants.values() for vid in vs),
                            sites=topo.sites if topo else ())
         # this door's share of each tenant's quota follows the heartbeats (core_scheduler.policy.quota)
-        self.quota.update(limits_from_view(self.site, {t.name: t.quotas for t in topo.tenants.values()}
-                                           if topo else {}, self.view.live))
+        quotas = {t.name: t.quotas for t in topo.tenants.values()} if topo else {}
+        self.quota.update(limits_from_view(self.site, quotas, self.view.live))
+        self.peer_quota.update(quotas, self.view.live)
+        self._believe_peers()
         assert self.snapshots is not None
         snap = self.snapshots.build(local_loads=self._local_load(),
                                     rtt_correction=self.dataplane.rtt_correction() if self.dataplane else None)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from edge_agent.http_api import DEFAULT_MAX_BODY
 from mesh.addresses import DEFAULT_BIND
+from mesh.errors import ConfigError
 
 __all__ = ["BLOB_PEER", "AgentConfig"]
 
@@ -48,12 +49,16 @@ class AgentConfig:
     # the edge HTTP API over mutual TLS with the site's certificate from home/pki (`tiermesh agent` turns it
     # on unless --insecure); False: plain HTTP, the tenant taken from a header (development only)
     tls: bool = False
-    # the PKI directory of both (None: <home>/pki). CURVE between sites is on when this site's certificate
-    # and CURVE key are there (missing from the default directory: "not secured yet", with a warning; from
-    # an explicit one: an error). ``insecure`` turns CURVE off whatever is there (with a warning).
+    # the PKI directory of both (None: <home>/pki). CURVE between sites is always on: this site's certificate
+    # and CURVE key must be there, or the agent refuses to start (fail closed). ``insecure`` is the only way to
+    # plain ZeroMQ (with a warning), and cannot be combined with ``tls``.
     pki_dir: Path | None = None
     insecure: bool = False
     # decision traces: the share of queries traced without asking (0: only those that ask, with
     # parameters.trace), and how many traces this door keeps for GET /v2/traces/{request_id}
     trace_sample_rate: float = 0.01
     trace_buffer: int = 1000
+
+    def __post_init__(self) -> None:
+        if self.insecure and self.tls:  # an edge that checks certificates beside site links that check nothing
+            raise ConfigError("an agent with edge TLS runs CURVE between sites: drop insecure, or tls")

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from edge_agent.agent_config import AgentConfig
     from edge_agent.http_api import EdgeHttpServer
     from edge_agent.liveness import Liveness
-    from edge_agent.peer_keys import PeerKeys
+    from edge_agent.peer_keys import PeerAddresses, PeerKeys
     from mesh.etcd.store import Store
     from mesh.pki.curve import CurveKeyPair
     from mesh.zmq.client import ZmqClient
@@ -50,6 +50,7 @@ class AgentTrust:
     view: MeshView | None
     curve: CurveSecurity | None
     peer_keys: PeerKeys | None
+    peer_addresses: PeerAddresses | None
     zmq_server: ZmqServer | None
     zmq_client: ZmqClient | None
     http: EdgeHttpServer | None
@@ -60,11 +61,37 @@ class AgentTrust:
     _rekeying: asyncio.Task[None] | None
     cfg: AgentConfig
 
+    # -- what is believed of the peers' live records ----------------------------------------------------------------
+    def _peer_endpoint(self, site: str) -> str | None:
+        """Where ``site`` is dialled: with CURVE, only an endpoint its certificate vouches for and no other live
+        site holds (:class:`edge_agent.peer_keys.PeerAddresses`); on an ``--insecure`` mesh, what its live record
+        says (nothing to check it by), or the operator's peer map."""
+        if self.view is None or site not in self.view.live:
+            return None
+        if self.peer_addresses is not None:
+            return self.peer_addresses.endpoint(site)
+        return self.cfg.peer_map.get(site) or self.view.live[site].endpoint
+
+    def _peer_http(self, site: str) -> str | None:
+        """``site``'s edge URL for blob fetches, believed as :meth:`_peer_endpoint` is."""
+        if self.peer_addresses is not None:
+            return self.peer_addresses.http(site)
+        hb = self.view.live.get(site) if self.view is not None else None
+        return hb.http if hb is not None else None
+
+    def _believe_peers(self) -> None:
+        """Re-read what is believed of the live peers' addresses (the live records or the certificates changed)."""
+        if self.peer_addresses is not None and self.view is not None:
+            self.peer_addresses.update(self.view.live)
+
     def _pki_paths(self) -> PkiPaths:
         """The PKI directory of the edge certificate and the CURVE keys (``--pki-dir``, else HOME/pki)."""
         return PkiPaths(self.cfg.pki_dir) if self.cfg.pki_dir is not None else PkiPaths.under(self.cfg.home)
 
     async def _open_curve(self) -> CurveSecurity | None:
+        """CURVE between sites, or None under ``insecure``, the only way to plain ZeroMQ: an agent without its
+        certificate and CURVE key refuses to start (it once served plain ZeroMQ with a warning when its home lacked
+        the ``.curve`` file, its edge TLS on: fail closed)."""
         cfg, me = self.cfg, Identity("site", self.site)
         if cfg.insecure:
             log.warning("--insecure: ZeroMQ links between sites are NOT authenticated or encrypted",
@@ -73,18 +100,15 @@ class AgentTrust:
         paths = self._pki_paths()
         if not (paths.cert(me).exists() and paths.curve(me).exists()):
             others = sorted(p.name[:-4] for p in (paths.root / "sites").glob("*.pem")
-                            if not p.name.endswith("-key.pem"))
+                            if not p.name.endswith("-key.pem") and p.name[:-4] != self.site)
             if others:  # files copied to the wrong host, or the wrong --site: never run as someone else, nor open
                 raise ConfigError(f"{paths.root} holds the files of site {', '.join(others)}, not of {self.site}: "
                                   f"copy this site's own (`tiermesh pki bundle --site {self.site} --out DIR`) or "
                                   f"start the agent with the --site its files are for")
-            if cfg.pki_dir is not None:
-                raise ConfigError(f"no certificate or CURVE key for site {self.site} in {paths.root} "
-                                  f"(run `tiermesh pki issue --site {self.site}`, or pass --insecure)")
-            log.warning("no site credentials in %s: ZeroMQ links are NOT secured (issue them with "
-                        "`tiermesh pki issue --site %s`)", paths.root, self.site,
-                        extra=kv(site=self.site, event="insecure"))
-            return None
+            missing = [str(p) for p in (paths.cert(me), paths.curve(me)) if not p.exists()]
+            raise ConfigError(f"site {self.site} has no {' and no '.join(missing)}: links between sites run CURVE "
+                              f"with the site's certificate and CURVE key (`tiermesh pki issue --site {self.site}`); "
+                              f"pass --insecure to run plain ZeroMQ (development only)")
         from mesh.zmq.curve import CurveSecurity
         from mesh.zmq.site_keys import SiteKeys
 

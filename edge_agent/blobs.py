@@ -3,7 +3,13 @@
 agent), and fetches a blob from the nearest live site whose heartbeat holds a variant built on it
 before it falls back to the variant store, so a cold start at an edge pays a hop to its neighbour,
 not a WAN round trip to the store. Whatever the source, the bytes are checked against their digest on
-arrival (:func:`variant_store.fetch.fetch_blob`); a peer that fails or serves bad bytes costs one try.
+arrival; a peer that fails or serves bad bytes costs one try.
+
+A peer is a source only as far as it is believed (:class:`PeerSource`): its URL is the one its certificate vouches
+for (``http_of``: :class:`edge_agent.peer_keys.PeerAddresses`; what its live record says only on an ``--insecure``
+mesh), the server must prove to be that site, and it may send at most the size the catalog states for the blob
+(:mod:`edge_agent.blob_cache`). A blob whose size the catalog does not state (a shared backbone: variants name its
+digest, not its size) comes from the variant store only.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,7 +31,7 @@ from variant_store.meta import VariantMeta
 if TYPE_CHECKING:  # mutual TLS (cryptography) is loaded only by an agent that serves it
     from edge_agent.mtls import EdgeTls
 
-__all__ = ["PEER_FETCH_TIMEOUT_S", "blob_routes", "peer_sources"]
+__all__ = ["PEER_FETCH_TIMEOUT_S", "PeerSource", "blob_routes", "peer_sources"]
 
 PEER_FETCH_TIMEOUT_S = 5.0  # a peer that does not deliver in this long is skipped for the next source
 SUFFIXES = (".onnx", ".tflite")
@@ -49,20 +56,30 @@ def blob_routes(cache_dir: Path, tls: EdgeTls | None) -> list[Route]:
     return [("GET", "/blobs/{digest}", get)]
 
 
+@dataclass(frozen=True, slots=True)
+class PeerSource:
+    """A live site to fetch a blob from: its base URL, and the most bytes it may send (the catalog's size)."""
+
+    site: str
+    url: str
+    max_bytes: int
+
+
 def peer_sources(digest: str, here: str, live: Mapping[str, object], rtt_ms: Callable[[str], float],
-                 variant: Callable[[str], VariantMeta | None]) -> list[str]:
-    """HTTP URLs of the live sites (not ``here``) holding a variant whose blob or shared base is
-    ``digest``, nearest first by ``rtt_ms``. ``live``: site -> heartbeat (``loaded``, ``http``)."""
-    found: list[tuple[float, str]] = []
+                 variant: Callable[[str], VariantMeta | None],
+                 http_of: Callable[[str], str | None]) -> list[PeerSource]:
+    """The live sites (not ``here``) holding a variant whose blob is ``digest``, nearest first by ``rtt_ms``,
+    each at the URL ``http_of`` believes for it (None: not a source). ``live``: site -> heartbeat (``loaded``)."""
+    found: list[tuple[float, str, PeerSource]] = []
     for site, hb in live.items():
-        url = getattr(hb, "http", None)
-        if site == here or not url:
+        if site == here:
             continue
         for vid in getattr(hb, "loaded", {}) or {}:
             meta = variant(vid)
-            if meta is not None and digest in (meta.blob_digest, meta.shared_base_digest):
-                rtt = rtt_ms(site)
-                if math.isfinite(rtt):
-                    found.append((rtt, url))
-                break
-    return [url for _, url in sorted(found)]
+            if meta is None or meta.blob_digest != digest:
+                continue
+            url, rtt = http_of(site), rtt_ms(site)
+            if url and math.isfinite(rtt) and meta.size_bytes > 0:
+                found.append((rtt, site, PeerSource(site, url, meta.size_bytes)))
+            break
+    return [src for _, _, src in sorted(found, key=lambda f: f[:2])]

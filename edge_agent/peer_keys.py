@@ -9,8 +9,12 @@ how a peer re-binding with its new key is reached at the first reconnect, withou
 dialled back with the old key at the next failure. A live record publishing a key the certificate does not bind
 (nor bound before its re-issue) is refused, and so is a peer whose certificate is not known here (not published in
 etcd, or not vouched for by the CA): etcd delivers keys, the CA decides, so a key etcd alone vouches for is never
-dialled. Nor is a peer advertising an endpoint at an address its certificate does not name
-(:meth:`mesh.zmq.site_keys.SiteKeys.names_host`).
+dialled.
+
+Where each peer is dialled, and which edge URL of it is used, is :class:`PeerAddresses`: a live record's
+``endpoint`` and ``http`` are believed only as far as the peer's certificate vouches for them
+(:func:`mesh.pki.site_names.believe`), so a site cannot take another's endpoint (the transport keeps one socket
+per endpoint, opened with the key of the one site believed there) nor point peers at a URL of its choosing.
 """
 
 from __future__ import annotations
@@ -19,21 +23,14 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from mesh.log import get_logger, kv
+from mesh.pki.site_names import Believed, Believer, Claim
 
 if TYPE_CHECKING:  # CURVE loads cryptography: only a secured agent builds this
     from mesh.zmq.site_keys import SiteKeys
 
-__all__ = ["PeerKeys", "serving_keys"]
+__all__ = ["PeerAddresses", "PeerKeys", "serving_keys"]
 
 log = get_logger(__name__)
-
-
-def _host_of(endpoint: object) -> str | None:
-    """The host of a ``tcp://HOST:PORT`` endpoint (IPv6 in brackets), or None for anything else."""
-    if not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
-        return None
-    host, sep, _ = endpoint[len("tcp://"):].rpartition(":")
-    return host.strip("[]") if sep and host else None
 
 
 def serving_keys(bound: bytes | None, previous: bytes | None, published: bytes | None) -> tuple[bytes, ...] | None:
@@ -53,6 +50,30 @@ def serving_keys(bound: bytes | None, previous: bytes | None, published: bytes |
     return None
 
 
+class PeerAddresses:
+    """Where each live peer is dialled and which of its edge URLs is used, believed from its certificate
+    (``sites``) and re-computed by :meth:`update` when the live records or the certificates change. ``peer_map``:
+    the operator's WAN-emulation routes (site -> endpoint dialled instead of the one it advertises)."""
+
+    def __init__(self, here: str, sites: SiteKeys, peer_map: Mapping[str, str] | None = None) -> None:
+        self.here, self.sites, self.peer_map = here, sites, dict(peer_map or {})
+        self.believed: dict[str, Believed] = {}
+        self._believer = Believer(here)
+
+    def update(self, live: Mapping[str, Any]) -> None:
+        claims = {site: Claim(getattr(rec, "endpoint", None), getattr(rec, "http", None), self.peer_map.get(site))
+                  for site, rec in live.items() if site != self.here}
+        self.believed = self._believer.update(claims, self.sites.all_names())
+
+    def endpoint(self, site: str) -> str | None:
+        b = self.believed.get(site)
+        return b.endpoint if b is not None else None
+
+    def http(self, site: str) -> str | None:
+        b = self.believed.get(site)
+        return b.http if b is not None else None
+
+
 class PeerKeys:
     """The key each peer endpoint's socket was opened with, from ``sites`` (certificates) and ``live`` (site ->
     live record with a ``curve_key``); ``endpoint_of(site)`` maps a live site to the endpoint dialled."""
@@ -61,7 +82,6 @@ class PeerKeys:
                  endpoint_of: Callable[[str], str | None]) -> None:
         self.here, self.sites, self._live, self._endpoint_of = here, sites, live, endpoint_of
         self._dialled: dict[str, bytes | None] = {}  # endpoint -> the key its socket was opened with
-        self._warned: set[tuple[str, str]] = set()  # (site, endpoint) refused for its address: said once
 
     def server_key(self, endpoint: str, lost: bytes | None = None) -> bytes | None:
         """``ZmqClient``'s ``server_key_for``: the key to dial ``endpoint`` with now, remembered."""
@@ -106,18 +126,13 @@ class PeerKeys:
     def _keys(self, endpoint: str) -> tuple[str, tuple[bytes, ...] | None] | None:
         """The live site behind ``endpoint`` and the keys it may serve with (see :func:`serving_keys`); None if
         no live site is dialled there, or its certificate here is refused (revoked, expired)."""
+        # ``endpoint_of`` maps at most one live site to an endpoint (PeerAddresses): the one whose key it is dialled
+        # with, whatever other live records claim the same endpoint
         for site, rec in self._live().items():
             if site == self.here or self._endpoint_of(site) != endpoint:
                 continue
             bound = self.sites.key_of(site)
             if bound is None and self.sites.refuses(site):
-                return None
-            host = _host_of(rec.endpoint)
-            if bound is not None and host is not None and not self.sites.names_host(site, host):
-                if (site, rec.endpoint) not in self._warned and len(self._warned) < 1024:
-                    self._warned.add((site, rec.endpoint))
-                    log.warning("%s advertises %s, an address its certificate does not name: not dialled", site,
-                                rec.endpoint, extra=kv(site=self.here, peer=site, event="endpoint_not_named"))
                 return None
             published = rec.curve_key.encode() if rec.curve_key else None
             return site, serving_keys(bound, self.sites.previous_key(site), published)

@@ -4,6 +4,11 @@ The decision is the scheduler's pure routing policy over the agent's cached view
 query path). A forwarded query carries the decision (target site and variant) so the next hop
 serves it rather than re-routing; a hop that finds itself in the hop list refuses (loop).
 
+Forwarding is one hop: the door decides, and the site it forwards to serves (a forwarded query is never
+forwarded again; a retry is the door's, to another site). So with CURVE the authenticated sender of a
+forwarded query is its door (:func:`check_sender`), and the serving site holds that door to its own share of
+the tenant's quota and bounds the cold loads it causes (:mod:`edge_agent.quota`).
+
 Failures. Sites whose ZeroMQ endpoint the transport has marked unreachable (heartbeats gone
 silent, :mod:`mesh.zmq.client`) are left out of every decision until a probe brings them back:
 the routing policy gets them as ``Query.exclude_sites``. A variant that fails to load (its blob, the
@@ -37,7 +42,7 @@ from edge_agent.demand import DemandMeter
 from edge_agent.host import VariantHost
 from edge_agent.metrics import AgentMetrics
 from edge_agent.paths import BEST_EFFORT_GRACE_MS, PathEstimates, attempt_ms
-from edge_agent.quota import DoorQuotas
+from edge_agent.quota import DoorQuotas, PeerLoads, PeerQuotas
 from edge_agent.traces import HopTrace, TraceStore, clean_hops, sampled
 from mesh.errors import (
     BlobError,
@@ -74,25 +79,32 @@ class AttemptTimedOut(DeadlineExceeded):
 _RETRYABLE = (PeerUnavailable, Overloaded, AttemptTimedOut, RuntimeLoadError, BlobError)
 
 
-def check_sender(req: InferRequest, peer: str | None, *, secured: bool) -> None:
+def check_sender(req: InferRequest, peer: str | None, *, secured: bool, here: str | None = None) -> None:
     """Where a query came from over ZeroMQ decides whether its header is believed. With CURVE on
-    (``secured``), its tenant, target and hops are trusted only from an authenticated site, and only if
-    that site is the last hop it claims (the one that forwarded it)."""
+    (``secured``), its tenant, target and hops are trusted only from an authenticated site, and only as what
+    forwarding in this mesh is: one hop, from the door that admitted it (its hops are exactly ``[peer]``: binding
+    only the last hop let any site claim any door, and so escape every door's quota), to a variant served here
+    (``target_site`` is ``here``, with its ``target_variant``; None: not checked)."""
     if not secured:
         return
     if peer is None:
         raise Unauthenticated(f"request {req.request_id}: the sender is not an authenticated site; its "
                               f"tenant and target claims are not trusted", reason="not_a_site")
-    if not req.hops or req.hops[-1] != peer:
-        raise PermissionDenied(f"request {req.request_id} from site {peer} claims hops {req.hops}",
-                               reason="hops")
+    if req.hops != [peer]:
+        raise PermissionDenied(f"request {req.request_id} from site {peer} claims hops {req.hops}: a forwarded "
+                               f"query comes from the door that admitted it", reason="hops")
+    if here is not None and (req.target_site != here or not req.target_variant):
+        raise PermissionDenied(f"request {req.request_id} from site {peer} names no variant to serve here "
+                               f"(target {req.target_site}): forwarded queries are served, never forwarded "
+                               f"again", reason="target")
 
 
 class SiteDataPlane:
     def __init__(self, site: str, view: MeshView, host: VariantHost, zmq: ZmqClient, *,
                  table: Callable[[], Router | None], peer_endpoint: Callable[[str], str | None],
                  demand: DemandMeter, quota: DoorQuotas | None = None, metrics: AgentMetrics | None = None,
-                 traces: TraceStore | None = None, trace_sample_rate: float = 0.0) -> None:
+                 traces: TraceStore | None = None, trace_sample_rate: float = 0.0,
+                 peer_quota: PeerQuotas | None = None) -> None:
         self.site = site
         self.view = view
         self.host = host
@@ -104,6 +116,9 @@ class SiteDataPlane:
         # tenant quotas, charged once per query at the door it entered by (no hops yet): here, not in
         # the HTTP front, so that every way in (HTTP, in-process SDK, a ZeroMQ caller) pays
         self.quota = quota if quota is not None else DoorQuotas()
+        # with CURVE: what each door may spend here of its tenants' quotas, and the cold loads it may cause
+        self.peer_quota = peer_quota if peer_quota is not None else PeerQuotas()
+        self.peer_loads = PeerLoads()
         self.inflight = 0
         self.last_active = 0.0  # time.monotonic() when a query last ended here (see idle_s)
         self.served = 0
@@ -155,11 +170,16 @@ class SiteDataPlane:
                 raise ProtocolError(f"routing loop: {self.site} already in hops {req.hops}")
             if door:
                 self.quota.admit(req.tenant)  # raises QuotaExceeded
+            # with CURVE the sender is the door (check_sender): held to its share of the tenant here
+            sender = req.hops[0] if self.secured and not door else None
+            if sender is not None:
+                self.peer_quota.admit(sender, req.tenant)  # raises Overloaded
             req.hops = [*req.hops, self.site]
             self.inflight += 1
             try:
                 if req.target_site == self.site and req.target_variant:
-                    resp = await self._serve_local(req, req.target_variant, "forwarded", False, received, hop)
+                    resp = await self._serve_local(req, req.target_variant, "forwarded", False, received, hop,
+                                                   sender=sender)
                 else:
                     if len(req.hops) == 1:
                         self.demand.record(req.task, req.slo, time.monotonic(), req.tenant, req.rows)
@@ -169,6 +189,8 @@ class SiteDataPlane:
                 self.last_active = time.monotonic()
                 if door:
                     self.quota.release(req.tenant)
+                elif sender is not None:
+                    self.peer_quota.release(sender, req.tenant)
         except Exception as exc:
             if door:
                 self._door_failed(req, exc, hop)
@@ -193,7 +215,9 @@ class SiteDataPlane:
     def _door_failed(self, req: InferRequest, exc: Exception, hop: HopTrace | None) -> None:
         code = exc.code if isinstance(exc, MeshError) else "internal"
         self.metrics.door_error(req.task, req.tenant, code, req.slo)
-        if hop is not None:
+        # only a query admitted (the door adds itself to its hops right after the quota) leaves a trace: one
+        # refused before (tenant, task, inputs, quota) decided nothing, and a refused caller could pile them up
+        if hop is not None and req.hops:
             hop.failed(code)
             self.traces.add(req.request_id, trace_id_of(req.traceparent or ""), req.tenant, req.task, code,
                             hop.records)
@@ -204,7 +228,7 @@ class SiteDataPlane:
 
     async def infer_from_peer(self, req: InferRequest) -> InferResponse:
         """The ZeroMQ server's handler: :meth:`infer` for a query another site forwarded."""
-        check_sender(req, current_peer(), secured=self.secured)
+        check_sender(req, current_peer(), secured=self.secured, here=self.site)
         return await self.infer(req)
 
     # -- internals -------------------------------------------------------------------------
@@ -283,9 +307,11 @@ class SiteDataPlane:
         return self.paths.correction(time.monotonic() if now is None else now)
 
     async def _serve_local(self, req: InferRequest, variant_id: str, reason: str, best_effort: bool,
-                           received: float, hop: HopTrace | None = None) -> InferResponse:
+                           received: float, hop: HopTrace | None = None, *,
+                           sender: str | None = None) -> InferResponse:
         """Run ``req`` here on ``variant_id``. ``hop``: a traced query's record at a hop that serves what an
-        earlier hop decided (a hop that decided itself has recorded its decision already)."""
+        earlier hop decided (a hop that decided itself has recorded its decision already). ``sender``: the
+        authenticated door that forwarded it, charged for a cold load it causes here."""
         if hop is not None:
             hop.serving(variant_id, reason)
         meta = self.view.variant(req.task, variant_id)
@@ -296,8 +322,11 @@ class SiteDataPlane:
         try:
             # a strict tenant gets instances of its own: own session, batcher and backbone
             isolated_for = req.tenant if self._strict(req.tenant) else ""
-            lv = (self.host.instances.get((meta.variant_id, isolated_for))
-                  or await self.host.ensure_by(meta, req.deadline, isolated_for))
+            lv = self.host.instances.get((meta.variant_id, isolated_for))
+            if lv is None:
+                if sender is not None:  # raises Overloaded: the door has caused its share of loads here
+                    self.peer_loads.charge(sender, (meta.variant_id, isolated_for))
+                lv = await self.host.ensure_by(meta, req.deadline, isolated_for)
             lv.touch(time.monotonic())
             result = await lv.batcher.submit(req.inputs, req.deadline, lane=variant_id, tenant=req.tenant)
         except MeshError as exc:

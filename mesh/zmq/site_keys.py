@@ -10,9 +10,8 @@ believed only when it
     binds a CURVE key  (the subject attribute of :mod:`mesh.pki.curve`)
     is of the mesh     names a site of the topology, when the topology is known (``known``)
 
-and then the key it binds is admitted (ZAP) and dialled, and the addresses it names bind that site: a live record
-advertising an endpoint at an IP (or DNS name) the certificate does not name is not dialled (:meth:`names_host`).
-A certificate that names no address of that kind binds none (a pod whose IP is assigned after issuance).
+and then the key it binds is admitted (ZAP) and dialled, and the addresses it names bind that site (:meth:`names`):
+what of a live record's ``endpoint`` and ``http`` is believed is :func:`mesh.pki.site_names.believe`'s rule.
 
 This site's own certificate is read from its file (``site``), never from etcd: what it publishes is what it holds.
 Refreshed when a certificate, the CA or the revocation list changed (and every 30 s regardless: certificates expire
@@ -22,7 +21,6 @@ without changing); started as a ``Service`` it polls its files every ``interval_
 
 from __future__ import annotations
 
-import ipaddress
 import time
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
@@ -34,6 +32,7 @@ from mesh.pki.curve import curve_key_from_certificate, raw_curve_key, z85_encode
 from mesh.pki.files import PkiPaths
 from mesh.pki.identity import Identity, Kind
 from mesh.pki.reload import Poller
+from mesh.pki.site_names import SiteNames
 
 if TYPE_CHECKING:  # the trust store (cryptography) is built when CURVE is on
     from cryptography import x509
@@ -46,19 +45,6 @@ log = get_logger("mesh.zmq")
 _SITE: tuple[Kind, ...] = ("site",)
 _RECHECK_S = 30.0  # re-verify unchanged certificates this often anyway: they expire without changing
 ROTATION_GRACE_S = 60.0  # a re-issued site's previous CURVE key stays admitted this long
-
-
-def _addresses(cert: x509.Certificate) -> tuple[frozenset[str], frozenset[str]]:
-    """The IP addresses and DNS names a certificate names (normalised), beside its URI SAN."""
-    from cryptography import x509
-
-    try:
-        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    except x509.ExtensionNotFound:
-        return frozenset(), frozenset()
-    ips = frozenset(str(ip) for ip in san.get_values_for_type(x509.IPAddress))
-    dns = frozenset(name.lower().rstrip(".") for name in san.get_values_for_type(x509.DNSName))
-    return ips, dns
 
 
 class SiteKeys(Poller):
@@ -79,7 +65,7 @@ class SiteKeys(Poller):
         self._published_version = 0
         self._by_key: dict[bytes, str] = {}
         self._by_site: dict[str, bytes] = {}
-        self._names: dict[str, tuple[frozenset[str], frozenset[str]]] = {}
+        self._names: dict[str, SiteNames] = {}
         self._stamp: tuple[Any, ...] | None = None
         self._checked = 0.0
         self._refused: dict[str, str] = {}
@@ -146,19 +132,19 @@ class SiteKeys(Poller):
         """Why ``site``'s certificate is refused, or None."""
         return self._refused.get(site)
 
+    def names(self, site: str) -> SiteNames | None:
+        """The addresses ``site``'s valid certificate names; None for a site not admitted."""
+        return self._names.get(site) if site in self._by_site else None
+
+    def all_names(self) -> dict[str, SiteNames]:
+        """:meth:`names` of every admitted site."""
+        return {site: self._names[site] for site in self._by_site if site in self._names}
+
     def names_host(self, site: str, host: str) -> bool:
-        """Whether ``site``'s certificate allows it to be reached at ``host`` (an IP or a DNS name, as a live
-        record advertises): an IP must be one of the IP addresses it names, if it names any; a DNS name one of its
-        DNS names, if it names any. False for a site not admitted."""
-        names = self._names.get(site)
-        if names is None or site not in self._by_site:
-            return False
-        ips, dns = names
-        try:
-            ip = str(ipaddress.ip_address(host.strip("[]")))
-        except ValueError:
-            return not dns or host.lower().rstrip(".") in dns
-        return not ips or ip in ips
+        """Whether ``site``'s certificate allows it to be dialled at ``host`` (an IP or a DNS name, as a live
+        record advertises): :meth:`mesh.pki.site_names.SiteNames.allows`. False for a site not admitted."""
+        names = self.names(site)
+        return names is not None and names.allows(host)
 
     # -- refresh -----------------------------------------------------------------------------------------------------
     def _candidates(self) -> dict[str, bytes | Path]:
@@ -183,9 +169,9 @@ class SiteKeys(Poller):
             raise ConfigError("the certificate binds no CURVE key")
         return raw_curve_key(key), cert
 
-    def _names_of(self, cert: x509.Certificate) -> tuple[frozenset[str], frozenset[str]]:
+    def _names_of(self, cert: x509.Certificate) -> SiteNames:
         try:
-            return _addresses(cert)
+            return SiteNames.of(cert)
         except ValueError as exc:  # a malformed SAN: the verifier let it through, the addresses bind nothing
             raise ConfigError(f"unreadable subject alternative names: {exc}") from exc
 
@@ -198,7 +184,7 @@ class SiteKeys(Poller):
         if not (force or trust_changed or stamp != self._stamp or now - self._checked > _RECHECK_S):
             return False
         by_key: dict[bytes, str] = {}
-        names: dict[str, tuple[frozenset[str], frozenset[str]]] = {}
+        names: dict[str, SiteNames] = {}
         refused: dict[str, str] = {}
         for site, source in self._candidates().items():
             try:

@@ -1,5 +1,6 @@
-"""The agent's CURVE switch: on when its site credentials are in the PKI directory, refused when an explicit
-directory lacks them, off (with a warning) under ``insecure``; the live record publishes the key."""
+"""The agent's CURVE switch: on when its site credentials are in the PKI directory, and the agent refuses to start
+without them (fail closed: ``insecure`` is the only way to plain ZeroMQ, with a warning, and never beside edge
+TLS); the live record publishes the key."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ async def test_curve_follows_the_site_credentials(store: Store, etcd_server: Emb
     with pytest.raises(ConfigError, match="pki issue --site edge-fra-1"):
         async with Agent(_cfg(store, etcd_server, tmp_path, pki_dir=tmp_path / "nothing-here")):
             pass
-    async with Agent(_cfg(store, etcd_server, tmp_path)) as agent:  # default <home>/pki: none yet
+    async with Agent(_cfg(store, etcd_server, tmp_path, insecure=True)) as agent:  # no credentials: said so
         assert agent.curve is None and agent._live_record().curve_key is None
     pki = LocalPki.under(tmp_path)
     pki.init()
@@ -80,3 +81,23 @@ async def test_a_home_holding_another_sites_files_is_refused_with_the_reason(sto
     with pytest.raises(ConfigError, match="certificate of spiffe://tiermesh/site/core-eu, not of site edge-fra-1"):
         async with Agent(_cfg(store, etcd_server, tmp_path / "host")):
             pass
+
+
+async def test_an_agent_without_its_site_credentials_refuses_to_start_rather_than_serve_plain_zeromq(
+        store: Store, etcd_server: EmbeddedEtcd, tmp_path: Path) -> None:
+    """Fail closed: an agent started without --pki-dir whose home lacked its ``.curve`` file served ZeroMQ
+    unauthenticated while its edge TLS was on, and one with no credentials at all did so with a warning."""
+    await apply_topology(store, load_topology_file(TOPOLOGY))
+    with pytest.raises(ConfigError, match="pass --insecure to run plain ZeroMQ"):
+        async with Agent(_cfg(store, etcd_server, tmp_path / "bare")):  # the default <home>/pki, empty
+            pass
+    pki = LocalPki.under(tmp_path / "home")
+    pki.init()
+    me = Identity("site", SITE)
+    pki.issue(me, addresses=["127.0.0.1"])
+    pki.paths.curve(me).unlink()  # its certificate and key for the edge's TLS, and no CURVE key
+    with pytest.raises(ConfigError, match=r"has no .*edge-fra-1\.curve"):
+        async with Agent(_cfg(store, etcd_server, tmp_path / "home", tls=True)):
+            pass
+    with pytest.raises(ConfigError, match="edge TLS runs CURVE"):  # a contradiction: refused at once
+        _cfg(store, etcd_server, tmp_path / "home", tls=True, insecure=True)

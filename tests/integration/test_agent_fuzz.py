@@ -208,7 +208,7 @@ async def test_random_frames_and_bodies_leave_the_agent_bounded_and_serving(
     blobs = BlobStore(tmp_path / "blobs")
     await _catalog(store, blobs)
     cfg = AgentConfig(site=SITE, etcd=etcd_server.url, prefix=store.prefix, home=tmp_path / "home",
-                      lease_ttl_s=2.0, max_body_bytes=MAX_BODY)
+                      lease_ttl_s=2.0, max_body_bytes=MAX_BODY, insecure=True)
     async with VariantStoreServer(blobs, Catalog(store), host="127.0.0.1"), Agent(cfg) as agent:
         assert agent.zmq_server is not None
         await _serves(agent, agent.http_url)

@@ -42,7 +42,7 @@ async def test_an_oversized_body_is_refused_at_both_doors(store: Store, etcd_ser
     # the task must be known (an unknown task is refused before its body is read); no variant is needed
     await Catalog(store).put_task(signature_from_onnx(TASK, DIGITS / "mlp-tiny.onnx"))
     cfg = AgentConfig(site="edge-fra-1", etcd=etcd_server.url, prefix=store.prefix, home=tmp_path,
-                      lease_ttl_s=2.0, max_body_bytes=LIMIT)
+                      lease_ttl_s=2.0, max_body_bytes=LIMIT, insecure=True)
     async with Agent(cfg) as agent, aiohttp.ClientSession() as http:
         assert agent.http is not None and agent.zmq_server is not None
         assert agent.zmq_server._max_bytes == LIMIT

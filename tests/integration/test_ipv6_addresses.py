@@ -69,7 +69,7 @@ async def test_agent_on_ipv6_loopback_advertises_bracketed_addresses(store: Stor
                                                                      tmp_path: Path) -> None:
     await apply_topology(store, load_topology_file(TOPOLOGY))
     cfg = AgentConfig(site="edge-fra-1", etcd=etcd_server.url, prefix=store.prefix, home=tmp_path,
-                      lease_ttl_s=2.0, bind="::1")
+                      lease_ttl_s=2.0, bind="::1", insecure=True)
     async with Agent(cfg) as agent, aiohttp.ClientSession() as http:
         assert agent.http_url.startswith("http://[::1]:")
         assert agent.zmq_endpoint.startswith("tcp://[::1]:")

@@ -1,25 +1,36 @@
 """Blobs from peers, two real agents in process on the session etcd: an edge that never held a variant
 loads it from the neighbour that does (with the variant store gone), a neighbour serving bad bytes is
-caught by the digest check and the store used instead, and only sites may read an agent's blobs."""
+caught by the digest check and the store used instead, and only sites may read an agent's blobs. A peer
+fetch over HTTPS takes the blob only from the site it asked (its certificate's URI SAN) and no more of it than
+the catalog's size, against real TLS servers that answer otherwise."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 import numpy as np
 import pytest
+from aiohttp import web
 
-from edge_agent.agent import Agent
+from edge_agent.agent import SITE_KIND, Agent
 from edge_agent.agent_config import AgentConfig
+from edge_agent.blob_cache import BlobCache
+from edge_agent.blobs import PeerSource
 from mesh.errors import BlobError, PeerUnavailable, RuntimeLoadError
 from mesh.etcd.server import EmbeddedEtcd
 from mesh.etcd.store import Store
 from mesh.pki.identity import Identity
 from mesh.pki.local import LocalPki
+from mesh.pki.reload import ReloadingCredentials
+from mesh.pki.site_names import server_site
+from mesh.pki.trust import TrustStore
 from mesh.types import SLO, InferRequest
 from mesh.zmq.client import ZmqClient
 from tests.helpers.mtls_edge import tenant_context
@@ -58,9 +69,9 @@ async def test_an_edge_loads_a_variant_from_the_neighbour_that_holds_it(
     blobs = BlobStore(tmp_path / "blobs")
     await _catalog(store, blobs)
 
-    def cfg(site: str) -> AgentConfig:
+    def cfg(site: str) -> AgentConfig:  # plain ZeroMQ and HTTP: peers' URLs as their live records say
         return AgentConfig(site=site, etcd=etcd_server.url, prefix=store.prefix, home=tmp_path / site,
-                           lease_ttl_s=2.0, heartbeat_s=0.5)
+                           lease_ttl_s=2.0, heartbeat_s=0.5, insecure=True)
 
     zmq = ZmqClient()
     try:
@@ -80,7 +91,7 @@ async def test_an_edge_loads_a_variant_from_the_neighbour_that_holds_it(
                 fra_copy.write_bytes(bytes([good[0] ^ 0xFF]) + good[1:])
                 await _live_holds(par, "edge-fra-1")
                 assert par.host is not None and par.host.blobs.peer_sources is not None
-                assert par.host.blobs.peer_sources(DIGEST) == [fra.http_url]
+                assert [src.url for src in par.host.blobs.peer_sources(DIGEST)] == [fra.http_url]
                 resp = await zmq.request(par.zmq_endpoint, _served_here("edge-par-1"))
                 assert resp.site == "edge-par-1"
                 assert hashlib.sha256(cached.read_bytes()).hexdigest() == DIGEST
@@ -88,7 +99,7 @@ async def test_an_edge_loads_a_variant_from_the_neighbour_that_holds_it(
             # the store is gone: mid has never held it, and gets it from the nearest holder
             await _live_holds(mid, "edge-par-1")
             assert mid.host is not None and mid.host.blobs.peer_sources is not None
-            assert set(mid.host.blobs.peer_sources(DIGEST)) == {fra.http_url, par.http_url}
+            assert {src.url for src in mid.host.blobs.peer_sources(DIGEST)} == {fra.http_url, par.http_url}
             resp = await zmq.request(mid.zmq_endpoint, _served_here("mid-eu"))
             assert resp.site == "mid-eu" and resp.outputs["logits"].shape == (1, 10)
             mid_copy = tmp_path / "mid-eu" / "sites" / "mid-eu" / "blobs" / f"{DIGEST}.onnx"
@@ -138,9 +149,119 @@ async def test_with_tls_blobs_go_over_the_sites_mtls_identity_and_only_to_sites(
         assert lv.meta.variant_id == VID
         # a tenant's certificate is refused the blob route; a site's is served
         acme = tenant_context(pki, Identity("tenant", "acme"))
-        site = tenant_context(pki, Identity("site", "edge-par-1"))
+        as_site = tenant_context(pki, Identity("site", "edge-par-1"))
         async with aiohttp.ClientSession() as http:
             async with http.get(f"{fra.http_url}/blobs/{DIGEST}", ssl=acme) as r:
                 assert r.status == 403 and (await r.json())["code"] == "forbidden"
-            async with http.get(f"{fra.http_url}/blobs/{DIGEST}", ssl=site) as r:
+            async with http.get(f"{fra.http_url}/blobs/{DIGEST}", ssl=as_site) as r:
                 assert r.status == 200 and hashlib.sha256(await r.read()).hexdigest() == DIGEST
+
+
+@dataclass
+class Served:
+    """What a hostile blob server did: how many requests it answered, and how many body bytes it wrote."""
+
+    requests: int = 0
+    written: int = 0
+
+
+Body = Callable[[web.Request, Served], Awaitable[web.StreamResponse]]
+FLOOD = 64 << 20  # what a hostile peer offers for a blob of some kilobytes: far past any socket's buffers
+
+
+@contextlib.asynccontextmanager
+async def _blob_server(pki: LocalPki, who: Identity, body: Body) -> AsyncIterator[tuple[str, Served]]:
+    """An HTTPS server with ``who``'s certificate (client certificates required), answering /blobs/ with ``body``."""
+    served = Served()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        served.requests += 1
+        return await body(request, served)
+
+    app = web.Application()
+    app.router.add_get("/blobs/{digest}", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    ctx = ReloadingCredentials.for_identity(pki.paths, who).server_context()
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ctx)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"https://127.0.0.1:{port}", served
+    finally:
+        await runner.cleanup()
+
+
+def _fetching_site(pki: LocalPki, tmp: Path, source: PeerSource) -> BlobCache:
+    """edge-par-1's blob cache, as its agent sets it up with TLS, whose only source is ``source``."""
+    me = Identity("site", "edge-par-1")
+    trust = TrustStore.under(pki.paths)
+    cache = BlobCache(me.name, tmp / "cache")
+    cache.ssl = ReloadingCredentials.for_identity(pki.paths, me).client_context()
+    cache.verify_server = lambda ssl_object: server_site(
+        ssl_object, lambda cert: trust.verify(cert, use="server", kinds=SITE_KIND))
+    cache.peer_sources = lambda digest: [source] if digest == DIGEST else []
+    return cache
+
+
+async def _the_model(request: web.Request, served: Served) -> web.StreamResponse:
+    data = MODEL.read_bytes()
+    served.written += len(data)
+    return web.Response(body=data)
+
+
+async def _flood(request: web.Request, served: Served, resp: web.StreamResponse) -> web.StreamResponse:
+    await resp.prepare(request)
+    chunk = b"\0" * (1 << 20)
+    with contextlib.suppress(ConnectionError):
+        while served.written < FLOOD:
+            await resp.write(chunk)
+            served.written += len(chunk)
+    return resp
+
+
+async def _a_flood(request: web.Request, served: Served) -> web.StreamResponse:
+    """FLOOD bytes, chunked (no Content-Length to refuse them by), written as long as they are read."""
+    return await _flood(request, served, web.StreamResponse())
+
+
+async def _a_big_length(request: web.Request, served: Served) -> web.StreamResponse:
+    """FLOOD bytes announced in the Content-Length: refused before the body is read."""
+    return await _flood(request, served, web.StreamResponse(headers={"Content-Length": str(FLOOD)}))
+
+
+@pytest.fixture
+def sites_pki(tmp_path: Path) -> LocalPki:
+    pki = LocalPki.under(tmp_path / "pki-home")
+    pki.init()
+    for site in ("edge-fra-1", "edge-par-1", "core-eu"):
+        pki.issue(Identity("site", site), addresses=["127.0.0.1"])
+    return pki
+
+
+async def test_a_peer_blob_is_taken_only_from_the_site_asked(sites_pki: LocalPki, tmp_path: Path) -> None:
+    size = MODEL.stat().st_size
+    async with _blob_server(sites_pki, Identity("site", "edge-fra-1"), _the_model) as (url, _):
+        cache = _fetching_site(sites_pki, tmp_path, PeerSource("edge-fra-1", url, size))
+        path = await cache.fetch(DIGEST, "onnx")  # the site itself: served
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == DIGEST
+    # the same URL served by another site (a CA-signed certificate, naming the same address): not that site
+    async with _blob_server(sites_pki, Identity("site", "core-eu"), _the_model) as (url, served):
+        cache = _fetching_site(sites_pki, tmp_path / "second", PeerSource("edge-fra-1", url, size))
+        with pytest.raises(RuntimeLoadError, match="no peer holds"):  # and no store to fall back on
+            await cache.fetch(DIGEST, "onnx")
+        assert served.requests == 1 and not list((tmp_path / "second" / "cache").glob("*"))
+
+
+@pytest.mark.parametrize("body", [_a_flood, _a_big_length])
+async def test_a_peer_sends_no_more_than_the_catalogs_size(sites_pki: LocalPki, tmp_path: Path, body: Body) -> None:
+    size = MODEL.stat().st_size
+    async with _blob_server(sites_pki, Identity("site", "edge-fra-1"), body) as (url, served):
+        cache = _fetching_site(sites_pki, tmp_path, PeerSource("edge-fra-1", url, size))
+        with pytest.raises(RuntimeLoadError, match="no peer holds"):
+            await cache.fetch(DIGEST, "onnx")
+        await asyncio.sleep(0.2)  # the server notices the connection closed
+    # nothing kept, and the fetch stopped reading at the cap: what the server wrote past it went into socket
+    # buffers (a few megabytes), not to this site's disk
+    assert not list((tmp_path / "cache").glob("*"))
+    assert served.written < FLOOD // 4, served.written

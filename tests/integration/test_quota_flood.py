@@ -108,7 +108,7 @@ async def test_a_flooding_tenant_gets_429_and_another_keeps_its_slo(store: Store
     blobs = BlobStore(tmp_path / "blobs")
     await _catalog(store, blobs)
     cfg = AgentConfig(site=SITE, etcd=etcd_server.url, prefix=store.prefix, home=tmp_path / "home",
-                      lease_ttl_s=2.0)
+                      lease_ttl_s=2.0, insecure=True)
     async with VariantStoreServer(blobs, Catalog(store), host="127.0.0.1"), Agent(cfg) as agent, \
             aiohttp.ClientSession() as http:
         url = f"{agent.http_url}/v2/models/{TASK}/infer"
@@ -184,7 +184,7 @@ async def test_two_edges_share_a_tenants_qps_by_the_demand_their_heartbeats_repo
 
     def cfg(site: str) -> AgentConfig:
         return AgentConfig(site=site, etcd=etcd_server.url, prefix=store.prefix, home=tmp_path / site,
-                           lease_ttl_s=2.0, heartbeat_s=0.5)
+                           lease_ttl_s=2.0, heartbeat_s=0.5, insecure=True)
 
     async with VariantStoreServer(blobs, Catalog(store), host="127.0.0.1"), Agent(cfg(SITE)) as fra, \
             Agent(cfg("edge-par-1")) as par, aiohttp.ClientSession() as http:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from edge_agent.peer_keys import PeerKeys, serving_keys
+from edge_agent.peer_keys import PeerAddresses, PeerKeys, serving_keys
 from mesh.pki.identity import Identity
 from mesh.pki.local import LocalPki
 from mesh.zmq.site_keys import SiteKeys
@@ -87,9 +87,13 @@ def test_a_peer_known_only_from_etcd_or_at_an_address_its_certificate_does_not_n
     sites = SiteKeys(pki.paths, site="edge", interval_s=60.0)  # nothing delivered yet: core's certificate unknown
     key = pki.curve(CORE).public
     live = {"core": Live(key.decode(), "tcp://10.9.0.2:5555")}
-    keys = PeerKeys("edge", sites, lambda: live, lambda site: live[site].endpoint if site in live else None)
+    addresses = PeerAddresses("edge", sites)  # where the agent dials each peer (what its certificate vouches for)
+    sites.on_change.append(lambda: addresses.update(live))
+    addresses.update(live)
+    keys = PeerKeys("edge", sites, lambda: live, addresses.endpoint)
     assert keys.server_key("tcp://10.9.0.2:5555") is None  # its live record's key alone: not believed
     sites.publish(published_certs(pki))
     assert keys.server_key("tcp://10.9.0.2:5555") == key  # the CA vouches for it now
     live["core"] = Live(key.decode(), "tcp://10.9.0.66:5555")  # another site's address claimed as its own
-    assert keys.server_key("tcp://10.9.0.66:5555") is None
+    addresses.update(live)
+    assert addresses.endpoint("core") is None and keys.server_key("tcp://10.9.0.66:5555") is None

@@ -80,6 +80,23 @@ def test_over_rate_is_refused_with_retry_after_and_others_pass() -> None:
     q.admit("acme")
 
 
+def test_check_refuses_as_admit_would_and_charges_nothing() -> None:
+    """The HTTP front asks before it reads a body: an over-quota tenant is refused without its body read, and a
+    tenant within quota is not charged twice (check, then admit)."""
+    clock = Clock()
+    q = DoorQuotas(clock)
+    q.update({"acme": QuotaLimit(qps=2.0, burst=2.0, max_inflight=5)})
+    for _ in range(10):
+        q.check("acme")  # takes no token
+    q.admit("acme")
+    q.check("acme")
+    q.admit("acme")  # the second token: two admitted after ten checks
+    with pytest.raises(QuotaExceeded) as info:
+        q.check("acme")
+    assert info.value.retry_after_s == 1 and q.inflight["acme"] == 2
+    q.check("globex")  # no limit for it
+
+
 def test_retry_after_is_at_least_one_second_and_finite_for_a_suspended_tenant() -> None:
     clock = Clock()
     q = DoorQuotas(clock)
@@ -187,3 +204,30 @@ def test_limits_from_view_sum_each_doors_samples_for_the_tenant() -> None:
             "core": beat("core")}
     lim = limits_from_view("b", {"acme": {"qps": 90.0}}, live)
     assert lim["acme"].qps == pytest.approx(90.0 * (FLOOR / 3 + (1 - FLOOR) * 10.0 / 40.0))
+
+
+@pytest.mark.parametrize("lie", [1e12, math.inf, 500.0])
+def test_a_door_publishing_huge_demand_cannot_starve_the_others(lie: float) -> None:
+    """A door writes its own heartbeat: its demand is believed only up to the tenant's qps (no door admits more),
+    and a value that is not a finite number counts as none. Without the clamp, one liar left every other door
+    FLOOR / n of the tenant's quota."""
+    qps, honest = 100.0, {"a": 40.0, "b": 20.0}
+    doors = ["a", "b", "liar"]
+    for here, d in honest.items():
+        share = qps_share(here, doors, {**honest, "liar": lie}, cap=qps)
+        # the bound in core_scheduler.policy.quota's docstring
+        assert share >= FLOOR / 3 + (1 - FLOOR) * d / (qps + sum(honest.values())) - 1e-12
+        assert share >= FLOOR / 3 + (1 - FLOOR) * d / (2 * qps)
+    # what door_limits (every door's bucket) does with a liar's heartbeat
+    def beat(site: str, qps_claimed: float) -> Heartbeat:
+        return Heartbeat(site=site, demand=(DemandSample(task="t", slo_class="c", tenant="acme", qps=qps_claimed,
+                                                         budget_ms=50.0, min_accuracy=0.9),))
+
+    live = {"a": beat("a", 40.0), "b": beat("b", 20.0), "liar": beat("liar", lie)}
+    lim = limits_from_view("a", {"acme": {"qps": qps}}, live)
+    assert lim["acme"].qps is not None and lim["acme"].qps >= qps * (FLOOR / 3 + (1 - FLOOR) * 40.0 / 160.0) - 1e-9
+
+
+def test_demand_that_is_not_a_number_counts_as_none() -> None:
+    assert qps_share("a", ["a", "b"], {"a": 10.0, "b": math.nan}, cap=100.0) == pytest.approx(FLOOR / 2 + 1 - FLOOR)
+    assert qps_share("a", ["a", "b"], {"a": 10.0, "b": math.inf}) == pytest.approx(FLOOR / 2 + 1 - FLOOR)
