@@ -14,7 +14,17 @@ Who calls: ``identify(request)`` names the tenant of a query (and of metadata re
 ``authenticate(request)`` (health and server metadata) only checks that the caller proves some
 identity. With ``tls`` (:class:`edge_agent.mtls.EdgeTls`) the server speaks HTTPS with client
 certificates and both come from the certificate; without it (``--insecure``, development only) the
-tenant is the ``X-Tiermesh-Tenant`` header and anyone may call. A 401 closes the connection.
+tenant is the ``X-Tiermesh-Tenant`` header (once, one name: ``mesh.v2.body.tenant_claim``) and anyone may
+call. A 401 closes the connection.
+
+Against a hostile tenant (issue 29), before anything of a query's body is read:
+
+- **A private task looks exactly like one that does not exist** to every other tenant: metadata, ready and
+  infer answer the same 404 ``unknown_task`` with the same words (``visible``: whether a tenant may know of a
+  task, :func:`task_visible` over its variants' owners), and no message names another task.
+- **Over quota is refused before the body** (``quota_check``, which charges nothing; the data plane charges).
+- **Connections** are held to a bound until their first request (:class:`ConnectionGuard`: TLS handshakes
+  included), so a flood of idle sockets cannot starve real callers of descriptors.
 
 With ``observe`` (:class:`edge_agent.observe.Observe`) the app also serves ``/metrics`` and the decision
 traces, and queries refused here, before the data plane, are counted too. ``parameters.trace: true``
@@ -24,15 +34,18 @@ reply's ``parameters.trace_id`` says the query was traced, and under which id.
 
 from __future__ import annotations
 
+import asyncio
+import ssl
 import time
-from collections.abc import Awaitable, Callable
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING
 
 from aiohttp import hdrs, web
 from multidict import CIMultiDict
 
 from edge_agent.dataplane import DataPlane
-from edge_agent.observe import Observe, Route
+from edge_agent.observe import Observe, Route, require_certificate
 from mesh.addresses import DEFAULT_BIND, advertised_host, http_url, normalise_host
 from mesh.cache import BoundedCache
 from mesh.errors import (
@@ -44,12 +57,12 @@ from mesh.errors import (
     RequestError,
     UnknownTask,
 )
-from mesh.lifecycle import Service
+from mesh.lifecycle import Service, cancel_and_wait
 from mesh.log import get_logger, kv
 from mesh.tracecontext import new_traceparent, parse_traceparent, trace_id_of
-from mesh.types import DEFAULT_TENANT, InferRequest
+from mesh.types import DEFAULT_TENANT, InferRequest, TaskSignature
 from mesh.v2 import codec as codec
-from mesh.v2.body import HEADER_LENGTH, TENANT_HEADER
+from mesh.v2.body import HEADER_LENGTH, TENANT_HEADER, tenant_claim
 from mesh.v2.params import parse_slo, response_parameters, signature_to_metadata
 
 if TYPE_CHECKING:  # mutual TLS (cryptography) is loaded only by an agent that serves it
@@ -58,26 +71,57 @@ if TYPE_CHECKING:  # mutual TLS (cryptography) is loaded only by an agent that s
 __all__ = [
     "DEFAULT_MAX_BODY",
     "EXTENSIONS",
+    "FIRST_REQUEST_S",
+    "HANDSHAKE_TIMEOUT_S",
+    "MAX_PENDING",
     "Authenticate",
+    "ConnectionGuard",
     "EdgeHttpServer",
     "Identify",
+    "QuotaCheck",
+    "Visible",
     "identify",
     "make_app",
+    "task_visible",
 ]
 
 log = get_logger(__name__)
 
 DEFAULT_MAX_BODY = 16 << 20
 EXTENSIONS = ["binary_tensor_data", "tiermesh_slo"]
+# A connection is pending from its accept until its first request reaches a handler (TLS: through its handshake).
+MAX_PENDING = 256          # pending at once; the oldest is closed to admit another (a container gets 1024 files)
+HANDSHAKE_TIMEOUT_S = 5.0  # asyncio's default is 60 s: a slow-loris socket held a descriptor that long
+FIRST_REQUEST_S = 10.0     # from accept to the first request; aiohttp alone waits its keep-alive (about an hour)
 Identify = Callable[[web.Request], str]
 Authenticate = Callable[[web.Request], object]
+Visible = Callable[[str, str], bool]  # (task, tenant): may the tenant know the task exists
+QuotaCheck = Callable[[str], None]    # raises QuotaExceeded for a tenant over quota now, and charges nothing
+_NONE: list[str] = []  # getall's default: never mutated
 
 
 def identify(request: web.Request) -> str:
-    """Who is calling, without TLS (``--insecure``): whatever the header says. With mutual TLS the
-    client certificate's URI SAN decides (``EdgeTls.tenant``). Whether the tenant exists is the data
-    plane's decision, not this function's."""
-    return request.headers.get(TENANT_HEADER, "").strip() or DEFAULT_TENANT
+    """Who is calling, without TLS (``--insecure``): whatever the header says, if it says one name once
+    (``RequestError`` otherwise). With mutual TLS the client certificate's URI SAN decides (``EdgeTls.tenant``).
+    Whether the tenant exists is the data plane's decision, not this function's."""
+    return tenant_claim(request.headers.getall(TENANT_HEADER, _NONE)) or DEFAULT_TENANT
+
+
+def task_visible(owners: Iterable[str], tenant: str) -> bool:
+    """Whether ``tenant`` may know of a task whose variants have ``owners``: one is public or its own. A task with
+    no variant yet is visible (its signature alone names no owner)."""
+    none = True
+    for owner in owners:
+        if owner == DEFAULT_TENANT or owner == tenant:
+            return True
+        none = False
+    return none
+
+
+def _unknown(task: str) -> UnknownTask:
+    """The one answer for a task a caller may not know of, whether it exists or not: same code, status and words
+    (the data plane's own messages list the tasks it knows, or say whose a variant is)."""
+    return UnknownTask(f"unknown task {task!r}")
 
 
 def _anyone(request: web.Request) -> object:
@@ -124,11 +168,13 @@ def _mesh_error(exc: MeshError) -> web.Response:
 _Handler = Callable[[web.Request], Awaitable[web.Response]]
 
 
-def _guarded(handler: _Handler) -> _Handler:
+def _guarded(handler: _Handler, guard: ConnectionGuard | None = None) -> _Handler:
     """Errors as JSON for a handler off the hot path. The app has no middleware on purpose:
     aiohttp then runs no middleware chain at all, which ``infer`` (which maps its own errors)
-    would otherwise pay on every query."""
+    would otherwise pay on every query. ``guard`` learns that the connection made a request."""
     async def guarded(request: web.Request) -> web.Response:
+        if guard is not None:
+            guard.seen(request.protocol)
         try:
             return await handler(request)
         except MeshError as exc:
@@ -137,6 +183,15 @@ def _guarded(handler: _Handler) -> _Handler:
             log.exception("unhandled error serving %s %s", request.method, request.path)
             return _error(500, "internal", "internal server error")
     return guarded
+
+
+def _certificate_only(handler: _Handler) -> _Handler:
+    """``handler`` (an extra route: ``/blobs``) on an edge without TLS: refused to callers the tenant header names
+    (``edge_agent.observe.require_certificate``)."""
+    async def gated(request: web.Request) -> web.Response:
+        require_certificate(request, request.path.split("/", 2)[1] or "this path")
+        return await handler(request)
+    return gated
 
 
 async def _unrouted(request: web.Request) -> web.Response:
@@ -174,9 +229,21 @@ def _traceparent(request: web.Request, asked: object) -> str | None:
 
 class _Handlers:
     def __init__(self, dp: DataPlane, max_body: int, who: Identify, anyone: Authenticate,
-                 rejected: Callable[[str, str, str], None] | None = None) -> None:
+                 rejected: Callable[[str, str, str], None] | None = None, *, visible: Visible | None = None,
+                 quota_check: QuotaCheck | None = None, guard: ConnectionGuard | None = None) -> None:
         self.dp, self.max_body, self.who, self.anyone = dp, max_body, who, anyone
         self.rejected = rejected  # (task, tenant, code) of a query refused before the data plane
+        self.visible, self.quota_check, self.guard = visible, quota_check, guard
+
+    def signature(self, task: str, tenant: str) -> TaskSignature:
+        """``task``'s signature if ``tenant`` may know of it; else the one 404 (:func:`_unknown`), whether the task
+        is another tenant's or does not exist."""
+        if self.visible is not None and not self.visible(task, tenant):
+            raise _unknown(task)
+        try:
+            return self.dp.task_signature(task)
+        except UnknownTask:
+            raise _unknown(task) from None
 
     async def live(self, request: web.Request) -> web.Response:
         self.anyone(request)
@@ -192,15 +259,14 @@ class _Handlers:
         return web.json_response({"name": "tiermesh", "version": _version(), "extensions": EXTENSIONS})
 
     async def model_metadata(self, request: web.Request) -> web.Response:
-        self.who(request)
-        sig = self.dp.task_signature(request.match_info["task"])
+        sig = self.signature(request.match_info["task"], self.who(request))
         return web.json_response(signature_to_metadata(sig))
 
     async def model_ready(self, request: web.Request) -> web.Response:
-        self.who(request)
         task = request.match_info["task"]
+        self.signature(task, self.who(request))
         if task not in self.dp.tasks():
-            raise UnknownTask(f"no task {task!r}")
+            raise _unknown(task)
         ok = self.dp.ready()
         return web.json_response({"name": task, "ready": ok}, status=200 if ok else 503)
 
@@ -210,9 +276,13 @@ class _Handlers:
         started = time.perf_counter()
         task, tenant = request.match_info["task"], "?"
         req: InferRequest | None = None
+        if self.guard is not None:
+            self.guard.seen(request.protocol)
         try:
             tenant = self.who(request)
-            sig = self.dp.task_signature(task)
+            sig = self.signature(task, tenant)
+            if self.quota_check is not None:
+                self.quota_check(tenant)  # before the body: an over-quota caller's is never buffered or decoded
             length = request.content_length
             if length is not None and length > self.max_body:
                 raise PayloadTooLarge(f"body of {length} bytes exceeds the limit of {self.max_body}")
@@ -252,6 +322,8 @@ class _Handlers:
                 rparams["trace_id"] = trace_id_of(req.traceparent)
             out, hlen = codec.encode_infer_response(task, rid, outputs, rparams, binary)
         except MeshError as exc:
+            if isinstance(exc, UnknownTask):  # the data plane's words may name tasks or owners
+                exc = _unknown(task)
             log.info("infer rejected: %s", exc.message,
                      extra=kv(event="http_error", reason=exc.code, tenant=tenant, task=task))
             if req is None and self.rejected is not None:
@@ -267,48 +339,227 @@ class _Handlers:
 
 def make_app(dp: DataPlane, *, max_body_bytes: int = DEFAULT_MAX_BODY,
              identify: Identify = identify, authenticate: Authenticate = _anyone,
-             observe: Observe | None = None, routes: tuple[Route, ...] = ()) -> web.Application:
+             observe: Observe | None = None, routes: tuple[Route, ...] = (), certificates: bool = False,
+             visible: Visible | None = None, quota_check: QuotaCheck | None = None,
+             guard: ConnectionGuard | None = None) -> web.Application:
     """The V2 application over ``dp``. ``max_body_bytes`` bounds every request body and each
     declared binary tensor; ``identify`` maps a request to its tenant; ``authenticate`` admits (or
     raises for) callers of the health and server-metadata endpoints; ``observe`` adds the metrics and
-    trace endpoints (they authorise their callers themselves), ``routes`` more such (``edge_agent.blobs``)."""
-    h = _Handlers(dp, max_body_bytes, identify, authenticate, observe.rejected if observe is not None else None)
+    trace endpoints (they authorise their callers themselves), ``routes`` more such (``edge_agent.blobs``),
+    which, unless callers have ``certificates``, are refused to callers the tenant header names.
+    ``visible`` says which tasks a tenant may know of (None: every task), ``quota_check`` refuses an
+    over-quota tenant before its body is read (None: the data plane alone decides), ``guard`` learns which
+    connections have made a request (:class:`ConnectionGuard`)."""
+    h = _Handlers(dp, max_body_bytes, identify, authenticate, observe.rejected if observe is not None else None,
+                  visible=visible, quota_check=quota_check, guard=guard)
     app = web.Application(client_max_size=max_body_bytes)
     prefixes = ("/v2/models/{task}", "/v2/models/{task}/versions/{version}")
     # Versions are accepted and ignored: the mesh, not the caller, picks the variant. The infer
     # routes go first: aiohttp tries the routes under /v2/models in the order they were added.
     for prefix in prefixes:
         app.router.add_post(prefix + "/infer", h.infer)
-    app.router.add_get("/v2/health/live", _guarded(h.live))
-    app.router.add_get("/v2/health/ready", _guarded(h.ready))
-    app.router.add_get("/v2", _guarded(h.server_metadata))
+    app.router.add_get("/v2/health/live", _guarded(h.live, guard))
+    app.router.add_get("/v2/health/ready", _guarded(h.ready, guard))
+    app.router.add_get("/v2", _guarded(h.server_metadata, guard))
     for prefix in prefixes:
-        app.router.add_get(prefix, _guarded(h.model_metadata))
-        app.router.add_get(prefix + "/ready", _guarded(h.model_ready))
-    for method, path, handler in [*(observe.routes() if observe is not None else ()), *routes]:
-        app.router.add_route(method, path, _guarded(handler))
-    app.router.add_route("*", "/{path:.*}", _unrouted)
+        app.router.add_get(prefix, _guarded(h.model_metadata, guard))
+        app.router.add_get(prefix + "/ready", _guarded(h.model_ready, guard))
+    for method, path, handler in (observe.routes() if observe is not None else ()):
+        app.router.add_route(method, path, _guarded(handler, guard))
+    for method, path, handler in routes:
+        app.router.add_route(method, path, _guarded(handler if certificates else _certificate_only(handler), guard))
+    app.router.add_route("*", "/{path:.*}", _guarded(_unrouted, guard))
     return app
+
+
+class _Accepted(asyncio.Protocol):
+    """One accepted connection until its application protocol (``app``, aiohttp's) has it: at once without TLS;
+    with it, after the handshake, meanwhile standing as the TLS layer's application protocol and keeping what
+    arrives between the handshake's end and the hand-over (``loop.start_tls`` reads on before its caller resumes)."""
+
+    def __init__(self, guard: ConnectionGuard, app: asyncio.Protocol) -> None:
+        self.guard, self.app = guard, app
+        self.raw: asyncio.Transport | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.early: list[bytes] = []
+        self.lost = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if self.raw is None:  # the TCP connection (start_tls does not make it again)
+            self.raw = transport  # type: ignore[assignment]
+            self.guard.accepted(self)
+
+    def data_received(self, data: bytes) -> None:
+        self.early.append(data)
+
+    def eof_received(self) -> bool | None:
+        self.lost = True  # a caller that hangs up before its first request is not handed over
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+
+    def close(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        if self.raw is not None:
+            self.raw.abort()
+
+
+class ConnectionGuard:
+    """How many connections may stand at the door before their first request, and for how long.
+
+    A connection is *pending* from its accept until its first request reaches a handler (with TLS, its
+    handshake first, given ``handshake_timeout_s``). A pending connection is closed ``first_request_s`` after its
+    accept, and while ``max_pending`` are pending the oldest is closed to admit a new one. So a flood of idle
+    sockets (slow loris) holds at most ``max_pending`` descriptors, for at most ``first_request_s`` each, and a
+    real caller, whose handshake and request take milliseconds, is served through it. Before, aiohttp held an idle
+    socket for its keep-alive timeout (3630 s) and a TLS handshake could take asyncio's 60 s: a flood ran the
+    process out of descriptors, and nobody else was accepted.
+
+    TLS is started here on each accepted socket (``loop.start_tls`` with ``ssl_context``): asyncio's TLS server
+    shows a connection to the application only once its handshake is done and gives no handle on it before,
+    so it could not be counted or closed while it was pending. One task per handshake, owned by the guard."""
+
+    def __init__(self, ssl_context: ssl.SSLContext | None = None, *, max_pending: int = MAX_PENDING,
+                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S, first_request_s: float = FIRST_REQUEST_S) -> None:
+        if max_pending < 1 or handshake_timeout_s <= 0 or first_request_s <= 0:
+            raise ValueError(f"a connection guard needs max_pending >= 1 and positive timeouts, got {max_pending}, "
+                             f"{handshake_timeout_s}, {first_request_s}")
+        self.ssl_context, self.max_pending = ssl_context, max_pending
+        self.handshake_timeout_s, self.first_request_s = handshake_timeout_s, first_request_s
+        self._pending: OrderedDict[asyncio.Protocol, _Accepted] = OrderedDict()  # by app protocol, oldest first
+        self._handshakes: set[asyncio.Task[None]] = set()
+        self._closed = False
+        self.evicted = 0  # pending connections closed to admit newer ones
+        self.expired = 0  # pending connections closed at first_request_s
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def factory(self, server: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
+        """The protocol factory for ``loop.create_server`` in front of ``server`` (aiohttp's ``web.Server``)."""
+        return lambda: _Accepted(self, server())
+
+    def seen(self, app: object) -> None:
+        """A request reached a handler on the connection of ``app`` (``request.protocol``): it is no longer pending.
+        On every request: one dict lookup, skipped while nothing is pending."""
+        if self._pending:
+            conn = self._pending.pop(app, None)  # type: ignore[call-overload]
+            if conn is not None and conn.timer is not None:
+                conn.timer.cancel()
+
+    def accepted(self, conn: _Accepted) -> None:
+        raw = conn.raw
+        assert raw is not None
+        if self._closed:
+            raw.abort()
+            return
+        while len(self._pending) >= self.max_pending:
+            _, oldest = self._pending.popitem(last=False)
+            if not (oldest.lost or (oldest.raw is not None and oldest.raw.is_closing())):
+                self.evicted += 1  # a connection already gone makes room for free
+            oldest.close()
+        loop = asyncio.get_running_loop()
+        self._pending[conn.app] = conn
+        conn.timer = loop.call_later(self.first_request_s, self._expire, conn.app)
+        if self.ssl_context is None:
+            raw.set_protocol(conn.app)
+            conn.app.connection_made(raw)
+            return
+        raw.pause_reading()  # start_tls resumes it with its own protocol in place
+        task = loop.create_task(self._handshake(conn), name="edge-tls-handshake")
+        self._handshakes.add(task)
+        task.add_done_callback(self._handshakes.discard)
+
+    async def _handshake(self, conn: _Accepted) -> None:
+        assert conn.raw is not None and self.ssl_context is not None
+        try:
+            tls = await asyncio.get_running_loop().start_tls(conn.raw, conn, self.ssl_context, server_side=True,
+                                                              ssl_handshake_timeout=self.handshake_timeout_s)
+        except Exception as exc:  # a refused certificate, a timeout, a reset: the caller's, logged at debug
+            log.debug("TLS handshake failed: %r", exc, extra=kv(event="tls_handshake_failed"))
+            self._drop(conn)
+            return
+        except asyncio.CancelledError:
+            self._drop(conn)
+            raise
+        if tls is None or conn.lost:
+            self._drop(conn)
+            return
+        tls.set_protocol(conn.app)
+        conn.app.connection_made(tls)
+        for data in conn.early:
+            conn.app.data_received(data)  # type: ignore[attr-defined]
+        conn.early.clear()
+
+    def _drop(self, conn: _Accepted) -> None:
+        if self._pending.get(conn.app) is conn:
+            del self._pending[conn.app]
+        conn.close()
+
+    def _expire(self, app: asyncio.Protocol) -> None:
+        conn = self._pending.pop(app, None)
+        if conn is not None:
+            self.expired += 1
+            conn.close()
+
+    async def close(self) -> None:
+        """Close every pending connection and refuse new ones (a server stopping)."""
+        self._closed = True
+        while self._pending:
+            self._pending.popitem()[1].close()
+        await cancel_and_wait(*self._handshakes)
+
+
+class _GuardedSite(web.BaseSite):
+    """aiohttp's TCP site, its connections accepted through a :class:`ConnectionGuard`."""
+
+    __slots__ = ("_guard", "_host", "_port")
+
+    def __init__(self, runner: web.BaseRunner, host: str, port: int, guard: ConnectionGuard) -> None:
+        super().__init__(runner)
+        self._host, self._port, self._guard = host, port, guard
+
+    @property
+    def name(self) -> str:
+        url = http_url(self._host, self._port)
+        return url if self._guard.ssl_context is None else "https" + url.removeprefix("http")
+
+    async def start(self) -> None:
+        await super().start()
+        server = self._runner.server
+        assert server is not None
+        self._server = await asyncio.get_running_loop().create_server(
+            self._guard.factory(server), self._host, self._port, backlog=self._backlog)
 
 
 class EdgeHttpServer(Service):
     """Serves ``make_app(dp)`` on ``host:port`` (port 0 picks a free one; ``url`` says which).
     ``advertise``: the host callers dial, in ``url`` (default ``host``; a wildcard needs one).
     ``tls``: HTTPS with client certificates (identity from the certificate; ``identify`` is then
-    ignored); this server starts and stops it. None: plain HTTP, tenant from the header."""
+    ignored); this server starts and stops it. None: plain HTTP, tenant from the header.
+    ``visible`` and ``quota_check``: see :func:`make_app`. Connections pass a :class:`ConnectionGuard`
+    (``max_pending``, ``handshake_timeout_s``, ``first_request_s``)."""
 
     def __init__(self, dp: DataPlane, host: str = DEFAULT_BIND, port: int = 0, *,
                  advertise: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY,
                  identify: Identify = identify, tls: EdgeTls | None = None,
                  observe: Observe | None = None, routes: tuple[Route, ...] = (),
-                 shutdown_timeout: float = 5.0) -> None:
+                 visible: Visible | None = None, quota_check: QuotaCheck | None = None,
+                 max_pending: int = MAX_PENDING, handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+                 first_request_s: float = FIRST_REQUEST_S, shutdown_timeout: float = 5.0) -> None:
         self.host, self.port = normalise_host(host, "bind address"), port
         self.advertise = advertised_host(self.host, advertise)
         self.tls = tls
+        self.guard = ConnectionGuard(tls.ssl_context if tls is not None else None, max_pending=max_pending,
+                                     handshake_timeout_s=handshake_timeout_s, first_request_s=first_request_s)
         who, anyone = (tls.tenant, tls.peer) if tls is not None else (identify, _anyone)
         # Built here, not in start(), so a caller may add middlewares before the app freezes.
         self.app = make_app(dp, max_body_bytes=max_body_bytes, identify=who, authenticate=anyone, observe=observe,
-                            routes=routes)
+                            routes=routes, certificates=tls is not None, visible=visible, quota_check=quota_check,
+                            guard=self.guard)
         self._runner = web.AppRunner(self.app, shutdown_timeout=shutdown_timeout)
 
     def _url(self, host: str) -> str:
@@ -324,14 +575,14 @@ class EdgeHttpServer(Service):
         if self.tls is not None:
             await self.tls.start()
         await self._runner.setup()
-        ssl_context = self.tls.ssl_context if self.tls is not None else None
-        await web.TCPSite(self._runner, self.host, self.port, ssl_context=ssl_context).start()
+        await _GuardedSite(self._runner, self.host, self.port, self.guard).start()
         self.port = int(self._runner.addresses[0][1])
         log.info("http api listening on %s (advertised %s)", self._url(self.host), self._url(self.advertise),
                  extra=kv(event="http_start"))
 
     async def _stop(self) -> None:
         try:
+            await self.guard.close()  # first: a server that stops admits nobody new
             await self._runner.cleanup()
         finally:
             if self.tls is not None:

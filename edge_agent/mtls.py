@@ -10,6 +10,10 @@ its rule of who may call the inference API:
     revoked / bad SAN / CA:TRUE / wrong EKU   401 unauthenticated, and the connection is closed
     a site, admin or scheduler identity       403 forbidden on the tenant API (health endpoints admit any)
     tenant header or ``tenant`` parameter     403 forbidden when it names another tenant than the certificate
+    tenant header twice, or listing several   400 bad request (which one counted depended on the reader)
+
+The TLS handshake itself, and how many connections may be in it, is bounded by the HTTP front's connection
+guard (``edge_agent.http_api.ConnectionGuard``), which starts TLS on each accepted socket with this context.
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ from mesh.errors import PermissionDenied, PkiError
 from mesh.pki.files import PkiPaths
 from mesh.pki.identity import Identity
 from mesh.pki.peers import TlsPeers
-from mesh.v2.body import TENANT_HEADER
+from mesh.v2.body import TENANT_HEADER, tenant_claim
 
 __all__ = ["EdgeTls"]
+
+_NONE: list[str] = []  # getall's default: never mutated
 
 
 class EdgeTls(TlsPeers):
@@ -52,8 +58,8 @@ class EdgeTls(TlsPeers):
         if identity.kind != "tenant":
             raise PermissionDenied(f"{identity} is a {identity.kind}, not a tenant: the inference API serves "
                                    f"tenants", reason="wrong_kind")
-        claimed = request.headers.get(TENANT_HEADER)
-        if claimed is not None and claimed.strip() and claimed.strip() != identity.name:
-            raise PermissionDenied(f"header {TENANT_HEADER}: {claimed.strip()!r} does not match the client "
+        claimed = tenant_claim(request.headers.getall(TENANT_HEADER, _NONE))  # once, one name: else a 400
+        if claimed is not None and claimed != identity.name:
+            raise PermissionDenied(f"header {TENANT_HEADER}: {claimed!r} does not match the client "
                                    f"certificate's tenant {identity.name!r}", reason="tenant_mismatch")
         return identity.name

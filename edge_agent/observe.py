@@ -1,18 +1,23 @@
 """What an agent shows of itself over its edge HTTP API: Prometheus metrics and decision traces.
 
-    GET /metrics                  Prometheus text (``edge_agent.metrics``)
-    GET /v2/traces/{request_id}   one trace this door answered (shape in ``edge_agent.traces``)
-    GET /v2/traces?limit=N        the newest N trace summaries {request_id, tenant, task, outcome, at_unix}
+    GET /metrics                              Prometheus text (``edge_agent.metrics``)
+    GET /v2/traces/{request_id}[?tenant=T]    one trace this door answered (shape in ``edge_agent.traces``)
+    GET /v2/traces?limit=N                    the newest N trace summaries {request_id, tenant, task, outcome, at_unix}
+
+A request id names a trace within its tenant (the id is the caller's choice: two tenants may use the same one).
 
 Who may read, with edge TLS on (the identity from the client certificate, ``edge_agent.mtls``):
 
     caller                 /metrics   traces
-    admin, scheduler       200        every tenant's
+    admin, scheduler       200        every tenant's (an id of several tenants: the newest, or ``?tenant=``'s)
     tenant                 403        its own only (another tenant's request id is a 404, as an unknown one)
     site                   403        403
 
-With ``--insecure`` (no TLS) anyone may read the metrics; traces are everyone's, unless the request names a
-tenant in the ``X-Tiermesh-Tenant`` header, which then sees only its own (as with a certificate).
+Without TLS (``--insecure``, ``--no-edge-tls``) there is no certificate to tell an operator from a tenant. A
+request that names a tenant in the ``X-Tiermesh-Tenant`` header is a tenant's (behind ``--no-edge-tls`` the
+proxy sets it on every request it forwards): it is refused these endpoints (403 ``certificate_required``, and
+``/blobs`` too, :func:`require_certificate`), which need a certificate. One without the header, from whoever
+reaches the port, reads everything, as before: development, or an operator on the agent's own network.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from mesh.v2.body import TENANT_HEADER
 if TYPE_CHECKING:  # mutual TLS (cryptography) is loaded only by an agent that serves it
     from edge_agent.mtls import EdgeTls
 
-__all__ = ["MAX_LIST", "Observe", "Route"]
+__all__ = ["MAX_LIST", "Observe", "Route", "require_certificate"]
 
 MAX_LIST = 1000
 _READERS = ("admin", "scheduler")
@@ -41,6 +46,14 @@ Route = tuple[str, str, Callable[[web.Request], Awaitable[web.Response]]]
 class _NotFound(MeshError):
     code = "not_found"
     http_status = 404
+
+
+def require_certificate(request: web.Request, what: str) -> None:
+    """Refuse ``what`` to a caller the tenant header names on an edge without TLS (see the module docstring)."""
+    if TENANT_HEADER in request.headers:
+        raise PermissionDenied(f"{what} need a client certificate: this edge serves without TLS, and a request naming "
+                               f"a tenant in {TENANT_HEADER} is a tenant's, not an operator's",
+                               reason="certificate_required")
 
 
 class Observe:
@@ -60,7 +73,8 @@ class Observe:
     def _trace_reader(self, request: web.Request) -> str | None:
         """None: may read every trace; a tenant: only its own."""
         if self.tls is None:
-            return request.headers.get(TENANT_HEADER, "").strip() or None
+            require_certificate(request, "traces")
+            return None
         who = self.tls.peer(request)
         if who.kind in _READERS:
             return None
@@ -69,7 +83,9 @@ class Observe:
         raise PermissionDenied(f"{who} may not read traces", reason="wrong_kind")
 
     async def metrics_page(self, request: web.Request) -> web.Response:
-        if self.tls is not None:
+        if self.tls is None:
+            require_certificate(request, "metrics")
+        else:
             who = self.tls.peer(request)
             if who.kind not in _READERS:
                 raise PermissionDenied(f"{who} may not read metrics: an admin or scheduler identity may",
@@ -79,8 +95,9 @@ class Observe:
     async def trace(self, request: web.Request) -> web.Response:
         reader = self._trace_reader(request)
         rid = request.match_info["request_id"]
-        found = self.traces.get(rid)
-        if found is None or (reader is not None and found["tenant"] != reader):
+        # a tenant reads under its own name only; a reader of every tenant's may pick one
+        found = self.traces.get(rid, reader if reader is not None else request.query.get("tenant"))
+        if found is None:
             raise _NotFound(f"no trace of request {rid!r} here")
         return web.json_response(found)
 

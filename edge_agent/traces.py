@@ -5,7 +5,12 @@ agent's sample (``trace_sample_rate``, drawn at the door). It then carries a W3C
 (:mod:`mesh.tracecontext`) to every hop; each hop records a :class:`HopTrace` and returns its records with
 the reply (``InferResponse.trace``), so the door holds the whole trace and keeps it in a bounded
 :class:`TraceStore`, where ``GET /v2/traces/{request_id}`` finds it (:mod:`edge_agent.observe`).
-An untraced query builds none of this.
+An untraced query builds none of this, and a query refused before the door admitted it (its tenant, task,
+inputs or quota) keeps none.
+
+The request id is the caller's choice (the V2 ``id``), so the store is keyed by (tenant, request id) and
+bounded per tenant as well as in all, in traces and in bytes: one tenant cannot read, overwrite or evict
+another's traces, nor fill the agent's memory with its own (issue 29).
 
 A trace, as served (JSON)::
 
@@ -27,11 +32,14 @@ import math
 import random
 import time
 from collections import OrderedDict
-from typing import Any, Final, Literal
+from collections.abc import Callable, Iterable
+from typing import Any, Final, Literal, NamedTuple
+
+import orjson
 
 from core_scheduler.policy.explain import explain
 from core_scheduler.policy.routing import Decision, Query
-from mesh.types import Timing
+from mesh.types import MAX_REQUEST_ID, Timing
 
 __all__ = ["MAX_HOPS", "ROLES", "HopTrace", "TraceStore", "clean_hops", "sampled"]
 
@@ -123,39 +131,108 @@ def clean_hops(hops: object) -> list[dict[str, Any]]:
     return out
 
 
-class TraceStore:
-    """The traces a door answered, newest last, at most ``capacity`` (the oldest goes first)."""
+class _Kept(NamedTuple):
+    trace: dict[str, Any]
+    nbytes: int
+    seq: int  # the store's add count when it was kept: newest is highest
 
-    def __init__(self, capacity: int = 1000) -> None:
-        if capacity < 1:
-            raise ValueError(f"trace store capacity must be >= 1, got {capacity}")
-        self.capacity = capacity
-        self._traces: OrderedDict[str, dict[str, Any]] = OrderedDict()
+
+class TraceStore:
+    """The traces a door answered, each keyed by (tenant, request id), bounded in count and bytes, in all and per
+    tenant. A request id is the caller's choice, so it names a trace only within its tenant: another tenant using
+    the same id keeps a trace of its own, and cannot overwrite or read this one.
+
+    Bounds: ``capacity`` traces and ``max_bytes`` (their size as served, JSON) in all; ``tenant_capacity`` traces
+    and ``tenant_bytes`` per tenant; a trace over ``tenant_bytes`` on its own, or whose id is over
+    ``MAX_REQUEST_ID``, is not kept. A tenant over its own bounds loses its oldest traces. When the store as a
+    whole is over, the tenant holding the most (traces, or bytes if that is what is over) loses its oldest: a
+    tenant that floods the store evicts its own traces first, and another tenant loses traces only while it holds
+    as many as the flooder."""
+
+    def __init__(self, capacity: int = 1000, *, tenant_capacity: int | None = None,
+                 max_bytes: int = 64 << 20, tenant_bytes: int = 16 << 20) -> None:
+        tenant_capacity = capacity if tenant_capacity is None else tenant_capacity
+        for name, v in (("capacity", capacity), ("tenant capacity", tenant_capacity), ("bytes", max_bytes),
+                        ("tenant bytes", tenant_bytes)):
+            if v < 1:
+                raise ValueError(f"trace store {name} must be >= 1, got {v}")
+        self.capacity, self.tenant_capacity = capacity, tenant_capacity
+        self.max_bytes, self.tenant_bytes = max_bytes, tenant_bytes
+        self._tenants: dict[str, OrderedDict[str, _Kept]] = {}  # tenant -> request id -> trace, oldest first
+        self._tenant_bytes: dict[str, int] = {}
+        self._order: OrderedDict[tuple[str, str], None] = OrderedDict()  # every (tenant, id), oldest first
+        self._bytes = 0
+        self._seq = 0
 
     def __len__(self) -> int:
-        return len(self._traces)
+        return len(self._order)
+
+    @property
+    def nbytes(self) -> int:
+        """The size of every trace kept, as served (JSON bytes)."""
+        return self._bytes
 
     def add(self, request_id: str, trace_id: str, tenant: str, task: str, outcome: str,
-            hops: list[dict[str, Any]]) -> dict[str, Any]:
+            hops: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """Keep a trace (replacing the tenant's own trace of that id, if any); None if it is not kept."""
         trace = {"request_id": request_id, "trace_id": trace_id, "tenant": tenant, "task": task,
                  "outcome": outcome, "hops": hops[:MAX_HOPS]}
-        self._traces.pop(request_id, None)
-        self._traces[request_id] = trace
-        while len(self._traces) > self.capacity:
-            self._traces.popitem(last=False)
+        nbytes = len(orjson.dumps(trace))  # only traced queries pay it: tens of µs for a large trace
+        if len(request_id) > MAX_REQUEST_ID or nbytes > self.tenant_bytes or nbytes > self.max_bytes:
+            return None
+        self._drop(tenant, request_id)
+        self._seq += 1
+        self._tenants.setdefault(tenant, OrderedDict())[request_id] = _Kept(trace, nbytes, self._seq)
+        self._tenant_bytes[tenant] = self._tenant_bytes.get(tenant, 0) + nbytes
+        self._order[(tenant, request_id)] = None
+        self._bytes += nbytes
+        own = self._tenants[tenant]
+        while len(own) > self.tenant_capacity or self._tenant_bytes[tenant] > self.tenant_bytes:
+            self._drop(tenant, next(iter(own)))
+        while len(self._order) > self.capacity:
+            self._evict(self._largest(lambda t: len(self._tenants[t])))
+        while self._bytes > self.max_bytes:
+            self._evict(self._largest(lambda t: self._tenant_bytes[t]))
         return trace
 
-    def get(self, request_id: str) -> dict[str, Any] | None:
-        return self._traces.get(request_id)
+    def get(self, request_id: str, tenant: str | None = None) -> dict[str, Any] | None:
+        """``tenant``'s trace of ``request_id``; with no tenant (a reader of every tenant's), the newest of any."""
+        if tenant is not None:
+            own = self._tenants.get(tenant)
+            kept = own.get(request_id) if own is not None else None
+            return kept.trace if kept is not None else None
+        found = [k for own in self._tenants.values() if (k := own.get(request_id)) is not None]
+        return max(found, key=lambda k: k.seq).trace if found else None
 
     def recent(self, limit: int, tenant: str | None = None) -> list[dict[str, Any]]:
         """Summaries of the newest ``limit`` traces (of ``tenant`` only, if given), newest first."""
+        own = self._tenants.get(tenant) if tenant is not None else None
+        keys: Iterable[tuple[str, str]] = (reversed(self._order) if tenant is None
+                                           else ((tenant, rid) for rid in reversed(own or {})))
         out: list[dict[str, Any]] = []
-        for t in reversed(self._traces.values()):
+        for t, rid in keys:
             if len(out) >= limit:
                 break
-            if tenant is None or t["tenant"] == tenant:
-                at = t["hops"][0]["at_unix"] if t["hops"] else 0.0
-                out.append({"request_id": t["request_id"], "tenant": t["tenant"], "task": t["task"],
-                            "outcome": t["outcome"], "at_unix": at})
+            trace = self._tenants[t][rid].trace
+            at = trace["hops"][0]["at_unix"] if trace["hops"] else 0.0
+            out.append({"request_id": rid, "tenant": t, "task": trace["task"], "outcome": trace["outcome"],
+                        "at_unix": at})
         return out
+
+    def _largest(self, size: Callable[[str], int]) -> str:
+        """The tenant holding the most by ``size``; of equals, the one whose oldest trace is oldest."""
+        return max(self._tenants, key=lambda t: (size(t), -next(iter(self._tenants[t].values())).seq))
+
+    def _evict(self, tenant: str) -> None:
+        self._drop(tenant, next(iter(self._tenants[tenant])))
+
+    def _drop(self, tenant: str, request_id: str) -> None:
+        own = self._tenants.get(tenant)
+        kept = own.pop(request_id, None) if own is not None else None
+        if kept is None:
+            return
+        del self._order[(tenant, request_id)]
+        self._bytes -= kept.nbytes
+        self._tenant_bytes[tenant] -= kept.nbytes
+        if not own:
+            del self._tenants[tenant], self._tenant_bytes[tenant]

@@ -26,11 +26,23 @@ __all__ = [
     "request_head",
     "response_meta",
     "split_body",
+    "tenant_claim",
 ]
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 # Names the caller's tenant until mutual TLS does (see ``edge_agent.http_api.identify``).
 TENANT_HEADER = "X-Tiermesh-Tenant"
+
+
+def tenant_claim(values: list[str]) -> str | None:
+    """The one tenant the ``TENANT_HEADER`` values of a request name (stripped; None: no header, or empty).
+    ``RequestError`` when the header comes more than once or lists several names: which one counted depended on
+    the reader (the first, for aiohttp's ``get``), so a proxy that appends the header let its caller choose."""
+    if not values:
+        return None
+    if len(values) > 1 or "," in values[0]:
+        raise RequestError(f"header {TENANT_HEADER} must name one tenant once, got {values!r}")
+    return values[0].strip() or None
 
 # orjson parses and writes a header in about a micro-second, bytes in and out (the stdlib needs
 # five to ten, plus a str round trip). It reads a memoryview, so the header is never sliced out of

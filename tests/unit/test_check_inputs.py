@@ -45,3 +45,27 @@ def test_bad_inputs_are_bad_tensor_naming_it(inputs: dict[str, Any], fragment: s
     with pytest.raises(BadTensor, match=fragment) as info:
         check_inputs(SIG.inputs, inputs)
     assert info.value.code == "bad_tensor" and info.value.http_status == 400
+
+
+# A multi-input task (token ids and their mask, as the text family's): the batcher concatenates every input of
+# the requests it merges, so inputs that disagree on their rows would fail every request in the batch (issue 29).
+TEXT = (TensorSpec("input_ids", "int64", (-1, 8)), TensorSpec("attention_mask", "int64", (-1, 8)))
+
+
+@pytest.mark.parametrize("contiguous", [True, False])  # the fast path, and the checked path behind it
+def test_inputs_that_disagree_on_the_batch_are_bad_tensor(contiguous: bool) -> None:
+    ids, mask = np.ones((2, 8), np.int64), np.ones((3, 8), np.int64)
+    if not contiguous:
+        mask = np.ones((8, 3), np.int64).T
+    with pytest.raises(BadTensor, match=r"disagree on the batch \(first\) dimension: "
+                                        r"\{'input_ids': 2, 'attention_mask': 3\}") as info:
+        check_inputs(TEXT, {"input_ids": ids, "attention_mask": mask})
+    assert info.value.http_status == 400 and info.value.details["rows"] == {"input_ids": 2, "attention_mask": 3}
+
+
+def test_inputs_that_agree_on_the_batch_pass_and_fixed_inputs_are_not_rows() -> None:
+    ids, mask = np.ones((3, 8), np.int64), np.zeros((3, 8), np.int64)
+    out = check_inputs(TEXT, {"input_ids": ids, "attention_mask": mask})
+    assert out["input_ids"] is ids and out["attention_mask"] is mask
+    # an input whose spec fixes its first dimension is not batched (TWO's 'b'): it need not match the rows
+    assert check_inputs(TWO, {"a": np.ones((4, 3), np.int64), "b": np.ones(2, np.float32)})["b"].shape == (2,)

@@ -15,7 +15,7 @@ from hypothesis.extra import numpy as hnp
 
 from mesh.errors import BadTensor, MeshError, PayloadTooLarge, ProtocolError, UnknownTask
 from mesh.tracecontext import new_traceparent
-from mesh.types import PREFERS, SLO, InferRequest, InferResponse, Timing
+from mesh.types import MAX_LATENCY_MS, PREFERS, SLO, InferRequest, InferResponse, Timing
 from mesh.zmq import protocol as p
 from mesh.zmq.protocol_check import (
     ALLOWED_DTYPES,
@@ -44,7 +44,7 @@ def _bytes_array(shape: tuple[int, ...]) -> st.SearchStrategy[np.ndarray]:
 
 bytes_arrays = hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4).flatmap(_bytes_array)
 tensors = st.dictionaries(names, arrays | bytes_arrays, max_size=4)
-slos = st.builds(SLO, latency_ms=st.floats(min_value=1e-6, max_value=1e9),
+slos = st.builds(SLO, latency_ms=st.floats(min_value=1e-6, max_value=MAX_LATENCY_MS),
                  min_accuracy=st.floats(min_value=0.0, max_value=1.0),
                  max_cost=st.none() | st.floats(min_value=0.0, max_value=1e12), prefer=st.sampled_from(PREFERS))
 requests = st.builds(

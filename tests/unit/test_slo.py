@@ -16,7 +16,7 @@ from hypothesis.extra import numpy as hnp
 
 from mesh.errors import ProtocolError, RequestError
 from mesh.tracecontext import new_traceparent
-from mesh.types import PREFERS, SLO, TIER_RANK, TIERS, InferRequest
+from mesh.types import MAX_LATENCY_MS, PREFERS, SLO, TIER_RANK, TIERS, InferRequest
 from mesh.v2 import params as v2_params
 from mesh.zmq import protocol as fast
 from mesh.zmq import protocol_check as checked
@@ -33,7 +33,8 @@ def test_vocabularies_have_one_spelling() -> None:
     assert TIER_RANK == {"edge": 0, "middle": 1, "core": 2}
 
 
-@pytest.mark.parametrize("args", [(20,), (0.5, 1), (20.0, 0.97, 2, "accuracy"), (1e9, 0.0, 0.0, "refuse")])
+@pytest.mark.parametrize("args", [(20,), (0.5, 1), (20.0, 0.97, 2, "accuracy"), (MAX_LATENCY_MS, 0.0, 0.0, "refuse"),
+                                  (600_000,)])
 def test_valid_slo_is_stored_as_floats(args: tuple[Any, ...]) -> None:
     slo = SLO(*args)
     assert type(slo.latency_ms) is float and type(slo.min_accuracy) is float
@@ -49,6 +50,9 @@ def test_valid_slo_is_stored_as_floats(args: tuple[Any, ...]) -> None:
     ((True,), "latency_ms must be a finite number"),
     (("20",), "latency_ms must be a finite number"),
     ((10**400,), "latency_ms must be a finite number"),
+    ((MAX_LATENCY_MS + 1.0,), r"latency_ms must be at most 600000 \(ten minutes\), got 600001.0"),
+    ((1e300,), "latency_ms must be at most 600000"),
+    ((10**12,), "latency_ms must be at most 600000"),
     ((20.0, 1.5), r"min_accuracy must be in \[0, 1\]"),
     ((20.0, -0.1), r"min_accuracy must be in \[0, 1\]"),
     ((20.0, math.nan), r"min_accuracy must be in \[0, 1\]"),
@@ -75,7 +79,7 @@ def test_parse_does_not_confuse_equal_values_of_other_types() -> None:
 # ---------------------------------------------------------------- fast and checked decoders agree
 
 finite = st.floats(allow_nan=False, allow_infinity=False)
-valid_slos = st.builds(SLO, latency_ms=st.floats(min_value=1e-6, max_value=1e9),
+valid_slos = st.builds(SLO, latency_ms=st.floats(min_value=1e-6, max_value=MAX_LATENCY_MS),
                        min_accuracy=st.floats(min_value=0.0, max_value=1.0),
                        max_cost=st.none() | st.floats(min_value=0.0, max_value=1e12),
                        prefer=st.sampled_from(PREFERS))
