@@ -1,6 +1,6 @@
 """Idle connections at an edge's door (issue 29): a slow-loris flood of TCP connections that never complete a TLS
 handshake or send a request does not stop a real tenant being served, and an idle connection is closed within the
-guard's bounds (:class:`edge_agent.http_api.ConnectionGuard`).
+guard's bounds (:class:`edge_agent.conn_guard.ConnectionGuard`).
 
 The flood runs against an edge in a child process whose descriptors are limited as a container's are (512 here):
 before the guard, the idle sockets held every descriptor (TLS handshakes waited 60 s, plain connections aiohttp's
@@ -24,7 +24,8 @@ import aiohttp
 import numpy as np
 import pytest
 
-from edge_agent.http_api import MAX_PENDING, EdgeHttpServer
+from edge_agent.conn_guard import MAX_PENDING
+from edge_agent.http_api import EdgeHttpServer
 from edge_agent.mtls import EdgeTls
 from tests.helpers.mtls_edge import ACME, SITE, TASK, infer_body, make_pki, tenant_context
 from tests.helpers_dataplane import OnnxDataPlane, digits_model
