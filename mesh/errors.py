@@ -22,7 +22,7 @@
     ├── QuotaExceeded               quota_exceeded  429    the tenant is over its quota at this door (``retry_after_s``)
     ├── NoRoute                     no_route        503    no live site can serve the task
     ├── PeerUnavailable             peer_down       502    a forwarded hop did not answer
-    ├── ProtocolError               protocol        400    a wire frame could not be decoded
+    ├── ProtocolError               protocol        400    a wire frame, or a value read from etcd, could not be decoded
     ├── PkiError                    pki             500    our own CA, keys or revocation list are missing or unusable
     ├── Unauthenticated             unauthenticated 401    a peer's credential proves no identity (``reason`` says why:
     │                                                      no certificate, wrong CA, expired, revoked, SAN, EKU, ...)
@@ -214,6 +214,10 @@ class PeerUnavailable(MeshError):
 
 
 class ProtocolError(MeshError):
+    """Bytes from a peer or from etcd that do not decode into what the reader expects. A decoder of untrusted
+    input raises this and nothing else (``mesh.etcd.store.decode_json``, ``core_scheduler.state.records``), so
+    its caller can ignore the value without guessing what else a hostile one might raise."""
+
     code = "protocol"
     http_status = 400
 

@@ -19,6 +19,7 @@ from mesh.errors import CatalogError, StoreError
 from mesh.etcd.keys import CATALOG, MODELS, TASK_NAME, catalog_key, last_segment, model_key
 from mesh.etcd.store import Store
 from mesh.types import TaskSignature, TensorSpec
+from mesh.v2.datatypes import NAME_TO_V2
 from variant_store.meta import SCHEMA_VERSION, VariantMeta
 
 __all__ = [
@@ -60,12 +61,34 @@ def signature_to_json(sig: TaskSignature) -> dict[str, Any]:
             "outputs": [spec(s) for s in sig.outputs], "metric": sig.metric, "schema": SCHEMA_VERSION}
 
 
-def signature_from_json(data: dict[str, Any]) -> TaskSignature:
-    def spec(d: dict[str, Any]) -> TensorSpec:
-        return TensorSpec(name=d["name"], dtype=d["dtype"], shape=tuple(int(x) for x in d["shape"]))
+def signature_from_json(data: Any) -> TaskSignature:
+    """A task's signature as :func:`signature_to_json` writes it. It comes from etcd, so anything malformed (a
+    dtype no tensor is served in, a size that is no integer) raises ``ValueError``, and only that."""
+    if not isinstance(data, dict):
+        raise ValueError(f"a task signature is an object, not a {type(data).__name__}")
 
-    return TaskSignature(task=data["task"], inputs=tuple(spec(d) for d in data["inputs"]),
-                         outputs=tuple(spec(d) for d in data["outputs"]), metric=data.get("metric", "top1"))
+    def text(value: Any, what: str) -> str:
+        if not isinstance(value, str) or not value or len(value) > 256:
+            raise ValueError(f"a task signature's {what} is a non-empty string of at most 256 characters")
+        return value
+
+    def spec(d: Any) -> TensorSpec:
+        if not isinstance(d, dict) or not isinstance(d.get("dtype"), str) or d["dtype"] not in NAME_TO_V2:
+            raise ValueError(f"a tensor spec names one of the dtypes {sorted(NAME_TO_V2)}")
+        shape = d.get("shape")
+        if not isinstance(shape, list) or len(shape) > 32 or not all(
+                type(x) is int and -1 <= x < 2**31 for x in shape):
+            raise ValueError("a tensor spec's shape is a list of at most 32 sizes (-1: any)")
+        return TensorSpec(name=text(d.get("name"), "tensor name"), dtype=d["dtype"], shape=tuple(shape))
+
+    def specs(value: Any, what: str) -> tuple[TensorSpec, ...]:
+        if not isinstance(value, list) or len(value) > 256:
+            raise ValueError(f"a task signature's {what} are a list of tensor specs")
+        return tuple(spec(d) for d in value)
+
+    return TaskSignature(task=text(data.get("task"), "task"), inputs=specs(data.get("inputs"), "inputs"),
+                         outputs=specs(data.get("outputs"), "outputs"),
+                         metric=text(data.get("metric", "top1"), "metric"))
 
 
 def _check_name(kind: str, name: str) -> None:
@@ -152,5 +175,5 @@ class Catalog:
     def _decode(value: Any, key: Any) -> VariantMeta:
         try:
             return VariantMeta.from_json(value)
-        except (TypeError, KeyError, AttributeError) as exc:
+        except ValueError as exc:  # the only error it raises for a malformed entry
             raise StoreError(f"malformed catalog entry at {key!r}: {exc}") from exc

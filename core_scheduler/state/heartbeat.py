@@ -2,8 +2,10 @@
 
 One typed definition for both ends: the agent builds a :class:`Heartbeat` and writes
 :meth:`Heartbeat.to_json`; the cluster view parses each record once with
-:meth:`Heartbeat.from_json` (a malformed record raises ``ValueError``/``TypeError``/``KeyError``
-and the view ignores it). Fields a reader does not know are dropped; fields a writer of an older
+:meth:`Heartbeat.from_json`. A site writes its own record, so a compromised one writes anything: a
+malformed record raises ``ValueError`` and nothing else, whatever it holds (each field is checked for its
+type and range before it is used: ``int(inf)`` was an ``OverflowError`` that stopped the view), and the view
+ignores it. Fields a reader does not know are dropped; fields a writer of an older
 schema did not send take their defaults, so agents and schedulers of neighbouring versions agree.
 The writer leaves out fields at their defaults (a reader fills them in), which halves an idle record.
 
@@ -17,8 +19,7 @@ within its TTL.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -26,13 +27,49 @@ __all__ = ["SCHEMA_VERSION", "DemandSample", "Heartbeat", "LoadedVariant", "Meas
            "same_usage", "why_publish"]
 
 SCHEMA_VERSION = 1
+# What a reader takes, so that nothing it computes from a record overflows or fails:
+_MAX_COUNT = 2**53        # counts and bytes: exact as a float64 and an int64 (numpy tables and sums take them)
+_MAX_MAGNITUDE = 1e15     # times and rates: finite, and so are sums and products of a few
+_MAX_TEXT = 4096          # a name, URL, key or note
+_MAX_BATCH = 1 << 20      # a profiled batch size
 
 
 def _num(value: Any, name: str) -> float:
-    out = float(value)
-    if not math.isfinite(out):
-        raise ValueError(f"{name} is not finite: {value!r}")
-    return out
+    # a bool is an int to Python, never a number here; a huge int compares exactly (no float() to overflow)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not -_MAX_MAGNITUDE <= value <= _MAX_MAGNITUDE:
+        raise ValueError(f"{name} must be a finite number within {_MAX_MAGNITUDE:g}, not this {type(value).__name__}")
+    return float(value)
+
+
+def _count(value: Any, name: str) -> int:
+    # numbers written as floats are taken (truncated) as readers always did; only the range is new
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= _MAX_COUNT:
+        raise ValueError(f"{name} must be a count in [0, 2**53], not this {type(value).__name__}")
+    return int(value)
+
+
+def _text(value: Any, name: str) -> str:
+    if not isinstance(value, str) or len(value) > _MAX_TEXT:
+        raise ValueError(f"{name} must be a string of at most {_MAX_TEXT} characters, not this {type(value).__name__}")
+    return value
+
+
+def _flag(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, not a {type(value).__name__}")
+    return value
+
+
+def _object(value: Any, name: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{name} must be an object, not a {type(value).__name__}")
+    return value
+
+
+def _entries(d: Mapping[str, Any], name: str) -> list[tuple[str, Any]]:
+    """The entries of the object ``d[name]`` (absent or null: none), each key checked as a name."""
+    value = d.get(name)
+    return [] if value is None else [(_text(k, name), v) for k, v in _object(value, name).items()]
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,12 +85,13 @@ class LoadedVariant:
     memory_bytes: int = 0          # measured when it loaded (a head's without its shared backbone)
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> LoadedVariant:
-        return cls(task=str(d["task"]), queue_ms=_num(d.get("queue_ms", 0.0), "queue_ms"),
-                   queued_rows=int(d.get("queued_rows", 0)),
+    def from_json(cls, value: Any) -> LoadedVariant:
+        d = _object(value, "loaded variant")
+        return cls(task=_text(d.get("task"), "task"), queue_ms=_num(d.get("queue_ms", 0.0), "queue_ms"),
+                   queued_rows=_count(d.get("queued_rows", 0), "queued_rows"),
                    ewma_compute_ms=_num(d.get("ewma_compute_ms", 0.0), "ewma_compute_ms"),
-                   served=int(d.get("served", 0)), load_ms=_num(d.get("load_ms", 0.0), "load_ms"),
-                   memory_bytes=int(d.get("memory_bytes", 0)))
+                   served=_count(d.get("served", 0), "served"), load_ms=_num(d.get("load_ms", 0.0), "load_ms"),
+                   memory_bytes=_count(d.get("memory_bytes", 0), "memory_bytes"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,13 +107,15 @@ class DemandSample:
     rows: int = 1                  # the most rows one request brought (its compute is that batch's)
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> DemandSample:
+    def from_json(cls, value: Any) -> DemandSample:
+        d = _object(value, "demand sample")
         rows = d.get("rows", 1)
-        if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
-            raise ValueError(f"demand rows must be an integer >= 1, got {rows!r}")
-        return cls(task=str(d["task"]), slo_class=str(d["slo_class"]), tenant=str(d.get("tenant", "public")),
-                   qps=_num(d["qps"], "qps"), budget_ms=_num(d["budget_ms"], "budget_ms"),
-                   min_accuracy=_num(d["min_accuracy"], "min_accuracy"), rows=rows)
+        if not isinstance(rows, int) or isinstance(rows, bool) or not 1 <= rows <= _MAX_BATCH:
+            raise ValueError(f"demand rows must be an integer in [1, {_MAX_BATCH}], not this {type(rows).__name__}")
+        return cls(task=_text(d.get("task"), "task"), slo_class=_text(d.get("slo_class"), "slo_class"),
+                   tenant=_text(d.get("tenant", "public"), "tenant"),
+                   qps=_num(d.get("qps"), "qps"), budget_ms=_num(d.get("budget_ms"), "budget_ms"),
+                   min_accuracy=_num(d.get("min_accuracy"), "min_accuracy"), rows=rows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,11 +130,19 @@ class MeasuredProfile:
         return {"load_ms": self.load_ms, "p50_ms": {str(b): ms for b, ms in self.p50_ms.items()}}
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> MeasuredProfile:
-        p50 = {int(b): _num(ms, "p50_ms") for b, ms in dict(d["p50_ms"]).items()}
-        if not p50 or any(b < 1 or ms < 0 for b, ms in p50.items()):
-            raise ValueError(f"a measured profile needs batch sizes >= 1 and times >= 0, got {p50}")
+    def from_json(cls, value: Any) -> MeasuredProfile:
+        d = _object(value, "measured profile")
+        p50 = {_batch(b): _num(ms, "p50_ms") for b, ms in _entries(d, "p50_ms")}
+        if not p50 or any(ms < 0 for ms in p50.values()):
+            raise ValueError("a measured profile needs batch sizes and times >= 0")
         return cls(load_ms=_num(d.get("load_ms", 0.0), "load_ms"), p50_ms=p50)
+
+
+def _batch(key: str) -> int:
+    """A batch size written as an object key: decimal digits (``int()`` would also take " 1_0"), 1.._MAX_BATCH."""
+    if not (key.isascii() and key.isdigit()) or len(key) > 7 or not 1 <= int(key) <= _MAX_BATCH:
+        raise ValueError(f"a profiled batch size is an integer in [1, {_MAX_BATCH}]")
+    return int(key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,43 +207,37 @@ class Heartbeat:
         return out
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any], *, site: str | None = None) -> Heartbeat:
+    def from_json(cls, value: Any, *, site: str | None = None) -> Heartbeat:
         """Parse one record; ``site``: the name its key gives (``live/<site>``), which the record's
-        own ``site`` field, when present, must agree with."""
-        if not isinstance(d, Mapping):
-            raise TypeError(f"a heartbeat is a JSON object, not {type(d).__name__}")
-        if site is not None:
-            if d.get("site", site) != site:
-                raise ValueError(f"heartbeat of {d.get('site')!r} stored under site {site!r}")
-            d = {**d, "site": site}
-        schema = int(d.get("schema", SCHEMA_VERSION))
+        own ``site`` field, when present, must agree with. ``ValueError`` for anything malformed, and only that."""
+        d = _object(value, "a heartbeat")
+        named = _text(d.get("site", site), "site")
+        if site is not None and named != site:
+            raise ValueError(f"heartbeat of {named[:80]!r} stored under site {site!r}")
+        schema = _count(d.get("schema", SCHEMA_VERSION), "schema")
         if schema > SCHEMA_VERSION:
             raise ValueError(f"heartbeat schema {schema} is newer than this reader's {SCHEMA_VERSION}")
-        loaded = d.get("loaded")
+        scalars = {name: parse(d[name], name) for name, parse in _SCALARS.items() if d.get(name) is not None}
+        scalars["capacity"] = max(1, scalars.get("capacity", 1))  # never zero: routing divides by it
         demand = d.get("demand")
-        loaded = {} if loaded is None else loaded
-        demand = [] if demand is None else demand
-        if not isinstance(loaded, Mapping) or not isinstance(demand, list):
-            raise TypeError("heartbeat 'loaded' must be an object and 'demand' a list")
-        rtts = d.get("peer_rtt_ms") or {}
-        if not isinstance(rtts, Mapping):
-            raise TypeError("heartbeat 'peer_rtt_ms' must be an object")
-        profiles = d.get("profiles")
-        profiles = {} if profiles is None else profiles
-        if not isinstance(profiles, Mapping):
-            raise TypeError("heartbeat 'profiles' must be an object")
-        known = {f.name for f in fields(cls)} - {"loaded", "demand", "peer_rtt_ms", "profiles"}
-        scalars = {k: v for k, v in d.items() if k in known}
-        hb = cls(**scalars, loaded={str(vid): LoadedVariant.from_json(v) for vid, v in loaded.items()},
-                 demand=tuple(DemandSample.from_json(x) for x in demand),
-                 peer_rtt_ms={str(k): _num(v, "peer_rtt_ms") for k, v in rtts.items()},
-                 profiles={str(vid): MeasuredProfile.from_json(p) for vid, p in profiles.items()})
-        return replace(hb, capacity=max(1, int(hb.capacity)), inflight=int(hb.inflight),
-                       memory_used_bytes=int(hb.memory_used_bytes),
-                       model_memory_budget_bytes=int(hb.model_memory_budget_bytes),
-                       ts=_num(hb.ts, "ts"), gpu=bool(hb.gpu),
-                       curve_key=None if hb.curve_key is None else str(hb.curve_key),
-                       cpu_cap=None if hb.cpu_cap is None else _num(hb.cpu_cap, "cpu_cap"))
+        if demand is not None and not isinstance(demand, list):
+            raise ValueError(f"heartbeat 'demand' must be a list, not a {type(demand).__name__}")
+        return cls(site=named, **scalars,
+                   loaded={vid: LoadedVariant.from_json(v) for vid, v in _entries(d, "loaded")},
+                   demand=tuple(DemandSample.from_json(x) for x in demand or ()),
+                   peer_rtt_ms={peer: _num(ms, "peer_rtt_ms") for peer, ms in _entries(d, "peer_rtt_ms")},
+                   profiles={vid: MeasuredProfile.from_json(p) for vid, p in _entries(d, "profiles")})
+
+
+# How each scalar field of a record is read (a null is the field's default, as an absent one).
+_SCALARS: dict[str, Callable[[Any, str], Any]] = {
+    "ts": _num, "tier": _text, "hardware_class": _text, "declared_hardware_class": _text, "gpu": _flag,
+    "gpu_note": _text, "endpoint": _text, "curve_key": _text, "http": _text, "inflight": _count,
+    "capacity": _count, "memory_total_bytes": _count, "model_memory_budget_bytes": _count,
+    "memory_used_bytes": _count, "served": _count, "forwarded": _count, "cold_starts": _count, "degraded": _flag,
+    "degraded_total_s": _num, "degraded_episodes": _count, "lease_renewals": _count, "view_revision": _count,
+    "cpu_cap": _num, "profiling_pending": _count,
+}
 
 
 _DEFAULTS: dict[str, Any] = {f.name: (f.default_factory() if f.default_factory is not MISSING else f.default)

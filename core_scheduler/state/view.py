@@ -15,33 +15,44 @@ so a snapshot builder redoes only what changed; ``generation`` counts full re-re
 stores, which check the CA signature and adopt only a newer list); ``site_certs`` the site certificates published
 at ``pki/sites/<site>`` (PEM, unverified: the agent's CURVE trust believes one only if the CA signed it for that
 site and has not revoked it).
+
+Values a reader cannot trust (a site writes its own ``live/<site>`` and ``pki/sites/<site>``, so a compromised one
+anything) pass one decoder, :func:`core_scheduler.state.records.decode_record`, into :class:`ViewState`. A value
+that does not decode changes nothing: the key keeps its last good record, the view counts it (``refused``, and
+``rejected``: key -> why) and says so at most every ``COMPLAIN_EVERY_S`` per key. A full read builds a new state
+aside and swaps it in whole, so a read that fails leaves the last good view in force. The follow and notify loops
+run under :func:`core_scheduler.state.supervise.supervise`: an unexpected error is logged and the loop runs again
+after a jittered back-off; a follow that starts again reads the view afresh first (events of several ranges are not
+ordered across ranges, so a watch is never resumed past an error).
 """
 
 from __future__ import annotations
 
 import asyncio
-import random
+import math
+import time
 from collections.abc import Callable
 from typing import Any
 
 from core_scheduler.state.heartbeat import Heartbeat
 from core_scheduler.state.scope import Scope, view_ranges
-from mesh.errors import StoreError
-from mesh.etcd.keys import parse_key
+from core_scheduler.state.supervise import supervise
+from core_scheduler.state.view_state import ViewState
+from mesh.errors import ProtocolError
+from mesh.etcd.keys import KeyKind
 from mesh.etcd.ops import KV
 from mesh.etcd.store import Store
 from mesh.etcd.watch import KeyRange
 from mesh.lifecycle import Service, cancel_and_wait
 from mesh.log import get_logger, kv
-from mesh.pki.published import cert_pem_from_record
 from mesh.types import TaskSignature
 from topology.schema import Link, Site, Tenant, Topology
-from variant_store.catalog import signature_from_json
 from variant_store.meta import VariantMeta
 
-__all__ = ["MeshView"]
+__all__ = ["COMPLAIN_EVERY_S", "MeshView"]
 
 log = get_logger(__name__)
+COMPLAIN_EVERY_S = 10.0  # a key whose values keep being refused is reported at most this often
 
 
 class MeshView(Service):
@@ -53,53 +64,99 @@ class MeshView(Service):
         self.ranges: tuple[KeyRange, ...] = (KeyRange.under(""),)
         self.revision = 0
         self.generation = 0                    # full (re-)reads so far
-        self.revisions: dict[str, int] = {}    # kind -> revision of its last change
-        self.live_revision: dict[str, int] = {}  # site -> revision of the heartbeat held
         self.events = 0                        # watch events received, and their bytes
         self.event_bytes = 0
         self.load_bytes = 0                    # bytes read by full reads
+        self.refused = 0                       # values refused (their keys kept their last good records)
+        self.resyncs = 0                       # full re-reads after the first (a failed follow, a new route set)
+        self._held = ViewState()  # not _state: Service keeps its lifecycle there
         self._scope_dirty = False
-        self.sites: dict[str, dict[str, Any]] = {}
-        self.links: dict[tuple[str, str], dict[str, Any]] = {}
-        self.tenants: dict[str, dict[str, Any]] = {}
-        self.variants: dict[str, dict[str, VariantMeta]] = {}
-        self.signatures: dict[str, TaskSignature] = {}
-        self.live: dict[str, Heartbeat] = {}
-        self.placement: dict[str, dict[str, Any]] = {}
-        self.services: dict[str, Any] = {}
-        self.crl: bytes | None = None
-        self.site_certs: dict[str, bytes] = {}
-        self._topology: Topology | None = None
+        self._stale = False                    # the next run of the follow reads the view afresh first
+        self._complaints: dict[str, tuple[float, int]] = {}  # key -> (last reported, refusals not reported)
         self._listeners: list[Callable[[], None]] = []
         self._dirty = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._follow_task: asyncio.Task[None] | None = None
         self.connected = False
-        self.resyncs = 0  # full re-reads after the watch could not resume
         self.loaded = asyncio.Event()
 
     # -- lifecycle -------------------------------------------------------------------------
     async def _start(self) -> None:
         await self._load_all()
-        self._follow_task = asyncio.create_task(self._follow(), name=f"view-watch:{self.site}")
-        self._tasks = [asyncio.create_task(self._notify_loop(), name=f"view-notify:{self.site}")]
+        self._follow_task = self._spawn_follow()
+        self._tasks = [asyncio.create_task(supervise("view notify loop", self._notify_loop, site=self.site),
+                                           name=f"view-notify:{self.site}")]
 
     async def _stop(self) -> None:
         await cancel_and_wait(self._follow_task, *self._tasks)
         self._tasks, self._follow_task = [], None
 
+    def _spawn_follow(self) -> asyncio.Task[None]:
+        return asyncio.create_task(supervise("view follow", self._follow, site=self.site),
+                                   name=f"view-watch:{self.site}")
+
     def on_change(self, fn: Callable[[], None]) -> None:
         self._listeners.append(fn)
 
-    # -- derived ---------------------------------------------------------------------------
+    # -- what it holds (the state in force: a full read replaces it whole) -----------------
+    @property
+    def sites(self) -> dict[str, Site]:
+        return self._held.sites
+
+    @property
+    def links(self) -> dict[tuple[str, str], Link]:
+        return self._held.links
+
+    @property
+    def tenants(self) -> dict[str, Tenant]:
+        return self._held.tenants
+
+    @property
+    def variants(self) -> dict[str, dict[str, VariantMeta]]:
+        return self._held.variants
+
+    @property
+    def signatures(self) -> dict[str, TaskSignature]:
+        return self._held.signatures
+
+    @property
+    def live(self) -> dict[str, Heartbeat]:
+        return self._held.live
+
+    @property
+    def placement(self) -> dict[str, dict[str, Any]]:
+        return self._held.placement
+
+    @property
+    def services(self) -> dict[str, dict[str, Any]]:
+        return self._held.services
+
+    @property
+    def crl(self) -> bytes | None:
+        return self._held.crl
+
+    @property
+    def site_certs(self) -> dict[str, bytes]:
+        return self._held.site_certs
+
+    @property
+    def revisions(self) -> dict[str, int]:
+        """kind -> revision of its last change (a snapshot builder redoes only what changed)"""
+        return self._held.revisions
+
+    @property
+    def live_revision(self) -> dict[str, int]:
+        """site -> revision of the heartbeat held"""
+        return self._held.live_revision
+
+    @property
+    def rejected(self) -> dict[str, str]:
+        """key -> why its value was refused (the key holds its last good record, or none)"""
+        return self._held.rejected
+
     @property
     def topology(self) -> Topology | None:
-        if self._topology is None and self.sites:
-            self._topology = Topology(
-                sites={n: Site.from_dict(d) for n, d in self.sites.items()},
-                links=tuple(Link.from_dict(d) for d in self.links.values()),
-                tenants={n: Tenant.from_dict(d) for n, d in self.tenants.items()})
-        return self._topology
+        return self._held.topology
 
     def variant(self, task: str, variant_id: str) -> VariantMeta | None:
         return self.variants.get(task, {}).get(variant_id)
@@ -108,15 +165,6 @@ class MeshView(Service):
         return set(self.live)
 
     # -- state updates ---------------------------------------------------------------------
-    def _reset(self) -> None:
-        self.sites, self.links, self.tenants = {}, {}, {}
-        self.variants, self.signatures = {}, {}
-        self.live, self.placement, self.services = {}, {}, {}
-        self.crl = None
-        self.site_certs = {}
-        self._topology = None
-        self.revisions, self.live_revision = {}, {}
-
     async def _read(self, ranges: tuple[KeyRange, ...]) -> list[KV]:
         if ranges == (KeyRange.under(""),):
             return await self.store.get_prefix("")
@@ -124,79 +172,57 @@ class MeshView(Service):
         return [kv_ for part in parts for kv_ in part]
 
     async def _load_all(self) -> None:
-        """Read what the view follows at one revision and replace the view with it. A reload after a gap
-        (compaction) must also forget keys deleted meanwhile, so the state is rebuilt, not merged."""
+        """Read what the view follows at one revision into a new state and swap it in whole. A reload after a
+        gap (compaction) must also forget keys deleted meanwhile, so the state is rebuilt, not merged; a key whose
+        value is refused keeps the record the state in force holds."""
         # revision first: the watch then replays anything that changed during the read, in order
         rev = await self.store.revision()
+        state = ViewState()
         ranges: tuple[KeyRange, ...]
         if self.scope is None:
             ranges = (KeyRange.under(""),)
-            items = await self._read(ranges)
+            self._fill(state, await self._read(ranges))
         else:
             # the route set comes from the topology: read the configuration first, then the heartbeats
             shared = view_ranges(None, self.scope)[:-1]
-            items = await self._read(shared)
-            ranges = view_ranges(_topology_of(items), self.scope)
-            items += await self._read(ranges[len(shared):])
-        self._reset()  # no await between reset and apply: listeners never see a half view
-        self.ranges = ranges
-        for item in items:
-            self.load_bytes += len(item.key)
-            self._apply(item.key, item.value, item.mod_revision)
-        self.revision = rev
+            self._fill(state, await self._read(shared))
+            ranges = view_ranges(state.topology, self.scope)
+            self._fill(state, await self._read(ranges[len(shared):]))
+        # no await from here on: listeners never see a half view, and a failed read above changed nothing
+        self._held, self.ranges, self.revision = state, ranges, rev
         self.generation += 1
         self._scope_dirty = False
         self.connected = True
         self.loaded.set()
         self._dirty.set()
 
-    async def _follow(self, reload: bool = False) -> None:
-        backoff = 0.25
-        while True:
-            if reload:
-                await self._resync(backoff if self.resyncs else 0.0)
-                reload = False
-            try:
-                watch = self.store.watch_ranges(self.ranges, start_revision=self.revision + 1)
-                try:
-                    async for ev in watch:
-                        self.connected = True
-                        backoff = 0.25
-                        self.events += 1
-                        self.event_bytes += ev.size
-                        self._apply(ev.key, ev.value if ev.kind == "put" else None, ev.revision)
-                        self.revision = max(self.revision, ev.revision)
-                        self._dirty.set()
-                finally:
-                    await watch.close()
-            except asyncio.CancelledError:
-                raise
-            except StoreError as exc:
-                # The Store's watch resumes by itself across etcd restarts; it only gives up when
-                # etcd compacted past our revision. Then the view is read again from scratch.
-                self.connected = False
-                self.resyncs += 1
-                log.warning("watch cannot resume, re-reading the view: %s", exc, extra=kv(site=self.site))
-                reload = True
-                backoff = min(backoff * 2, 5.0)
-            except Exception:
-                # events of several ranges are not ordered across ranges: read again rather than guess
-                self.connected = False
-                self.resyncs += 1
-                log.exception("view follow error", extra=kv(site=self.site))
-                reload = True
-                backoff = min(backoff * 2, 5.0)
+    def _fill(self, state: ViewState, items: list[KV]) -> None:
+        for item in items:
+            self.load_bytes += len(item.key)
+            self._noted(item.key, state.put(item.key, item.value, item.mod_revision, before=self._held))
 
-    async def _resync(self, backoff: float) -> None:
-        """Reload until it works (the last view stays in force meanwhile)."""
-        while True:
-            await asyncio.sleep(backoff * random.uniform(0.5, 1.5))
-            try:
-                await self._load_all()
-                return
-            except StoreError as exc:
-                log.warning("view reload failed: %s", exc, extra=kv(site=self.site))
-                backoff = min(max(backoff, 0.25) * 2, 5.0)
+    async def _follow(self) -> None:
+        """One run of the watch, from the view's revision until it fails (its supervisor runs it again). A run
+        after a failure or a new route set reads the view afresh first; the last good view stays in force until
+        that read succeeds."""
+        if self._stale:
+            self.resyncs += 1
+            await self._load_all()
+        self._stale = True  # whatever ends this watch (a compaction, an error), the next run starts from a read
+        watch = self.store.watch_ranges(self.ranges, start_revision=self.revision + 1)
+        try:
+            async for ev in watch:
+                self.connected = True
+                self.events += 1
+                self.event_bytes += ev.size
+                held = self._held  # a put of JSON null is a value (refused), not a delete
+                self._noted(ev.key, held.put(ev.key, ev.value, ev.revision) if ev.kind == "put"
+                            else held.delete(ev.key, ev.revision))
+                self.revision = max(self.revision, ev.revision)
+                self._dirty.set()
+        finally:
+            self.connected = False
+            await watch.close()
 
     async def _rescope(self) -> None:
         """The topology changed: when the route set did too, follow the new ranges (read afresh)."""
@@ -206,7 +232,8 @@ class MeshView(Service):
         log.info("route set changed: following %d key ranges", len(view_ranges(self.topology, self.scope)),
                  extra=kv(site=self.site, event="rescope"))
         await cancel_and_wait(self._follow_task)
-        self._follow_task = asyncio.create_task(self._follow(reload=True), name=f"view-watch:{self.site}")
+        self._stale = True
+        self._follow_task = self._spawn_follow()
 
     async def _notify_loop(self) -> None:
         while True:
@@ -225,67 +252,28 @@ class MeshView(Service):
                     log.exception("view listener failed", extra=kv(site=self.site))
 
     def _apply(self, key: str, value: Any | None, revision: int = 0) -> None:
-        parsed = parse_key(key)
-        if parsed is None:
+        """One key's new value (``None``: deleted) into the state in force."""
+        held = self._held
+        self._noted(key, held.delete(key, revision) if value is None else held.put(key, value, revision))
+
+    def _noted(self, key: str, outcome: KeyKind | ProtocolError | None) -> None:
+        if isinstance(outcome, ProtocolError):
+            self._refused(key, outcome)
+        elif outcome is not None:
+            self._complaints.pop(key, None)
+            if outcome in ("site", "link"):
+                self._scope_dirty = True
+
+    def _refused(self, key: str, exc: ProtocolError) -> None:
+        """Say a value was refused: a key's first at once, then at most every ``COMPLAIN_EVERY_S`` with how many
+        were held back (a site rewriting its key in a loop must not flood the log)."""
+        self.refused += 1
+        now = time.monotonic()
+        last, held = self._complaints.get(key, (-math.inf, 0))
+        if now - last < COMPLAIN_EVERY_S:
+            self._complaints[key] = (last, held + 1)
             return
-        kind, names = parsed
-        self.revisions[kind] = max(self.revisions.get(kind, 0), revision)
-        try:
-            if kind == "site":
-                self._topology = None
-                self._scope_dirty = True
-                _set(self.sites, names[0], value)
-            elif kind == "link":
-                self._topology = None
-                self._scope_dirty = True
-                _set(self.links, (names[0], names[1]), value)
-            elif kind == "tenant":
-                self._topology = None
-                _set(self.tenants, names[0], value)
-            elif kind == "task":
-                _set(self.signatures, names[0], None if value is None else signature_from_json(value))
-            elif kind == "variant":
-                bucket = self.variants.setdefault(names[0], {})
-                _set(bucket, names[1], None if value is None else VariantMeta.from_json(value))
-            elif kind == "live":
-                self.live_revision.pop(names[0], None)
-                _set(self.live, names[0], None if value is None else Heartbeat.from_json(value, site=names[0]))
-                if value is not None:
-                    self.live_revision[names[0]] = revision
-            elif kind == "placement":
-                _set(self.placement, names[0], value)
-            elif kind == "service":
-                _set(self.services, names[0], value)
-            elif kind == "crl":
-                from mesh.pki.crl import crl_pem_from_record  # cryptography: only once a mesh publishes one
-
-                self.crl = None if value is None else crl_pem_from_record(value)
-            elif kind == "site_cert":
-                _set(self.site_certs, names[0], None if value is None else cert_pem_from_record(value))
-        except (KeyError, TypeError, ValueError) as exc:
-            log.warning("ignoring malformed value at %s: %s", key, exc, extra=kv(site=self.site))
-
-
-def _topology_of(items: list[KV]) -> Topology | None:
-    """The sites and links among ``items`` (for the route set; tenants do not matter to paths)."""
-    sites: dict[str, Site] = {}
-    links: list[Link] = []
-    for item in items:
-        parsed = parse_key(item.key)
-        try:
-            if parsed is not None and parsed[0] == "site":
-                sites[parsed[1][0]] = Site.from_dict(item.value)
-            elif parsed is not None and parsed[0] == "link":
-                links.append(Link.from_dict(item.value))
-        except (KeyError, TypeError, ValueError):
-            continue  # _apply says so when it meets it
-    if not sites:
-        return None
-    return Topology(sites=sites, links=tuple(lk for lk in links if lk.a in sites and lk.b in sites), tenants={})
-
-
-def _set(d: dict[Any, Any], k: Any, v: Any | None) -> None:
-    if v is None:
-        d.pop(k, None)
-    else:
-        d[k] = v
+        self._complaints[key] = (now, 0)
+        log.warning("ignoring a bad value at %r (its last good one stays): %s%s", key, exc.message[:300],
+                    f" ({held} more since the last report)" if held else "",
+                    extra=kv(site=self.site, event="bad_value"))

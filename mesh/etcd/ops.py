@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from mesh.etcd.lease import Lease
 
 __all__ = ["KV", "MAX_TXN_OPS", "CmpOp", "Compare", "CreateRevision", "Delete", "ModRevision", "Op", "Put",
-           "TxnResult", "ValueEquals", "chunk_ops", "decode_value", "encode_value"]
+           "TxnResult", "ValueEquals", "chunk_ops", "encode_value"]
 
 # etcd's --max-txn-ops default: a txn with more operations in a branch is refused outright
 MAX_TXN_OPS = 128
@@ -76,18 +76,12 @@ Op = Put | Delete
 
 
 def encode_value(value: Any) -> bytes:
+    """Strict JSON, as every reader decodes it (``mesh.etcd.store.decode_json``): no NaN or infinities, which
+    readers refuse."""
     try:
-        return json.dumps(value, separators=(",", ":"), sort_keys=True).encode()
+        return json.dumps(value, separators=(",", ":"), sort_keys=True, allow_nan=False).encode()
     except (TypeError, ValueError) as exc:
         raise StoreError(f"value is not JSON-serialisable: {exc}") from exc
-
-
-def decode_value(raw: bytes) -> Any:
-    try:
-        return json.loads(raw)
-    except ValueError:
-        # Written by something other than tiermesh: hand it over as text rather than fail a loop.
-        return raw.decode("utf-8", errors="replace")
 
 
 def chunk_ops(ops: Sequence[Op], max_ops: int = MAX_TXN_OPS, max_bytes: int = 1 << 20) -> list[list[Op]]:

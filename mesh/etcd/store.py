@@ -17,6 +17,10 @@ txn is not (it may have committed), its caller sees ``StoreUnavailable`` and ret
 Watches resume on the next member from their last revision + 1. ``https://`` URLs with a CA file (and a
 client certificate and key, for etcd's ``--client-cert-auth``) open TLS channels.
 
+Values. Whoever wrote a value, a reader gets strict JSON or an :class:`Undecodable` (:func:`decode_json` says what
+strict means): a site may write its own keys, so a compromised one any bytes etcd takes, and one such value must
+neither fail a read of many keys nor kill a watch.
+
 Errors: bad URLs or TLS files -> ``ConfigError``; unreachable etcd -> ``StoreUnavailable``; other
 failures -> ``StoreError``; a request etcd's RBAC refuses -> ``StorePermissionDenied`` (a ``StoreError``,
 in :mod:`mesh.etcd.channels`; also from ``connect`` when the identity may not even read the prefix); a
@@ -27,16 +31,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
+import re
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from mesh.errors import ConflictError, StoreError, StoreUnavailable
+from mesh.errors import ConflictError, ProtocolError, StoreError, StoreUnavailable
 from mesh.etcd import messages as rpc
 from mesh.etcd.channels import Channels, Member, StorePermissionDenied, rpc_errors, tls_hint, translate
 from mesh.etcd.endpoints import EtcdEndpoints, parse_endpoints
+from mesh.etcd.keys import LIVE, PKI_SITES
 from mesh.etcd.lease import Lease
 from mesh.etcd.ops import (
     KV,
@@ -47,7 +55,6 @@ from mesh.etcd.ops import (
     Put,
     TxnResult,
     ValueEquals,
-    decode_value,
     encode_value,
 )
 from mesh.etcd.watch import Compacted, KeyRange, Watch, WatchEvent
@@ -55,7 +62,7 @@ from mesh.etcd.wire import RpcError, StatusCode, prefix_end
 from mesh.lifecycle import Service, State
 from mesh.log import get_logger
 
-__all__ = ["Store"]
+__all__ = ["MAX_DEPTH", "SITE_VALUE_LIMITS", "Store", "Undecodable", "decode_json"]
 
 log = get_logger(__name__)
 T = TypeVar("T")
@@ -67,6 +74,92 @@ _WATCH_MD = (("hasleader", "true"),)
 _RETRY_CONNECT = frozenset({StatusCode.UNAVAILABLE, StatusCode.DEADLINE_EXCEEDED,
                             StatusCode.UNKNOWN})  # etcd: "context deadline exceeded" mid-election
 _OPS = {"==": rpc.Compare.EQUAL, "!=": rpc.Compare.NOT_EQUAL, "<": rpc.Compare.LESS, ">": rpc.Compare.GREATER}
+
+# Every tiermesh value is an object a few levels deep, with int64 integers and finite floats. Past these limits a
+# value was not written by tiermesh, and would cost its readers a RecursionError, an OverflowError or a number no
+# table holds.
+MAX_DEPTH = 32
+_INT64 = 2**63
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")  # only these decode to a lone surrogate
+# The keys a site may write (mesh.etcd.rbac.site_role) hold small values: its heartbeat (a few KiB; a large mesh's
+# demand by task, class and tenant, tens) and its certificate (at most 16 KiB of PEM). A bigger value there was
+# written to cost its readers time: 1 MB of small JSON entries took 80-115 ms to decode and check here, on the event
+# loop of every agent following the key. So it is refused unread.
+SITE_VALUE_LIMITS: tuple[tuple[str, int], ...] = ((LIVE, 256 * 1024), (PKI_SITES, 64 * 1024))
+
+
+@dataclass(frozen=True, slots=True)
+class Undecodable:
+    """What a reader gets for a value that is not strict JSON: why, and its size. It is no JSON type, so a reader
+    that checks what it got never takes it for a record."""
+
+    reason: str
+    size: int
+
+
+def decode_json(raw: bytes) -> Any:
+    """``raw`` as strict JSON: UTF-8 (RFC 8259), no NaN or infinity (written so, or a float too large to hold),
+    integers within int64, nested at most ``MAX_DEPTH`` deep, no lone surrogate in a string. Anything else raises
+    ``ProtocolError``, the only error this raises whatever the bytes."""
+    try:
+        value = json.loads(raw.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite, parse_int=_int64)
+        strings = _SURROGATE_ESCAPE.search(raw) is not None
+        # counting brackets (in C) bounds the depth, so only a value with many containers is walked
+        if strings or raw.count(b"[") + raw.count(b"{") > MAX_DEPTH:
+            _check_shape(value, strings=strings)
+    except Exception as exc:  # hostile bytes raise more than ValueError (RecursionError, deep down): all one here
+        why = f"{type(exc).__name__}: {str(exc)[:160]}"
+        raise ProtocolError(f"not a strict JSON value ({len(raw)} bytes): {why}") from exc
+    return value
+
+
+def _read_value(key: str, raw: bytes) -> Any:
+    """The value at ``key`` for a reader: its JSON, or an :class:`Undecodable` (a read of many keys goes on past
+    it), unread when over the limit of a key a site writes (``SITE_VALUE_LIMITS``)."""
+    for prefix, limit in SITE_VALUE_LIMITS:
+        if len(raw) > limit and key.startswith(prefix):
+            return Undecodable(f"{len(raw)} bytes, over the {limit} a value at {prefix}* may hold", len(raw))
+    try:
+        return decode_json(raw)
+    except ProtocolError as exc:
+        return Undecodable(exc.message, len(raw))
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite(text: str) -> float:
+    out = float(text)
+    if not math.isfinite(out):
+        raise ValueError(f"{text[:40]} does not fit a float")
+    return out
+
+
+def _int64(text: str) -> int:
+    out = int(text)  # over 4300 digits: ValueError (CPython's own limit)
+    if not -_INT64 <= out < _INT64:
+        raise ValueError(f"{text[:40]}... does not fit an int64")
+    return out
+
+
+def _check_shape(value: Any, *, strings: bool) -> None:
+    """``ValueError`` when ``value`` nests deeper than ``MAX_DEPTH`` or (``strings``) holds a lone surrogate.
+    Iterative: the value's depth must not cost this walk the recursion the limit is there to spare."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children = [*item, *item.values()]
+        elif isinstance(item, list):
+            children = item
+        else:
+            if strings and isinstance(item, str):
+                item.encode("utf-8")  # UnicodeEncodeError (a ValueError) for a lone surrogate
+            continue
+        if depth > MAX_DEPTH:
+            raise ValueError(f"nested deeper than {MAX_DEPTH}")
+        stack.extend((child, depth + 1) for child in children)
 
 
 class Store(Service):
@@ -144,10 +237,12 @@ class Store(Service):
         return self._bprefix + key.encode()
 
     def _rel(self, key: bytes) -> str:
-        return key[len(self._bprefix):].decode()
+        # a key written by something else need not be UTF-8: kept (its bytes as surrogates) rather than fail a read
+        return key[len(self._bprefix):].decode("utf-8", errors="surrogateescape")
 
     def _kv(self, raw: Any) -> KV:
-        return KV(self._rel(raw.key), decode_value(raw.value), raw.mod_revision, raw.create_revision, raw.lease)
+        key = self._rel(raw.key)
+        return KV(key, _read_value(key, raw.value), raw.mod_revision, raw.create_revision, raw.lease)
 
     def _member(self) -> tuple[int, Member]:
         if self.state is State.STOPPED or self._channels.closed:
@@ -358,9 +453,9 @@ class Store(Service):
         events: list[WatchEvent] = []
         for ev in raw:
             kind: Literal["put", "delete"] = "delete" if ev.type == rpc.Event.DELETE else "put"
-            value = decode_value(ev.kv.value) if kind == "put" else None
-            events.append(WatchEvent(kind, self._rel(ev.kv.key), value, int(ev.kv.mod_revision),
-                                     len(ev.kv.key) + len(ev.kv.value)))
+            key = self._rel(ev.kv.key)
+            value = _read_value(key, ev.kv.value) if kind == "put" else None
+            events.append(WatchEvent(kind, key, value, int(ev.kv.mod_revision), len(ev.kv.key) + len(ev.kv.value)))
         return events
 
     # -- lifecycle ------------------------------------------------------------------------------

@@ -83,8 +83,9 @@ class Watch(Service):
 
     A pump task owns one gRPC watch stream (one etcd watcher per range); when the stream drops (etcd
     restarted, network cut) it re-watches each range from the last revision it delivered + 1, with
-    jittered back-off, so no event is missed or repeated. If etcd compacted past that revision,
-    iteration raises ``StoreError``. ``start_revision``: one for all ranges, or one per range.
+    jittered back-off, so no event is missed or repeated. If etcd compacted past that revision, or the pump
+    failed in any other way (logged), iteration raises ``StoreError``: the reader re-reads and watches again.
+    ``start_revision``: one for all ranges, or one per range.
     """
 
     def __init__(self, store: WatchSource, ranges: Sequence[KeyRange],
@@ -130,6 +131,16 @@ class Watch(Service):
                 return
             except StoreError as exc:
                 log.debug("watch stream dropped", extra=kv(event="watch_retry", reason=str(exc)[:200]))
+            except Exception as exc:
+                # Not a dropped stream but a bug (or a value no decoder foresaw): resuming would meet the same
+                # event again, so the reader is told, as for compaction, and re-reads. A pump that died silently
+                # left its reader waiting for ever.
+                log.exception("watch on %s failed", self.prefix, extra=kv(event="watch_failed"))
+                await self._queue.put(StoreError(
+                    f"watch on {self.prefix!r} failed after revision {min(self._cursors)}: "
+                    f"{type(exc).__name__}: {str(exc)[:200]}; re-read with get_prefix and watch again",
+                    prefix=self.prefix, last_revision=min(self._cursors)))
+                return
             self.reconnects += 1
             await asyncio.sleep(backoff * (0.5 + random.random()))
             backoff = min(backoff * 2, 2.0)
