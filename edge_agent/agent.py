@@ -28,7 +28,7 @@ from edge_agent.agent_trust import AgentTrust
 from edge_agent.blobs import PeerSource, blob_routes, peer_sources
 from edge_agent.demand import DemandMeter
 from edge_agent.host import VariantHost
-from edge_agent.http_api import EdgeHttpServer, task_visible
+from edge_agent.http_api import EdgeHttpServer
 from edge_agent.liveness import Liveness
 from edge_agent.metrics import AgentMetrics, Gauges
 from edge_agent.observe import Observe
@@ -160,7 +160,7 @@ class Agent(AgentTrust, Service):
         self.http = EdgeHttpServer(self.dataplane, host=cfg.bind, port=cfg.http_port,
                                    advertise=self.advertise_host, max_body_bytes=cfg.max_body_bytes,
                                    tls=tls, observe=Observe(self.metrics, self.traces, tls),
-                                   routes=tuple(blob_routes(cache, tls)), visible=self._task_visible,
+                                   routes=tuple(blob_routes(cache, tls)), visible=self.dataplane.visible,
                                    quota_check=self.quota.check)
         await self.http.start()
         # blobs from an https:// variant store or peer: with the site's own (reloading) client certificate; a peer
@@ -222,12 +222,6 @@ class Agent(AgentTrust, Service):
         """The HTTP(S) base URL callers use (advertised host, bound port)."""
         assert self.http is not None
         return self.http.url
-
-    def _task_visible(self, task: str, tenant: str) -> bool:
-        """Whether ``tenant`` may know of ``task`` at all (a public or its own variant): another tenant's private
-        task answers exactly as one that does not exist (:func:`edge_agent.http_api.task_visible`)."""
-        variants = self.view.variants.get(task) if self.view is not None else None
-        return task_visible((m.owner for m in (variants or {}).values()), tenant)
 
     def _blob_peers(self, digest: str) -> list[PeerSource]:
         """Where a blob can be fetched from before the variant store: live peers holding it, nearest first."""

@@ -3,11 +3,24 @@ transport) are thin adapters over an object that satisfies ``DataPlane``."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
-from mesh.types import InferRequest, InferResponse, TaskSignature
+from mesh.types import DEFAULT_TENANT, InferRequest, InferResponse, TaskSignature
 
-__all__ = ["DataPlane"]
+__all__ = ["DataPlane", "task_visible"]
+
+
+def task_visible(owners: Iterable[str], tenant: str) -> bool:
+    """Whether ``tenant`` may know of a task whose variants have ``owners``: one is public or its own. A task with
+    no variant yet is visible (its signature alone names no owner). Another tenant's private task must answer
+    exactly as one that does not exist, on every transport (HTTP, ZeroMQ, the in-process SDK)."""
+    none = True
+    for owner in owners:
+        if owner == DEFAULT_TENANT or owner == tenant:
+            return True
+        none = False
+    return none
 
 
 @runtime_checkable

@@ -36,7 +36,7 @@ reply's ``parameters.trace_id`` says the query was traced, and under which id.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from aiohttp import hdrs, web
@@ -77,7 +77,6 @@ __all__ = [
     "Visible",
     "identify",
     "make_app",
-    "task_visible",
 ]
 
 log = get_logger(__name__)
@@ -97,17 +96,6 @@ def identify(request: web.Request) -> str:
     (``RequestError`` otherwise). With mutual TLS the client certificate's URI SAN decides (``EdgeTls.tenant``).
     Whether the tenant exists is the data plane's decision, not this function's."""
     return tenant_claim(request.headers.getall(TENANT_HEADER, _NONE)) or DEFAULT_TENANT
-
-
-def task_visible(owners: Iterable[str], tenant: str) -> bool:
-    """Whether ``tenant`` may know of a task whose variants have ``owners``: one is public or its own. A task with
-    no variant yet is visible (its signature alone names no owner)."""
-    none = True
-    for owner in owners:
-        if owner == DEFAULT_TENANT or owner == tenant:
-            return True
-        none = False
-    return none
 
 
 def _unknown(task: str) -> UnknownTask:

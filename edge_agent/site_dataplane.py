@@ -38,6 +38,7 @@ from collections.abc import Callable
 from core_scheduler.policy.modes import Router
 from core_scheduler.policy.routing import Decision, Query
 from core_scheduler.state.view import MeshView
+from edge_agent.dataplane import task_visible
 from edge_agent.demand import DemandMeter
 from edge_agent.host import VariantHost
 from edge_agent.metrics import AgentMetrics
@@ -148,9 +149,14 @@ class SiteDataPlane:
 
     def task_signature(self, task: str) -> TaskSignature:
         sig = self.view.signatures.get(task)
-        if sig is None:
-            raise UnknownTask(f"unknown task {task!r}; known: {self.tasks()}")
+        if sig is None:  # no list of the tasks there are: it would name other tenants' private ones
+            raise UnknownTask(f"unknown task {task!r}")
         return sig
+
+    def visible(self, task: str, tenant: str) -> bool:
+        """Whether ``tenant`` may know of ``task`` (:func:`edge_agent.dataplane.task_visible` over its variants'
+        owners)."""
+        return task_visible((m.owner for m in (self.view.variants.get(task) or {}).values()), tenant)
 
     async def infer(self, req: InferRequest) -> InferResponse:
         """The data plane's door. ``req`` comes with its id and deadline, set where it entered the
@@ -164,6 +170,8 @@ class SiteDataPlane:
             hop = self._trace_hop(req, door)
         try:
             self._check_tenant(req.tenant)
+            if door and not self.visible(req.task, req.tenant):
+                raise UnknownTask(f"unknown task {req.task!r}")  # another tenant's private task: as if none
             sig = self.task_signature(req.task)
             req.inputs = check_inputs(sig.inputs, req.inputs)
             if self.site in req.hops:

@@ -17,7 +17,8 @@ import aiohttp
 import numpy as np
 import pytest
 
-from edge_agent.http_api import EdgeHttpServer, task_visible
+from edge_agent.dataplane import task_visible
+from edge_agent.http_api import EdgeHttpServer
 from edge_agent.metrics import AgentMetrics
 from edge_agent.mtls import EdgeTls
 from edge_agent.observe import Observe
