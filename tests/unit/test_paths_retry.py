@@ -111,7 +111,7 @@ class FakeZmq:
 def plane(behaviour: dict[str, str]) -> tuple[SiteDataPlane, FakeZmq]:
     # edge-b holds nothing and has no room to load anything: every decision is a forward
     table = RoutingTable.build(snap(ALL, site_over={"edge-b": {"memory_mb": 0}}), "edge-b")
-    view = SimpleNamespace(live={s: object() for s in ("edge-a", "edge-b", "mid", "core")})
+    view = SimpleNamespace(live={s: object() for s in ("edge-a", "edge-b", "mid", "core")}, variants={})
     zmq = FakeZmq(behaviour)
     dp = SiteDataPlane("edge-b", view, None, zmq, table=lambda: table,  # type: ignore[arg-type]
                        peer_endpoint=lambda s: f"tcp://{s}", demand=DemandMeter())
