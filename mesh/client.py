@@ -16,6 +16,12 @@ server's certificate must come from the mesh CA ``ca`` (and, with ``check_hostna
 dialled). The SSL context is built once; the files are checked again at most every second, so a
 re-issued certificate is presented on new connections without a new client. Without them (an
 ``--insecure`` agent) ``tenant=`` names the tenant in a header (default ``public``).
+
+Revocation of the *server*: with ``crl=`` (the CA's revocation list, ``pki/crl.pem``, kept current on the device
+as ``ca=`` is) the handshake refuses an edge whose certificate the list names, before any request is sent: a
+revoked site key cannot pose as an edge. It is checked by ``ssl`` alone (the base install has no
+``cryptography``), re-read like the other files, and fails closed: a list past its nextUpdate (two days after it
+was signed; the operator re-signs it) refuses every server, as it does in every verifier of the mesh.
 """
 
 from __future__ import annotations
@@ -125,15 +131,17 @@ class AsyncClient:
     """Asynchronous SDK client. Opens on first use or ``async with``; ``aclose()`` ends it.
 
     ``cert``, ``key``, ``ca``: the tenant's certificate and key and the mesh CA (paths) for an
-    ``https://`` edge; ``tenant``: the tenant header for an ``--insecure`` edge (with a certificate,
-    leave it out: the certificate names the tenant, and a header naming another one is refused)."""
+    ``https://`` edge; ``crl``: the CA's revocation list (a path), to refuse a revoked server; ``tenant``: the
+    tenant header for an ``--insecure`` edge (with a certificate, leave it out: the certificate names the tenant,
+    and a header naming another one is refused)."""
 
     def __init__(self, base_url: str, *, tenant: str | None = None, timeout: float = 30.0,
                  transport: Transport | None = None, binary: bool = True, cert: PathLike | None = None,
-                 key: PathLike | None = None, ca: PathLike | None = None, check_hostname: bool = True) -> None:
+                 key: PathLike | None = None, ca: PathLike | None = None, check_hostname: bool = True,
+                 crl: PathLike | None = None) -> None:
         self.base_url = base_url
-        ssl_context, self.credentials = client_tls(base_url, cert, key, ca, check_hostname) if transport is None \
-            else (None, None)
+        ssl_context, self.credentials = client_tls(base_url, cert, key, ca, check_hostname, crl) \
+            if transport is None else (None, None)
         if tenant is None and cert is None:
             tenant = DEFAULT_TENANT
         self._tenant_headers: dict[str, str] = {}
@@ -331,9 +339,10 @@ class Client:
 
     def __init__(self, base_url: str, *, tenant: str | None = None, timeout: float = 30.0,
                  transport: Transport | None = None, binary: bool = True, cert: PathLike | None = None,
-                 key: PathLike | None = None, ca: PathLike | None = None, check_hostname: bool = True) -> None:
+                 key: PathLike | None = None, ca: PathLike | None = None, check_hostname: bool = True,
+                 crl: PathLike | None = None) -> None:
         self._async = AsyncClient(base_url, tenant=tenant, timeout=timeout, transport=transport,
-                                  binary=binary, cert=cert, key=key, ca=ca, check_hostname=check_hostname)
+                                  binary=binary, cert=cert, key=key, ca=ca, check_hostname=check_hostname, crl=crl)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()

@@ -5,13 +5,19 @@ across calls); ``MockTransport`` answers from a function so unit tests need no s
 translates its own failures at the boundary: unreachable peer -> ``PeerUnavailable``,
 timeout -> ``DeadlineExceeded``. HTTP error statuses are *not* errors here; the client reads them.
 
-Over HTTPS the transport takes a ready ``ssl.SSLContext`` (built once by the client from its certificate,
-key and CA) and, optionally, a ``refresh`` callable it runs at most every ``refresh_s`` before a request:
-the client's credentials check their files there, so a rotated certificate is used by new connections.
+Over HTTPS the transport takes a ready ``ssl.SSLContext``, or a factory of them (the client's, from its
+certificate, key, CA and revocation list: called for each new pool) and, optionally, a ``refresh`` callable it runs
+at most every ``refresh_s`` before a request: the client's credentials check their files there, so a rotated
+certificate is used by new connections. When ``refresh`` says something changed, the pool is replaced: a keep-alive
+connection was checked against the list in force when it opened, and a server revoked since must not keep it.
+Requests already running on the old pool finish (it is closed ``timeout`` later); the next request dials with a
+context made from the files now, and its handshake checks the new list. A server the handshake refuses (another
+CA; revoked, with ``crl=``) is ``PeerUnavailable``: nothing was sent.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import math
 import ssl
@@ -51,7 +57,8 @@ class AiohttpTransport:
     """
 
     def __init__(self, base_url: str, *, timeout: float = 30.0, limit: int = 16,
-                 ssl_context: ssl.SSLContext | None = None, refresh: Callable[[], object] | None = None,
+                 ssl_context: ssl.SSLContext | Callable[[], ssl.SSLContext] | None = None,
+                 refresh: Callable[[], bool] | None = None,
                  refresh_s: float = 1.0) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
@@ -59,6 +66,8 @@ class AiohttpTransport:
         self._ssl = ssl_context
         self._refresh, self._refresh_s, self._next_refresh = refresh, refresh_s, 0.0
         self._session: aiohttp.ClientSession | None = None
+        self._retired: set[aiohttp.ClientSession] = set()  # pools replaced after a refresh, closing soon
+        self._retired_tasks: set[asyncio.Task[None]] = set()
         self._closed = False
         # parsing a URL and building a ClientTimeout cost micro-seconds per request; a client's
         # paths and budgets repeat, so each is made once
@@ -86,8 +95,10 @@ class AiohttpTransport:
         if self._closed:
             raise RuntimeError("transport is closed")
         if self._session is None:
+            # a factory: each pool gets a context made from the files in force (a revocation list changed since)
+            ctx = self._ssl() if callable(self._ssl) else self._ssl
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self._limit, ssl=self._ssl if self._ssl is not None else True),
+                connector=aiohttp.TCPConnector(limit=self._limit, ssl=ctx if ctx is not None else True),
                 timeout=aiohttp.ClientTimeout(total=self.timeout),
             )
         return self._session
@@ -99,7 +110,8 @@ class AiohttpTransport:
         session = self._session or self._get_session()
         if self._refresh is not None and (now := time.monotonic()) >= self._next_refresh:
             self._next_refresh = now + self._refresh_s
-            self._refresh()
+            if self._refresh():
+                session = self._retire_pool()
         url = self._urls.get(path) or self._url(path)
         bound = self.timeout if limit_s is None else limit_s
         timeout = self._timeouts.get(bound) or self._timeout(bound)
@@ -116,11 +128,30 @@ class AiohttpTransport:
         except ssl.SSLError as exc:  # a TLS alert outside aiohttp's wrapping (the server refused us)
             raise PeerUnavailable(f"{method} {url}: TLS: {exc}") from exc
 
+    def _retire_pool(self) -> aiohttp.ClientSession:
+        """A new pool for new requests; the old one closed once nothing can still be running on it."""
+        old, self._session = self._session, None
+        if old is not None:
+            self._retired.add(old)
+            asyncio.get_running_loop().call_later(self.timeout + 1.0, self._close_retired, old)
+        return self._get_session()
+
+    def _close_retired(self, old: aiohttp.ClientSession) -> None:
+        if old in self._retired:
+            self._retired.discard(old)
+            task = asyncio.ensure_future(old.close())
+            self._retired_tasks.add(task)
+            task.add_done_callback(self._retired_tasks.discard)
+
     async def aclose(self) -> None:
         self._closed = True
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        sessions = [*self._retired, *([self._session] if self._session is not None else [])]
+        self._retired.clear()
+        self._session = None
+        for session in sessions:
+            await session.close()
+        if self._retired_tasks:
+            await asyncio.gather(*self._retired_tasks, return_exceptions=True)
 
 
 class MockTransport:

@@ -23,6 +23,10 @@ not, it runs ``on_revoked``, the bound on connections already open:
                                    StatefulSet restarts its members one at a time and
                                    keeps its quorum
 
+A list refused (it does not verify against the CA file now: a CA replaced on disk a moment after the list
+arrived) is tried again every :data:`RETRY_REFUSED_S` until it is adopted or a newer value replaces it: the watch
+delivers a value once, and a refusal that waited for the next change could wait for days.
+
 A bound runs in a task of its own, one at a time (revocations that arrive meanwhile are handled after it), so a
 staggered wait never holds up adopting the next list. With no list known before (no ``out`` file yet) nothing
 is bounded: a server that had no list has not admitted anyone it should have refused since.
@@ -52,11 +56,12 @@ from mesh.pki.crl import RevocationList, crl_pem_from_record
 from mesh.pki.files import read_cert, write_file
 from mesh.pki.peers import TlsPeers
 
-__all__ = ["CrlFollower", "OnRevoked", "connect_crl_reader", "drop_connections", "find_processes", "ordinal",
-           "signal_process", "ss_argv"]
+__all__ = ["RETRY_REFUSED_S", "CrlFollower", "OnRevoked", "connect_crl_reader", "drop_connections", "find_processes",
+           "ordinal", "signal_process", "ss_argv"]
 
 log = get_logger(__name__)
 
+RETRY_REFUSED_S = 2.0  # a refused pki/crl value is considered again this often
 # (the list now in force, the serials it revokes that the list before did not)
 OnRevoked = Callable[[RevocationList, frozenset[int]], Awaitable[None]]
 _ORDINAL = re.compile(r"(\d+)$")
@@ -82,6 +87,7 @@ class CrlFollower(Service):
         self.bounds = 0           # bounds run to completion
         self.connected = False    # the last read of pki/crl succeeded and the watch is open
         self._pending: set[int] = set()
+        self._refused: tuple[Any, int] | None = None  # the last value refused (and its revision), to try again
         self._revoked = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -96,7 +102,7 @@ class CrlFollower(Service):
         if self.out is None or not self.out.exists():
             return None
         try:
-            return RevocationList.load(self.out.read_bytes(), read_cert(self.ca_path))
+            return RevocationList.load(self.out.read_bytes(), read_cert(self.ca_path), allow_expired=True)
         except (OSError, PkiError) as exc:
             log.warning("the revocation list in %s is not usable; following etcd from scratch", self.out,
                         extra=kv(event="crl_follow_stale", reason=str(exc)))
@@ -104,7 +110,8 @@ class CrlFollower(Service):
 
     async def _start(self) -> None:
         self._tasks = [asyncio.create_task(self._follow(), name="crl-follow"),
-                       asyncio.create_task(self._bound_loop(), name="crl-bound")]
+                       asyncio.create_task(self._bound_loop(), name="crl-bound"),
+                       asyncio.create_task(self._retry_refused(), name="crl-retry")]
 
     async def _stop(self) -> None:
         await cancel_and_wait(*self._tasks)
@@ -138,6 +145,7 @@ class CrlFollower(Service):
     async def _consider(self, value: Any, revision: int) -> None:
         """Adopt the list in a ``pki/crl`` value if it verifies and is newer. A bad value is logged and the list
         in force kept; a failure to read the CA or write ``out`` raises (the follow loop reads again later)."""
+        refused_before, self._refused = self._refused, None  # any value considered supersedes one refused
         if value is None:
             if self.crl is not None:
                 log.warning("no list at %s in etcd (none published yet, or deleted); keeping list %d", PKI_CRL,
@@ -146,10 +154,14 @@ class CrlFollower(Service):
             return
         ca = await asyncio.to_thread(read_cert, self.ca_path)
         try:
-            crl = RevocationList.load(crl_pem_from_record(value), ca)
+            # expired or not: a higher number names every revocation a lower one does (mesh.pki.crl)
+            crl = RevocationList.load(crl_pem_from_record(value), ca, allow_expired=True)
         except Exception as exc:  # untrusted bytes: whatever parsing them raises, the answer is to refuse them
-            log.warning("refusing the revocation list at %s (revision %d): %s", PKI_CRL, revision, exc,
-                        extra=kv(event="crl_follow_refused", reason=str(exc)[:300]))
+            if refused_before is None or refused_before[1] != revision:  # once per value, not per retry
+                log.warning("refusing the revocation list at %s (revision %d): %s; trying it again every %g s",
+                            PKI_CRL, revision, exc, RETRY_REFUSED_S,
+                            extra=kv(event="crl_follow_refused", reason=str(exc)[:300]))
+            self._refused = (value, revision)
             return
         previous = self.crl
         if previous is not None and crl.number <= previous.number:
@@ -169,6 +181,20 @@ class CrlFollower(Service):
         if new and self.on_revoked is not None:
             self._pending |= new
             self._revoked.set()
+
+    async def _retry_refused(self) -> None:
+        while True:
+            await asyncio.sleep(RETRY_REFUSED_S)
+            refused = self._refused
+            if refused is None:
+                continue
+            try:
+                await self._consider(*refused)
+            except Exception as exc:  # the CA unreadable, the file unwritable: the next round tries again
+                if self._refused is None:
+                    self._refused = refused
+                log.warning("trying the refused revocation list again failed: %s", exc,
+                            extra=kv(event="crl_follow_retry", reason=str(exc)[:300]))
 
     async def _bound_loop(self) -> None:
         while True:

@@ -4,7 +4,8 @@ mounting as its home only its host's files, each started with the command line o
 (:mod:`tiermesh.hosts`). ``scripts/deploy_check.sh`` builds the image first.
 
     host (namespace)   its home's pki/                                  runs
-    etcd               ca, crl, sites/etcd* (its server certificate)   etcd (TLS, client certs, --client-crl-file),
+    etcd               ca, crl, etcd/etcd* (etcd:etcd, its own kind)   etcd (TLS, client certs, --client-crl-file;
+                                                                        one member: peers on loopback only),
                                                                         crl_follower_command in its namespaces
     operator           ca, crl, admins/operator*                        etcd_rbac_command, topology_apply_command
     store              ca, crl, stores/variant-store*                   store_command; then variants build-digits in it
@@ -220,6 +221,8 @@ class Check:
         # its flags, one member: TLS, client certificates, the revocation list
         await self.start("etcd", None, *together, "--entrypoint", await self.etcd_binary(), netns=pod, command=(
             "--name", "etcd", "--data-dir", f"{HOME}/etcd", "--listen-client-urls", f"https://0.0.0.0:{ETCD_PORT}",
+            # one member: its peer port on loopback in its own namespace, where no one else reaches it (the
+            # manifests' three members speak TLS to each other, admitting etcd:etcd only)
             "--advertise-client-urls", url, "--listen-peer-urls", "http://127.0.0.1:2380",
             "--initial-advertise-peer-urls", "http://127.0.0.1:2380", "--initial-cluster", "etcd=http://127.0.0.1:2380",
             "--client-cert-auth", "--trusted-ca-file", str(files["ca"]), "--cert-file", str(files["cert"]),

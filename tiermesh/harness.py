@@ -51,7 +51,6 @@ from mesh.pki.identity import Identity
 from mesh.pki.local import LocalPki
 from tiermesh.caps import CpuCgroups, SiteCaps, machine_memory_mb, plan_caps
 from tiermesh.control import ControlCommand, ControlOptions, ControlProcesses, PrefixedEtcd, terminate
-from tiermesh.crl_follow import CrlFollower
 from tiermesh.delayproxy import ProxyPool
 from tiermesh.identities import CONSOLE_SCRAPER, CONSOLE_SERVER, MeshIdentities
 from tiermesh.lab_hosts import HostHomes
@@ -95,7 +94,7 @@ class LocalMesh(Readiness, MeshIdentities, HostHomes, Membership, WanLinks, Serv
         self.console: ConsoleServer | None = None
         self.launcher: AgentLauncher | None = None
         self._launcher_start: asyncio.Task[None] | None = None
-        self._crl_follow: list[CrlFollower] = []  # etcd's CRL file (and the in-process store's list) from pki/crl
+        self._crl_follow: list[Service] = []  # etcd's CRL file (and the in-process store's list) from pki/crl
         # in a namespace of its own etcd has its ports to itself
         self.pki = LocalPki.under(opts.home) if opts.tls else None
         self.creds = MeshCredentials(self.pki) if self.pki is not None else None

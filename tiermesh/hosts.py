@@ -50,9 +50,10 @@ SCHEDULER_IDENTITY = Identity("scheduler", "scheduler")
 CONSOLE_PORT = 8443     # a scheduler's admin console over mutual TLS (admins only): the scheduler's /metrics is there
 CONSOLE_SCRAPER = Identity("admin", "console")  # the console reads the agents' /metrics as this admin
 OPERATOR_IDENTITY = Identity("admin", "operator")  # etcd root: applies RBAC and the topology
-# etcd's own server certificate; also the etcd client identity of the CRL follower beside it, which RBAC lets read
-# pki/crl and nothing else (`tiermesh etcd-rbac --crl-follower site:etcd`)
-ETCD_IDENTITY = Identity("site", "etcd")
+# etcd's own certificate, an identity kind of its own (never a site's: no tiermesh server admits it, and it is
+# issued and revoked like every other): its client and peer ports, and the etcd client identity of the CRL follower
+# beside it, which RBAC lets read pki/crl and nothing else (`tiermesh etcd-rbac --crl-follower etcd:etcd`)
+ETCD_IDENTITY = Identity("etcd", "etcd")
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,9 +28,9 @@ if TYPE_CHECKING:
     from mesh.etcd.cluster import EtcdCluster
     from mesh.etcd.server import EmbeddedEtcd
     from mesh.etcd.store import Store
+    from mesh.lifecycle import Service
     from mesh.pki.crl import RevocationList
     from mesh.pki.local import LocalPki
-    from tiermesh.crl_follow import CrlFollower
     from tiermesh.mesh_options import MeshOptions, SiteProcess
     from tiermesh.secure import MeshCredentials
     from topology.schema import Topology
@@ -50,7 +50,7 @@ class Membership:
     sites: dict[str, SiteProcess]
     etcd: EmbeddedEtcd | EtcdCluster | None
     variant_server: VariantStoreServer | None
-    _crl_follow: list[CrlFollower]
+    _crl_follow: list[Service]  # CRL followers, and the refresher
 
     if TYPE_CHECKING:
         @property
@@ -66,13 +66,17 @@ class Membership:
     # -- revocation reaching etcd and the in-process store ------------------------------------------------------
     async def start_crl_follow(self) -> None:
         """Follow ``pki/crl`` for etcd (its CRL file, and the bound on open connections) and for the in-process
-        variant store; nothing without TLS."""
+        variant store, and, holding the CA, re-sign the list before it expires (:mod:`tiermesh.crl_refresh`);
+        nothing without TLS."""
         out = self.etcd_crl_file()
         if self.creds is None or self.store is None or out is None:
             return
         from tiermesh.crl_follow import CrlFollower
+        from tiermesh.crl_refresh import CrlRefresher
 
-        followers = [CrlFollower(self.store, self.creds.pki.paths.ca_cert, out, on_revoked=self._end_etcd_connections)]
+        followers: list[Service] = [
+            CrlFollower(self.store, self.creds.pki.paths.ca_cert, out, on_revoked=self._end_etcd_connections),
+            CrlRefresher(self.creds.pki, self.store)]
         tls = self.variant_server.tls if self.variant_server is not None else None
         if tls is not None:
             followers.append(CrlFollower.for_peers(self.store, tls))

@@ -2,6 +2,9 @@
 drills (:mod:`tiermesh.membership_ops`) both run: the revocation list at ``pki/crl`` (and cutting the revoked
 identity off etcd at once), and a site's certificate at ``pki/sites/<site>`` with its etcd user and role.
 
+``refresh_crl`` re-signs the list (same revocations, number + 1, a fresh nextUpdate) and publishes it the same way:
+verifiers refuse everyone once the list they hold is past its nextUpdate (:mod:`mesh.pki.crl`).
+
 ``revoke`` adopts a newer list from etcd first (two operators' copies of the CA never undo each other's
 revocations), revokes every live certificate of the identity, publishes the list by compare-and-swap (an older list
 never replaces a newer one), then takes the identity's etcd roles and a site's heartbeat lease away
@@ -24,7 +27,8 @@ from mesh.pki.identity import Identity
 from mesh.pki.local import LocalPki
 from mesh.pki.published import site_cert_record
 
-__all__ = ["Revoked", "grant_site_access", "publish_crl", "publish_site_certificate", "revoke"]
+__all__ = ["Refreshed", "Revoked", "grant_site_access", "publish_crl", "publish_site_certificate", "refresh_crl",
+           "revoke"]
 
 _PUBLISH_TRIES = 5
 
@@ -68,20 +72,46 @@ def _held_number(value: object, ca_cert: x509.Certificate) -> int | None:
     """The number of the list in a ``pki/crl`` value if it verifies against ``ca_cert``; None if it does not
     (unreadable, or from a replaced CA: ours supersedes it)."""
     try:
-        return RevocationList.load(crl_pem_from_record(value), ca_cert).number
+        # expired or not: its number still says whether ours is newer
+        return RevocationList.load(crl_pem_from_record(value), ca_cert, allow_expired=True).number
     except (ValueError, PkiError):
         return None
 
 
+@dataclass(slots=True)
+class Refreshed:
+    """What :func:`refresh_crl` did: the list now in force (re-signed), whether a newer one was adopted from etcd
+    first (or why etcd's could not be read), whether it was published (else the number etcd holds)."""
+
+    crl: RevocationList
+    adopted: bool = False
+    foreign: str | None = None
+    published: bool = False
+    held_number: int = 0
+
+
+async def _adopt_from_etcd(pki: LocalPki, store: Store) -> tuple[bool, str | None]:
+    """Take etcd's list into ``crl.pem`` first if it is newer: (adopted, why etcd's could not be read)."""
+    held = await store.get(PKI_CRL)
+    if held is None:
+        return False, None
+    try:
+        return pki.adopt_crl(crl_pem_from_record(held.value)), None
+    except (ValueError, PkiError) as exc:
+        return False, str(exc)
+
+
+async def refresh_crl(pki: LocalPki, store: Store) -> Refreshed:
+    """Re-sign the revocation list (after adopting a newer one from etcd) and publish it at ``pki/crl``."""
+    adopted, foreign = await _adopt_from_etcd(pki, store)
+    crl = pki.refresh_crl()
+    published, number = await publish_crl(store, crl, pki.ca().cert)
+    return Refreshed(crl, adopted=adopted, foreign=foreign, published=published, held_number=number)
+
+
 async def revoke(pki: LocalPki, store: Store, identity: Identity, *, reason: str | None = None) -> Revoked:
     """Revoke every live certificate of ``identity`` and make etcd know it (see the module)."""
-    adopted, foreign = False, None
-    held = await store.get(PKI_CRL)
-    if held is not None:
-        try:
-            adopted = pki.adopt_crl(crl_pem_from_record(held.value))
-        except (ValueError, PkiError) as exc:
-            foreign = str(exc)
+    adopted, foreign = await _adopt_from_etcd(pki, store)
     crl, new = pki.revoke(identity, reason=reason)
     published, number = await publish_crl(store, crl, pki.ca().cert)
     done = Revoked(crl, new, adopted=adopted, foreign=foreign, published=published, held_number=number)

@@ -9,8 +9,17 @@ running processes re-read the files):
     admin:operator           this harness                                etcd root (applies RBAC, topology, catalog)
     scheduler:scheduler      the scheduler                               etcd: placements, events, election
     store:variant-store      the variant store                           blob HTTPS; etcd: catalog, its announcement
-    site:etcd (no CURVE key, etcd's server certificate (server + client EKU: etcd's own health probe presents it);
-      kept under pki/etcd/)  not in pki/sites, so no ZeroMQ peer admits it and RBAC gives it no etcd user
+    etcd:etcd                etcd (its client and peer ports)            an identity kind of its own (server + client
+                             and the CRL follower beside it              EKU: etcd's health probe and its members
+                                                                         present it; no CURVE key), issued like the
+                                                                         others, so it is in issued.jsonl and
+                                                                         `tiermesh pki revoke --etcd-server etcd`
+                                                                         revokes it; no tiermesh server admits it
+                                                                         (no blob, no edge) and RBAC lets it read
+                                                                         pki/crl only
+
+The revocation list is re-signed on start when older than ``CRL_REFRESH``, and every ``CRL_REFRESH`` while the mesh
+runs (:class:`tiermesh.crl_refresh.CrlRefresher`): verifiers refuse everyone once the list they hold expires.
 
 etcd then runs with TLS and client-certificate auth, and :func:`rbac_plan` gives each identity only what its
 role needs (:mod:`mesh.etcd.rbac`): an agent writes only its own ``live/<site>`` and ``pki/sites/<site>``; tenants
@@ -22,18 +31,20 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 from mesh.etcd.rbac import RbacPlan, plan
 from mesh.etcd.server import ServerTLS
-from mesh.pki.files import cert_pem, key_pem, write_file
+from mesh.pki.files import write_file
 from mesh.pki.identity import Identity
 from mesh.pki.local import LocalPki
-from tiermesh.hosts import SCHEDULER_IDENTITY, STORE_IDENTITY
+from mesh.pki.policy import CRL_REFRESH
+from tiermesh.hosts import ETCD_IDENTITY, SCHEDULER_IDENTITY, STORE_IDENTITY
 
 __all__ = ["ETCD_SERVER", "OPERATOR", "SCHEDULER", "STORE", "MeshCredentials", "rbac_plan"]
 
-ETCD_SERVER = Identity("site", "etcd")
+ETCD_SERVER = ETCD_IDENTITY
 OPERATOR = Identity("admin", "operator")
 SCHEDULER = SCHEDULER_IDENTITY
 STORE = STORE_IDENTITY
@@ -52,8 +63,7 @@ class MeshCredentials:
         return self.pki.paths.root
 
     def _etcd_files(self) -> tuple[Path, Path]:
-        d = self.root / "etcd"
-        return d / "etcd.pem", d / "etcd-key.pem"
+        return self.pki.paths.cert(ETCD_SERVER), self.pki.paths.key(ETCD_SERVER)
 
     def issue(self, sites: Mapping[str, str], tenants: Iterable[str], *, etcd_address: str,
               store_address: str) -> None:
@@ -62,6 +72,10 @@ class MeshCredentials:
         if not self.pki.exists():
             self.pki.init()
         self.pki.standardise_crl()  # a home from before: etcd must be able to read its list
+        if self.pki.crl().crl.last_update_utc + CRL_REFRESH < datetime.now(UTC):
+            # a kept home's list may have expired: fresh before any host copies it (verifiers refuse everyone while
+            # the list they hold is expired); tiermesh.crl_refresh keeps it fresh from then on
+            self.pki.refresh_crl()
         for name, address in sites.items():
             self.pki.issue(Identity("site", name), addresses=[address])
         self.pki.issue(STORE, addresses=list(dict.fromkeys([store_address, "localhost"])))
@@ -69,10 +83,8 @@ class MeshCredentials:
             self.pki.issue(Identity("tenant", tenant))
         for who in (OPERATOR, SCHEDULER):
             self.pki.issue(who)
-        issued = self.pki.ca().issue(ETCD_SERVER, addresses=list(dict.fromkeys([etcd_address, "localhost"])))
-        cert, key = self._etcd_files()
-        write_file(key, key_pem(issued.key), private=True)
-        write_file(cert, cert_pem(issued.cert))
+        # 127.0.0.1 too: a single member's peer port listens on loopback (mesh.etcd.server)
+        self.pki.issue(ETCD_SERVER, addresses=list(dict.fromkeys([etcd_address, "localhost", "127.0.0.1"])))
 
     def etcd_server(self) -> ServerTLS:
         """etcd's TLS: its certificate and key, the CA, and its own copy of the revocation list (``--client-crl-file``,
@@ -81,7 +93,7 @@ class MeshCredentials:
         crl = cert.parent / "crl.pem"
         if not crl.exists():
             write_file(crl, self.pki.paths.crl.read_bytes())
-        return ServerTLS(cert, key, self.pki.paths.ca_cert, crl_file=crl)
+        return ServerTLS(cert, key, self.pki.paths.ca_cert, crl_file=crl, peer_cn=ETCD_SERVER.common_name)
 
     def files(self, who: Identity) -> dict[str, Path]:
         """``ca``, ``cert`` and ``key`` of ``who`` (``Store.connect(url, prefix, **files)``)."""

@@ -1,16 +1,20 @@
-"""Who may read which variant from the variant store over HTTPS: the caller's identity comes from its client
-certificate (mesh CA, checked by :class:`~mesh.pki.peers.TlsPeers`: one URI SAN, clientAuth EKU, not a CA, not
-revoked); what it may read from the variant's ``owner``:
+"""Who may read what from the variant store over HTTPS: the caller's identity comes from its client certificate
+(mesh CA, checked by :class:`~mesh.pki.peers.TlsPeers`: one URI SAN, clientAuth EKU, not a CA, not revoked, and not
+etcd's own certificate, which no tiermesh server admits); what it may read from who owns the bytes:
 
-    variant owner          served to
-    "public"               any valid identity
-    tenant T (private)     tenant T; a site that serves T (``serves(site, T)``: every site by default, the
-                           topology's tenants do not name sites); an admin (operators wrote the entry and
-                           read it in etcd anyway)
-                           everyone else (another tenant, a scheduler, a site not serving T): 403
+    the blob (or catalog entry) is            served to
+    a public variant's (model or backbone)    any caller
+    tenant T's private variant's, or the      T; a site that serves T (``serves(site, T)``: placement asks that site
+      parent model T registered                 for one of T's variants, now or within a grace, see
+                                                :mod:`variant_store.placed`); admins; variant stores
+    a model's labelled validation set         the model's owner tenant (a private model's); admins; variant stores.
+                                                Never a site or a scheduler: no site runs it, and labels are the
+                                                owner's data
+    named by nothing in the catalog           admins and variant stores
+    everyone else                             403, without saying whether the blob exists
 
-A blob is readable when some variant it belongs to (its model or shared backbone) is; a blob no catalog
-entry names yet is served to infrastructure identities only (sites, admins, schedulers), never to a tenant.
+A blob named several times (a backbone shared by a public and a private variant) is readable when any naming
+admits the caller. Catalog entries (``GET /catalog``) follow the variant rule.
 """
 
 from __future__ import annotations
@@ -22,36 +26,64 @@ from aiohttp import web
 
 from mesh.errors import PkiError
 from mesh.pki.files import PkiPaths
-from mesh.pki.identity import Identity
+from mesh.pki.identity import CALLER_KINDS, Identity
 from mesh.pki.peers import TlsPeers
+from variant_store.catalog import RegisteredModel
 from variant_store.meta import VariantMeta
 
-__all__ = ["PUBLIC", "Serves", "StoreTls", "blob_readable", "may_read"]
+__all__ = ["PUBLIC", "Serves", "StoreTls", "blob_readable", "may_read", "no_site", "site_tenants"]
 
 PUBLIC = "public"
 Serves = Callable[[str, str], bool]  # (site, tenant) -> does that site serve that tenant
+_OPERATORS = ("admin", "store")  # read everything: they wrote it, or mirror it
 
 
-def _every_site(site: str, tenant: str) -> bool:
-    return True
+def no_site(site: str, tenant: str) -> bool:
+    """The ``serves`` of a store that knows no placement: no site serves any tenant's private variants."""
+    return False
 
 
-def may_read(identity: Identity, owner: str, serves: Serves = _every_site) -> bool:
+def site_tenants(placed: Iterable[tuple[str, str]], metas: Iterable[VariantMeta]) -> frozenset[str]:
+    """The tenants whose private variants are among ``placed`` ((task, variant id) pairs a site's placement
+    asks for), by the catalog's ``metas``."""
+    wanted = set(placed)
+    return frozenset(m.owner for m in metas if m.owner != PUBLIC and (m.task, m.variant_id) in wanted)
+
+
+def may_read(identity: Identity, owner: str, serves: Serves = no_site) -> bool:
     """Whether ``identity`` may read a variant (metadata or blob) owned by ``owner``."""
-    if owner == PUBLIC:
+    if identity.kind not in CALLER_KINDS:
+        return False
+    if owner == PUBLIC or identity.kind in _OPERATORS:
         return True
     if identity.kind == "tenant":
         return identity.name == owner
     if identity.kind == "site":
         return serves(identity.name, owner)
-    return identity.kind == "admin"
+    return False
 
 
-def blob_readable(identity: Identity, digest: str, metas: Iterable[VariantMeta], serves: Serves = _every_site) -> bool:
+def _may_read_validation(identity: Identity, model: RegisteredModel) -> bool:
+    if identity.kind in _OPERATORS:
+        return True
+    return identity.kind == "tenant" and model.owner != PUBLIC and identity.name == model.owner
+
+
+def blob_readable(identity: Identity, digest: str, metas: Iterable[VariantMeta],
+                  models: Iterable[RegisteredModel] = (), serves: Serves = no_site) -> bool:
+    """Whether ``identity`` may read blob ``digest``, by what names it: ``metas`` (the variants) and ``models`` (the
+    registered models: their parent ONNX and validation set)."""
+    if identity.kind not in CALLER_KINDS:
+        return False
+    models = list(models)
     owners = {m.owner for m in metas if digest in (m.blob_digest, m.shared_base_digest)}
-    if not owners:
-        return identity.kind != "tenant"
-    return any(may_read(identity, o, serves) for o in owners)
+    owners |= {m.owner for m in models if m.parent_digest == digest}
+    if any(may_read(identity, o, serves) for o in owners):
+        return True
+    validation = [m for m in models if m.validation_digest == digest]
+    if any(_may_read_validation(identity, m) for m in validation):
+        return True
+    return not owners and not validation and identity.kind in _OPERATORS
 
 
 class StoreTls(TlsPeers):
@@ -59,11 +91,12 @@ class StoreTls(TlsPeers):
     needs the serverAuth EKU: a store, site or scheduler identity), ``peer(request)`` for the caller's identity.
     Certificates and the revocation list are re-read on change (``interval_s``); a newer list from etcd
     ``pki/crl`` comes in through :meth:`~mesh.pki.peers.TlsPeers.load_crl` (the serve command follows it), and
-    either way a revoked caller's open keep-alive connections are closed (:class:`~mesh.pki.peers.TlsPeers`)."""
+    either way a revoked caller's open keep-alive connections are closed (:class:`~mesh.pki.peers.TlsPeers`).
+    etcd's own certificate is refused (403): it is etcd's, not a reader of models."""
 
     def __init__(self, paths: PkiPaths, identity: Identity, *, interval_s: float = 1.0) -> None:
         try:
-            super().__init__(paths, identity, interval_s=interval_s)
+            super().__init__(paths, identity, interval_s=interval_s, kinds=CALLER_KINDS)
         except PkiError as exc:
             raise PkiError(f"the variant store cannot serve HTTPS as {identity}: {exc} (issue it with "
                            f"`tiermesh pki issue`)") from exc
@@ -73,5 +106,6 @@ class StoreTls(TlsPeers):
         return cls(PkiPaths.under(home), identity, interval_s=interval_s)
 
     def peer(self, request: web.Request) -> Identity:
-        """The caller's verified identity; ``Unauthenticated`` (401) when its certificate proves none."""
+        """The caller's verified identity; ``Unauthenticated`` (401) when its certificate proves none,
+        ``PermissionDenied`` (403) for etcd's own certificate."""
         return self.identify(request.transport)

@@ -12,10 +12,13 @@ a rewritten file is checked again while an untouched one is hashed only once.
 Errors are ``MeshError`` JSON bodies (``{"code", "error"}``) with the error's ``http_status``.
 
 With ``tls`` (a :class:`~variant_store.access.StoreTls`) it serves HTTPS with client certificates from the
-mesh CA: the caller's identity is its certificate's (401 when it proves none), and a tenant-private variant's
-catalog entry and blob are served only to identities :func:`~variant_store.access.may_read` admits (403 for
-a blob, left out of ``/catalog``). A revoked caller is refused on its next request and its open keep-alive
-connections are closed once ``tls`` holds a list naming it: from its ``crl.pem``, or from etcd ``pki/crl``
+mesh CA: the caller's identity is its certificate's (401 when it proves none; 403 for etcd's own), and a
+tenant-private variant's catalog entry and blob, and a model's labelled validation set, are served only to the
+identities :mod:`variant_store.access` admits (403 for a blob, left out of ``/catalog``): a site only the private
+variants of tenants placement asks it to serve, read from etcd ``placement/<site>`` at the request
+(:class:`~variant_store.placed.PlacedVariants`, which the server runs unless given one). A revoked caller is
+refused on its next request and its open keep-alive connections are closed once ``tls`` holds a list naming it:
+from its ``crl.pem``, or from etcd ``pki/crl``
 through ``tls.load_crl`` (``tiermesh variants serve`` runs a :mod:`tiermesh.crl_follow` follower for that: the
 store stands below the command line, so the command owns the follow task). Without ``tls`` (development only) it
 is plain HTTP and anyone reads everything.
@@ -40,10 +43,12 @@ from mesh.etcd.lease import Lease
 from mesh.lifecycle import Service, cancel_and_wait
 from mesh.log import get_logger, kv
 from mesh.pki.identity import Identity
-from variant_store.access import Serves, StoreTls, blob_readable, may_read
+from variant_store.access import Serves, StoreTls, blob_readable, may_read, no_site, site_tenants
 from variant_store.blobs import CHUNK, BlobStore, is_digest
 from variant_store.catalog import Catalog
+from variant_store.meta import VariantMeta
 from variant_store.metrics import CONTENT_TYPE, StoreMetrics
+from variant_store.placed import PlacedVariants
 
 __all__ = ["IDENTITY", "TENANT_HEADER", "Authenticator", "VariantStoreServer", "header_identity"]
 
@@ -69,12 +74,13 @@ class VariantStoreServer(Service):
     when ``announce`` is set, publishes its URL at ``blobs_key()`` under an etcd lease, with the
     topology ``site`` it runs at when given (routing then charges cold starts elsewhere the fetch).
     ``advertise``: the host peers dial, in ``url`` and the announcement (default ``host``; a
-    wildcard ``host`` needs one)."""
+    wildcard ``host`` needs one). ``placement``: which variants each site may fetch (with ``tls``; default: one
+    following ``catalog``'s etcd, started and stopped with the server)."""
 
     def __init__(self, blob_store: BlobStore, catalog: Catalog, host: str = DEFAULT_BIND, port: int = 0, *,
                  advertise: str | None = None, authenticate: Authenticator = header_identity,
                  announce: bool = True, lease_ttl: int = 10, site: str | None = None,
-                 tls: StoreTls | None = None, serves: Serves | None = None) -> None:
+                 tls: StoreTls | None = None, placement: PlacedVariants | None = None) -> None:
         self.blobs = blob_store
         self.site = site
         self.catalog = catalog
@@ -82,7 +88,8 @@ class VariantStoreServer(Service):
         self.advertise = advertised_host(self.host, advertise)
         self.authenticate = authenticate
         self.tls = tls
-        self.serves: Serves = serves or (lambda site, tenant: True)
+        self._own_placement = placement is None and tls is not None
+        self.placement = PlacedVariants(catalog.store) if self._own_placement else placement
         self.announce = announce
         self.lease_ttl = lease_ttl
         self._runner: web.AppRunner | None = None
@@ -111,6 +118,8 @@ class VariantStoreServer(Service):
         await runner.setup()
         if self.tls is not None:
             await self.tls.start()
+        if self._own_placement and self.placement is not None:
+            await self.placement.start()
         await web.TCPSite(runner, self.host, self.port,
                           ssl_context=self.tls.ssl_context if self.tls else None).start()
         self.port = int(runner.addresses[0][1])
@@ -132,6 +141,8 @@ class VariantStoreServer(Service):
                 await lease.revoke()  # drop the announcement now rather than at lease expiry
         if runner is not None:
             await runner.cleanup()
+        if self._own_placement and self.placement is not None:
+            await self.placement.stop()
         if self.tls is not None:
             await self.tls.stop()
 
@@ -198,16 +209,28 @@ class VariantStoreServer(Service):
         metas = await self.catalog.list_variants(task)
         peer = request.get(PEER)
         if peer is not None:
-            metas = [m for m in metas if may_read(peer, m.owner, self.serves)]
+            serves = await self._serves(peer, metas if task is None else await self.catalog.list_variants())
+            metas = [m for m in metas if may_read(peer, m.owner, serves)]
         return web.json_response({"variants": [m.to_json() for m in metas]})
+
+    async def _serves(self, peer: Identity, metas: list[VariantMeta]) -> Serves:
+        """Which tenants a site caller serves, from placement now (a read of etcd) and its recent past."""
+        if peer.kind != "site" or self.placement is None:
+            return no_site
+        tenants = site_tenants(await self.placement.placed(peer.name), metas)
+        return lambda site, tenant: site == peer.name and tenant in tenants
 
     async def _blob(self, request: web.Request) -> web.StreamResponse:
         digest = request.match_info["digest"]
         if not is_digest(digest):
             raise RequestError(f"not a sha256 digest: {digest!r}")
         peer = request.get(PEER)
-        if peer is not None and not blob_readable(peer, digest, await self.catalog.list_variants(), self.serves):
-            raise PermissionDenied(f"{peer} may not read blob {digest}", reason="private_variant")
+        if peer is not None:
+            metas = await self.catalog.list_variants()
+            readable = blob_readable(peer, digest, metas, await self.catalog.list_models(),
+                                     await self._serves(peer, metas))
+            if not readable:
+                raise PermissionDenied(f"{peer} may not read blob {digest}", reason="private_variant")
         if not self.blobs.has(digest):
             raise _NotFound(f"blob not found: {digest}", digest=digest)
         path = self.blobs.path(digest)

@@ -82,7 +82,8 @@ class EtcdCluster(Service):
         # ports are taken by the members only when they start: two dirs must not pick the same
         while len({p for pair in ports for p in pair}) < 2 * self.size:
             ports = [(free_port(self.host), free_port(self.host)) for _ in dirs]
-        initial = ",".join(f"m{i}=http://{self.host}:{peer}" for i, (_, peer) in enumerate(ports))
+        scheme = "https" if self.tls else "http"  # members speak TLS to each other when clients do (ServerTLS)
+        initial = ",".join(f"m{i}={scheme}://{self.host}:{peer}" for i, (_, peer) in enumerate(ports))
         token_file = base / "cluster-token"
         if not token_file.exists():
             token_file.write_text(f"tiermesh-{uuid.uuid4().hex[:12]}")

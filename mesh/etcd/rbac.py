@@ -14,7 +14,7 @@ named after identities and have no password. Roles (all relative to the store pr
   ``models/``, ``pki/`` and ``services/``.
 - ``root_admins`` (the admin identities that apply this plan; at least one): etcd's ``root`` role, which
   user and role management, ``auth enable`` and compaction need.
-- ``crl_followers`` (any identity, usually etcd's own server certificate ``site:etcd``): read ``P pki/crl``
+- ``crl_followers`` (any identity, usually etcd's own certificate ``etcd:etcd``): read ``P pki/crl``
   and nothing else: all ``tiermesh pki follow-crl`` needs to keep etcd's ``--client-crl-file`` current. Such
   a user may not count the prefix as :meth:`Store.connect <mesh.etcd.store.Store.connect>` does, so it
   connects with ``probe=PKI_CRL``.
@@ -126,7 +126,7 @@ def _names(kind: str, names: Iterable[str]) -> list[Identity]:
 def plan(prefix: str, *, sites: Iterable[str], schedulers: Iterable[str] = (), admins: Iterable[str] = (),
          root_admins: Iterable[str], stores: Iterable[str] = (), crl_followers: Iterable[Identity] = ()) -> RbacPlan:
     """The RBAC plan for a mesh under ``prefix``. Names are identity names (``edge-1``), not CNs;
-    ``crl_followers`` are whole identities (any kind: etcd's own certificate is a site's)."""
+    ``crl_followers`` are whole identities (any kind; usually etcd's own, of kind ``etcd``)."""
     if not prefix.startswith("/") or not prefix.endswith("/") or prefix == "/":
         raise ConfigError(f"an RBAC prefix must start and end with '/' and not be '/': {prefix!r}")
     roots = _names("admin", root_admins)
@@ -156,7 +156,7 @@ def plan(prefix: str, *, sites: Iterable[str], schedulers: Iterable[str] = (), a
     followers = sorted(set(crl_followers))
     if followers:
         roles[CRL_FOLLOWER_ROLE] = (Grant(prefix + PKI_CRL, "read", False),)
-    for f in followers:  # added to what the identity has already (etcd's certificate may also be a site's)
+    for f in followers:  # added to what the identity has already, should it be in the plan otherwise too
         users[f.common_name] = (*users.get(f.common_name, ()), CRL_FOLLOWER_ROLE)
     return RbacPlan(prefix, roles, users)
 

@@ -41,6 +41,7 @@ RECORD_FILE = "etcd.json"
 LOG_FILE = "etcd.log"
 # Ports chosen for a data dir are remembered there, so a later start on the same dir keeps its URL.
 PORTS_FILE = "tiermesh-ports.json"
+_LOOPBACK = "127.0.0.1"  # a single member's peer port: no other member ever dials it
 
 
 def etcd_binary() -> Path:
@@ -79,19 +80,35 @@ def port_free(host: str, port: int) -> bool:
 
 @dataclass(frozen=True)
 class ServerTLS:
-    """TLS for the client port of an embedded etcd: its certificate and key, the CA it trusts for
-    client certificates, and whether it demands one (``--client-cert-auth``). The server's own
-    certificate must also allow client auth (EKU): the health probe presents it.
+    """TLS for the ports of an embedded etcd: its certificate and key, the CA it trusts for client certificates,
+    and whether it demands one (``--client-cert-auth``). The server's own certificate must also allow client auth
+    (EKU): the health probe presents it, and members present it to each other.
 
-    ``crl_file``: the mesh CA's revocation list (``--client-crl-file``). etcd reads it at every client handshake, so
-    rewriting it in place refuses a revoked certificate's next connection without a restart (measured on 3.5.1);
-    connections already open are not re-checked (see :mod:`tiermesh.crl_follow`)."""
+    ``crl_file``: the mesh CA's revocation list (``--client-crl-file``, and ``--peer-crl-file``). etcd reads it at
+    every client handshake, so rewriting it in place refuses a revoked certificate's next connection without a
+    restart (measured on 3.5.1); connections already open are not re-checked (see :mod:`tiermesh.crl_follow`).
+
+    The peer (raft) port speaks TLS with the same certificate and always demands a client certificate
+    (``--peer-client-cert-auth``): in plain HTTP it answered anyone its member list, and more. Any certificate of the
+    mesh CA would pass that check, a tenant's included, so ``peer_cn`` (``--peer-cert-allowed-cn``) names the one
+    subject CN a peer must present: etcd's own identity (``etcd:<name>``)."""
 
     cert_file: Path
     key_file: Path
     ca_file: Path
     client_cert_auth: bool = True
     crl_file: Path | None = None
+    peer_cn: str | None = None
+
+    def peer_args(self) -> list[str]:
+        """etcd's flags for TLS with client-certificate auth on its peer port."""
+        args = ["--peer-cert-file", str(self.cert_file), "--peer-key-file", str(self.key_file),
+                "--peer-trusted-ca-file", str(self.ca_file), "--peer-client-cert-auth"]
+        if self.crl_file is not None:
+            args += ["--peer-crl-file", str(self.crl_file)]
+        if self.peer_cn is not None:
+            args += ["--peer-cert-allowed-cn", self.peer_cn]
+        return args
 
     def client_context(self) -> ssl.SSLContext:
         ctx = ssl.create_default_context(cafile=str(self.ca_file))
@@ -185,7 +202,11 @@ class EmbeddedEtcd(Service):
 
     Ports are picked once (free ports, never 2379/2380) and kept for the life of the object, so
     ``stop(keep_data=True)`` then ``start()`` (or ``restart()``) brings it back on the same URL and data.
-    ``tls``: the client port speaks TLS (``https://`` URL), with client-certificate auth if asked.
+    ``tls``: the client port speaks TLS (``https://`` URL), with client-certificate auth if asked, and the peer
+    port TLS with client-certificate auth (:class:`ServerTLS`).
+
+    A single member (no ``initial_cluster``) has no peer to hear from: its peer port listens on loopback only,
+    whatever ``host`` its clients reach it at. A member of a cluster listens on ``host``, where the others dial it.
     """
 
     _restartable = True
@@ -220,10 +241,15 @@ class EmbeddedEtcd(Service):
         return f"{'https' if self.tls else 'http'}://{self.host}:{self.client_port}"
 
     @property
+    def peer_host(self) -> str:
+        """Where the peer port listens: ``host`` in a cluster, loopback for a single member."""
+        return self.host if self.initial_cluster else _LOOPBACK
+
+    @property
     def peer_url(self) -> str:
         if self.peer_port is None:
             raise EtcdServerError("etcd has not been started: no peer URL yet")
-        return f"http://{self.host}:{self.peer_port}"
+        return f"{'https' if self.tls else 'http'}://{self.peer_host}:{self.peer_port}"
 
     def client_context(self) -> ssl.SSLContext | None:
         """TLS context to reach this member's client port over HTTP (None without TLS)."""
@@ -256,10 +282,10 @@ class EmbeddedEtcd(Service):
             self.client_port = port if port and port_free(self.host, port) else free_port(self.host)
         if self.peer_port is None:
             port = saved.get("peer")
-            ok = port and port != self.client_port and port_free(self.host, port)
-            self.peer_port = port if ok else free_port(self.host)
+            ok = port and port != self.client_port and port_free(self.peer_host, port)
+            self.peer_port = port if ok else free_port(self.peer_host)
             while self.peer_port == self.client_port:
-                self.peer_port = free_port(self.host)
+                self.peer_port = free_port(self.peer_host)
         (self.data_dir / PORTS_FILE).write_text(
             json.dumps({"client": self.client_port, "peer": self.peer_port}))
 
@@ -285,6 +311,7 @@ class EmbeddedEtcd(Service):
                 cmd.append("--client-cert-auth")
             if self.tls.crl_file is not None:
                 cmd += ["--client-crl-file", str(self.tls.crl_file)]
+            cmd += self.tls.peer_args()
         if self.unsafe_no_fsync:
             cmd.append("--unsafe-no-fsync")
         if not self.initial_cluster:

@@ -7,9 +7,18 @@ client once one certificate was revoked (measured on etcd 3.5.1). Who each seria
 list instead: the CA's issuance log, and ``identities`` in the etcd record (for people and logs; the serial alone
 decides). Lists written before carried the identity as a private entry extension
 (:data:`mesh.pki.policy.REVOKED_IDENTITY_OID`); it is still read. A ``CRLNumber`` grows by one with every new list,
-so a reader holding several copies (the file, etcd ``pki/crl``) keeps the highest. Its nextUpdate is the CA's
-notAfter: the list lives as long as the CA that signs it. Entries are dropped once the certificate they name has
-expired (it is refused anyway).
+so a reader holding several copies (the file, etcd ``pki/crl``) keeps the highest. Entries are dropped once the
+certificate they name has expired (it is refused anyway).
+
+Freshness: a list's nextUpdate is :data:`~mesh.pki.policy.CRL_LIFETIME` (two days) after it is signed, never past
+the CA's notAfter, and the CA's holder re-signs it (same entries, number + 1) every
+:data:`~mesh.pki.policy.CRL_REFRESH`: ``tiermesh pki refresh-crl``, and ``tiermesh up`` on its own. Holding and
+using are two things. A holder *adopts* any list of its CA with a higher number, expired or not (a newer list names
+every revocation an older one does, so it is never worse), and :meth:`RevocationList.load` takes
+``allow_expired=True`` for that. A verifier *uses* only a fresh one: :func:`mesh.pki.verify.verify_certificate`
+refuses every certificate (``crl_expired``) while the list it holds is past nextUpdate, as it would an expired
+certificate: fail closed, and loudly (each refusal names the fix), because a list nobody re-signed for two days may
+be missing revocations.
 
 In etcd (``pki/crl``) the list travels as :func:`crl_record`: ``{"schema": 1, "number": N, "pem": "...",
 "identities": {serial hex: identity URI}}``; the number and identities are there for people and guards, readers
@@ -20,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from cryptography import x509
@@ -30,7 +39,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from mesh.errors import ConfigError, PkiError
 from mesh.pki.ca import CertificateAuthority
 from mesh.pki.identity import Identity
-from mesh.pki.policy import CLOCK_SKEW, REVOKED_IDENTITY_OID
+from mesh.pki.policy import CLOCK_SKEW, CRL_LIFETIME, REVOKED_IDENTITY_OID
 
 __all__ = ["CRL_RECORD_SCHEMA", "REASONS", "Revocation", "RevocationList", "crl_pem_from_record", "crl_record"]
 
@@ -90,15 +99,25 @@ class RevocationList:
     def to_pem(self) -> bytes:
         return self.crl.public_bytes(serialization.Encoding.PEM)
 
+    @property
+    def next_update(self) -> datetime | None:
+        """When the list stops being fresh (None: a list without nextUpdate, fresh for ever)."""
+        return self.crl.next_update_utc
+
+    def expired(self, now: datetime | None = None) -> bool:
+        """Past nextUpdate, forgiving :data:`~mesh.pki.policy.CLOCK_SKEW`: a verifier must not use it."""
+        nu = self.crl.next_update_utc
+        return nu is not None and nu + CLOCK_SKEW < (now or datetime.now(UTC))
+
     @classmethod
     def sign(cls, ca: CertificateAuthority, entries: Iterable[Revocation], *, number: int,
-             now: datetime | None = None) -> RevocationList:
+             now: datetime | None = None, lifetime: timedelta = CRL_LIFETIME) -> RevocationList:
         now = (now or datetime.now(UTC)).replace(microsecond=0)
         kept = sorted({e.serial: e for e in entries if e.expires is None or e.expires > now - CLOCK_SKEW}.values(),
                       key=lambda e: e.revoked_at)
         builder = (x509.CertificateRevocationListBuilder()
                    .issuer_name(ca.cert.subject).last_update(now)
-                   .next_update(max(ca.cert.not_valid_after_utc, now))
+                   .next_update(max(min(now + lifetime, ca.cert.not_valid_after_utc), now))
                    .add_extension(x509.CRLNumber(number), critical=False)
                    .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca.key.public_key()),
                                   critical=False))
@@ -109,26 +128,29 @@ class RevocationList:
             builder = builder.add_revoked_certificate(rb.build())
         names = {e.serial: e.identity for e in kept if e.identity is not None}
         return cls.load(builder.sign(ca.key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM), ca.cert,
-                        names=names)
+                        names=names, now=now)
 
     @classmethod
     def empty(cls, ca: CertificateAuthority, now: datetime | None = None) -> RevocationList:
         return cls.sign(ca, (), number=1, now=now)
 
     def add(self, ca: CertificateAuthority, revocations: Iterable[Revocation], *, now: datetime | None = None,
-            expiry: Mapping[int, datetime] | None = None) -> RevocationList:
-        """A new list (number + 1) with ``revocations`` added. Entries whose certificate has expired (per
-        ``Revocation.expires``, or ``expiry`` by serial for entries read back from a list) drop out."""
+            expiry: Mapping[int, datetime] | None = None, lifetime: timedelta = CRL_LIFETIME) -> RevocationList:
+        """A new list (number + 1, fresh for ``lifetime``) with ``revocations`` added: with none, the same list
+        re-signed (a refresh). Entries whose certificate has expired (per ``Revocation.expires``, or ``expiry`` by
+        serial for entries read back from a list) drop out."""
         expiry = expiry or {}
         old = (replace(e, expires=e.expires or expiry.get(e.serial)) for e in self.entries)
-        return RevocationList.sign(ca, (*old, *revocations), number=self.number + 1, now=now)
+        return RevocationList.sign(ca, (*old, *revocations), number=self.number + 1, now=now, lifetime=lifetime)
 
     @classmethod
     def load(cls, pem: bytes, ca_cert: x509.Certificate, *, now: datetime | None = None,
-             names: Mapping[int, Identity] | None = None) -> RevocationList:
-        """Parse and check a CRL: signed by ``ca_cert``, issued by it, not past nextUpdate. Anything else is a
-        ``PkiError``: a list we cannot trust is our problem, never a reason to admit a peer. ``names``: who each
-        serial was issued to (the issuance log), for the entries' ``identity``."""
+             names: Mapping[int, Identity] | None = None, allow_expired: bool = False) -> RevocationList:
+        """Parse and check a CRL: signed by ``ca_cert``, issued by it, not past nextUpdate (unless
+        ``allow_expired``: a holder comparing numbers, or adopting a newer list to hold; its verifier still refuses
+        to use it while it is expired). Anything else is a ``PkiError``: a list we cannot trust is our problem,
+        never a reason to admit a peer. ``names``: who each serial was issued to (the issuance log), for the
+        entries' ``identity``."""
         try:
             crl = x509.load_pem_x509_crl(pem)
         except ValueError as exc:
@@ -138,7 +160,7 @@ class RevocationList:
                 or not crl.is_signature_valid(pub)):
             raise PkiError("the revocation list is not signed by the mesh CA")
         now = now or datetime.now(UTC)
-        if crl.next_update_utc is not None and crl.next_update_utc + CLOCK_SKEW < now:
+        if not allow_expired and crl.next_update_utc is not None and crl.next_update_utc + CLOCK_SKEW < now:
             raise PkiError(f"the revocation list expired at {crl.next_update_utc:%Y-%m-%d %H:%M:%S}Z")
         try:
             number = crl.extensions.get_extension_for_class(x509.CRLNumber).value.crl_number

@@ -6,6 +6,7 @@
     admins/A.pem  A-key.pem(0600)
     schedulers/X.pem  X-key.pem(0600)
     stores/V.pem  V-key.pem(0600)
+    etcd/E.pem  E-key.pem(0600)           etcd's own (server, peer, and the CRL follower's etcd client)
 
 What one host of the mesh holds (a site's machine, the variant store's, a scheduler's) is
 :meth:`PkiPaths.host_files`: the CA, the revocation list, and its own certificate, key and (a site) CURVE key
@@ -39,7 +40,7 @@ __all__ = ["PRIVATE_FILES", "PkiPaths", "cert_pem", "curve_text", "key_pem", "re
            "write_file"]
 
 _DIRS: dict[Kind, str] = {"tenant": "tenants", "site": "sites", "admin": "admins", "scheduler": "schedulers",
-                          "store": "stores"}
+                          "store": "stores", "etcd": "etcd"}
 PRIVATE_FILES = ("key", "curve")  # the roles of host_files that are secrets (written 0600)
 
 

@@ -1,6 +1,11 @@
 """Who a certificate speaks for: an :class:`Identity` is a kind and a name, written in a certificate as its
 single URI SAN ``spiffe://tiermesh/<kind>/<name>``.
 
+Kinds: ``tenant`` (a caller of the inference API), ``site`` (an agent), ``admin`` (an operator), ``scheduler``,
+``store`` (the variant store) and ``etcd`` (etcd's own certificate: its client and peer ports, and the CRL follower
+beside it, an etcd client of ``pki/crl`` only). An ``etcd`` identity is for etcd alone: no tiermesh server admits
+it as a caller (:data:`CALLER_KINDS`), so a stolen etcd key reads no blob and calls no edge.
+
 Names follow one rule (:data:`NAME_RE`, the topology's rule for site and tenant names): lowercase letters,
 digits and '-', at most 63 characters, not starting or ending with '-'. It is checked here and nowhere else:
 an ``Identity`` that exists is valid.
@@ -14,10 +19,12 @@ from typing import Literal, get_args
 
 from mesh.errors import ConfigError
 
-__all__ = ["KINDS", "NAME_RE", "TRUST_DOMAIN", "Identity", "Kind"]
+__all__ = ["CALLER_KINDS", "KINDS", "NAME_RE", "TRUST_DOMAIN", "Identity", "Kind"]
 
-Kind = Literal["tenant", "site", "admin", "scheduler", "store"]
+Kind = Literal["tenant", "site", "admin", "scheduler", "store", "etcd"]
 KINDS: tuple[Kind, ...] = get_args(Kind)
+# who a tiermesh server (an edge, the variant store, the console) admits as a caller at all: every kind but etcd's
+CALLER_KINDS: tuple[Kind, ...] = tuple(k for k in KINDS if k != "etcd")
 TRUST_DOMAIN = "tiermesh"
 NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 _PREFIX = f"spiffe://{TRUST_DOMAIN}/"

@@ -5,6 +5,7 @@ site's CURVE key pair, bound into its certificate), replacing the previous ones 
 processes pick them up (:class:`mesh.pki.reload.ReloadingCredentials`); ``revoke`` puts every live
 certificate of an identity on ``crl.pem`` (``tiermesh pki revoke`` then publishes it through etcd ``pki/crl``;
 ``adopt_crl`` takes a newer list from there first, so two operators' homes never fork the numbering);
+``refresh_crl`` re-signs the list before its nextUpdate (verifiers refuse everyone once the list they hold is past it);
 ``listing`` reads the issuance log against the list; ``bundle`` copies what one host needs (and nothing else) into
 that host's own PKI directory.
 """
@@ -97,8 +98,9 @@ class LocalPki:
             pem = self.paths.crl.read_bytes()
         except OSError as exc:
             raise PkiError(f"cannot read the revocation list {self.paths.crl}: {exc}") from exc
+        # the CA's own list, expired or not: the holder of the CA re-signs it (refresh_crl), never refuses it
         return RevocationList.load(pem, read_cert(self.paths.ca_cert),
-                                   names={r.serial: r.identity for r in self._records()})
+                                   names={r.serial: r.identity for r in self._records()}, allow_expired=True)
 
     def standardise_crl(self) -> bool:
         """Re-sign ``crl.pem`` (number + 1, same entries) if it was written with tiermesh's private entry extension,
@@ -113,10 +115,19 @@ class LocalPki:
         write_file(self.paths.crl, updated.to_pem())
         return True
 
+    def refresh_crl(self, *, now: datetime | None = None) -> RevocationList:
+        """Re-sign ``crl.pem``: the same revocations (less those whose certificate has expired), number + 1, fresh
+        for :data:`~mesh.pki.policy.CRL_LIFETIME` from ``now``. Verifiers refuse everyone once the list they hold
+        is past nextUpdate, so the CA's holder runs this every :data:`~mesh.pki.policy.CRL_REFRESH`
+        (``tiermesh pki refresh-crl``; ``tiermesh up`` on its own)."""
+        updated = self.crl().add(self.ca(), [], now=now, expiry={r.serial: r.not_after for r in self._records()})
+        write_file(self.paths.crl, updated.to_pem())
+        return updated
+
     def adopt_crl(self, pem: bytes) -> bool:
         """Replace ``crl.pem`` with ``pem`` if it is a list signed by this CA and newer than the one here.
         ``PkiError`` if it does not verify. True if adopted."""
-        crl = RevocationList.load(pem, read_cert(self.paths.ca_cert))
+        crl = RevocationList.load(pem, read_cert(self.paths.ca_cert), allow_expired=True)
         if crl.number <= self.crl().number:
             return False
         write_file(self.paths.crl, crl.to_pem())

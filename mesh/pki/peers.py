@@ -10,6 +10,9 @@ SAN, not a CA, clientAuth EKU, not revoked) is checked by :meth:`TlsPeers.identi
     caller                                    answer
     no certificate / another CA / expired     refused at the handshake (TLS 1.3: a reset at its first request)
     revoked / bad SAN / CA:TRUE / wrong EKU   Unauthenticated (the server answers 401 and closes)
+    anyone, while the list held is expired    Unauthenticated ``crl_expired`` (fail closed: :mod:`mesh.pki.crl`)
+    an etcd identity (or a kind not in        PermissionDenied ``wrong_kind`` (403): etcd's certificate is for etcd
+      ``kinds``)
     a valid identity                          that Identity; which kinds may do what is the server's rule
 
 The verdict is cached per connection (its ``SSLObject``) and recomputed when the CA or the revocation list
@@ -35,7 +38,7 @@ from mesh.lifecycle import Service, cancel_and_wait
 from mesh.log import get_logger, kv
 from mesh.pki.crl import RevocationList
 from mesh.pki.files import PkiPaths
-from mesh.pki.identity import KINDS, Identity
+from mesh.pki.identity import CALLER_KINDS, Identity, Kind
 from mesh.pki.reload import ReloadingCredentials
 from mesh.pki.trust import TrustStore
 from mesh.pki.verify import peer_certificate
@@ -58,8 +61,10 @@ class TlsPeers(Service):
     """``ssl_context`` for a listener serving as ``identity``; :meth:`identify` for its handlers.
     ``PkiError`` at construction when the identity's certificate, key or the CA cannot be read."""
 
-    def __init__(self, paths: PkiPaths, identity: Identity, *, interval_s: float = 1.0) -> None:
+    def __init__(self, paths: PkiPaths, identity: Identity, *, interval_s: float = 1.0,
+                 kinds: tuple[Kind, ...] = CALLER_KINDS) -> None:
         self.identity = identity
+        self.kinds = kinds
         self.credentials = ReloadingCredentials.for_identity(paths, identity, interval_s=interval_s)
         self.trust = TrustStore.under(paths, interval_s=interval_s)
         self.ssl_context = self.credentials.server_context()
@@ -118,7 +123,9 @@ class TlsPeers(Service):
         try:
             cert = peer_certificate(ssl_object)  # type: ignore[arg-type]  # an SSLObject, or None
             not_after = cert.not_valid_after_utc.timestamp()
-            identity = self.trust.verify(cert, use="client", kinds=KINDS)
+            if crl is not None and crl.next_update is not None:  # an admitted caller is checked again then
+                not_after = min(not_after, crl.next_update.timestamp())
+            identity = self.trust.verify(cert, use="client", kinds=self.kinds)
         except (Unauthenticated, PermissionDenied) as exc:
             return _Verdict(None, exc, ca, crl, float("inf"))
         return _Verdict(identity, None, ca, crl, not_after)

@@ -17,8 +17,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from mesh.pki.identity import Kind
 
-__all__ = ["CA_LIFETIME", "CLOCK_SKEW", "EKUS", "LIFETIMES", "REVOKED_IDENTITY_OID", "USE_EKU",
-           "Use", "lifetimes_text"]
+__all__ = ["CA_LIFETIME", "CLOCK_SKEW", "CRL_LIFETIME", "CRL_REFRESH", "EKUS", "LIFETIMES", "REVOKED_IDENTITY_OID",
+           "USE_EKU", "Use", "lifetimes_text"]
 
 CA_LIFETIME = timedelta(days=30)
 LIFETIMES: Mapping[Kind, timedelta] = MappingProxyType({
@@ -27,7 +27,16 @@ LIFETIMES: Mapping[Kind, timedelta] = MappingProxyType({
     "admin": timedelta(hours=8),
     "scheduler": timedelta(hours=24),
     "store": timedelta(hours=24),
+    "etcd": timedelta(hours=24),
 })
+# A revocation list's nextUpdate is this long after it is signed; a verifier holding a list past it (plus CLOCK_SKEW)
+# admits no one (mesh.pki.verify: "crl_expired"), as it would refuse an expired certificate: a list nobody has
+# re-signed for two days may be missing revocations. The CA's holder re-signs well before (CRL_REFRESH: `tiermesh up`
+# does it on its own; an operator runs `tiermesh pki refresh-crl` from cron), so a list is fresh with 42 h to spare
+# and a day of missed refreshes costs nothing. Two days, not hours: certificates live a day, so whoever issues
+# them is around daily anyway.
+CRL_LIFETIME = timedelta(days=2)
+CRL_REFRESH = timedelta(hours=6)
 # Verifiers accept a certificate this long before its notBefore and after its notAfter; the CA also backdates
 # notBefore by as much, so a peer whose clock runs a little behind the issuer's accepts a fresh certificate.
 CLOCK_SKEW = timedelta(minutes=2)
@@ -44,6 +53,7 @@ EKUS: Mapping[Kind, tuple[Use, ...]] = MappingProxyType({
     "admin": ("client",),
     "scheduler": ("server", "client"),
     "store": ("server", "client"),  # serves blobs over HTTPS; a client of etcd
+    "etcd": ("server", "client"),   # etcd's client and peer ports; members dial each other; the CRL follower reads etcd
 })
 
 # tiermesh's private OID arc: a UUID OID (ITU-T X.667, 2.25.<uuid>) needs no registration, and its owner
@@ -65,4 +75,5 @@ def _hours(d: timedelta) -> str:
 def lifetimes_text() -> str:
     """For ``--help``: the default lifetimes, from the table above."""
     kinds = ", ".join(f"{k} {_hours(v)}" for k, v in LIFETIMES.items())
-    return f"Default lifetimes: {kinds}; CA {_hours(CA_LIFETIME)}"
+    return (f"Default lifetimes: {kinds}; CA {_hours(CA_LIFETIME)}; revocation list {_hours(CRL_LIFETIME)} "
+            f"(re-signed every {_hours(CRL_REFRESH)}: `tiermesh pki refresh-crl`)")

@@ -9,6 +9,15 @@ written yet) is refused and retried on the next check, so the old pair stays in 
 What a verifier trusts (the CA and the revocation list) follows its files the same way, on the
 :class:`Poller` here: :class:`~mesh.pki.trust.TrustStore`.
 
+A *client* checks the server's revocation too, with ``ssl`` alone: :class:`CrlFile` loads the CA's PEM revocation
+list into its client contexts with ``VERIFY_CRL_CHECK_LEAF``, so OpenSSL refuses, at the handshake and before a
+request is sent, a server certificate the list names (a revoked site key impersonating an edge), a list not signed
+by the CA, and a list past its nextUpdate (fail closed, as every verifier of the mesh: :mod:`mesh.pki.crl`). A
+context cannot drop a list once loaded, and of two lists of one CA OpenSSL uses the one with the later lastUpdate,
+a time in whole seconds: a list re-signed within the second of the one before would lose to it. So a changed list
+is loaded into the contexts made before (enough after a second) *and* a client builds a fresh context for its next
+connections (:func:`client_tls` hands out a factory; the SDK's transport opens a new pool with it on a change).
+
 This module needs only the standard library (``ssl``): the SDK on a device builds its mutual-TLS context with it,
 and the base install has no ``cryptography``; the parsed certificate (:attr:`ReloadingCredentials.certificate`) is
 read only where it is asked for.
@@ -23,6 +32,8 @@ import asyncio
 import importlib.util
 import os
 import ssl
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,7 +47,7 @@ if TYPE_CHECKING:
     from mesh.pki.files import PkiPaths
     from mesh.pki.identity import Identity
 
-__all__ = ["Poller", "ReloadingCredentials", "Stamp", "client_tls", "file_stamp"]
+__all__ = ["ContextFactory", "CrlFile", "Poller", "ReloadingCredentials", "Stamp", "client_tls", "file_stamp"]
 
 log = get_logger(__name__)
 Stamp = tuple[tuple[int, int, int] | None, ...]
@@ -78,13 +89,77 @@ class Poller(Service):
         await cancel_and_wait(self._task)
 
 
-class ReloadingCredentials(Poller):
-    """An identity's TLS credentials (certificate, key, CA), re-read when the files change."""
+def _load_pem_file(ctx: ssl.SSLContext, data: bytes, what: str) -> None:
+    """``ctx.load_verify_locations`` of ``data`` (it reads only files: an anonymous in-memory one, so what is
+    loaded is exactly what was checked); ``PkiError`` if OpenSSL refuses it."""
+    fd = os.memfd_create("tiermesh-verify", os.MFD_CLOEXEC)
+    try:
+        os.write(fd, data)
+        ctx.load_verify_locations(cafile=f"/proc/self/fd/{fd}")
+    except (ssl.SSLError, OSError) as exc:
+        raise PkiError(f"cannot load {what}: {exc}") from exc
+    finally:
+        os.close(fd)
 
-    def __init__(self, cert: Path, key: Path, ca: Path, *, interval_s: float = 1.0) -> None:
+
+_CRL_BEGIN = b"-----BEGIN X509 CRL-----"
+
+
+class CrlFile(Poller):
+    """The CA's revocation list (PEM) that client contexts check the server's certificate against, re-read when the
+    file changes. The file must hold revocation lists and nothing else: a certificate in it would be loaded as one
+    more trusted CA (``load_verify_locations`` reads both), so anything else is refused (``PkiError``)."""
+
+    def __init__(self, path: Path, *, interval_s: float = 1.0) -> None:
+        self.path, self.interval_s = Path(path), interval_s
+        self._contexts: weakref.WeakSet[ssl.SSLContext] = weakref.WeakSet()  # a context no one holds is let go
+        self._pem = self._read()  # fails loudly at construction: a client told to check revocation must
+        self._stamp = file_stamp(self.path)
+
+    def _read(self) -> bytes:
+        try:
+            pem = self.path.read_bytes()
+        except OSError as exc:
+            raise PkiError(f"cannot read the revocation list {self.path}: {exc}") from exc
+        blocks = [line.strip() for line in pem.splitlines() if line.startswith(b"-----BEGIN ")]
+        if not blocks or any(b != _CRL_BEGIN for b in blocks):
+            raise PkiError(f"{self.path} is not a PEM revocation list (X509 CRL blocks only)")
+        _load_pem_file(ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT), pem, f"the revocation list {self.path}")
+        return pem
+
+    def apply(self, ctx: ssl.SSLContext) -> ssl.SSLContext:
+        """Make ``ctx`` check the leaf certificate of every server it meets against the list (kept current)."""
+        ctx.verify_flags |= ssl.VERIFY_CRL_CHECK_LEAF
+        _load_pem_file(ctx, self._pem, f"the revocation list {self.path}")
+        self._contexts.add(ctx)
+        return ctx
+
+    def refresh(self) -> bool:
+        """Load a changed list into every context. True if it did."""
+        stamp = file_stamp(self.path)
+        if stamp == self._stamp:
+            return False
+        try:
+            pem = self._read()
+        except PkiError as exc:  # broken or missing: the list loaded before stays in force
+            log.warning("revocation list not reloaded", extra=kv(event="crl_pending", reason=str(exc)))
+            return False
+        for ctx in list(self._contexts):
+            _load_pem_file(ctx, pem, f"the revocation list {self.path}")
+        self._pem, self._stamp = pem, stamp
+        log.info("revocation list reloaded", extra=kv(event="crl_reloaded", reason=str(self.path)))
+        return True
+
+
+class ReloadingCredentials(Poller):
+    """An identity's TLS credentials (certificate, key, CA), re-read when the files change. With ``crl`` (the CA's
+    PEM revocation list), client contexts also refuse a server whose certificate it names (:class:`CrlFile`)."""
+
+    def __init__(self, cert: Path, key: Path, ca: Path, *, interval_s: float = 1.0, crl: Path | None = None) -> None:
         self.cert_path, self.key_path, self.ca_path = Path(cert), Path(key), Path(ca)
         self.interval_s = interval_s
-        self._contexts: list[ssl.SSLContext] = []
+        self.crl = CrlFile(crl, interval_s=interval_s) if crl is not None else None
+        self._contexts: weakref.WeakSet[ssl.SSLContext] = weakref.WeakSet()  # a context no one holds is let go
         self._stamp: Stamp = ()
         self._chain = self._read_pair()  # fails loudly at construction: no credentials, no service
         self._stamp = file_stamp(self.cert_path, self.key_path)
@@ -100,8 +175,12 @@ class ReloadingCredentials(Poller):
         return self._certificate
 
     @classmethod
-    def for_identity(cls, paths: PkiPaths, identity: Identity, *, interval_s: float = 1.0) -> ReloadingCredentials:
-        return cls(paths.cert(identity), paths.key(identity), paths.ca_cert, interval_s=interval_s)
+    def for_identity(cls, paths: PkiPaths, identity: Identity, *, interval_s: float = 1.0,
+                     check_crl: bool = False) -> ReloadingCredentials:
+        """``identity``'s files under ``paths``; ``check_crl``: its client contexts check servers against
+        ``paths.crl``."""
+        return cls(paths.cert(identity), paths.key(identity), paths.ca_cert, interval_s=interval_s,
+                   crl=paths.crl if check_crl else None)
 
     def _read_pair(self) -> bytes:
         try:
@@ -133,7 +212,7 @@ class ReloadingCredentials(Poller):
         except (ssl.SSLError, OSError) as exc:
             raise PkiError(f"cannot load the CA {self.ca_path}: {exc}") from exc
         self._load_into(ctx, self._chain)
-        self._contexts.append(ctx)
+        self._contexts.add(ctx)
         return ctx
 
     def server_context(self) -> ssl.SSLContext:
@@ -146,10 +225,14 @@ class ReloadingCredentials(Poller):
         the caller checks on ``peer_certificate`` with a ``TrustStore``."""
         ctx = self._context(ssl.PROTOCOL_TLS_CLIENT)
         ctx.check_hostname = check_hostname
-        return ctx
+        return self.crl.apply(ctx) if self.crl is not None else ctx
 
     def refresh(self) -> bool:
-        """Load a changed certificate/key pair into every context made here. True if it did."""
+        """Load a changed certificate/key pair (and revocation list) into every context made here. True if it did."""
+        crl_changed = self.crl.refresh() if self.crl is not None else False
+        return self._refresh_pair() or crl_changed
+
+    def _refresh_pair(self) -> bool:
         stamp = file_stamp(self.cert_path, self.key_path)
         if stamp == self._stamp:
             return False
@@ -158,7 +241,7 @@ class ReloadingCredentials(Poller):
         except PkiError as exc:  # mid-rotation or broken: keep the old pair, try again next time
             log.warning("new credentials not loaded yet", extra=kv(event="credentials_pending", reason=str(exc)))
             return False
-        for ctx in self._contexts:
+        for ctx in list(self._contexts):
             self._load_into(ctx, chain)
         self._chain, self._stamp, self._certificate = chain, stamp, None
         reason = str(self.cert_path)
@@ -168,22 +251,35 @@ class ReloadingCredentials(Poller):
         return True
 
 
+ContextFactory = Callable[[], ssl.SSLContext]
+
+
 def client_tls(base_url: str, cert: str | Path | None, key: str | Path | None, ca: str | Path | None,
-               check_hostname: bool) -> tuple[ssl.SSLContext | None, ReloadingCredentials | None]:
-    """An SDK client's SSL context for ``base_url`` (once per client) and the credentials that keep it
-    current (None, None for plain http)."""
+               check_hostname: bool, crl: str | Path | None = None,
+               ) -> tuple[ContextFactory | None, ReloadingCredentials | CrlFile | None]:
+    """An SDK client's SSL contexts for ``base_url``: a factory of client contexts from the files in force (called
+    for each connection pool; None for plain http), and what checks those files (``refresh()``, True on a change):
+    the credentials (with their revocation list), the list alone (no client certificate), or None.
+    ``crl``: the CA's revocation list (``pki/crl.pem``): the server's certificate is checked against it."""
     https = base_url.lower().startswith("https://")
     if (cert is None) != (key is None):
         raise ConfigError("pass both cert= and key= (the client certificate and its private key), or neither")
-    if cert is not None and not https:
-        raise ConfigError(f"a client certificate needs an https:// URL, not {base_url!r}")
+    if (cert is not None or crl is not None) and not https:
+        raise ConfigError(f"a client certificate or crl= needs an https:// URL, not {base_url!r}")
     if not https:
         return None, None
     if ca is None:
         raise ConfigError("an https:// mesh URL needs ca= (the mesh CA certificate, pki/ca.pem)")
     if cert is None or key is None:  # server authentication only: a mutual-TLS edge will refuse us
-        ctx = ssl.create_default_context(cafile=str(ca))
-        ctx.check_hostname = check_hostname
-        return ctx, None
-    creds = ReloadingCredentials(Path(cert), Path(key), Path(ca))
-    return creds.client_context(check_hostname=check_hostname), creds
+        crl_file = CrlFile(Path(crl)) if crl is not None else None
+
+        def server_only() -> ssl.SSLContext:
+            ctx = ssl.create_default_context(cafile=str(ca))
+            ctx.check_hostname = check_hostname
+            return crl_file.apply(ctx) if crl_file is not None else ctx
+
+        server_only()  # fails now, not at the first request, when the CA cannot be read
+        return server_only, crl_file
+    creds = ReloadingCredentials(Path(cert), Path(key), Path(ca), crl=Path(crl) if crl is not None else None)
+    creds.client_context(check_hostname=check_hostname)
+    return lambda: creds.client_context(check_hostname=check_hostname), creds

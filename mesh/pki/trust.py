@@ -3,10 +3,16 @@
 :class:`TrustStore` re-reads them on change (on demand with ``refresh()``, and every ``interval_s`` when started as
 a ``Service``, like :class:`~mesh.pki.reload.ReloadingCredentials`); ``verify`` is
 :func:`mesh.pki.verify.verify_certificate` with them.
+
+A list past its nextUpdate is still *held* (read from the file, or adopted from etcd when newer: a newer list never
+names fewer revocations), so a host restarted with a stale ``crl.pem`` starts, and takes the fresh list etcd
+delivers moments later; until one arrives ``verify`` refuses everyone (``crl_expired``), and the poll logs an error
+every :data:`EXPIRED_LOG_S` saying so.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Collection
 from pathlib import Path
 
@@ -21,9 +27,10 @@ from mesh.pki.policy import Use
 from mesh.pki.reload import Poller, Stamp, file_stamp
 from mesh.pki.verify import verify_certificate
 
-__all__ = ["TrustStore"]
+__all__ = ["EXPIRED_LOG_S", "TrustStore"]
 
 log = get_logger(__name__)
+EXPIRED_LOG_S = 60.0  # how often a verifier holding an expired list says so (its refusals are logged by their callers)
 
 
 class TrustStore(Poller):
@@ -36,6 +43,7 @@ class TrustStore(Poller):
         self.ca = read_cert(self.ca_path)
         self.crl = self._read_crl() if self.crl_path is not None else None
         self._stamp = self._now_stamp()
+        self._expired_logged = -EXPIRED_LOG_S
 
     @classmethod
     def under(cls, paths: PkiPaths, *, interval_s: float = 1.0) -> TrustStore:
@@ -50,9 +58,19 @@ class TrustStore(Poller):
             pem = self.crl_path.read_bytes()
         except OSError as exc:
             raise PkiError(f"cannot read the revocation list {self.crl_path}: {exc}") from exc
-        return RevocationList.load(pem, self.ca)
+        return RevocationList.load(pem, self.ca, allow_expired=True)
+
+    def _say_if_expired(self) -> None:
+        crl, now = self.crl, time.monotonic()
+        if crl is None or not crl.expired() or now - self._expired_logged < EXPIRED_LOG_S:
+            return
+        self._expired_logged = now
+        log.error("the revocation list held (number %d) expired at %s: every peer is refused until a fresh one "
+                  "arrives (re-sign it with `tiermesh pki refresh-crl`)", crl.number, crl.next_update,
+                  extra=kv(event="crl_expired", reason=str(self.crl_path)))
 
     def refresh(self) -> bool:
+        self._say_if_expired()
         stamp = self._now_stamp()
         if stamp == self._stamp:
             return False
@@ -74,8 +92,8 @@ class TrustStore(Poller):
 
     def load_crl(self, pem: bytes) -> bool:
         """Adopt a revocation list received from elsewhere (etcd ``pki/crl``) if it verifies and is newer
-        than the one held. True if adopted."""
-        crl = RevocationList.load(pem, self.ca)
+        than the one held (expired or not: see the module). True if adopted."""
+        crl = RevocationList.load(pem, self.ca, allow_expired=True)
         if self.crl is not None and crl.number <= self.crl.number:
             return False
         self.crl = crl

@@ -9,7 +9,9 @@ Checks, in order (each failure an ``Unauthenticated`` with its ``reason``, excep
     identity         san               exactly one URI SAN, a valid spiffe://tiermesh/<kind>/<name>
     kind             (PermissionDenied wrong_kind)  one of the kinds the caller expects
     use              eku               the EKU for the use: clientAuth for a client, serverAuth for a server
-    revocation       revoked           serial not on the CA-signed revocation list
+    revocation       crl_expired       the revocation list held is fresh (within its nextUpdate): a verifier whose
+                                       list nobody re-signed admits no one (fail closed; see mesh.pki.crl)
+                     revoked           serial not on the CA-signed revocation list
     CURVE binding    curve_binding     when a CURVE key is presented: the certificate binds exactly that key
 
 TLS (``ssl`` with ``CERT_REQUIRED``) already checks the chain and validity at the handshake; this runs after
@@ -126,14 +128,19 @@ def verify_certificate(cert: bytes | x509.Certificate, *, ca: x509.Certificate, 
     the certificate binds exactly this CURVE key.
     """
     leaf = load_certificate(cert)
+    now = now or datetime.now(UTC)
     _check_issuer(leaf, ca)
-    _check_validity(leaf, now or datetime.now(UTC))
+    _check_validity(leaf, now)
     _check_leaf(leaf)
     identity = _identity(leaf)
     if identity.kind not in kinds:
         raise PermissionDenied(f"{identity} is a {identity.kind}; expected {' or '.join(kinds)}",
                                reason="wrong_kind")
     _check_use(leaf, use)
+    if crl is not None and crl.expired(now):
+        raise _fail("crl_expired", f"the revocation list held (number {crl.number}) expired at "
+                                   f"{crl.next_update:%Y-%m-%d %H:%M:%S}Z: no certificate is accepted until a fresh "
+                                   f"one arrives (the CA's holder re-signs it: `tiermesh pki refresh-crl`)")
     if crl is not None and crl.is_revoked(leaf.serial_number):
         raise _fail("revoked", f"certificate {leaf.serial_number:x} of {identity} is revoked")
     if curve_public is not None:

@@ -44,6 +44,10 @@ the HTTP front's parser too), so both accept and refuse the same SLOs.
 Hostile input raises ``ProtocolError`` with a message saying what was wrong, or
 ``PayloadTooLarge`` when declared or actual sizes exceed ``max_bytes``; both are in
 ``DECODE_ERRORS``. Nothing else escapes a decoder.
+
+A message's envelope is bounded before anything in it is read (``protocol_check.check_envelope``: at most
+``MAX_FRAMES`` frames and ``message_bytes_limit(max_bytes)`` bytes); a message a receiver cut short at those bounds
+(:mod:`mesh.zmq.bounded`, ending in ``CUT``) is refused as ``PayloadTooLarge``.
 """
 
 from __future__ import annotations
@@ -57,19 +61,23 @@ import zmq
 
 from mesh import clock
 from mesh.bytes_tensor import serialize_bytes
-from mesh.errors import BadTensor, MeshError, ProtocolError
+from mesh.errors import BadTensor, MeshError, PayloadTooLarge, ProtocolError
 from mesh.types import InferRequest, InferResponse, Timing, shape_fits
+from mesh.zmq.bounded import CUT
 from mesh.zmq.protocol_check import (
     ALLOWED_DTYPES,
     BYTES_WIRE,
     DEFAULT_MAX_BYTES,
+    MAX_FRAMES,
     MAX_ID_LEN,
     MAX_NDIM,
     MAX_TENSORS,
     VERSION,
     WIRE_DTYPES,
+    check_envelope,
     check_reply,
     check_request,
+    message_bytes_limit,
     read_bytes_tensor,
     read_id,
     read_slo,
@@ -327,6 +335,7 @@ def decode_request(frames: Sequence[FrameLike], *, max_bytes: int = DEFAULT_MAX_
         now = clock.monotonic()
     if not frames:
         raise ProtocolError("empty message")
+    _check_whole(frames, max_bytes)
     h = unpack_header(frames[0])
     fast = _fast_request(h, frames, max_bytes, now)
     if fast is not None:
@@ -340,6 +349,7 @@ def decode_reply(frames: Sequence[FrameLike], *,
     a reply with a readable id but a broken body comes back as ``(id, ProtocolError)``."""
     if not frames:
         raise ProtocolError("empty message")
+    _check_whole(frames, max_bytes)
     h = unpack_header(frames[0])
     rid: str = h["id"]  # checked by unpack_header
     fast = _fast_response(h, rid, frames, max_bytes)
@@ -362,3 +372,11 @@ def peek_request_id(frames: Sequence[FrameLike]) -> str | None:
         return read_id(unpack_header(frames[0])) if frames else None
     except ProtocolError:
         return None
+
+
+
+def _check_whole(frames: Sequence[object], max_bytes: int) -> None:
+    if frames[-1] is CUT:
+        raise PayloadTooLarge(f"a message cut short by its receiver: more than {MAX_FRAMES} frames or "
+                              f"{message_bytes_limit(max_bytes)} bytes")
+    check_envelope(frames, max_bytes)

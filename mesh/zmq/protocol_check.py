@@ -27,14 +27,17 @@ __all__ = [
     "BYTES_WIRE",
     "DECODE_ERRORS",
     "DEFAULT_MAX_BYTES",
+    "MAX_FRAMES",
     "MAX_HEADER_BYTES",
     "MAX_ID_LEN",
     "MAX_NDIM",
     "MAX_TENSORS",
     "VERSION",
     "WIRE_DTYPES",
+    "check_envelope",
     "check_reply",
     "check_request",
+    "message_bytes_limit",
     "read_bytes_tensor",
     "read_id",
     "read_slo",
@@ -47,6 +50,9 @@ VERSION: Final = 2  # 2: relative deadlines (budget_ms + sent_at) replaced v1's 
 DEFAULT_MAX_BYTES: Final = 64 * 1024 * 1024
 MAX_HEADER_BYTES: Final = 256 * 1024
 MAX_TENSORS: Final = 256
+# A message is a header and one frame per tensor: no request or reply has more frames, nor more bytes than
+# message_bytes_limit. libzmq's MAXMSGSIZE bounds each frame only; these bound the message (check_envelope).
+MAX_FRAMES: Final = 1 + MAX_TENSORS
 MAX_NDIM: Final = 32
 MAX_ID_LEN: Final = 256
 ALLOWED_DTYPES: Final = frozenset(
@@ -75,6 +81,24 @@ def _buffer(frame: object) -> memoryview:
         except TypeError as exc:
             raise ProtocolError(f"frame buffer cannot be read as bytes: {exc}") from exc
     raise ProtocolError(f"frame of type {type(frame).__name__} is not a byte buffer")
+
+
+def message_bytes_limit(max_bytes: int) -> int:
+    """The most bytes a message may carry in all: a header and ``max_bytes`` of tensors."""
+    return max_bytes + MAX_HEADER_BYTES
+
+
+def check_envelope(frames: Sequence[object], max_bytes: int) -> None:
+    """A message's frame count and total size within the bounds of any message (before anything in it is read):
+    ``ProtocolError`` for too many frames, ``PayloadTooLarge`` for too many bytes."""
+    if len(frames) > MAX_FRAMES:
+        raise ProtocolError(f"a message of {len(frames)} frames: at most {MAX_FRAMES} (a header and "
+                            f"{MAX_TENSORS} tensors)")
+    # len() of the two types a socket hands us; a memoryview of anything else
+    total = sum(len(f) if type(f) is zmq.Frame or type(f) is bytes else _buffer(f).nbytes  # type: ignore[arg-type]
+                for f in frames)
+    if total > message_bytes_limit(max_bytes):
+        raise PayloadTooLarge(f"a message of {total} bytes: at most {message_bytes_limit(max_bytes)}")
 
 
 def unpack_header(frame: object) -> dict[str, Any]:

@@ -10,8 +10,11 @@ silence. The ROUTER pings its clients too (:class:`mesh.zmq.base.Heartbeat`) and
 connection of one that stops answering.
 
 Receive memory is bounded per peer: at most ``rcvhwm`` messages queued per connection (then TCP pushes back
-on that peer alone), each at most ``max_bytes`` plus a header (libzmq drops a peer that sends more). Garbage
-is answered where it names a request id, and logged at most once per peer every 10 s (counted in
+on that peer alone), each frame at most ``max_bytes`` (or a header's bound; libzmq drops a peer that sends more),
+and each message at most ``MAX_FRAMES`` frames and ``max_bytes`` plus a header in all: the socket is read through
+:class:`mesh.zmq.bounded.BoundedReceiver`, which cuts a longer message short without keeping its frames, and the
+decoder refuses it. (libzmq still holds a whole message before any of it is read: see :mod:`mesh.zmq.bounded`.)
+Garbage is answered where it names a request id, and logged at most once per peer every 10 s (counted in
 ``garbage``). With ``security`` (:mod:`mesh.zmq.curve`), every request's sender must be an admitted peer:
 the handler reads who it is with :func:`current_peer`; a sender no longer admitted (revoked) is refused.
 """
@@ -34,6 +37,7 @@ from mesh.log import get_logger, kv
 from mesh.types import InferRequest, InferResponse
 from mesh.zmq import protocol as wire
 from mesh.zmq.base import DEFAULT_HEARTBEAT, Heartbeat, SocketSecurity, close_context, open_context
+from mesh.zmq.bounded import BoundedReceiver
 from mesh.zmq.curve import RateLimitedLog
 from mesh.zmq.protocol_check import DECODE_ERRORS, DEFAULT_MAX_BYTES, MAX_HEADER_BYTES
 from mesh.zmq.pump import Pump, io_socket
@@ -100,7 +104,7 @@ class ZmqServer(Service):
             raise
         self._sock = sock
         self._endpoint = cast(bytes, sock.getsockopt(zmq.LAST_ENDPOINT)).decode()
-        self._pump = Pump(io_socket(sock), self._dispatch, f"zmq server {self._endpoint}")
+        self._pump = Pump(self._receiver(sock), self._dispatch, f"zmq server {self._endpoint}")
         log.info("zmq server listening on %s", self._endpoint)
 
     async def rebind(self, *, drain_s: float = 1.0, retry_s: float = 3.0) -> None:
@@ -136,8 +140,12 @@ class ZmqServer(Service):
             if self._security is not None:
                 self._security.release_server(old)
         self._sock = sock
-        self._pump = Pump(io_socket(sock), self._dispatch, f"zmq server {self._endpoint}")
+        self._pump = Pump(self._receiver(sock), self._dispatch, f"zmq server {self._endpoint}")
         log.info("zmq server re-bound on %s", self._endpoint)
+
+    def _receiver(self, sock: zmq.Socket[Any]) -> zmq.Socket[Any]:
+        """What the pump reads: ``sock`` with the bounds of one message (frames and bytes) on every receive."""
+        return BoundedReceiver.over(io_socket(sock), self._max_bytes, routed=True)
 
     def _open_socket(self, endpoint: str) -> zmq.Socket[Any]:
         assert self._ctx is not None
@@ -146,8 +154,9 @@ class ZmqServer(Service):
             sock = self._ctx.socket(zmq.ROUTER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IPV6, 1)  # a caller's own context may lack dual_stack(): tcp://[::1]:0 works
-            # libzmq drops a peer that sends a frame over this, before we ever buffer it
-            sock.setsockopt(zmq.MAXMSGSIZE, self._max_bytes + MAX_HEADER_BYTES)
+            # libzmq drops a peer that sends a frame over this, before we ever buffer it: no frame of a message
+            # carries more than its header or its tensors' whole bound (the message's bound: BoundedReceiver)
+            sock.setsockopt(zmq.MAXMSGSIZE, max(self._max_bytes, MAX_HEADER_BYTES))
             sock.setsockopt(zmq.RCVHWM, self._rcvhwm)
             self._heartbeat.apply(sock, client=False)
             if self._security is not None:

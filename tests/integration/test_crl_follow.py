@@ -137,3 +137,26 @@ def _true(pred: Callable[[], bool]) -> Callable[[], Awaitable[bool]]:
         return pred()
 
     return check
+
+
+async def test_a_refused_list_is_tried_again_until_it_verifies(store: Store, pki: LocalPki, tmp_path: Path) -> None:
+    """A list refused once (here: the CA file beside the follower is not yet the CA that signed it, as when a CA is
+    replaced on disk a moment after its first list arrives) is adopted once it verifies, with no new write to
+    ``pki/crl``: the watch delivers a value once, and the refusal used to stand until the next list."""
+    ca_file = tmp_path / "follower-ca.pem"
+    other = LocalPki.under(tmp_path / "other")
+    other.init()
+    shutil.copyfile(other.paths.ca_cert, ca_file)  # not the CA of the lists published
+    out = tmp_path / "etcd-crl.pem"
+    crl, _ = pki.revoke(ACME)
+    assert (await publish_crl(store, crl, pki.ca().cert))[0]
+    async with CrlFollower(store, ca_file, out) as follower:
+        await asyncio.sleep(0.5)
+        assert follower.crl is None and not out.exists()  # refused: another CA
+        shutil.copyfile(pki.paths.ca_cert, ca_file)  # the right CA arrives; etcd's value does not change
+
+        async def adopted() -> bool:
+            return follower.crl is not None and follower.crl.number == crl.number
+
+        await eventually(adopted, timeout=8, what="the refused list adopted once it verifies")
+        assert RevocationList.load(out.read_bytes(), pki.ca().cert).is_revoked(pki.certificate(ACME).serial_number)

@@ -19,7 +19,7 @@ from mesh.pki.identity import Identity
 from mesh.pki.local import LocalPki
 
 pytestmark = pytest.mark.integration
-SERVER = Identity("site", "etcd")
+SERVER = Identity("etcd", "etcd")
 REVOKED, KEPT = Identity("site", "edge-1"), Identity("admin", "op")
 
 

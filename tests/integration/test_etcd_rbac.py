@@ -45,7 +45,7 @@ def _issue(pki: LocalPki, ident: Identity) -> None:
 async def mesh_etcd(tmp_path: Path) -> AsyncIterator[tuple[EmbeddedEtcd, LocalPki]]:
     pki = LocalPki.under(tmp_path)
     pki.init()
-    server = Identity("site", "etcd")  # server and client EKU, as etcd's own health probe needs
+    server = Identity("etcd", "etcd")  # server and client EKU, as etcd's own health probe needs
     _issue(pki, server)
     for ident in [*(Identity("site", s) for s in SITES), Identity("scheduler", "s1"), Identity("admin", "root-op"),
                   Identity("admin", "op"), Identity("tenant", "acme")]:
@@ -69,7 +69,7 @@ async def _cli_apply(srv: EmbeddedEtcd, pki: LocalPki, topology: Path) -> None:
     root = Identity("admin", "root-op")
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "tiermesh", "etcd-rbac", "--topology", str(topology), "--prefix", PREFIX,
-        "--scheduler", "s1", "--admin", "op", "--root-admin", "root-op", "--crl-follower", "site:etcd",
+        "--scheduler", "s1", "--admin", "op", "--root-admin", "root-op", "--crl-follower", "etcd:etcd",
         "--etcd", srv.url,
         "--etcd-ca", str(pki.paths.ca_cert), "--etcd-cert", str(pki.paths.cert(root)),
         "--etcd-key", str(pki.paths.key(root)),
@@ -83,7 +83,7 @@ async def _cli_apply(srv: EmbeddedEtcd, pki: LocalPki, topology: Path) -> None:
             await proc.wait()
     assert proc.returncode == 0, err.decode()
     assert b"user site:edge-1: tiermesh-site:edge-1" in out
-    assert b"user site:etcd: tiermesh-crl-follower" in out
+    assert b"user etcd:etcd: tiermesh-crl-follower" in out
 
 
 async def test_roles_are_enforced(mesh_etcd: tuple[EmbeddedEtcd, LocalPki], tmp_path: Path) -> None:
@@ -99,7 +99,7 @@ async def test_roles_are_enforced(mesh_etcd: tuple[EmbeddedEtcd, LocalPki], tmp_
     await srv.restart()  # with auth on, etcd still passes its health probe and keeps users and roles
 
     with pytest.raises(StorePermissionDenied):  # etcd's own certificate reads pki/crl, not the prefix
-        await _connect(srv, pki, "site", "etcd")
+        await _connect(srv, pki, "etcd", "etcd")
 
     async with await _connect(srv, pki, "site", "edge-1") as agent:
         lease = await agent.lease(5)

@@ -36,7 +36,7 @@ from tiermesh.cli.main import EXIT_OK, main
 
 pytestmark = pytest.mark.integration
 PREFIX = "/cut/"
-ETCD, EDGE, OTHER = Identity("site", "etcd"), Identity("site", "edge-1"), Identity("site", "edge-2")
+ETCD, EDGE, OTHER = Identity("etcd", "etcd"), Identity("site", "edge-1"), Identity("site", "edge-2")
 SCHED, ROOT, OP, ACME = Identity("scheduler", "s1"), Identity("admin", "root-op"), Identity("admin", "op"), \
     Identity("tenant", "acme")
 

@@ -1,7 +1,8 @@
 """A secured local mesh (``tiermesh up``'s default, :mod:`tiermesh.secure`) holds every role to its own: etcd
 speaks TLS with client certificates and RBAC, so an agent's certificate writes only its own live key and a tenant's
-reads nothing; the variant store speaks HTTPS and hands a tenant-private variant only to its tenant (and sites);
-agents fetch their blobs from it with their site certificates, or nothing would be served."""
+reads nothing; the variant store speaks HTTPS and hands a tenant-private variant only to its tenant (and the sites
+placement asks to serve that tenant); agents fetch their blobs from it with their site certificates, or nothing
+would be served."""
 
 from __future__ import annotations
 
@@ -90,15 +91,23 @@ async def test_a_secured_mesh_holds_every_role_to_its_own(holdout: Holdout) -> N
         with pytest.raises(StorePermissionDenied):
             await _connect_as(mesh, Identity("tenant", "acme"))
 
-        # the variant store: a tenant-private variant goes to its tenant and to sites, not to another tenant
-        assert mesh.catalog is not None and mesh.store_url is not None
-        private = [m for m in await mesh.catalog.list_variants() if m.owner == "acme"]
+        # the variant store: a tenant-private variant goes to its tenant and to the sites placement asks to serve
+        # that tenant (etcd placement/<site>), not to another tenant nor to any other site
+        assert mesh.catalog is not None and mesh.store_url is not None and mesh.store is not None
+        metas = await mesh.catalog.list_variants()
+        private = [m for m in metas if m.owner == "acme"]
         assert private, "the digits family registers acme's private head"
         blob = f"{mesh.store_url}/blobs/{private[0].blob_digest}"
         acme, globex = Identity("tenant", "acme"), Identity("tenant", "globex")
+        acme_variants = {(m.task, m.variant_id) for m in private}
         async with aiohttp.ClientSession() as s:
             assert await _status(s, blob, _context(mesh, acme)) == 200
-            assert await _status(s, blob, _context(mesh, Identity("site", EDGE))) == 200
+            for site in mesh.sites:
+                held = await mesh.store.get(placement_key(site))
+                asked = {(v["task"], v["variant_id"]) for v in (held.value["variants"] if held else [])}
+                # the store reads placement when asked; a placement moved away since keeps its grace (5 min)
+                if asked & acme_variants:
+                    assert await _status(s, blob, _context(mesh, Identity("site", site))) == 200, site
             assert await _status(s, blob, _context(mesh, globex)) == 403
             assert private[0].variant_id in await _catalog_ids(s, mesh.store_url, _context(mesh, acme))
             assert private[0].variant_id not in await _catalog_ids(s, mesh.store_url, _context(mesh, globex))

@@ -58,13 +58,13 @@ def test_cli_dry_run_prints_the_plan(capsys: pytest.CaptureFixture[str]) -> None
 
 
 def test_a_crl_follower_reads_pki_crl_and_nothing_else() -> None:
-    etcd = Identity("site", "etcd")
+    etcd = Identity("etcd", "etcd")  # etcd's own certificate, an identity kind of its own
     p = plan(P, sites=["edge-1"], root_admins=["boss"], crl_followers=[etcd, etcd])
-    assert p.users["site:etcd"] == (CRL_FOLLOWER_ROLE,)
-    assert p.may("site:etcd", "read", P + "pki/crl")
+    assert p.users["etcd:etcd"] == (CRL_FOLLOWER_ROLE,)
+    assert p.may("etcd:etcd", "read", P + "pki/crl")
     for key in ("pki/crl2", "pki/sites/edge-1", "topology/sites/edge-1", "live/edge-1", ""):
-        assert not p.may("site:etcd", "read", P + key), key
-    assert not p.may("site:etcd", "write", P + "pki/crl")
+        assert not p.may("etcd:etcd", "read", P + key), key
+    assert not p.may("etcd:etcd", "write", P + "pki/crl")
     # an identity that is also a site of the plan keeps its site role beside it
     both = plan(P, sites=["edge-1"], root_admins=["boss"], crl_followers=[Identity("site", "edge-1")])
     assert both.users["site:edge-1"] == ("tiermesh-site:edge-1", CRL_FOLLOWER_ROLE)
@@ -72,10 +72,10 @@ def test_a_crl_follower_reads_pki_crl_and_nothing_else() -> None:
 
 
 def test_cli_takes_crl_followers_as_kind_and_name(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["etcd-rbac", "--topology", str(EXAMPLE), "--root-admin", "boss", "--crl-follower", "site:etcd",
+    assert main(["etcd-rbac", "--topology", str(EXAMPLE), "--root-admin", "boss", "--crl-follower", "etcd:etcd",
                  "--dry-run"]) == EXIT_OK
     out = capsys.readouterr().out
-    assert f"user site:etcd: {CRL_FOLLOWER_ROLE}\n" in out
+    assert f"user etcd:etcd: {CRL_FOLLOWER_ROLE}\n" in out
     assert f"role {CRL_FOLLOWER_ROLE}: read /tiermesh/pki/crl\n" in out
     for bad, why in (("etcd", "expected KIND:NAME"), ("robot:x", "unknown identity kind"),
                      ("site:Bad Name", "invalid site name")):

@@ -55,7 +55,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="a variant store identity (store:NAME; repeatable)")
     r.add_argument("--crl-follower", metavar="KIND:NAME", action="append", default=[], type=_identity,
                    help="an identity that may read pki/crl and nothing else: `tiermesh pki follow-crl` beside etcd, "
-                        "with etcd's own certificate (site:etcd); repeatable")
+                        "with etcd's own certificate (etcd:etcd: `tiermesh pki issue --etcd-server etcd`); "
+                        "repeatable")
     r.add_argument("--root-admin", metavar="NAME", action="append", default=[], required=True,
                    help="an admin identity with etcd's root role (repeatable; include the one running this)")
     r.add_argument("--dry-run", action="store_true", help="print the users and roles, change nothing")
@@ -66,7 +67,7 @@ def _identity(text: str) -> Identity:
     """``KIND:NAME`` (a certificate's CN, as etcd names its user) as an identity."""
     kind, sep, name = text.partition(":")
     if not sep:
-        raise argparse.ArgumentTypeError(f"expected KIND:NAME (e.g. site:etcd), not {text!r}")
+        raise argparse.ArgumentTypeError(f"expected KIND:NAME (e.g. etcd:etcd), not {text!r}")
     try:
         return Identity(kind, name)  # type: ignore[arg-type]  # Identity checks the kind
     except ConfigError as exc:

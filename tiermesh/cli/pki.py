@@ -1,11 +1,16 @@
 """``tiermesh pki ...``: the mesh CA and the certificates of its identities, under ``$TIERMESH_HOME/pki/``.
 
     init      create the CA (ca.pem, ca-key.pem 0600) and an empty revocation list (crl.pem)
-    issue     issue (or rotate) a tenant / site / admin / scheduler certificate and key; a site also gets a
-              CURVE key pair (sites/S.curve, 0600) bound into its certificate
+    issue     issue (or rotate) a tenant / site / admin / scheduler / store / etcd certificate and key; a site
+              also gets a CURVE key pair (sites/S.curve, 0600) bound into its certificate; etcd's own certificate
+              is --etcd-server NAME (etcd/NAME.pem: its client and peer ports and the CRL follower beside it)
     revoke    put every live certificate of an identity on crl.pem and publish it at etcd pki/crl (when an etcd
               is named with --etcd / $TIERMESH_ETCD or runs for this home), where every agent picks it up; with
               a root admin's certificate also cut the identity off etcd now (its roles, a site's heartbeat lease)
+    refresh-crl
+              re-sign the revocation list (same revocations, a fresh nextUpdate) and publish it at etcd pki/crl:
+              verifiers refuse everyone once the list they hold is past its nextUpdate (two days), so run it
+              every few hours (--every, or cron); `tiermesh up` does it on its own
     follow-crl
               keep etcd's --client-crl-file current from etcd pki/crl, and end the connections a newly revoked
               identity already holds (reset them, or restart etcd one member at a time)
@@ -28,13 +33,14 @@ from pathlib import Path
 
 from mesh.errors import ConfigError, Unauthenticated
 from mesh.etcd.keys import PKI_CRL, site_cert_key
-from mesh.pki.crl import REASONS, RevocationList
+from mesh.pki.crl import REASONS
 from mesh.pki.identity import KINDS, Identity, Kind
 from mesh.pki.local import LocalPki
 from mesh.pki.policy import CLOCK_SKEW, lifetimes_text
 from mesh.pki.verify import load_certificate, verify_certificate
 from tiermesh.cli.context import etcd_endpoints, open_store, store_args
 from tiermesh.cli.main import EXIT_FAILED, EXIT_OK, add_common
+from tiermesh.cli.pki_crl import add_crl_commands
 from tiermesh.pki_etcd import Revoked, grant_site_access, publish_site_certificate, revoke
 
 __all__ = ["register"]
@@ -48,10 +54,16 @@ def _home_arg(p: argparse.ArgumentParser) -> None:
                    help="local state directory (default: $TIERMESH_HOME or ./.tiermesh); files go in DIR/pki/")
 
 
+# the option naming an identity of each kind; etcd's is not --etcd, which names etcd's URLs in every command
+_KIND_FLAG: dict[Kind, str] = {k: f"--{k}" for k in KINDS} | {"etcd": "--etcd-server"}
+
+
 def _identity_args(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group(required=True)
     for kind in KINDS:
-        g.add_argument(f"--{kind}", metavar="NAME", default=None, help=f"the {kind} NAME")
+        what = "etcd's own certificate (its ports and the CRL follower beside it)" if kind == "etcd" else kind
+        g.add_argument(_KIND_FLAG[kind], dest=f"identity_{kind}", metavar="NAME", default=None,
+                       help=f"the {what} NAME")
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -100,35 +112,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help=f"RFC 5280 reason: {', '.join(REASONS)}")
     r.set_defaults(func=_revoke)
 
-    f = ps.add_parser("follow-crl", help="keep etcd's --client-crl-file current from etcd pki/crl",
-                      description="Follow etcd pki/crl, verify each list against the CA certificate, and write "
-                                  "every newer one atomically to --out, the file etcd's --client-crl-file names "
-                                  "(etcd reads it at each TLS handshake: a revoked certificate's next connection "
-                                  "is refused). etcd never checks a connection again once open, so when a list "
-                                  "revokes a serial the previous one did not, end the open connections: "
-                                  "--drop-connections PORT resets every established connection to etcd's client "
-                                  "port (ss -K; needs CAP_NET_ADMIN in etcd's network namespace; every client "
-                                  "dials again, the revoked one is refused), or --signal-process etcd "
-                                  "--stagger-s S sends SIGTERM to etcd after S x (the hostname's ordinal + 1) s "
-                                  "(etcd-2: 3 S; needs a PID namespace shared with etcd), so a StatefulSet "
-                                  "restarts its members one at a time and keeps quorum. etcd refuses every client "
-                                  "while that file is missing, so a missing --out is first written from "
-                                  "HOME/pki/crl.pem (the host's own copy). Run it with etcd's own "
-                                  "certificate (--etcd-cert), given read access to pki/crl only by "
-                                  "`tiermesh etcd-rbac --crl-follower site:etcd`. Runs until stopped.")
-    add_common(f)
-    f.add_argument("--ca", type=Path, default=None, metavar="FILE",
-                   help="the mesh CA certificate lists must be signed by (default HOME/pki/ca.pem)")
-    f.add_argument("--out", type=Path, required=True, metavar="FILE", help="where to write the list (PEM)")
-    bound = f.add_mutually_exclusive_group()
-    bound.add_argument("--drop-connections", type=int, default=None, metavar="PORT",
-                       help="reset every established TCP connection whose local port is PORT after a revocation")
-    bound.add_argument("--signal-process", default=None, metavar="NAME",
-                       help="send SIGTERM to the process NAME after a revocation (staggered by --stagger-s)")
-    f.add_argument("--stagger-s", type=float, default=30.0, metavar="S",
-                   help="with --signal-process: wait S x (the hostname's trailing integer + 1) first (default 30)")
-    f.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
-    f.set_defaults(func=_follow_crl)
+    add_crl_commands(ps)
 
     bu = ps.add_parser("bundle", help="copy one host's files (and nothing else) into DIR/pki/",
                        description="Copy exactly what the host of one identity holds into DIR/pki/, in the layout "
@@ -167,8 +151,8 @@ def _pki(args: argparse.Namespace) -> LocalPki:
 
 
 def _identity(args: argparse.Namespace) -> Identity:
-    kind: Kind = next(k for k in KINDS if getattr(args, k) is not None)
-    return Identity(kind, getattr(args, kind))
+    kind: Kind = next(k for k in KINDS if getattr(args, f"identity_{k}") is not None)
+    return Identity(kind, getattr(args, f"identity_{kind}"))
 
 
 def _init(args: argparse.Namespace) -> int:
@@ -261,39 +245,6 @@ def _print_cut_off(identity: Identity, done: Revoked) -> None:
         print(f"etcd: a watch stream or lease keep-alive it holds open ends only with its connection (`tiermesh pki "
               f"follow-crl` beside etcd ends those); if {identity} is issued again, `tiermesh etcd-rbac` gives its "
               f"roles back", file=sys.stderr)
-
-
-async def _follow_crl(args: argparse.Namespace) -> int:
-    from mesh.pki.files import PkiPaths, read_cert, write_file
-    from mesh.settings import MeshSettings
-    from tiermesh.crl_follow import CrlFollower, OnRevoked, connect_crl_reader, drop_connections, signal_process
-
-    settings = MeshSettings()
-    target = etcd_endpoints(args.etcd, args.etcd_ca, args.etcd_cert, args.etcd_key, settings)
-    if target is None:
-        raise ConfigError("follow-crl needs the etcd it serves: --etcd https://... (or $TIERMESH_ETCD) with "
-                          "--etcd-ca, --etcd-cert and --etcd-key")
-    paths = PkiPaths.under(Path(args.home) if args.home else settings.home)
-    ca = args.ca or paths.ca_cert
-    if not args.out.exists() and paths.crl.exists():
-        # etcd refuses every client, this one included, while its --client-crl-file is missing (3.5.1: "open ...:
-        # no such file"): start from the host's own copy, and etcd's newer list replaces it once connected
-        write_file(args.out, RevocationList.load(paths.crl.read_bytes(), read_cert(ca)).to_pem())
-        print(f"{args.out} was missing: started it from {paths.crl}", file=sys.stderr)
-    bound: OnRevoked | None = None
-    if args.drop_connections is not None:
-        bound = drop_connections(args.drop_connections)
-    elif args.signal_process is not None:
-        bound = signal_process(args.signal_process, args.stagger_s)
-    async with await connect_crl_reader(target, args.prefix or settings.prefix) as store, \
-            CrlFollower(store, ca, args.out, on_revoked=bound) as follower:
-        held = follower.crl.number if follower.crl is not None else "none"
-        print(f"following etcd {PKI_CRL} into {args.out} (list held: {held})", flush=True)
-        if args.duration is None:
-            await asyncio.Event().wait()  # until stopped
-        else:
-            await asyncio.sleep(args.duration)
-    return EXIT_OK
 
 
 def _print_revoked(identity: Identity, new: list[int]) -> None:

@@ -91,9 +91,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     sv.add_argument("--pki-dir", type=Path, default=None,
                     help="serve HTTPS with client certificates from this mesh PKI directory, as the store identity "
                          "--name (stores/NAME.pem, NAME-key.pem: `tiermesh pki issue --store NAME --address HOST`); "
-                         "a tenant-private variant then goes only to its tenant, to sites and to admins, and the "
-                         "revocation list is followed from etcd pki/crl. Without it: plain HTTP that serves anyone "
-                         "(development only)")
+                         "a tenant-private variant then goes only to its tenant, to admins and to the sites "
+                         "placement asks to serve that tenant (etcd placement/<site>, read at each request; kept "
+                         "for 5 minutes after placement moves away), a model's labelled validation set only to its "
+                         "owner and admins, nothing to etcd's own certificate, and the revocation list is followed "
+                         "from etcd pki/crl. Without it: plain HTTP that serves anyone (development only)")
     sv.add_argument("--name", default="variant-store", metavar="NAME",
                     help="the store's identity with --pki-dir: spiffe://tiermesh/store/NAME (default variant-store)")
     sv.set_defaults(func=_serve)
