@@ -25,7 +25,7 @@ from core_scheduler.state.snapshot import SnapshotBuilder
 from core_scheduler.state.view import MeshView
 from edge_agent.agent_config import BLOB_PEER, AgentConfig
 from edge_agent.agent_trust import AgentTrust
-from edge_agent.blobs import PeerSource, blob_routes, peer_sources
+from edge_agent.blobs import PeerSource, blob_routes, peer_sources, public_blob
 from edge_agent.demand import DemandMeter
 from edge_agent.host import VariantHost
 from edge_agent.http_api import EdgeHttpServer
@@ -160,8 +160,8 @@ class Agent(AgentTrust, Service):
         self.http = EdgeHttpServer(self.dataplane, host=cfg.bind, port=cfg.http_port,
                                    advertise=self.advertise_host, max_body_bytes=cfg.max_body_bytes,
                                    tls=tls, observe=Observe(self.metrics, self.traces, tls),
-                                   routes=tuple(blob_routes(cache, tls)), visible=self.dataplane.visible,
-                                   quota_check=self.quota.check)
+                                   routes=tuple(blob_routes(cache, tls, self._public_blob)),
+                                   visible=self.dataplane.visible, quota_check=self.quota.check)
         await self.http.start()
         # blobs from an https:// variant store or peer: with the site's own (reloading) client certificate; a peer
         # must prove to be the site it is fetched from
@@ -222,6 +222,11 @@ class Agent(AgentTrust, Service):
         """The HTTP(S) base URL callers use (advertised host, bound port)."""
         assert self.http is not None
         return self.http.url
+
+    def _public_blob(self, digest: str) -> bool:
+        """Whether a public variant of the catalog is built on blob ``digest`` (only those go to peers)."""
+        view = self.view
+        return view is not None and public_blob(digest, (m for vs in view.variants.values() for m in vs.values()))
 
     def _blob_peers(self, digest: str) -> list[PeerSource]:
         """Where a blob can be fetched from before the variant store: live peers holding it, nearest first."""

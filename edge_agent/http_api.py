@@ -145,14 +145,14 @@ def _mesh_error(exc: MeshError) -> web.Response:
     return resp
 
 
-_Handler = Callable[[web.Request], Awaitable[web.Response]]
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def _guarded(handler: _Handler, guard: ConnectionGuard | None = None) -> _Handler:
     """Errors as JSON for a handler off the hot path. The app has no middleware on purpose:
     aiohttp then runs no middleware chain at all, which ``infer`` (which maps its own errors)
     would otherwise pay on every query. ``guard`` learns that the connection made a request."""
-    async def guarded(request: web.Request) -> web.Response:
+    async def guarded(request: web.Request) -> web.StreamResponse:
         if guard is not None:
             guard.seen(request.protocol)
         try:
@@ -168,7 +168,7 @@ def _guarded(handler: _Handler, guard: ConnectionGuard | None = None) -> _Handle
 def _certificate_only(handler: _Handler) -> _Handler:
     """``handler`` (an extra route: ``/blobs``) on an edge without TLS: refused to callers the tenant header names
     (``edge_agent.observe.require_certificate``)."""
-    async def gated(request: web.Request) -> web.Response:
+    async def gated(request: web.Request) -> web.StreamResponse:
         require_certificate(request, request.path.split("/", 2)[1] or "this path")
         return await handler(request)
     return gated

@@ -40,7 +40,7 @@ __all__ = ["MAX_LIST", "Observe", "Route", "require_certificate"]
 
 MAX_LIST = 1000
 _READERS = ("admin", "scheduler")
-Route = tuple[str, str, Callable[[web.Request], Awaitable[web.Response]]]
+Route = tuple[str, str, Callable[[web.Request], Awaitable[web.StreamResponse]]]
 
 
 class _NotFound(MeshError):

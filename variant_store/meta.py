@@ -16,7 +16,9 @@ from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Literal, get_args
 
-__all__ = ["SCHEMA_VERSION", "LatencyStats", "Profile", "VariantMeta"]
+__all__ = ["PUBLIC", "SCHEMA_VERSION", "LatencyStats", "Profile", "VariantMeta"]
+
+PUBLIC = "public"  # the owner of what every tenant may run (any other owner is a tenant name)
 
 SCHEMA_VERSION = 1
 Format = Literal["onnx", "tflite", "tensorrt"]
@@ -73,9 +75,13 @@ class VariantMeta:
     outputs: list[dict[str, Any]] = field(default_factory=list)
     parent: str | None = None        # variant_id of the FP32 model it was generated from
     shared_base_digest: str | None = None  # backbone blob for backbone + head variants
-    owner: str = "public"            # "public" or a tenant name
+    owner: str = PUBLIC              # PUBLIC or a tenant name
     profiles: dict[str, Profile] = field(default_factory=dict)
     schema: int = SCHEMA_VERSION
+
+    def names(self, digest: str) -> bool:
+        """Whether this variant is built on blob ``digest`` (its own model bytes or its shared backbone)."""
+        return digest in (self.blob_digest, self.shared_base_digest)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -155,6 +156,29 @@ async def test_with_tls_blobs_go_over_the_sites_mtls_identity_and_only_to_sites(
                 assert r.status == 403 and (await r.json())["code"] == "forbidden"
             async with http.get(f"{fra.http_url}/blobs/{DIGEST}", ssl=as_site) as r:
                 assert r.status == 200 and hashlib.sha256(await r.read()).hexdigest() == DIGEST
+            # streamed from its file, not read whole per request: a range of it is served as one
+            async with http.get(f"{fra.http_url}/blobs/{DIGEST}", ssl=as_site, headers={"Range": "bytes=4-11"}) as r:
+                assert r.status == 206 and await r.read() == MODEL.read_bytes()[4:12]
+        # a tenant's private variant: fra holds its blob, yet serves it to no peer, and no peer is asked for it
+        # (the variant store gives it only to the sites placement asks to serve acme)
+        private = (MODEL.read_bytes() + b"acme")
+        p_digest = hashlib.sha256(private).hexdigest()
+        (cache / f"{p_digest}.onnx").write_bytes(private)
+        await Catalog(store).put_variant(dataclasses.replace(meta, variant_id="mlp-tiny.acme", owner="acme",
+                                                             blob_digest=p_digest, size_bytes=len(private)))
+        await _until(lambda: par.view is not None and par.view.variant(TASK, "mlp-tiny.acme") is not None)
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{fra.http_url}/blobs/{p_digest}", ssl=as_site) as r:
+                assert r.status == 403 and (await r.json())["code"] == "forbidden"
+        assert par._blob_peers(DIGEST) and not par._blob_peers(p_digest)
+
+
+async def _until(cond: Callable[[], bool]) -> None:
+    for _ in range(100):  # bounded: the view follows etcd within a watch round trip
+        if cond():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the view never saw it")
 
 
 @dataclass
