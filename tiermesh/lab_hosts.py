@@ -38,7 +38,7 @@ from tiermesh.hosts import (
     shared_env,
     store_command,
 )
-from tiermesh.secure import SCHEDULER, STORE
+from tiermesh.secure import ETCD_SERVER, SCHEDULER, STORE
 
 if TYPE_CHECKING:
     from mesh.etcd.server import ServerTLS
@@ -130,7 +130,8 @@ class HostHomes:
             write_file(pki / "crl.pem", self.pki.paths.crl.read_bytes())
 
     def etcd_tls(self) -> ServerTLS | None:
-        """etcd's TLS: its own files, and the revocation list it checks every client handshake against."""
+        """etcd's TLS: its own files, the revocation list it checks every client handshake against, and the one
+        peer it admits on its raft port (its own identity, as :meth:`MeshCredentials.etcd_server` names it)."""
         if self.creds is None:
             return None
         from mesh.etcd.server import ServerTLS
@@ -138,7 +139,8 @@ class HostHomes:
         if not self.own_homes:
             return self.creds.etcd_server()
         pki = self.host_home("etcd") / "pki"
-        return ServerTLS(pki / "etcd.pem", pki / "etcd-key.pem", pki / "ca.pem", crl_file=pki / "crl.pem")
+        return ServerTLS(pki / "etcd.pem", pki / "etcd-key.pem", pki / "ca.pem", crl_file=pki / "crl.pem",
+                         peer_cn=ETCD_SERVER.common_name)
 
     def etcd_crl_file(self) -> Path | None:
         tls = self.etcd_tls()
