@@ -14,9 +14,10 @@ agent never loads it (the edge footprint)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import TYPE_CHECKING
 
-from mesh.errors import ConfigError, MeshError, PkiError, StoreError
+from mesh.errors import ConfigError, MeshError, PkiError, StoreError, Unauthenticated
 from mesh.etcd.channels import StorePermissionDenied
 from mesh.etcd.keys import site_cert_key
 from mesh.log import get_logger, kv
@@ -36,12 +37,14 @@ if TYPE_CHECKING:
     from mesh.zmq.curve import CurveSecurity
     from mesh.zmq.server import ZmqServer
 
-__all__ = ["REKEY_PUBLISH_LEAD_S", "AgentTrust"]
+__all__ = ["CRL_REFUSED_LOG_S", "REKEY_PUBLISH_LEAD_S", "AgentTrust"]
 
 log = get_logger("edge_agent.agent")
 # a re-issued certificate is in etcd this long before its key is taken: peers' views (a watch event, then a
 # 0.2 s debounce) have it by then, so none refuses the new key's first handshake
 REKEY_PUBLISH_LEAD_S = 1.0
+# a revocation list a trust store refuses is handed over again on every view change: its refusal is said this often
+CRL_REFUSED_LOG_S = 60.0
 
 
 class AgentTrust:
@@ -55,7 +58,8 @@ class AgentTrust:
     zmq_client: ZmqClient | None
     http: EdgeHttpServer | None
     liveness: Liveness | None
-    _crl_seen: bytes | None
+    _crl_seen: bytes | None  # the pki/crl PEM every trust store holds (or holds a newer one than)
+    _crl_refusal: tuple[bytes, float] | None = None  # the list last refused and when that was logged (monotonic)
     _certs_seen: dict[str, bytes] | None
     _published_pem: bytes | None
     _rekeying: asyncio.Task[None] | None
@@ -115,18 +119,28 @@ class AgentTrust:
         keys = read_curve(paths.curve(me))
         view = self.view
         sites = SiteKeys(paths, site=self.site, known=lambda: view.topology.sites if view and view.topology else ())
-        # our own certificate must be this site's and bind our own key, or no peer would ever admit us
-        proved = sites.trust.verify(paths.cert(me).read_bytes(), use="server", kinds=(me.kind,),
-                                    curve_public=keys.public)
-        if proved != me:
-            raise ConfigError(f"{paths.cert(me)} is the certificate of {proved}, not of site {self.site}")
-        await self._publish_certificate(paths.cert(me).read_bytes())
-        if view is not None and view.crl is not None:  # etcd's list before any peer is believed
+        # etcd's list before our own certificate is checked (this host's crl.pem may predate its revocation) and
+        # before any peer is believed
+        if view is not None and view.crl is not None:
             try:
                 sites.trust.load_crl(view.crl)
             except PkiError as exc:
                 log.warning("revocation list from etcd not adopted by CURVE: %s", exc,
                             extra=kv(site=self.site, event="crl_refused"))
+        # our own certificate must be this site's, unrevoked, and bind our own key, or no peer would ever admit us
+        try:
+            proved = sites.trust.verify(paths.cert(me).read_bytes(), use="server", kinds=(me.kind,),
+                                        curve_public=keys.public)
+        except Unauthenticated as exc:
+            if exc.reason == "revoked":
+                raise ConfigError(f"the certificate of site {self.site} ({paths.cert(me)}) is revoked: no peer "
+                                  f"admits it; issue the site a new one (`tiermesh pki issue --site {self.site}`) "
+                                  f"and copy it to this host") from exc
+            raise ConfigError(f"the certificate of site {self.site} ({paths.cert(me)}) is refused: "
+                              f"{exc.message}") from exc
+        if proved != me:
+            raise ConfigError(f"{paths.cert(me)} is the certificate of {proved}, not of site {self.site}")
+        await self._publish_certificate(paths.cert(me).read_bytes())
         self._certs_seen = None
         self._adopt_site_certs(sites)
         await sites.start()
@@ -220,21 +234,33 @@ class AgentTrust:
 
     def _adopt_crl(self) -> None:
         """Hand a changed ``pki/crl`` to the edge TLS and CURVE trust stores; each adopts it only if it is
-        signed by its CA and newer than what it holds. A bad list is logged and the held one stays."""
+        signed by its CA and newer than what it holds. The list is done with once every store holds it or a newer
+        one; a store that refuses it (not signed by the CA it holds yet, a transient failure) keeps the list it
+        held, and the list is handed over again on the next view change (the site's own live record alone changes
+        the view every ``max_interval_s``, 30 s), its refusal logged at most every ``CRL_REFUSED_LOG_S``."""
         pem = self.view.crl if self.view is not None else None
         if pem is None or pem == self._crl_seen:
             return
-        self._crl_seen = pem
         holders = [("edge TLS", self.http.tls if self.http else None),
                    ("CURVE", self.curve.sites if self.curve else None)]
+        refused: list[str] = []
         for what, holder in holders:
             if holder is None:
                 continue
             try:
-                adopted = holder.load_crl(pem)
+                adopted = holder.load_crl(pem)  # False: it holds this list or a newer one already
             except PkiError as exc:
-                log.warning("revocation list from etcd not adopted by %s: %s", what, exc,
-                            extra=kv(site=self.site, event="crl_refused"))
+                refused.append(f"{what}: {exc.message}")
                 continue
             if adopted:
                 log.info("revocation list from etcd adopted by %s", what, extra=kv(site=self.site, event="crl"))
+        if not refused:
+            self._crl_seen, self._crl_refusal = pem, None
+            return
+        now = time.monotonic()
+        said = self._crl_refusal
+        if said is None or said[0] != pem or now - said[1] >= CRL_REFUSED_LOG_S:
+            self._crl_refusal = (pem, now)
+            log.warning("revocation list from etcd not adopted (%s); the list held stays in force, this one is "
+                        "tried again on the next view change", "; ".join(refused),
+                        extra=kv(site=self.site, event="crl_refused"))

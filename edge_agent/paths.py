@@ -9,7 +9,7 @@ vanished mid-flight, counts as a path at least as slow as the wait it cost (capp
 limit, so one dead spell cannot push the estimate past what a timeout measures), and the estimate
 fades while the path goes unused, and comes back down as successes return.
 
-``BEST_EFFORT_GRACE_MS`` is how far past its deadline a best-effort query may run: best effort
+``mesh.types.BEST_EFFORT_GRACE_MS`` is how far past its deadline a best-effort query may run: best effort
 serves what it can rather than answer ``504`` (``core_scheduler.policy.routing``: the most accurate
 variant reachable within the budget, else the most accurate one loaded where the query is), and
 that answer may still need a few ms more than the budget. The grace is given once, to a query
@@ -28,14 +28,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["ATTEMPT_FACTOR", "ATTEMPT_SLACK_MS", "BEST_EFFORT_GRACE_MS", "DECAY_S", "MIN_RETRY_MS", "PathEstimates",
-           "attempt_ms"]
+__all__ = ["ATTEMPT_FACTOR", "ATTEMPT_SLACK_MS", "DECAY_S", "MIN_RETRY_MS", "PathEstimates", "attempt_ms"]
 
 DECAY_S = 20.0  # an unused path's learnt overhead halves in ~14 s
 ATTEMPT_FACTOR = 2.0  # an attempt may take this many times the expected latency ...
 ATTEMPT_SLACK_MS = 50.0  # ... and at least this much beyond it (jitter, a busy machine)
 MIN_RETRY_MS = 5.0  # cutting an attempt short must leave at least this for another try
-BEST_EFFORT_GRACE_MS = 500.0  # a best-effort query may be answered this long past its budget
 
 
 def attempt_ms(remaining_ms: float, expected_ms: float, *, best_effort: bool = False) -> float:

@@ -42,7 +42,7 @@ from edge_agent.dataplane import task_visible
 from edge_agent.demand import DemandMeter
 from edge_agent.host import VariantHost
 from edge_agent.metrics import AgentMetrics
-from edge_agent.paths import BEST_EFFORT_GRACE_MS, PathEstimates, attempt_ms
+from edge_agent.paths import PathEstimates, attempt_ms
 from edge_agent.quota import DoorQuotas, PeerLoads, PeerQuotas
 from edge_agent.traces import HopTrace, TraceStore, clean_hops, sampled
 from mesh.errors import (
@@ -61,7 +61,15 @@ from mesh.errors import (
 )
 from mesh.log import get_logger, kv
 from mesh.tracecontext import child_traceparent, new_traceparent, trace_id_of
-from mesh.types import DEFAULT_TENANT, InferRequest, InferResponse, TaskSignature, Timing, check_inputs
+from mesh.types import (
+    BEST_EFFORT_GRACE_MS,
+    DEFAULT_TENANT,
+    InferRequest,
+    InferResponse,
+    TaskSignature,
+    Timing,
+    check_inputs,
+)
 from mesh.zmq.client import ZmqClient
 from mesh.zmq.server import current_peer
 

@@ -51,7 +51,7 @@ __all__ = ["AsyncClient", "Client", "InferResult"]
 
 T = TypeVar("T")
 # how long past a query's budget the SDK waits for its answer before raising DeadlineExceeded itself (an agent
-# that hangs, a frozen edge): room for a best-effort answer's grace (edge_agent.paths.BEST_EFFORT_GRACE_MS,
+# that hangs, a frozen edge): room for a best-effort answer's grace (mesh.types.BEST_EFFORT_GRACE_MS,
 # 0.5 s) and the loopback/LAN hop, and so that every query is answered or failed within budget + 1 s
 DEADLINE_GRACE_S = 0.8
 # A numpy array, a mesh.Tensor, nested lists or an array.array (the task's datatype), a list of str/bytes (texts:

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     import numpy as np
 
 __all__ = [
+    "BEST_EFFORT_GRACE_MS",
     "DEFAULT_PREFER",
     "DEFAULT_TENANT",
     "MAX_DIM",
@@ -60,6 +61,10 @@ DEFAULT_TENANT = "public"
 # may hold its quota slot, queue rows and a forwarded hop's attention, so "no bound" let one caller park work for
 # ever (issue 29); ten minutes covers a cold load of the largest variant many times over.
 MAX_LATENCY_MS: Final = 600_000.0
+# How far past its budget a best-effort query may be answered (given once, by the hop whose first decision was best
+# effort: ``edge_agent.site_dataplane``; the reasons are in ``edge_agent.paths``). So no hop is ever handed more than
+# ``MAX_LATENCY_MS`` plus this (``mesh.zmq.protocol_check`` refuses a forwarded budget over it).
+BEST_EFFORT_GRACE_MS: Final = 500.0
 # The longest request id a caller may choose (the V2 ``id``): it keys the door's trace store and rides in every
 # hop's header, so its size is the caller's to choose only up to here. The ids the mesh makes are 24 characters.
 MAX_REQUEST_ID: Final = 128

@@ -31,7 +31,7 @@ from mesh.pki.peers import TlsPeers
 from variant_store.catalog import RegisteredModel
 from variant_store.meta import PUBLIC, VariantMeta
 
-__all__ = ["PUBLIC", "Serves", "StoreTls", "blob_readable", "may_read", "no_site", "site_tenants"]
+__all__ = ["Serves", "StoreTls", "blob_readable", "may_read", "no_site", "site_tenants"]
 
 Serves = Callable[[str, str], bool]  # (site, tenant) -> does that site serve that tenant
 _OPERATORS = ("admin", "store")  # read everything: they wrote it, or mirror it

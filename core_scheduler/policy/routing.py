@@ -23,7 +23,7 @@ variant loaded at this site (no network, no cold start), else the lowest-latency
 variant that cannot arrive in time is no answer at all: the most accurate one anywhere, chosen
 regardless of its latency, came back ``504 deadline`` from across the WAN. Both prefer sites with
 capacity and are flagged ``best_effort``; the data plane gives a best-effort query a bounded grace
-past its deadline (``edge_agent.paths.BEST_EFFORT_GRACE_MS``). ``"refuse"`` raises ``ImpossibleSLO``
+past its deadline (``mesh.types.BEST_EFFORT_GRACE_MS``). ``"refuse"`` raises ``ImpossibleSLO``
 naming the best latency and accuracy on offer.
 
 Reason codes (``Decision.reason``):

@@ -7,6 +7,12 @@ passes, and a peer's pending requests fail with ``PeerUnavailable`` when the pee
 (``fail_peer``, or the socket monitor's disconnect / handshake-failure events, after the wait below):
 a CURVE-rejected or vanished peer otherwise just stays silent.
 
+Replies are bounded as the server bounds requests: each frame by ``MAXMSGSIZE``, each message by
+:class:`mesh.zmq.bounded.BoundedReceiver` (``MAX_FRAMES`` frames, ``message_bytes_limit(max_bytes)`` bytes), so a
+peer's reply of millions of empty frames is cut short without a ``zmq.Frame`` kept for each. A reply refused whole
+(cut, or over a bound) whose header names a pending request fails that request at once with ``ProtocolError``; the
+peer's other requests and its socket are untouched. Undecodable replies are logged per peer at most every 10 s.
+
 Gray failures. Every connection carries ZMTP heartbeats (:class:`mesh.zmq.base.Heartbeat`), so a
 peer that stops answering without a reset (a black-holed link, a frozen process) has its
 connection closed by libzmq within ``interval + timeout`` (1.25 s by default) of the last byte
@@ -51,13 +57,15 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from mesh import clock
-from mesh.errors import DeadlineExceeded, MeshError, PayloadTooLarge, PeerUnavailable, RequestError
+from mesh.errors import DeadlineExceeded, MeshError, PayloadTooLarge, PeerUnavailable, ProtocolError, RequestError
 from mesh.lifecycle import Service, State
 from mesh.log import get_logger, kv
 from mesh.types import InferRequest, InferResponse, new_request_id
 from mesh.zmq import protocol as wire
 from mesh.zmq.base import DEFAULT_HEARTBEAT, Heartbeat, SocketSecurity, close_context, open_context
+from mesh.zmq.bounded import BoundedReceiver
 from mesh.zmq.calls import Call, Peer, arm, fail, forget, hold, resend
+from mesh.zmq.curve import RateLimitedLog
 from mesh.zmq.protocol_check import DECODE_ERRORS, DEFAULT_MAX_BYTES, MAX_HEADER_BYTES, MAX_ID_LEN
 from mesh.zmq.pump import Pump, io_socket
 
@@ -111,6 +119,7 @@ class ZmqClient(Service):
         self._dying: set[asyncio.Task[None]] = set()
         self._state = State.RUNNING  # usable from construction: peers open on first use
         self.late_replies = 0  # replies that came after their request timed out or was failed
+        self.garbage = RateLimitedLog()  # undecodable replies, logged per peer at most every 10 s
 
     def connect(self, endpoint: str) -> None:
         """Open the connection to ``endpoint`` now rather than on the first request: over a WAN the
@@ -275,7 +284,9 @@ class ZmqClient(Service):
                 raise PeerUnavailable(f"cannot connect to {endpoint}: {exc}") from exc
             raise
         peer = Peer(endpoint, sock, cast(zmq.asyncio.Socket, monitor), key=key)
-        peer.pump = Pump(io_socket(sock), lambda msg: self._on_reply(peer, msg), f"zmq client {endpoint}")
+        # replies are read within the bounds of one message, as the server reads requests (a DEALER: no identity)
+        receiver = BoundedReceiver.over(io_socket(sock), self._max_bytes, routed=False)
+        peer.pump = Pump(receiver, lambda msg: self._on_reply(peer, msg), f"zmq client {endpoint}")
         peer.tasks = [asyncio.create_task(self._watch(peer), name=f"zmq-monitor {endpoint}")]
         if endpoint not in self._down:
             # a connection that never completes its handshake (a SYN or greeting lost in a black
@@ -289,8 +300,14 @@ class ZmqClient(Service):
         try:
             rid, out = wire.decode_reply(msg, max_bytes=self._max_bytes)
         except DECODE_ERRORS as exc:
-            log.warning("undecodable reply from %s: %s", peer.endpoint, exc.message)
-            return
+            # a reply refused whole (cut short, too many frames or bytes) whose header still names a request of
+            # ours fails that request now, not at its deadline; the peer's other requests are not touched
+            named = wire.peek_request_id(msg)
+            self.garbage.warn(peer.endpoint, "undecodable reply from %s: %s", peer.endpoint, exc.message,
+                              request_id=named, reason=exc.code)
+            if named is None or named not in peer.pending:
+                return
+            rid, out = named, ProtocolError(f"reply from {peer.endpoint} refused: {exc.message}")
         call = peer.pending.pop(rid, None)
         if call is None:
             self.late_replies += 1

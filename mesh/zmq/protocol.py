@@ -19,7 +19,9 @@ deadline to the receiver's monotonic *arrival* instant plus that budget. The for
 thus counted as budget the receiver still has: it cannot know the one-way delay without comparing
 clocks, and the sender may reserve it (the site data plane reserves half the round trip it has
 measured to that peer, which is what an absolute deadline on synchronised clocks amounted to).
-The sender's own timer still ends the wait at its own deadline. ``sent_at`` is the sender's wall
+The sender's own timer still ends the wait at its own deadline. A budget over ``protocol_check.MAX_BUDGET_MS``
+(the longest SLO and a best-effort query's grace: no door hands on more) is refused as a ``ProtocolError``; a spent
+one (zero or less) is answered ``DeadlineExceeded`` by the server. ``sent_at`` is the sender's wall
 clock at encode, for diagnostics (logs of a late arrival) only: it is never compared with the
 receiver's clock.
 
@@ -68,6 +70,7 @@ from mesh.zmq.protocol_check import (
     ALLOWED_DTYPES,
     BYTES_WIRE,
     DEFAULT_MAX_BYTES,
+    MAX_BUDGET_MS,
     MAX_FRAMES,
     MAX_ID_LEN,
     MAX_NDIM,
@@ -287,7 +290,8 @@ def _fast_request(h: dict[str, Any], frames: Sequence[object], max_bytes: int, n
     slo, task, tenant, budget = h.get("slo"), h.get("task"), h.get("tenant"), h.get("budget_ms")
     hops, site, variant, sent_at = h.get("hops"), h.get("target_site"), h.get("target_variant"), h.get("sent_at")
     if (h.get("kind") != "req" or type(slo) is not dict or type(task) is not str or not task
-            or type(tenant) is not str or not tenant or not _finite(budget) or not _finite(sent_at)
+            or type(tenant) is not str or not tenant or not _finite(budget) or budget > MAX_BUDGET_MS
+            or not _finite(sent_at)
             or not _str_items(hops)
             or (site is not None and type(site) is not str) or (variant is not None and type(variant) is not str)):
         return None

@@ -20,13 +20,23 @@ import zmq
 from mesh.bytes_tensor import deserialize_bytes
 from mesh.errors import BadTensor, MeshError, PayloadTooLarge, ProtocolError, RequestError, error_from_code
 from mesh.tracecontext import parse_traceparent
-from mesh.types import MAX_DIM, SLO, InferRequest, InferResponse, Timing, shape_fits
+from mesh.types import (
+    BEST_EFFORT_GRACE_MS,
+    MAX_DIM,
+    MAX_LATENCY_MS,
+    SLO,
+    InferRequest,
+    InferResponse,
+    Timing,
+    shape_fits,
+)
 
 __all__ = [
     "ALLOWED_DTYPES",
     "BYTES_WIRE",
     "DECODE_ERRORS",
     "DEFAULT_MAX_BYTES",
+    "MAX_BUDGET_MS",
     "MAX_FRAMES",
     "MAX_HEADER_BYTES",
     "MAX_ID_LEN",
@@ -54,6 +64,9 @@ MAX_TENSORS: Final = 256
 # message_bytes_limit. libzmq's MAXMSGSIZE bounds each frame only; these bound the message (check_envelope).
 MAX_FRAMES: Final = 1 + MAX_TENSORS
 MAX_NDIM: Final = 32
+# The most budget a request may carry: an SLO's longest plus the grace of a best-effort query (the door's budget only
+# shrinks on the way). A peer's larger one would hold this site's queue rows and quota slot past any caller's wait.
+MAX_BUDGET_MS: Final = MAX_LATENCY_MS + BEST_EFFORT_GRACE_MS
 MAX_ID_LEN: Final = 256
 ALLOWED_DTYPES: Final = frozenset(
     {"float32", "float16", "float64", "int8", "uint8", "int32", "int64", "bool"}
@@ -166,6 +179,16 @@ def read_slo(slo: Mapping[str, Any]) -> SLO:
         raise ProtocolError(f"header field 'slo': {exc.message}") from exc
 
 
+def _budget(h: Mapping[str, Any]) -> float:
+    """A request header's ``budget_ms``: finite and at most ``MAX_BUDGET_MS``. Zero or less is a budget spent on the
+    way (the server answers ``DeadlineExceeded`` without serving it), not garbage."""
+    budget = _num(h, "budget_ms")
+    if budget > MAX_BUDGET_MS:
+        raise ProtocolError(f"header field 'budget_ms' is {budget!r}: at most {MAX_BUDGET_MS:.0f} (the longest SLO "
+                            f"latency and a best-effort query's grace)")
+    return budget
+
+
 def read_traceparent(value: object) -> str:
     """A request header's ``traceparent`` (present: a valid W3C version-00 value); both decoders call this."""
     if parse_traceparent(value) is None:
@@ -263,7 +286,7 @@ def check_request(h: Mapping[str, Any], frames: Sequence[object], max_bytes: int
     Its deadline is ``now`` (the monotonic arrival instant) plus the budget the sender had left."""
     _kind(h, "req")
     slo = read_slo(_field(h, "slo", dict))
-    budget_ms = _num(h, "budget_ms")
+    budget_ms = _budget(h)
     return InferRequest(
         task=_str(h, "task", nonempty=True),
         inputs=_tensors(h, frames[1:], max_bytes),

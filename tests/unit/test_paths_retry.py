@@ -14,10 +14,10 @@ import pytest
 
 from core_scheduler.policy.routing import RoutingTable
 from edge_agent.demand import DemandMeter
-from edge_agent.paths import ATTEMPT_SLACK_MS, BEST_EFFORT_GRACE_MS, MIN_RETRY_MS, PathEstimates, attempt_ms
+from edge_agent.paths import ATTEMPT_SLACK_MS, MIN_RETRY_MS, PathEstimates, attempt_ms
 from edge_agent.site_dataplane import RETRIED, SiteDataPlane
 from mesh.errors import DeadlineExceeded, NoRoute, PayloadTooLarge, PeerUnavailable, RuntimeLoadError
-from mesh.types import SLO, InferRequest, InferResponse, TaskSignature, TensorSpec, Timing
+from mesh.types import BEST_EFFORT_GRACE_MS, SLO, InferRequest, InferResponse, TaskSignature, TensorSpec, Timing
 from tests.unit.test_routing import ALL, snap
 
 pytestmark = pytest.mark.unit

@@ -15,11 +15,12 @@ from hypothesis.extra import numpy as hnp
 
 from mesh.errors import BadTensor, MeshError, PayloadTooLarge, ProtocolError, UnknownTask
 from mesh.tracecontext import new_traceparent
-from mesh.types import MAX_LATENCY_MS, PREFERS, SLO, InferRequest, InferResponse, Timing
+from mesh.types import BEST_EFFORT_GRACE_MS, MAX_LATENCY_MS, PREFERS, SLO, InferRequest, InferResponse, Timing
 from mesh.zmq import protocol as p
 from mesh.zmq.protocol_check import (
     ALLOWED_DTYPES,
     DECODE_ERRORS,
+    MAX_BUDGET_MS,
     MAX_HEADER_BYTES,
     MAX_ID_LEN,
     check_request,
@@ -49,7 +50,8 @@ slos = st.builds(SLO, latency_ms=st.floats(min_value=1e-6, max_value=MAX_LATENCY
                  max_cost=st.none() | st.floats(min_value=0.0, max_value=1e12), prefer=st.sampled_from(PREFERS))
 requests = st.builds(
     InferRequest, task=names, inputs=tensors, slo=slos, tenant=names,
-    request_id=st.text(min_size=1, max_size=40), deadline=st.floats(min_value=-1e9, max_value=1e9),
+    # encoded at now=0: the budget on the wire is the deadline, at most MAX_BUDGET_MS (spent ones too: negative)
+    request_id=st.text(min_size=1, max_size=40), deadline=st.floats(min_value=-1e9, max_value=MAX_BUDGET_MS / 1000),
     hops=st.lists(names, max_size=5), target_site=st.none() | names, target_variant=st.none() | names,
     traceparent=st.none() | st.builds(new_traceparent),
 )
@@ -81,7 +83,7 @@ def _valid_frames() -> list[bytes]:
     req = InferRequest(task="digits", inputs={"x": np.arange(12, dtype=np.float32).reshape(3, 4),
                                               "m": np.array([True, False])},
                        slo=SLO(20.0, 0.9), tenant="acme", request_id="r-1", deadline=1e9, hops=["edge-a"])
-    return _wire(p.encode_request(req))
+    return _wire(p.encode_request(req, now=1e9 - 60.0))  # a minute's budget
 
 
 def _decode_any(frames: list[Any]) -> None:
@@ -201,6 +203,9 @@ _DROP = object()
     ({"slo": {"latency_ms": -5.0, "min_accuracy": 0.0, "prefer": "latency"}}, "latency_ms must be positive"),
     ({"slo": {"latency_ms": 5.0, "min_accuracy": 1.5, "prefer": "latency"}}, "min_accuracy"),
     ({"budget_ms": math.inf}, "not finite"),
+    ({"budget_ms": math.nan}, "not finite"),
+    ({"budget_ms": MAX_BUDGET_MS + 1.0}, "'budget_ms' is 600501.0: at most 600500"),  # held a hop's rows for ever
+    ({"budget_ms": 10**12}, "'budget_ms' is 1000000000000.0: at most"),  # an int: the checked path alone
     ({"budget_ms": _DROP}, "'budget_ms' missing"),
     ({"budget_ms": True}, "'budget_ms'"),
     ({"sent_at": "noon"}, "'sent_at'"),
@@ -231,6 +236,23 @@ def test_hostile_header_is_protocol_error(changes: dict[str, Any], pattern: str)
     frames[0] = msgpack.packb(_header(**changes))
     with pytest.raises(ProtocolError, match=pattern):
         p.decode_request(frames)
+
+
+def test_a_forwarded_budget_is_at_most_the_longest_slo_and_its_grace() -> None:
+    """A door hands on at most an SLO's longest budget plus a best-effort query's grace; a peer's longer one would
+    hold this hop's queue rows and quota slot for as long as it says (issue 29). Both decoders draw the line there;
+    a spent (negative) budget still decodes, to be answered ``DeadlineExceeded``."""
+    assert MAX_BUDGET_MS == MAX_LATENCY_MS + BEST_EFFORT_GRACE_MS
+    for budget_ms, ok in ((MAX_BUDGET_MS, True), (MAX_BUDGET_MS * (1 + 1e-12), False), (-5.0, True)):
+        frames = p.encode_request(InferRequest("t", {}, SLO(MAX_LATENCY_MS), request_id="r",
+                                               deadline=budget_ms / 1000.0), now=0.0)
+        if ok:
+            assert p.decode_request(frames, now=0.0).deadline == budget_ms / 1000.0
+            continue
+        with pytest.raises(ProtocolError, match=r"'budget_ms' is .*: at most 600500"):
+            p.decode_request(frames, now=0.0)
+        with pytest.raises(ProtocolError, match="'budget_ms'"):
+            check_request(unpack_header(frames[0]), frames, 1024, now=0.0)
 
 
 def test_a_peer_that_predates_traces_is_understood_both_ways() -> None:
