@@ -29,13 +29,11 @@ from mesh.lifecycle import single_flight
 from mesh.log import get_logger, kv
 from mesh.pki.site_names import response_ssl_object
 from variant_store.blobs import sha256_file
-from variant_store.fetch import fetch_blob
+from variant_store.fetch import fetch_blob, spool
 
 __all__ = ["BlobCache"]
 
 log = get_logger(__name__)
-_CHUNK = 1 << 16
-_FLUSH = 1 << 20  # written to disk (off the loop) a megabyte at a time
 
 
 def _cached(path: Path, digest: str) -> bool:
@@ -89,7 +87,6 @@ class BlobCache:
             part.unlink(missing_ok=True)
 
     async def _download(self, src: PeerSource, digest: str, part: Path) -> None:
-        loop = asyncio.get_running_loop()
         https = src.url.lower().startswith("https://")
         ssl_context: ssl.SSLContext | bool = False  # plain http: only on an --insecure mesh (PeerAddresses)
         if https:
@@ -111,25 +108,9 @@ class BlobCache:
                 if resp.content_length is not None and resp.content_length > src.max_bytes:
                     raise BlobError(f"{src.site} offers {resp.content_length} bytes for blob {digest}, which the "
                                     f"catalog says is {src.max_bytes}", digest=digest)
-                await self._write_capped(resp, src, digest, part, loop)
+                await spool(resp, part, max_bytes=src.max_bytes, too_much=lambda: BlobError(
+                    f"{src.site} sent more than the {src.max_bytes} bytes the catalog states for blob {digest}",
+                    digest=digest))
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise PeerUnavailable(f"{src.site} at {src.url} unreachable: {exc!r}", url=src.url) from exc
 
-    @staticmethod
-    async def _write_capped(resp: aiohttp.ClientResponse, src: PeerSource, digest: str, part: Path,
-                            loop: asyncio.AbstractEventLoop) -> None:
-        f = await loop.run_in_executor(None, open, part, "wb")
-        try:
-            buf, total = bytearray(), 0
-            async for chunk in resp.content.iter_chunked(_CHUNK):
-                total += len(chunk)
-                if total > src.max_bytes:
-                    raise BlobError(f"{src.site} sent more than the {src.max_bytes} bytes the catalog states for "
-                                    f"blob {digest}", digest=digest)
-                buf += chunk
-                if len(buf) >= _FLUSH:
-                    await loop.run_in_executor(None, f.write, bytes(buf))
-                    buf.clear()
-            await loop.run_in_executor(None, f.write, bytes(buf))
-        finally:
-            await loop.run_in_executor(None, f.close)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import ssl as _ssl
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -19,7 +20,7 @@ from mesh.errors import BlobError, MeshError, PeerUnavailable, PermissionDenied,
 from mesh.log import get_logger, kv
 from variant_store.blobs import is_digest, sha256_file
 
-__all__ = ["fetch_blob"]
+__all__ = ["fetch_blob", "spool"]
 
 log = get_logger(__name__)
 _CHUNK = 1 << 16
@@ -72,7 +73,6 @@ async def _download(sess: aiohttp.ClientSession, base_url: str, digest: str, par
                     headers: dict[str, str], timeout: float,  # noqa: ASYNC109
                     ssl: _ssl.SSLContext | None = None) -> bool:
     """Fill ``part``; returns True when it appended to bytes already there (a resumed download)."""
-    loop = asyncio.get_running_loop()
     have = _size(part)
     hdrs = dict(headers)
     if have:
@@ -89,20 +89,32 @@ async def _download(sess: aiohttp.ClientSession, base_url: str, digest: str, par
             if resp.status not in (200, 206):
                 raise await _error_from(resp, digest)
             resumed = resp.status == 206 and have > 0
-            f = await loop.run_in_executor(None, open, part, "ab" if resumed else "wb")
-            try:
-                buf = bytearray()
-                async for chunk in resp.content.iter_chunked(_CHUNK):
-                    buf += chunk
-                    if len(buf) >= _FLUSH:
-                        await loop.run_in_executor(None, f.write, bytes(buf))
-                        buf.clear()
-                await loop.run_in_executor(None, f.write, bytes(buf))
-            finally:
-                await loop.run_in_executor(None, f.close)
+            await spool(resp, part, append=resumed)
             return resumed
     except (aiohttp.ClientError, TimeoutError) as exc:
         raise PeerUnavailable(f"variant store at {base_url} unreachable: {exc!r}", url=base_url) from exc
+
+
+async def spool(resp: aiohttp.ClientResponse, path: Path, *, append: bool = False, max_bytes: int | None = None,
+                too_much: Callable[[], MeshError] | None = None) -> None:
+    """Write ``resp``'s body to ``path`` (appended to it with ``append``), a megabyte at a time off the loop.
+    Past ``max_bytes`` of body it stops and raises ``too_much()`` (what is written so far stays: the caller's
+    ``.part`` to discard)."""
+    loop = asyncio.get_running_loop()
+    f = await loop.run_in_executor(None, open, path, "ab" if append else "wb")
+    try:
+        buf, total = bytearray(), 0
+        async for chunk in resp.content.iter_chunked(_CHUNK):
+            total += len(chunk)
+            if max_bytes is not None and total > max_bytes:
+                raise too_much() if too_much is not None else BlobError(f"more than {max_bytes} bytes")
+            buf += chunk
+            if len(buf) >= _FLUSH:
+                await loop.run_in_executor(None, f.write, bytes(buf))
+                buf.clear()
+        await loop.run_in_executor(None, f.write, bytes(buf))
+    finally:
+        await loop.run_in_executor(None, f.close)
 
 
 def _size(path: Path) -> int:
