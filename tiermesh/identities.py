@@ -44,22 +44,24 @@ class MeshIdentities:
         """Every tenant a caller may be: the topology's, and the default ``public``."""
         return sorted({DEFAULT_TENANT, *self.topology.tenants})
 
-    def _issue_certificates(self, names: list[str]) -> None:
-        """With ``tls``: the CA (kept if the home has one) and a fresh certificate for every identity of
-        :mod:`tiermesh.secure`. Re-issuing is rotation: running processes reload the files."""
+    def _issue_certificates(self, names: list[str], *, rotate: bool = False) -> None:
+        """With ``tls``: the CA (kept if the home has one) and a certificate for every identity of
+        :mod:`tiermesh.secure`, the home's own while it may be kept (:meth:`LocalPki.renew`); ``rotate`` issues
+        every one afresh, and running processes reload the files."""
         if self.creds is None:
             return
         sites = {n: self._address(n) for n in names}
-        self.creds.issue(sites, self.tenants(), etcd_address=self._address("etcd"), store_address=self._address("ctl"))
+        self.creds.issue(sites, self.tenants(), etcd_address=self._address("etcd"), store_address=self._address("ctl"),
+                         rotate=rotate)
         if self.opts.console:  # the console's server and scrape identities, and one for a person's browser
             pki = self.creds.pki
-            pki.issue(CONSOLE_SERVER, addresses=["127.0.0.1", "localhost"])
-            for admin in (CONSOLE_SCRAPER, CONSOLE_ADMIN):
-                pki.issue(admin)
-            password = new_token()
-            pki.export_pkcs12(CONSOLE_ADMIN, password)
-            write_file(pki.paths.cert(CONSOLE_ADMIN).with_suffix(".p12.password"), password.encode() + b"\n",
-                       private=True)
+            pki.renew(CONSOLE_SERVER, addresses=["127.0.0.1", "localhost"], force=rotate)
+            pki.renew(CONSOLE_SCRAPER, force=rotate)
+            files = self.admin_files()
+            if pki.renew(CONSOLE_ADMIN, force=rotate) or not (files["p12"].exists() and files["p12_password"].exists()):
+                password = new_token()  # the browser's copy of the admin's current certificate
+                pki.export_pkcs12(CONSOLE_ADMIN, password)
+                write_file(files["p12_password"], password.encode() + b"\n", private=True)
         self.fill_hosts(names)  # with hosts of their own: each gets its own files, as an operator copies them
 
     def rotate_certificates(self) -> None:
@@ -67,7 +69,7 @@ class MeshIdentities:
         running processes pick them up from the files, none restarts."""
         if self.creds is None:
             raise ConfigError("this mesh runs without TLS (MeshOptions.tls is off): there are no certificates")
-        self._issue_certificates(sorted(n for n, sp in self.sites.items() if sp.proc is not None))
+        self._issue_certificates(sorted(n for n, sp in self.sites.items() if sp.proc is not None), rotate=True)
 
     def tenant_files(self, tenant: str) -> dict[str, Path]:
         """``cert``, ``key`` and ``ca`` for an SDK client of ``tenant`` (``AsyncClient(url, **files)``)."""
@@ -91,5 +93,5 @@ class MeshIdentities:
         if not pki.exists():
             pki.init()
         for name in names:
-            pki.issue(Identity("site", name))
+            pki.renew(Identity("site", name))
         self.fill_hosts(names)

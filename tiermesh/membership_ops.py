@@ -62,21 +62,25 @@ class Membership:
         def fill_host(self, role: str, identities: list[Identity]) -> Path: ...
         def etcd_crl_file(self) -> Path | None: ...
         async def start_site(self, name: str) -> None: ...
+        def _issue_certificates(self, names: list[str], *, rotate: bool = False) -> None: ...
 
     # -- revocation reaching etcd and the in-process store ------------------------------------------------------
     async def start_crl_follow(self) -> None:
         """Follow ``pki/crl`` for etcd (its CRL file, and the bound on open connections) and for the in-process
-        variant store, and, holding the CA, re-sign the list before it expires (:mod:`tiermesh.crl_refresh`);
-        nothing without TLS."""
+        variant store, and, holding the CA, re-sign the list before it expires (:mod:`tiermesh.crl_refresh`) and
+        renew the certificates past half their lifetime (:mod:`tiermesh.cert_renew`); nothing without TLS."""
         out = self.etcd_crl_file()
         if self.creds is None or self.store is None or out is None:
             return
+        from tiermesh.cert_renew import CertRenewer
         from tiermesh.crl_follow import CrlFollower
         from tiermesh.crl_refresh import CrlRefresher
 
         followers: list[Service] = [
             CrlFollower(self.store, self.creds.pki.paths.ca_cert, out, on_revoked=self._end_etcd_connections),
-            CrlRefresher(self.creds.pki, self.store)]
+            CrlRefresher(self.creds.pki, self.store),
+            CertRenewer(lambda: self._issue_certificates(sorted(n for n, sp in self.sites.items()
+                                                                if sp.proc is not None)))]
         tls = self.variant_server.tls if self.variant_server is not None else None
         if tls is not None:
             followers.append(CrlFollower.for_peers(self.store, tls))

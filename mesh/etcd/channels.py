@@ -76,7 +76,11 @@ def not_sent(exc: RpcError) -> bool:
 
 
 def tls_hint(details: str, endpoints: EtcdEndpoints) -> str:
+    """What a refused connection's details suggest about TLS or etcd's auth (empty when nothing)."""
     low = details.lower()
+    if "user name is empty" in low:  # etcd's answer to a request with no user while its auth (RBAC) is on
+        return (" (etcd has authentication on and this client presented no user: connect over https:// with the "
+                "client certificate of an etcd user: --etcd-ca, --etcd-cert, --etcd-key)")
     tlsish = any(w in low for w in ("ssl", "tls", "handshake", "certificate", "socket closed",
                                     "connection reset", "end of tcp stream", "connection lost"))
     if endpoints.tls is None and tlsish:

@@ -1,8 +1,9 @@
 """The CA's operations on a home directory: what ``tiermesh pki`` (and later ``tiermesh up``) runs.
 
-``init`` makes the CA and an empty revocation list; ``issue`` writes an identity's certificate and key (and a
-site's CURVE key pair, bound into its certificate), replacing the previous ones in place so that running
-processes pick them up (:class:`mesh.pki.reload.ReloadingCredentials`); ``revoke`` puts every live
+``init`` makes the CA and an empty revocation list; ``renew`` keeps an identity's certificate while it is good for a
+while yet (:data:`~mesh.pki.policy.KEEP_FRACTION`) and issues it otherwise; ``issue`` writes an identity's
+certificate and key (and a site's CURVE key pair, bound into its certificate), replacing the previous ones in place
+so that running processes pick them up (:class:`mesh.pki.reload.ReloadingCredentials`); ``revoke`` puts every live
 certificate of an identity on ``crl.pem`` (``tiermesh pki revoke`` then publishes it through etcd ``pki/crl``;
 ``adopt_crl`` takes a newer list from there first, so two operators' homes never fork the numbering);
 ``refresh_crl`` re-signs the list before its nextUpdate (verifiers refuse everyone once the list they hold is past it);
@@ -22,9 +23,9 @@ from cryptography import x509
 from cryptography.hazmat.primitives.serialization import BestAvailableEncryption, pkcs12
 
 from mesh.errors import ConfigError, MeshError, PkiError
-from mesh.pki.ca import CertificateAuthority, IssuedCertificate
+from mesh.pki.ca import CertificateAuthority, IssuedCertificate, san_for_address
 from mesh.pki.crl import REASONS, Revocation, RevocationList
-from mesh.pki.curve import CurveKeyPair
+from mesh.pki.curve import CurveKeyPair, curve_key_from_certificate, raw_curve_key
 from mesh.pki.files import (
     PRIVATE_FILES,
     PkiPaths,
@@ -37,7 +38,8 @@ from mesh.pki.files import (
     write_file,
 )
 from mesh.pki.identity import Identity
-from mesh.pki.policy import CA_LIFETIME
+from mesh.pki.policy import CA_LIFETIME, EKUS, KEEP_FRACTION
+from mesh.pki.verify import verify_certificate
 
 __all__ = ["IssuedRecord", "LocalPki"]
 
@@ -152,6 +154,41 @@ class LocalPki:
             f.write(record.to_json() + "\n")
         return issued
 
+    def renew(self, identity: Identity, *, addresses: Sequence[str] = (), force: bool = False,
+              now: datetime | None = None) -> bool:
+        """Issue ``identity``'s certificate unless the one on disk may be kept: whole (certificate, its key, a site's
+        CURVE key pair, the one it binds), of this CA, not revoked, naming exactly ``addresses`` and with more than
+        :data:`~mesh.pki.policy.KEEP_FRACTION` of its lifetime left. ``force``: issue it anyway (rotation). True if
+        it issued one."""
+        if not force and self._keeps(identity, addresses, now or datetime.now(UTC)):
+            return False
+        self.issue(identity, addresses=addresses)
+        return True
+
+    def _keeps(self, identity: Identity, addresses: Sequence[str], now: datetime) -> bool:
+        try:
+            cert = read_cert(self.paths.cert(identity))
+            if read_key(self.paths.key(identity)).public_key() != cert.public_key():
+                return False
+            if identity.kind == "site":
+                bound = curve_key_from_certificate(cert)
+                if bound is None or raw_curve_key(bound) != raw_curve_key(self.curve(identity).public):
+                    return False
+            # the list's freshness is not this certificate's business: revocation is checked on its own below
+            if verify_certificate(cert, ca=read_cert(self.paths.ca_cert), crl=None, use=EKUS[identity.kind][0],
+                                  kinds=(identity.kind,), now=now) != identity:
+                return False
+        except MeshError:  # missing or unreadable files, another CA, expired: issue a new one
+            return False
+        if self.crl().is_revoked(cert.serial_number):
+            return False
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        named = {n for n in san if not isinstance(n, x509.UniformResourceIdentifier)}
+        if named != {san_for_address(a) for a in addresses}:
+            return False
+        life = cert.not_valid_after_utc - cert.not_valid_before_utc
+        return cert.not_valid_after_utc - now > life * KEEP_FRACTION
+
     def curve(self, identity: Identity) -> CurveKeyPair:
         return read_curve(self.paths.curve(identity))
 
@@ -198,8 +235,6 @@ class LocalPki:
         revocation list, its certificate, key and a site's CURVE keys) into ``dest``, in the layout the host reads
         them from; secrets 0600. Refuses an identity whose certificate this CA does not vouch for (missing,
         revoked, expired): a host must not start with credentials every peer refuses. Returns role -> path."""
-        from mesh.pki.verify import verify_certificate
-
         src = self.paths.host_files(identity)
         if not src["cert"].exists():
             raise ConfigError(f"no certificate for {identity} in {self.paths.root}: issue it first "

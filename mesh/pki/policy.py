@@ -17,8 +17,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from mesh.pki.identity import Kind
 
-__all__ = ["CA_LIFETIME", "CLOCK_SKEW", "CRL_LIFETIME", "CRL_REFRESH", "EKUS", "LIFETIMES", "REVOKED_IDENTITY_OID",
-           "USE_EKU", "Use", "lifetimes_text"]
+__all__ = ["CA_LIFETIME", "CLOCK_SKEW", "CRL_LIFETIME", "CRL_REFRESH", "EKUS", "KEEP_FRACTION", "LIFETIMES",
+           "REVOKED_IDENTITY_OID", "USE_EKU", "Use", "lifetimes_text"]
 
 CA_LIFETIME = timedelta(days=30)
 LIFETIMES: Mapping[Kind, timedelta] = MappingProxyType({
@@ -29,6 +29,11 @@ LIFETIMES: Mapping[Kind, timedelta] = MappingProxyType({
     "store": timedelta(hours=24),
     "etcd": timedelta(hours=24),
 })
+# A start of a local mesh (`tiermesh up`) keeps a certificate that has more than this fraction of its lifetime left
+# (LocalPki.renew: a site's 24 h certificate for 12 h, an operator's 8 h one for 4 h) and re-issues it otherwise, or
+# when it is missing, revoked, of another CA or names other addresses. Re-issuing every certificate on every start
+# filled `tiermesh pki list` (76 entries after 5 starts) and the revocation work of `pki revoke` for nothing.
+KEEP_FRACTION = 0.5
 # A revocation list's nextUpdate is this long after it is signed; a verifier holding a list past it (plus CLOCK_SKEW)
 # admits no one (mesh.pki.verify: "crl_expired"), as it would refuse an expired certificate: a list nobody has
 # re-signed for two days may be missing revocations. The CA's holder re-signs well before (CRL_REFRESH: `tiermesh up`

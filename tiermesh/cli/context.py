@@ -1,6 +1,10 @@
 """How a command gets its Store: the etcd URLs if given (``--etcd`` or ``TIERMESH_ETCD``, with TLS files
 when ``https://``), else the etcd already running for the local home directory, else an embedded etcd
-on ``<home>/etcd`` for the duration of the block."""
+on ``<home>/etcd`` for the duration of the block, started as ``tiermesh up`` starts it there: on a secured home
+(:func:`tiermesh.secure.home_etcd`) with TLS, client-certificate auth and the revocation list, the command connecting
+as the home's operator (that etcd's data has RBAC on: it answers no one without a user).
+
+Each way that fails says so in plain words, with the URL and what to do (``StoreUnavailable``: exit 3)."""
 
 from __future__ import annotations
 
@@ -11,9 +15,9 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from mesh.errors import ConfigError
+from mesh.errors import ConfigError, EtcdServerError, StoreUnavailable
 from mesh.etcd.endpoints import EtcdEndpoints, parse_endpoints, split_urls
-from mesh.etcd.server import EmbeddedEtcd, running_record
+from mesh.etcd.server import RECORD_FILE, EmbeddedEtcd, running_record
 from mesh.etcd.store import Store
 from mesh.log import get_logger, kv
 from mesh.settings import MeshSettings
@@ -47,24 +51,46 @@ async def open_store(etcd: str | Sequence[str] | None = None, home: Path | str |
     key_prefix = prefix or settings.prefix
     target: EtcdEndpoints | str | None = etcd_endpoints(etcd, etcd_ca, etcd_cert, etcd_key, settings)
     if target is not None:
-        async with await Store.connect(target, key_prefix) as store:
+        async with await _connect(target, key_prefix, "check the URL(s), that etcd runs there, and for https:// "
+                                  "--etcd-ca/--etcd-cert/--etcd-key (or TIERMESH_ETCD, TIERMESH_ETCD_CA/CERT/KEY)") \
+                as store:
             yield store
         return
     running = await asyncio.to_thread(running_record, home_dir)  # a short HTTP health probe
     if running is not None:  # with the recorded operator certificate when it demands one (`tiermesh up`)
-        async with await Store.connect(running.url, key_prefix, ca=running.ca, cert=running.cert,
-                                       key=running.key) as store:
+        async with await _connect(running.url, key_prefix, f"the mesh recorded in {home_dir / RECORD_FILE} may be "
+                                  "stopping: try again once it has stopped, or stop it",
+                                  ca=running.ca, cert=running.cert, key=running.key) as store:
             yield store
         return
     # Nothing running: etcd lives only as long as this command; its data stays on disk.
-    server = EmbeddedEtcd(home_dir / "etcd")
-    await server.start()
+    from tiermesh.secure import home_etcd
+
+    how = await asyncio.to_thread(home_etcd, home_dir)
+    server = EmbeddedEtcd(home_dir / "etcd", tls=how.tls)
+    try:
+        await server.start()
+    except EtcdServerError as exc:
+        raise StoreUnavailable(f"no mesh runs for {home_dir} and its etcd (data {server.data_dir}) did not start: "
+                               f"{exc}; is another etcd using that data directory? (see {server.log_path})") from exc
     log.info("started a temporary embedded etcd", extra=kv(event="etcd_temp", reason=server.url))
     try:
-        async with await Store.connect(server.url, key_prefix) as store:
+        hint = (f"the etcd of {home_dir}, started for this command "
+                + ("as its operator" if how.tls else "without TLS: if a secured mesh ran on this home, its PKI "
+                   f"({home_dir / 'pki'}) is gone; use another --home"))
+        async with await _connect(server.url, key_prefix, hint, **how.client) as store:
             yield store
     finally:
         await server.stop()
+
+
+async def _connect(target: EtcdEndpoints | str, prefix: str, advice: str, *, ca: Path | None = None,
+                   cert: Path | None = None, key: Path | None = None) -> Store:
+    """``Store.connect``, its refusal said with ``advice`` (what to do about it)."""
+    try:
+        return await Store.connect(target, prefix, ca=ca, cert=cert, key=key)
+    except StoreUnavailable as exc:
+        raise StoreUnavailable(f"{exc}\n  ({advice})") from exc
 
 
 def store_args(args: argparse.Namespace) -> dict[str, Any]:

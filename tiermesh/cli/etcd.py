@@ -1,7 +1,9 @@
 """``tiermesh etcd``: run the embedded etcd in the foreground for a home directory (one member, or a local
 cluster with ``--members 3``), so that other commands (and ``tiermesh up``) find it through
-``<home>/etcd.json``; and ``tiermesh etcd-rbac``: create etcd users and roles for a mesh's identities
-(:mod:`mesh.etcd.rbac`) and turn on etcd's auth."""
+``<home>/etcd.json`` (on a home a secured ``tiermesh up`` ran in, as that starts it: TLS, client certificates, the
+revocation list, recorded with the operator's files, :func:`tiermesh.secure.home_etcd`); and
+``tiermesh etcd-rbac``: create etcd users and roles for a mesh's identities (:mod:`mesh.etcd.rbac`) and turn on
+etcd's auth."""
 
 from __future__ import annotations
 
@@ -84,8 +86,12 @@ async def run_etcd(args: argparse.Namespace) -> int:
     if running:
         print(f"error: an etcd is already running for {home} at {running}", file=sys.stderr)
         return EXIT_FAILED
-    server: EmbeddedEtcd | EtcdCluster = (EmbeddedEtcd(home / "etcd", client_port=args.port) if args.members == 1
-                                          else EtcdCluster(home / "etcd", size=args.members))
+    from tiermesh.secure import home_etcd
+
+    how = home_etcd(home)  # a secured home's etcd as `tiermesh up` starts it, recorded with the operator's files
+    server: EmbeddedEtcd | EtcdCluster = (EmbeddedEtcd(home / "etcd", client_port=args.port, tls=how.tls)
+                                          if args.members == 1 else EtcdCluster(home / "etcd", size=args.members,
+                                                                                tls=how.tls))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -96,7 +102,7 @@ async def run_etcd(args: argparse.Namespace) -> int:
         # a cluster is recorded under this process (it lives as long as we do), one member under its own
         pid = server.pid if isinstance(server, EmbeddedEtcd) else os.getpid()
         assert pid is not None
-        write_record(home, pid, server.url)
+        write_record(home, pid, server.url, **how.client)
         print(server.url, flush=True)
         logs = ", ".join(str(m.log_path) for m in members)
         print(f"etcd data in {home / 'etcd'}, log {logs}; Ctrl-C to stop", file=sys.stderr, flush=True)

@@ -36,13 +36,14 @@ _GROUPS: tuple[str, ...] = (
     "tiermesh.cli.console",
 )
 # commands whose module is not tiermesh.cli.<command>
-_COMMAND_MODULE = {"etcd-rbac": "tiermesh.cli.etcd"}
-# the extra(s) a command needs (mesh.extras): checked before its module is imported, so a device with the SDK alone
-# gets the extra to install, not an ImportError
+_COMMAND_MODULE = {"etcd-rbac": "tiermesh.cli.etcd", "console-screenshot": "tiermesh.cli.console"}
+# the extra(s) a command needs (mesh.extras), by command, else by its group's module name: checked before its module
+# is imported, so a device with the SDK alone gets the extra to install, not an ImportError. Every group has an entry
+# (tests/unit/test_extras.py runs `tiermesh --help` with the base install's modules only)
 _COMMAND_EXTRAS: dict[str, tuple[str, ...]] = {
     "agent": ("agent",), "scheduler": ("scheduler",), "variants": ("store",), "up": ("all",),
     "etcd": ("etcd",), "etcd-rbac": ("agent", "scheduler", "store"), "topology": ("agent", "scheduler", "store"),
-    "pki": ("agent", "scheduler", "store"),
+    "pki": ("agent", "scheduler", "store"), "console": ("all",),
 }
 _EXTRA_PROBES: dict[str, tuple[str, ...]] = {
     "agent": ("grpclib", "zmq", "onnxruntime", "numpy", "cryptography", "ruamel"),
@@ -101,10 +102,12 @@ def _command_of(argv: Sequence[str]) -> str | None:
     return None
 
 
+def _module_of(command: str) -> str:
+    return _COMMAND_MODULE.get(command, f"tiermesh.cli.{command}")
+
+
 def _require_extra(command: str) -> None:
-    extras = _COMMAND_EXTRAS.get(command)
-    if not extras:
-        return
+    extras = _COMMAND_EXTRAS.get(command) or _COMMAND_EXTRAS[_module_of(command).rsplit(".", 1)[1]]
     from mesh.extras import MissingExtra, require
 
     failures: list[MissingExtra] = []
@@ -127,7 +130,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--log-json", action="store_true", help="structured JSON logs on stderr")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     command = _command_of(argv) if argv is not None else None
-    modname = _COMMAND_MODULE.get(command or "", f"tiermesh.cli.{command}")
+    modname = _module_of(command or "")
     if command is not None and modname in _GROUPS:
         _require_extra(command)
         importlib.import_module(modname).register(sub)
