@@ -44,7 +44,7 @@ from bench.common import Panel, RunContext, plot_panels, run_standalone, target,
 from bench.geo import QUICK_SITES, TOPOLOGY, holdout, prebuild_home_async
 from bench.traces import DailyPeak, Replayed, Trace, TraceSpec, make_trace, peak_windows, replay
 from tiermesh.harness import LocalMesh
-from tiermesh.mesh_options import MeshOptions
+from tiermesh.mesh_options import MeshOptions, site_log
 from tiermesh.workload import SloClass
 from topology.loader import load_topology_file
 from topology.paths import topology_paths
@@ -94,7 +94,7 @@ def read_intervals(home: Path, sites: list[str]) -> Intervals:
     """Loaded intervals per (site, variant) from the agents' JSON logs (load / unload completions)."""
     out: Intervals = {}
     for site in sites:
-        path = home / "sites" / site / "agent.log"
+        path = site_log(home, site)
         with contextlib.suppress(OSError):
             for line in path.read_text(errors="replace").splitlines():
                 if '"event": "load"' not in line and '"event": "evict"' not in line:

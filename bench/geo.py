@@ -44,7 +44,7 @@ from bench.common import REPO_ROOT, RunContext, percentile, run_standalone, targ
 from bench.traces import Replayed, Spike, Trace, TraceSpec, make_trace, replay
 from mesh.etcd.keys import live_key
 from tiermesh.harness import LocalMesh
-from tiermesh.mesh_options import MeshOptions
+from tiermesh.mesh_options import MeshOptions, site_log
 from topology.loader import load_topology_file
 from topology.schema import Topology
 
@@ -138,7 +138,7 @@ class SystemRun:
 def _read_loads(home: Path, sites: list[str]) -> dict[tuple[str, str], list[float]]:
     out: dict[tuple[str, str], list[float]] = {}
     for site in sites:
-        path = home / "sites" / site / "agent.log"
+        path = site_log(home, site)
         with contextlib.suppress(OSError):
             for line in path.read_text(errors="replace").splitlines():
                 if '"event": "load"' not in line:

@@ -43,7 +43,7 @@ WARMUP_S = 10.0  # the same mix before each measured run: placement follows dema
 async def _run(name: str, prebuilt: Path, work: Path, *, gpu_core: bool, duration_s: float,
                qps: float, warmup_s: float, logs_to: Path) -> dict[str, Any]:
     from tiermesh.harness import LocalMesh
-    from tiermesh.mesh_options import MeshOptions
+    from tiermesh.mesh_options import MeshOptions, site_log
     from tiermesh.workload import run_workload, summarise
     from topology.loader import load_topology_file
     from variant_store.families.text_corpus import load_corpus
@@ -81,7 +81,7 @@ async def _run(name: str, prebuilt: Path, work: Path, *, gpu_core: bool, duratio
     summary = summarise(result.records, tiers)
     warmup = {cls: round(s["slo_attainment"], 4) for cls, s in summarise(warm.records, tiers).items()}
     for site_name, spec in topo.sites.items():  # the GPU site's own log beside the results (what it loaded, how)
-        log = home / "sites" / site_name / "agent.log"
+        log = site_log(home, site_name)
         if spec.hardware.gpus and log.is_file():
             shutil.copy(log, logs_to / f"gpu_geo-{name}-{site_name}.log")
     print(f"  {name}: startup {startup_s:.1f} s, classes {classes_of}; warm-up {warmup_s:.0f} s: {warmup}",

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
+import warnings
+from pathlib import Path
 from typing import Any
 
-__all__ = ["configure", "get_logger", "kv"]
+__all__ = ["LogToFile", "configure", "get_logger", "kv"]
 
 _FIELDS = ("tenant", "site", "request_id", "task", "variant", "event", "reason")
 
@@ -68,6 +71,53 @@ def configure(level: str = "INFO", fmt: str = "text") -> None:
     root.setLevel(level.upper())
     for noisy in ("grpclib", "hpack", "asyncio", "aiohttp.access"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+class LogToFile:
+    """While entered, this process's log records and Python warnings (``warnings.warn``: a library's deprecation
+    and quantization notices) go to ``path``, and to the screen as well only with ``echo``. ``tiermesh up`` runs
+    etcd, the variant store's build and the scheduler in its own process: their records would otherwise mix into
+    the summary it prints. With ``native`` (and without ``echo``) file descriptor 2 goes there too: C libraries
+    write to it directly, not through Python (ONNX Runtime's own logger, TF Lite's ``INFO: Created TensorFlow
+    Lite XNNPACK delegate``). On exit the handlers and the descriptor are as they were."""
+
+    def __init__(self, path: Path, *, echo: bool = False, native: bool = False) -> None:
+        self.path = path
+        self.echo = echo
+        self.native = native
+        self._saved: list[logging.Handler] = []
+        self._handler: logging.Handler | None = None
+        self._showwarning: Any = None
+        self._stderr_fd: int | None = None
+
+    def __enter__(self) -> LogToFile:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._handler = logging.FileHandler(self.path, encoding="utf-8")
+        self._handler.setFormatter(TextFormatter())
+        root = logging.getLogger()
+        self._saved = list(root.handlers)
+        root.handlers[:] = [*self._saved, self._handler] if self.echo else [self._handler]
+        self._showwarning = warnings.showwarning
+        logging.captureWarnings(True)  # to the "py.warnings" logger, so to the file
+        if self.native and not self.echo:
+            sys.stderr.flush()
+            self._stderr_fd = os.dup(2)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            os.dup2(fd, 2)
+            os.close(fd)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._stderr_fd is not None:
+            sys.stderr.flush()
+            os.dup2(self._stderr_fd, 2)
+            os.close(self._stderr_fd)
+            self._stderr_fd = None
+        logging.captureWarnings(False)
+        warnings.showwarning = self._showwarning
+        logging.getLogger().handlers[:] = self._saved
+        if self._handler is not None:
+            self._handler.close()
 
 
 def get_logger(name: str) -> logging.Logger:

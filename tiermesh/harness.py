@@ -12,12 +12,12 @@ a site, cut and heal a link, and stop and restart etcd on cue. Everything it sta
 in reverse order, even when a step fails.
 
 With ``tls`` the whole mesh is secured (:mod:`tiermesh.secure`): the harness makes (or reuses) the mesh CA
-under ``home/pki`` and issues a certificate per site (naming the address callers dial), per tenant of the
-topology (and ``public``), for the operator, the scheduler and etcd; the edge APIs speak HTTPS with client
-certificates, sites talk CURVE, etcd runs with TLS, client-certificate auth and RBAC per role, and the variant
-store serves HTTPS with per-tenant authorization. :meth:`tenant_files` hands a tenant's files to SDK clients.
-Without it the agents run ``--insecure`` (plain HTTP, tenant from a header), as most tests and benchmarks
-expect.
+under ``home/pki`` and issues (or keeps while good: ``LocalPki.renew``) a certificate per site (naming the address
+callers dial), per tenant of the topology (and ``public``), for the operator, the scheduler and etcd; the edge APIs
+speak HTTPS with client certificates, sites talk CURVE, etcd runs with TLS, client-certificate auth and RBAC per
+role, and the variant store serves HTTPS with per-tenant authorization. :meth:`tenant_files` hands a tenant's files
+to SDK clients. Without it the agents run ``--insecure`` (plain HTTP, tenant from a header), as most tests and
+benchmarks expect.
 
 With ``console`` the admin console runs beside the scheduler (:class:`console.ConsoleServer`): with ``tls`` over
 HTTPS as ``scheduler/console``, scraping the agents as ``admin/console``, and an ``admin/admin`` certificate
@@ -56,7 +56,7 @@ from tiermesh.identities import CONSOLE_SCRAPER, CONSOLE_SERVER, MeshIdentities
 from tiermesh.lab_hosts import HostHomes
 from tiermesh.launcher import AgentLauncher
 from tiermesh.membership_ops import Membership
-from tiermesh.mesh_options import MeshOptions, SiteProcess, free_port
+from tiermesh.mesh_options import MeshOptions, SiteProcess, free_port, logs_dir, site_log
 from tiermesh.netns import NetnsLab
 from tiermesh.readiness import Readiness
 from tiermesh.secure import OPERATOR, SCHEDULER, STORE, MeshCredentials, rbac_plan
@@ -254,7 +254,7 @@ class LocalMesh(Readiness, MeshIdentities, HostHomes, Membership, WanLinks, Serv
                  *([] if o.proactive else ["--reactive"])]
         extra = {"TIERMESH_LOG_LEVEL": o.agent_log_level, **o.agent_env}
         self.control = ControlProcesses(ControlOptions(
-            logs=o.home / "ctl", store=ControlCommand(list(store.args), store_env | extra),
+            logs=logs_dir(o.home), store=ControlCommand(list(store.args), store_env | extra),
             scheduler=ControlCommand([*sched.args, *knobs], sched_env | extra) if o.scheduler else None,
             exec_prefix=self._exec_prefix("ctl"), startup_timeout_s=o.startup_timeout_s), self.store)
         await self.control.start()
@@ -362,7 +362,8 @@ class LocalMesh(Readiness, MeshIdentities, HostHomes, Membership, WanLinks, Serv
         ready = self.opts.home / "sites" / name / "ready.json"
         ready.parent.mkdir(parents=True, exist_ok=True)
         ready.unlink(missing_ok=True)
-        sp.log_path = self.opts.home / "sites" / name / "agent.log"
+        sp.log_path = site_log(self.opts.home, name)
+        sp.log_path.parent.mkdir(parents=True, exist_ok=True)
         # what the lab adds to an agent's command line: plumbing (readiness, timing, the WAN emulation), never trust
         lab = ["--lease-ttl", str(self.opts.lease_ttl_s), "--ready-file", str(ready), "--routing-mode", self.opts.mode]
         if sp.peer_map_path is not None:

@@ -15,7 +15,18 @@ from tiermesh.launcher import ForkedChild
 from topology.paths import topology_paths
 from topology.schema import Topology
 
-__all__ = ["MeshOptions", "SiteProcess", "free_port", "path_shape"]
+__all__ = ["MeshOptions", "SiteProcess", "free_port", "logs_dir", "path_shape", "site_log"]
+
+
+def logs_dir(home: Path) -> Path:
+    """Where a local mesh's component logs go: one per site agent (:func:`site_log`), the control processes'
+    with netns (``variant-store.log``, ``scheduler.log``) and ``tiermesh up``'s own (``up.log``)."""
+    return home / "logs"
+
+
+def site_log(home: Path, site: str) -> Path:
+    """A site agent's log (its stdout and stderr: JSON records, and whatever its libraries print)."""
+    return logs_dir(home) / f"{site}.log"
 
 
 def free_port() -> int:

@@ -20,13 +20,16 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from mesh.client import AsyncClient
 from mesh.errors import MeshError
 from mesh.types import DEFAULT_PREFER
+
+if TYPE_CHECKING:  # rich is not in every install that runs a workload
+    from tiermesh.tables import FitTable
 
 __all__ = ["DEFAULT_CLASSES", "TEXT_CLASS", "QueryRecord", "SdkClients", "SloClass", "WarmUp", "by_edge", "infer_one",
            "render_edges", "render_table", "run_workload", "summarise", "warm_up"]
@@ -317,33 +320,28 @@ def by_edge(records: list[QueryRecord]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def render_edges(edges: dict[str, dict[str, Any]]) -> Any:
+def render_edges(edges: dict[str, dict[str, Any]]) -> FitTable:
     """SLO met per edge (rows) and class (columns); a cell is ``attainment (queries)``."""
-    from rich.table import Table
+    from tiermesh.tables import FitTable
 
     classes = sorted({c for per in edges.values() for c in per})
-    table = Table(title="SLO met per edge")
-    table.add_column("edge")
-    for c in classes:
-        table.add_column(c)
-    for edge, per in edges.items():
-        table.add_row(edge, *(f"{100 * per[c]['slo_attainment']:.1f} % ({per[c]['queries']})" if c in per else "-"
-                              for c in classes))
-    return table
+    rows = [[edge, *(f"{100 * per[c]['slo_attainment']:.1f} % ({per[c]['queries']})" if c in per else None
+                     for c in classes)] for edge, per in edges.items()]
+    return FitTable("SLO met per edge", ["edge", *classes], rows)
 
 
-def render_table(summary: dict[str, Any]) -> Any:
-    from rich.table import Table
+def render_table(summary: dict[str, Any]) -> FitTable:
+    """Per SLO class: what it asked, where it was served, how fast, how often within its SLO."""
+    from tiermesh.tables import FitTable
 
-    table = Table(title="tiermesh workload, per SLO class")
-    for col in ("class", "budget", "queries", "served at", "top variants", "p50 ms", "p99 ms",
-                "SLO met", "accuracy", "errors"):
-        table.add_column(col)
+    rows = []
     for name, s in summary.items():
         tiers = ", ".join(f"{k}:{v}" for k, v in sorted(s["served_at_tier"].items()))
         variants = ", ".join(f"{k}:{v}" for k, v in list(s["variants"].items())[:2])
-        errors = ", ".join(f"{k}:{v}" for k, v in s["errors"].items()) or "-"
-        table.add_row(name, f"{s['budget_ms']:.0f} ms", str(s["queries"]), tiers, variants,
-                      f"{s['p50_ms']:.1f}", f"{s['p99_ms']:.1f}", f"{100 * s['slo_attainment']:.1f} %",
-                      f"{100 * s['accuracy']:.1f} %", errors)
-    return table
+        errors = ", ".join(f"{k}:{v}" for k, v in s["errors"].items()) or None
+        rows.append([name, f"{s['budget_ms']:.0f} ms", str(s["queries"]), tiers, variants, f"{s['p50_ms']:.1f}",
+                     f"{s['p99_ms']:.1f}", f"{100 * s['slo_attainment']:.1f} %", f"{100 * s['accuracy']:.1f} %",
+                     errors])
+    return FitTable("tiermesh workload, per SLO class",
+                    ["class", "budget", "queries", "served at", "top variants", "p50 ms", "p99 ms", "SLO met",
+                     "accuracy", "errors"], rows)

@@ -4,12 +4,12 @@ removals, concurrent applies."""
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 
 from mesh.etcd.keys import TOPOLOGY_LAST_APPLY, link_key, site_key, tenant_key
 from mesh.etcd.store import Store
+from tests.helpers.topologies import EXAMPLE
 from topology.loader import parse_topology
 from topology.paths import topology_paths
 from topology.schema import Topology
@@ -17,7 +17,6 @@ from topology.store_io import META_KEY, apply, desired_state, load_topology
 
 pytestmark = pytest.mark.integration
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "topology.yaml"
 MID_US_CORE = "{a: mid-us, b: core-eu, latency_ms: 70,"
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from mesh.etcd.keys import link_key
 from mesh.etcd.store import Store
+from tests.helpers.topologies import EXAMPLE
 from tiermesh.cli import main as mesh_cli
 from topology.loader import load_topology_file
 from topology.store_io import desired_state, load_topology
@@ -18,7 +19,6 @@ from topology.store_io import desired_state, load_topology
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "topology.yaml"
 BAD = ROOT / "tests" / "data" / "bad_topologies"
 
 

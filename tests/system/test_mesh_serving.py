@@ -12,6 +12,7 @@ import asyncio
 import json
 import math
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -65,7 +66,8 @@ async def test_tiermesh_up_demo_writes_a_report() -> None:
             # the small topology's edges get a tenth of a core each and this class threshold failed once in CI)
             "--no-caps",
             cwd=REPO_ROOT, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT, env={**os.environ, "COLUMNS": "160"})
+            # 80 columns, as `make demo | cat` (no terminal) gets: the summary must wrap or stack, never cut
+            stderr=asyncio.subprocess.STDOUT, env={**os.environ, "COLUMNS": "80"})
         try:
             out, _ = await asyncio.wait_for(proc.communicate(), 180)
         except TimeoutError:
@@ -107,6 +109,14 @@ async def test_tiermesh_up_demo_writes_a_report() -> None:
         met = sum(per[name]["slo_attainment"] * per[name]["queries"] for per in data["edges"].values() if name in per)
         assert met == pytest.approx(s["slo_attainment"] * s["queries"]), (name, data["edges"])
     assert "tiermesh workload" in text and "SLO met per edge" in text  # the tables were printed too
+    # what a newcomer reads: no header cut to `accu…`, no log record or library warning mixed in (they are in
+    # HOME/logs/up.log and each site's HOME/logs/<site>.log, and the output says where)
+    assert "…" not in text, text
+    # (a record of ours, a Python warning, ONNX Runtime's C logger, TF Lite's "INFO: Created ... delegate")
+    noise = [line for line in text.splitlines()
+             if re.search(r"WARNING|Warning:|^(INFO|ERROR): |\[[WE]:onnxruntime|\d\d:\d\d:\d\d [DIWE] ", line)]
+    assert not noise, noise
+    assert "up.log" in text, text[-3000:]
 
 
 @pytest.mark.slow

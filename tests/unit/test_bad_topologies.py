@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from mesh.errors import TopologyError
+from tests.helpers.topologies import EXAMPLE
 from tiermesh.cli import main as mesh_cli
 from topology.loader import load_topology_file
 
@@ -104,7 +105,7 @@ def test_cli_validate_exits_2(stem: str, topology_cli_only: None, capsys: pytest
 
 
 def test_cli_validate_good_file(topology_cli_only: None, capsys: pytest.CaptureFixture[str]) -> None:
-    example = ROOT / "examples" / "topology.yaml"
+    example = EXAMPLE
     assert mesh_cli.main(["topology", "validate", str(example)]) == mesh_cli.EXIT_OK
     out = capsys.readouterr().out
     assert "ok (7 sites, 8 links, 3 tenants)" in out

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from mesh.pki.identity import Identity
+from tests.helpers.topologies import EXAMPLE
 from tests.unit.test_deploy_manifests import (
     DOCS,
-    K8S,
     MANIFEST_FILES,
     _containers,
     _flag,
@@ -39,7 +39,7 @@ STORE_SITE = "core-eu"
 
 def _hosts() -> dict[tuple[str, str], hosts.HostCommand]:
     """(workload, container) -> the host it must be, for every tiermesh process of deploy/k8s."""
-    topo = load_topology_file(K8S.parents[1] / "examples" / "topology.yaml")
+    topo = load_topology_file(EXAMPLE)
     out = {(f"agent-{s}", "agent"): hosts.agent_command(s, home=HOME, advertise="$(POD_IP)") for s in topo.sites}
     out[("variant-store", "variant-store")] = hosts.store_command(
         home=HOME, advertise=f"variant-store.{deploy.NAMESPACE}.svc", site=STORE_SITE)

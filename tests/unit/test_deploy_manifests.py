@@ -1,7 +1,9 @@
 """The Kubernetes manifests under deploy/ are valid and consistent, offline: every document against the
 pinned Kubernetes version's schema (strict: unknown fields fail), the generated per-site files equal a
-fresh render of examples/topology.yaml, and the cross-references a schema cannot see (selectors, Secret
-and ConfigMap names, etcd member names, the CLI flags and settings the containers use) hold."""
+fresh render of the example topology as shipped (``tests.helpers.topologies.EXAMPLE``, a copy of
+examples/topology.yaml: the README's tour has a newcomer edit that file, which must not fail ``make test``),
+and the cross-references a schema cannot see (selectors, Secret and ConfigMap names, etcd member names, the
+CLI flags and settings the containers use) hold."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from mesh.errors import ConfigError
 from mesh.pki.files import PkiPaths
 from mesh.pki.identity import Identity
 from mesh.settings import setting_names
+from tests.helpers.topologies import EXAMPLE
 from tiermesh import deploy, hosts
 from tiermesh.cli.main import build_parser
 from topology.loader import load_topology_file, parse_topology
@@ -29,7 +32,7 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
-TOPOLOGY = ROOT / "examples" / "topology.yaml"
+TOPOLOGY = EXAMPLE
 KUBERNETES_VERSION = "1.30"  # the oldest release the manifests promise to work on
 
 # flags and settings the manifests may use before the CLI has them (none now: all have landed)
@@ -102,8 +105,9 @@ def test_generated_files_are_current() -> None:
     rendered = deploy.render(TOPOLOGY, src="examples/topology.yaml")
     for name, text in rendered.items():
         committed = (K8S / name).read_text(encoding="utf-8")
-        assert committed == text, (f"deploy/k8s/{name} is stale: python -m tiermesh.deploy render "
-                                   f"examples/topology.yaml --out deploy/k8s")
+        assert committed == text, (f"deploy/k8s/{name} is stale against {TOPOLOGY.relative_to(ROOT)} (the example "
+                                   f"as shipped): copy examples/topology.yaml there, then python -m tiermesh.deploy "
+                                   f"render examples/topology.yaml --out deploy/k8s")
 
 
 def test_topology_configmap_is_the_example_file() -> None:
@@ -519,3 +523,12 @@ def test_containerfile_installs_this_tree() -> None:
         assert (ROOT / src).exists(), src
         assert src.rstrip("/") not in ignored, f"{src} is copied but .containerignore drops it"
     assert (ROOT / ".dockerignore").resolve() == (ROOT / ".containerignore").resolve()
+
+
+def test_no_test_reads_the_topology_the_readme_has_users_edit() -> None:
+    """The README's tour edits a link of examples/topology.yaml: a test that read it (this module's render did)
+    failed ``make test`` for a newcomer who followed the tour. Tests read the copy, ``tests.helpers.topologies``."""
+    used = re.compile(r'"examples"\s*/\s*"topology\.yaml"|"examples/topology\.yaml"')
+    readers = [str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("*.py")
+               if p.name != Path(__file__).name and used.search(p.read_text(encoding="utf-8"))]
+    assert readers == [], readers

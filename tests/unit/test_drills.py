@@ -3,11 +3,10 @@ report from query records, and the refusal reasons of --netns."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from mesh.errors import ConfigError
+from tests.helpers.topologies import EXAMPLE
 from tiermesh import netns
 from tiermesh.drills import LinkDrill, crosses_link, drill_report, parse_kill, parse_link_drill
 from tiermesh.workload import QueryRecord
@@ -15,7 +14,6 @@ from topology.loader import load_topology_file
 
 pytestmark = pytest.mark.unit
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "topology.yaml"
 SITES = {"core-eu", "mid-eu", "mid-us", "edge-fra-1", "edge-par-1", "edge-nyc-1", "edge-sin-1"}
 
 

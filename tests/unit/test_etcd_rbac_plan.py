@@ -3,19 +3,17 @@ tests/integration/test_etcd_rbac.py)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from mesh.errors import ConfigError
 from mesh.etcd.rbac import CRL_FOLLOWER_ROLE, ROOT_ROLE, ROOT_USER, plan
 from mesh.pki.identity import Identity
+from tests.helpers.topologies import EXAMPLE
 from tiermesh.cli.main import EXIT_BAD_INPUT, EXIT_OK, main
 
 pytestmark = pytest.mark.unit
 
 P = "/tiermesh/"
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "topology.yaml"
 
 
 def test_each_role_writes_only_its_keys() -> None:

@@ -17,13 +17,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mesh.errors import NoRoute, TopologyError
+from tests.helpers.topologies import EXAMPLE
 from topology.loader import load_topology_file
 from topology.paths import DENSE_MAX_SITES, LinkSpec, PathTables, _build, shortest_paths, topology_paths
 from topology.schema import Hardware, Link, Site, Topology
 
 pytestmark = pytest.mark.unit
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "topology.yaml"
 NAMES = ("c", "m1", "m2", "e1", "e2")
 
 

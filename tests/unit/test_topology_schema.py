@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mesh.errors import TopologyError
+from tests.helpers.topologies import EXAMPLE
 from tiermesh.cli.topology import format_diff
 from topology.loader import load_topology_file, parse_topology
 from topology.paths import topology_paths
@@ -18,7 +19,6 @@ from topology.store_io import desired_state, diff
 
 pytestmark = pytest.mark.unit
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "topology.yaml"
 
 SMALL = """\
 schema: 1

@@ -47,6 +47,7 @@ from mesh.log import get_logger, kv
 from tiermesh.chaos.cgroup import CpuCap
 from tiermesh.control import terminate
 from tiermesh.harness import LocalMesh
+from tiermesh.mesh_options import logs_dir
 from topology.store_io import apply as apply_topology
 
 __all__ = ["KINDS", "ChaosMesh", "Fault"]
@@ -101,7 +102,9 @@ class ChaosMesh:
         m = self.mesh
         cmd = [sys.executable, "-m", "tiermesh", "scheduler", "--etcd", m.etcd_url, "--prefix", m.opts.prefix,
                "--home", str(m.opts.home), "--id", rep.candidate_id, "--election-ttl", "3", "--interval", "1"]
-        logf = (m.opts.home / f"scheduler-{rep.candidate_id}.log").open("ab")
+        path = logs_dir(m.opts.home) / f"scheduler-{rep.candidate_id}.log"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        logf = path.open("ab")
         try:
             rep.proc = await asyncio.create_subprocess_exec(
                 *cmd, stdout=logf, stderr=logf, stdin=asyncio.subprocess.DEVNULL,

@@ -41,14 +41,15 @@ from rich.console import Console
 from mesh.errors import ConfigError
 from mesh.etcd.server import clear_record, find_running, write_record
 from mesh.lifecycle import cancel_and_wait
+from mesh.log import LogToFile
 from mesh.settings import MeshSettings
 from tiermesh.cli.agent import INSECURE_WARNING
 from tiermesh.drills import LinkDrill, crosses_link, drill_report, parse_kill, parse_link_drill
 from tiermesh.harness import LocalMesh
 from tiermesh.membership import REVOKE_GRACE_S, MembershipDrill, check_drills, membership_report, parse_membership
-from tiermesh.mesh_options import MeshOptions
+from tiermesh.mesh_options import MeshOptions, logs_dir
 from tiermesh.netns import require_netns
-from tiermesh.secure import OPERATOR
+from tiermesh.secure import OPERATOR, MeshCredentials
 from tiermesh.workload import (
     DEFAULT_CLASSES,
     TEXT_CLASS,
@@ -116,17 +117,34 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--no-console", action="store_true", help="do not serve the admin console")
     p.add_argument("--then-serve", action="store_true",
                    help="after the --duration workload and its report, keep serving (mesh and console) until Ctrl-C")
+    p.add_argument("--verbose", action="store_true",
+                   help="this process's log (etcd, the variant build, the scheduler) and library warnings on the "
+                        "screen too. Default: only in HOME/logs/up.log; each site's agent logs to "
+                        "HOME/logs/<site>.log")
     p.set_defaults(func=run_up)
 
 
 async def run_up(args: argparse.Namespace) -> int:
-    console = Console(stderr=False)
     settings = MeshSettings()
     home = (args.home or settings.home).resolve()
+    # the variant build runs ONNX Runtime and TF Lite here, whose C loggers write to stderr's descriptor: to the
+    # log too (the agents' own go to their files)
+    with LogToFile(logs_dir(home) / "up.log", echo=args.verbose, native=True):
+        return await _run_up(args, home)
+
+
+async def _run_up(args: argparse.Namespace, home: Path) -> int:
+    console = Console(stderr=False)
     if not args.topology.exists():
         raise ConfigError(f"topology file {args.topology} not found (run from the repository root or pass --topology)")
     if find_running(home):
         raise ConfigError(f"an etcd already runs for {home}; stop it or pass --home DIR")
+    if args.insecure and MeshCredentials.under(home).secured():
+        # its etcd data has RBAC on: a plain etcd there answers no one, and turning auth off for this run would
+        # quietly unsecure the home
+        raise ConfigError(f"{home} holds a secured mesh (its etcd has TLS and RBAC on, from an earlier `tiermesh up`): "
+                          f"--insecure cannot run there. Drop --insecure, or give the insecure mesh a home of its own "
+                          f"(--home DIR, e.g. --home .tiermesh-insecure)")
     kill = parse_kill(args.kill)
     if args.etcd_members not in (1, 3, 5):
         raise ConfigError(f"--etcd-members {args.etcd_members}: an etcd cluster has 1, 3 or 5 members")
@@ -182,6 +200,10 @@ async def run_up(args: argparse.Namespace) -> int:
             console.print(f"  {'':6s} {'':14s} caps: {caps.describe() if caps else 'none (--no-caps)'}")
         if mesh.cgroups is not None and not mesh.cgroups.available:
             console.print(f"[bold yellow]sites run WITHOUT CPU caps:[/] {mesh.cgroups.why}")
+        etcd_log = getattr(mesh.etcd, "log_path", None)
+        console.print(f"logs: {logs_dir(home)}/ (<site>.log per agent, up.log for this process"
+                      + (f"; etcd's {etcd_log}" if etcd_log is not None else "") + "; --verbose shows up.log here)",
+                      markup=False, soft_wrap=True)
         if mesh.pki is not None:
             paths = mesh.pki.paths
             console.print(f"mutual TLS: CA {paths.ca_cert}; tenant certificates ({', '.join(mesh.tenants())}) in "
