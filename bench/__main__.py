@@ -55,6 +55,7 @@ _TABLE: dict[str, tuple[str, str]] = {
     "gpu_routing": ("bench.gpu_routing", "run_gpu_routing"), "gpu_geo": ("bench.gpu_geo", "run_gpu_geo"),
     "shared_backbone": ("bench.shared_backbone", "run_shared_backbone"),
     "control_plane": ("bench.control_plane", "run_control_plane"),
+    "cap_stalls": ("bench.cap_stalls", "run_cap_stalls"),
 }
 
 
@@ -70,6 +71,8 @@ SCENARIOS = ("mesh_hop", "http_api", "sdk_local", "decision", "batching", "geo",
              "footprint", "shared_backbone", "control_plane", "gpu_routing")
 # Run only when named (--only gpu_profile): they need a CUDA GPU, which most hosts lack.
 GPU_SCENARIOS = ("gpu_profile", "gpu_geo")
+# Run only when named too: it needs a writable cgroup cpu controller (root), and measures the machine, not tiermesh.
+LAB_SCENARIOS = ("cap_stalls",)
 
 
 async def _run(names: list[str], ctx: RunContext) -> int:
@@ -94,8 +97,8 @@ async def _run(names: list[str], ctx: RunContext) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds (the whole run in about 2 minutes)")
-    ap.add_argument("--only", nargs="+", choices=SCENARIOS + GPU_SCENARIOS, metavar="NAME",
-                    help=f"run only these scenarios: {', '.join(SCENARIOS + GPU_SCENARIOS)}")
+    ap.add_argument("--only", nargs="+", choices=SCENARIOS + GPU_SCENARIOS + LAB_SCENARIOS, metavar="NAME",
+                    help=f"run only these scenarios: {', '.join(SCENARIOS + GPU_SCENARIOS + LAB_SCENARIOS)}")
     ap.add_argument("--results", type=Path, default=RESULTS_DIR, help="where JSON and PNG files go")
     ap.add_argument("--no-report", action="store_true", help="do not regenerate BENCHMARKS.md")
     args = ap.parse_args(argv)

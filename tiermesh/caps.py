@@ -30,12 +30,22 @@ from mesh.lifecycle import pid_alive
 from mesh.log import get_logger, kv
 from topology.schema import Topology
 
-__all__ = ["MIN_CPU", "PERIOD_US", "CpuCgroups", "SiteCaps", "machine_memory_mb", "plan_caps"]
+__all__ = ["MIN_CPU", "PERIOD_US", "CpuCgroups", "SiteCaps", "machine_memory_mb", "period_for", "plan_caps"]
 
 log = get_logger(__name__)
 
 MIN_CPU = 0.1            # cores: below this an agent's own event loop (heartbeats, watches) starves
-PERIOD_US = 20_000       # a short CFS period: a throttled site waits at most ~20 ms, not 100 ms
+PERIOD_US = 20_000       # the CFS period before issue 30: a throttled site waited up to (1 - share) x 20 ms
+MIN_QUOTA_US = 1_000     # the kernel's smallest CFS quota
+MIN_PERIOD_US = 2_000    # shorter periods throttle and unthrottle more often for little gain
+
+
+def period_for(cores: float) -> int:
+    """The CFS period of a cap of ``cores``: the shortest that can express it (``MIN_QUOTA_US / cores``, at
+    least ``MIN_PERIOD_US``, at most ``PERIOD_US``). A quota runs at full speed then stalls for the rest of its
+    period, so the shorter the period the more a capped site looks like a slower CPU and the less like a stalled
+    one: at 0.1 core a unit of work waited up to 18 ms at 20 ms, 9 ms at 10 ms (``bench/cap_stalls.py``)."""
+    return int(min(PERIOD_US, max(MIN_PERIOD_US, MIN_QUOTA_US / cores)))
 _PARENT = "tiermesh-"
 
 
@@ -176,21 +186,24 @@ class CpuCgroups:
             raise
         self.version, self.mount, self.parent = version, mount, parent
 
-    def create(self, site: str, cores: float) -> Path:
-        """A cgroup for ``site`` limited to ``cores`` (made again if it exists); returns its
-        ``cgroup.procs``."""
+    def create(self, site: str, cores: float, *, period_us: int | None = None) -> Path:
+        """A cgroup for ``site`` limited to ``cores`` (made again if it exists), over a CFS period of
+        ``period_us`` (default :func:`period_for`); returns its ``cgroup.procs``."""
         if self.parent is None:
             raise ConfigError(f"no CPU caps here: {self.why}")
         if cores <= 0:
             raise ConfigError(f"{site}: a CPU cap must be positive, got {cores}")
         path = self.parent / site
         path.mkdir(exist_ok=True)
-        quota = max(1000, int(cores * PERIOD_US))
+        period = period_for(cores) if period_us is None else period_us
+        quota = max(MIN_QUOTA_US, int(cores * period))
         try:
             if self.version == "v2":
-                (path / "cpu.max").write_text(f"{quota} {PERIOD_US}\n")
+                (path / "cpu.max").write_text(f"{quota} {period}\n")
             else:
-                (path / "cpu.cfs_period_us").write_text(f"{PERIOD_US}\n")
+                # a new period with the old quota may be refused (quota > period x parent): quota first, down
+                (path / "cpu.cfs_quota_us").write_text("-1\n")
+                (path / "cpu.cfs_period_us").write_text(f"{period}\n")
                 (path / "cpu.cfs_quota_us").write_text(f"{quota}\n")
         except OSError:
             self._rmdir(path)
