@@ -253,7 +253,7 @@ class _Handlers:
     async def infer(self, request: web.Request) -> web.Response:
         # One coroutine for the whole query, its errors mapped here: every frame and call on this
         # path costs each query a micro-second or more.
-        started = time.perf_counter()
+        started, arrived = time.perf_counter(), time.monotonic()  # its budget runs from here, the body's read included
         task, tenant = request.match_info["task"], "?"
         req: InferRequest | None = None
         if self.guard is not None:
@@ -287,7 +287,7 @@ class _Handlers:
             # the query enters the mesh here: its id and deadline are set once; its inputs are
             # checked at the data plane's door
             traced = _traceparent(request, params.get("trace")) if "trace" in params else None
-            req = InferRequest.entering(task, dec.inputs, slo, tenant, dec.request_id)
+            req = InferRequest.entering(task, dec.inputs, slo, tenant, dec.request_id, now=arrived)
             req.traceparent = traced
             rid = req.request_id
             resp = await self.dp.infer(req)

@@ -9,7 +9,10 @@ read from the agent at scrape time, not kept up to date per query.
 Counted once per query, at the door that received it (HTTP, SDK, a ZeroMQ caller):
 ``tiermesh_requests_total{task,tenant,site,variant,outcome,reason}`` (outcome ``ok`` or the error code;
 reason the routing reason code, ``none`` for an error), ``tiermesh_slo_total{tenant,slo_class,result}``
-and ``tiermesh_request_latency_seconds{task,component}``. Counted where a query runs (its door or the
+and ``tiermesh_request_latency_seconds{task,component}`` (``total``: the whole time from the query's entry, so a
+late answer is ``missed``), and ``tiermesh_door_delay_seconds{task}``: the door's own delay from a query's entry
+to its first routing decision (a busy loop, a capped CPU), which is not the path's nor the SLO's fault.
+Counted where a query runs (its door or the
 site it was forwarded to): ``tiermesh_served_total{task,tenant,site,variant,role}`` and the
 Triton-compatible ``nv_inference_*`` counters (model = variant, version ``1``), written as Triton writes
 them (no ``_total`` suffix), so existing dashboards work.
@@ -118,6 +121,7 @@ class AgentMetrics:
         self.prewarms: dict[str, int] = {}
         self.forwards: dict[str, int] = {}
         self.quota_rejections: dict[str, int] = {}
+        self.door_delays: dict[str, _Hist] = {}  # task -> entry to first routing decision (seconds)
         self._classes: BoundedCache[SLO, str] = BoundedCache(256)
 
     # -- bounded labels ----------------------------------------------------------------------
@@ -165,6 +169,14 @@ class AgentMetrics:
             v = ms / 1000.0
             h.counts[bisect_left(LATENCY_BOUNDS_S, v)] += 1
             h.sum += v
+
+    def door_delay(self, task: str, ms: float) -> None:
+        """The door's own delay of a query: from its entry to its first routing decision."""
+        task = task if task in self.tasks else OTHER
+        h = self.door_delays.get(task)
+        if h is None:
+            h = self.door_delays[task] = _Hist(LATENCY_BOUNDS_S)
+        h.observe(ms / 1000.0)
 
     def door_error(self, task: str, tenant: str, code: str, slo: SLO | None = None) -> None:
         tenant = self._tenant(tenant)
@@ -232,6 +244,9 @@ class AgentMetrics:
         yield histogram("tiermesh_request_latency_seconds", "Latency of queries answered at this door, by component",
                         ("task", "component"),
                         ((key, h.buckets(), h.sum) for key, h in sorted(self.latency.items())))
+        yield histogram("tiermesh_door_delay_seconds",
+                        "Delay at this door from a query's entry to its first routing decision", ("task",),
+                        (((task,), h.buckets(), h.sum) for task, h in sorted(self.door_delays.items())))
         yield counter("tiermesh_served", "Queries run at this site (role: local or forwarded here)",
                       ("task", "tenant", "site", "variant", "role"),
                       (((task, tenant, site, variant, role), n)

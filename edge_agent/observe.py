@@ -1,7 +1,8 @@
 """What an agent shows of itself over its edge HTTP API: Prometheus metrics and decision traces.
 
     GET /metrics                              Prometheus text (``edge_agent.metrics``)
-    GET /v2/traces/{request_id}[?tenant=T]    one trace this door answered (shape in ``edge_agent.traces``)
+    GET /v2/traces/{id}[?tenant=T]            one trace this door answered, by its request id or its trace id
+                                              (a result's ``trace_id``; shape in ``edge_agent.traces``)
     GET /v2/traces?limit=N                    the newest N trace summaries {request_id, tenant, task, outcome, at_unix}
 
 A request id names a trace within its tenant (the id is the caller's choice: two tenants may use the same one).
@@ -64,7 +65,7 @@ class Observe:
 
     def routes(self) -> list[Route]:
         return [("GET", "/metrics", self.metrics_page), ("GET", "/v2/traces", self.trace_list),
-                ("GET", "/v2/traces/{request_id}", self.trace)]
+                ("GET", "/v2/traces/{trace_key}", self.trace)]
 
     def rejected(self, task: str, tenant: str, code: str) -> None:
         """A query the HTTP front refused before it reached the data plane (counted like any other)."""
@@ -94,11 +95,11 @@ class Observe:
 
     async def trace(self, request: web.Request) -> web.Response:
         reader = self._trace_reader(request)
-        rid = request.match_info["request_id"]
+        key = request.match_info["trace_key"]  # a request id or a trace id
         # a tenant reads under its own name only; a reader of every tenant's may pick one
-        found = self.traces.get(rid, reader if reader is not None else request.query.get("tenant"))
+        found = self.traces.get(key, reader if reader is not None else request.query.get("tenant"))
         if found is None:
-            raise _NotFound(f"no trace of request {rid!r} here")
+            raise _NotFound(f"no trace of request or trace id {key!r} here")
         return web.json_response(found)
 
     async def trace_list(self, request: web.Request) -> web.Response:

@@ -20,10 +20,14 @@ gone, overloaded, abandoned at its limit) the query is re-decided without that s
 deadline allows, never past it and never twice to the same site, else answered with the error in
 time. A reply served after a failed attempt says so: its reason gets ``+retried`` appended
 (``forward+retried``). Failed and timed-out forwards feed the learnt path overhead as successes
-do (``paths.PathEstimates``).
+do (``paths.PathEstimates``), each from its own send, less this loop's own delay in getting to the answer
+(``mesh.zmq.client.ReplyWait``): the door's stalls are not the path's.
 
 Observability. The door counts every query it answers once (``edge_agent.metrics``: outcome, routing
-reason, SLO met or missed, latency by component); the site that runs it counts it as served. A traced
+reason, SLO met or missed, latency by component, and its own delay from the query's entry to its first routing
+decision); the site that runs it counts it as served. The door measured the whole time: a reply's total is
+from the query's entry, and a reply past its budget says so (``InferResponse.late``; best effort or not), so
+no late answer passes for a met one. A traced
 query (``traceparent`` set, by the caller's request or the door's sample) records each decision with
 its candidates (``edge_agent.traces``) and returns each hop's records with the reply; the door keeps
 the whole trace. Nothing of this is built for an untraced query.
@@ -70,7 +74,7 @@ from mesh.types import (
     Timing,
     check_inputs,
 )
-from mesh.zmq.client import ZmqClient
+from mesh.zmq.client import ReplyWait, ZmqClient
 from mesh.zmq.server import current_peer
 
 __all__ = ["SiteDataPlane", "check_sender"]
@@ -172,6 +176,7 @@ class SiteDataPlane:
         itself. Its inputs are checked here, once per hop: later stages trust them."""
         received = time.monotonic()
         door = not req.hops
+        budget_end = req.deadline  # before a best-effort grace: a reply after it is late (door_late)
         hop: HopTrace | None = None
         if req.traceparent is not None or (door and self.trace_sample_rate > 0.0
                                            and sampled(self.trace_sample_rate)):
@@ -211,8 +216,10 @@ class SiteDataPlane:
             if door:
                 self._door_failed(req, exc, hop)
             raise
+        if door:
+            self._door_late(req, resp, budget_end)
         if hop is not None:
-            hop.timed(resp.timing)
+            hop.timed(resp.timing, late=resp.late)
             resp.trace = [*hop.records, *clean_hops(resp.trace)]
         if door:
             self.metrics.door_ok(req.task, req.tenant, req.slo, resp)
@@ -220,6 +227,16 @@ class SiteDataPlane:
                 self.traces.add(req.request_id, trace_id_of(req.traceparent or ""), req.tenant, req.task, "ok",
                                 resp.trace or [])
         return resp
+
+    @staticmethod
+    def _door_late(req: InferRequest, resp: InferResponse, budget_end: float) -> None:
+        """The door measured the whole time, from the query's entry (its deadline less its SLO's budget) to its
+        answer: that is the reply's total, and a reply past its budget says so (``late``), best effort or not.
+        Never silently met: the SDK, tritonclient's parameters and the SLO metrics all read it from here."""
+        whole = (time.monotonic() - budget_end) * 1000.0 + req.slo.latency_ms
+        if whole > resp.timing.total_ms:
+            resp.timing.total_ms = whole
+        resp.late = whole > req.slo.latency_ms
 
     def _trace_hop(self, req: InferRequest, door: bool) -> HopTrace:
         if req.traceparent is None:
@@ -281,6 +298,14 @@ class SiteDataPlane:
         last_error: Exception | None = None
         for attempt in range(MAX_RETRIES + 1):
             remaining = req.remaining_ms()
+            if not attempt and len(req.hops) == 1:
+                # the door's own delay, from the query's entry to its first decision (a busy loop, a capped
+                # CPU): counted as such, and never taken for an impossible SLO (routing judges that on the
+                # whole budget asked, Query.slo_ms)
+                door_ms = max(0.0, req.slo.latency_ms - remaining)
+                self.metrics.door_delay(req.task, door_ms)
+                if hop is not None:
+                    hop.entered(door_ms)
             if remaining <= 0:
                 break
             down = self.unreachable
@@ -374,26 +399,34 @@ class SiteDataPlane:
                            traceparent=None if req.traceparent is None else child_traceparent(req.traceparent))
         self.forwarded += 1
         self.metrics.forwarded(d.site)
+        # this loop's own delay in getting to the answer: not the path's (edge_agent.paths)
+        wait = ReplyWait()
         try:
             # keep back half the round trip measured to that peer: the forward transit, which the
             # peer cannot see (its deadline is its arrival plus the budget sent; mesh.zmq.protocol)
             resp = await self.zmq.request(endpoint, fwd, reserve_ms=self.net_rtt_ms.get(d.site, 0.0) / 2,
-                                          attempt_ms=limit if capped else None)
+                                          attempt_ms=limit if capped else None, wait=wait)
         except (PeerUnavailable, DeadlineExceeded) as exc:
             now = time.monotonic()
-            self.paths.observe_failure(d.site, (now - sent) * 1000.0, d.expected_latency_ms, limit, now)
+            self.paths.observe_failure(d.site, (now - sent) * 1000.0, d.expected_latency_ms, limit, now,
+                                       local_ms=wait.lag_s * 1000.0)
             if isinstance(exc, DeadlineExceeded) and capped and now < req.deadline:
                 raise AttemptTimedOut(f"{d.site}: no reply within {limit:.0f} ms (expected "
                                       f"{d.expected_latency_ms:.0f} ms)") from exc
-            raise
+            # named by its site, as the caller knows it: the endpoint may be an address of this host's plumbing
+            # (a lab's delay proxy) that no printed address mentions
+            details = {k: v for k, v in exc.details.items() if k != "url"}
+            raise type(exc)(exc.message.replace(endpoint, f"site {d.site}"), site=d.site, **details) from exc
         now = time.monotonic()
         total = (now - received) * 1000.0
         remote = resp.timing
         network = max(0.0, total - remote.total_ms)
-        rtt = max(0.0, (now - sent) * 1000.0 - remote.total_ms)
+        local = wait.lag_s * 1000.0
+        rtt = max(0.0, (now - sent) * 1000.0 - remote.total_ms - local)
         prev = self.net_rtt_ms.get(d.site)
         self.net_rtt_ms[d.site] = rtt if prev is None else 0.875 * prev + 0.125 * rtt
-        self.paths.observe(d.site, network - d.expected_latency_ms + remote.total_ms, now)
+        # from this attempt's send, not the query's arrival: a retry's earlier attempt is not this path's
+        self.paths.observe(d.site, (now - sent) * 1000.0 - d.expected_latency_ms, now, local_ms=local)
         resp.timing = Timing(network_ms=network, queue_ms=remote.queue_ms,
                              compute_ms=remote.compute_ms, total_ms=total)
         resp.reason, resp.best_effort = d.reason, d.best_effort

@@ -4,22 +4,34 @@ A query is traced when it asks (``parameters.trace: true``; the SDK's ``trace=Tr
 agent's sample (``trace_sample_rate``, drawn at the door). It then carries a W3C ``traceparent``
 (:mod:`mesh.tracecontext`) to every hop; each hop records a :class:`HopTrace` and returns its records with
 the reply (``InferResponse.trace``), so the door holds the whole trace and keeps it in a bounded
-:class:`TraceStore`, where ``GET /v2/traces/{request_id}`` finds it (:mod:`edge_agent.observe`).
+:class:`TraceStore`, where ``GET /v2/traces/{id}`` finds it by request id or trace id (:mod:`edge_agent.observe`).
 An untraced query builds none of this, and a query refused before the door admitted it (its tenant, task,
 inputs or quota) keeps none.
 
 The request id is the caller's choice (the V2 ``id``), so the store is keyed by (tenant, request id) and
 bounded per tenant as well as in all, in traces and in bytes: one tenant cannot read, overwrite or evict
-another's traces, nor fill the agent's memory with its own (issue 29).
+another's traces, nor fill the agent's memory with its own (issue 29). A trace is found by its trace id too
+(the ``trace_id`` a result carries), within the same tenant.
+
+A candidate's ``latency_ms`` is what routing expected in all (network + queue + compute + load), judged against
+the budget; its ``cost`` is in dollars per query (:mod:`core_scheduler.policy.routing_candidates`), to four
+significant figures.
 
 A trace, as served (JSON)::
 
     {"request_id", "trace_id", "tenant", "task", "outcome",
      "hops": [{"site", "role": "edge" | "forward" | "serve", "at_unix",
                "candidates": [{"site", "variant", "network_ms", "queue_ms", "compute_ms", "load_ms",
-                               "cost", "feasible", "why_not"}],
-               "choice": {"site", "variant", "reason"} | null,
-               "timings_ms": {"network", "queue", "compute", "total"}}]}
+                               "latency_ms", "cost", "feasible", "why_not"}],
+               "choice": {"site", "variant", "reason", "estimated"} | null,
+               "timings_ms": {"network", "queue", "compute", "total"},
+               "door_delay_ms", "late"}]}
+
+``choice.estimated``: the chosen variant has no measured timings on its site's hardware class yet, and was
+costed from an estimate (:func:`core_scheduler.policy.snapshot.with_estimates`). ``door_delay_ms`` is the door's
+own delay from the query's entry to this decision (its first one; 0 elsewhere);
+``late`` is set on the door's last record when the answer came past the query's budget (``timings_ms.total``
+is then the whole time from its entry).
 
 A hop that decided more than once (a failed attempt re-decided without that site) has one record per
 attempt, the failed one's choice reason saying how it failed (``forward failed: peer_down``). Hop
@@ -58,37 +70,51 @@ def sampled(rate: float) -> bool:
 class HopTrace:
     """The records of one hop of one traced query (one per decision it made)."""
 
-    __slots__ = ("records", "role", "site")
+    __slots__ = ("door_delay_ms", "records", "role", "site")
 
     def __init__(self, site: str, role: Role) -> None:
         self.site, self.role = site, role
         self.records: list[dict[str, Any]] = []
+        self.door_delay_ms = 0.0
+
+    def entered(self, door_delay_ms: float) -> None:
+        """The door's own delay before its first decision: kept on that decision's record (or, should routing
+        refuse, on the record of the failure)."""
+        self.door_delay_ms = door_delay_ms
 
     def decided(self, router: object, q: Query, d: Decision) -> None:
         self.records.append(self._record([c.to_json() for c in explain(router, q, d)],
-                                         {"site": d.site, "variant": d.variant_id, "reason": d.reason}))
+                                         {"site": d.site, "variant": d.variant_id, "reason": d.reason,
+                                          "estimated": d.estimated}))
 
     def serving(self, variant: str, reason: str) -> None:
         """A hop that runs what an earlier hop decided (no candidates of its own)."""
-        self.records.append(self._record([], {"site": self.site, "variant": variant, "reason": reason}))
+        self.records.append(self._record([], {"site": self.site, "variant": variant, "reason": reason,
+                                              "estimated": False}))
 
     def failed(self, code: str) -> None:
-        """The last decision's attempt failed (it will be re-decided, or the query fails)."""
+        """The last decision's attempt failed (it will be re-decided, or the query fails); with no decision (routing
+        refused it), a record of the failure itself, so that the door's delay before it is kept."""
+        if not self.records and self.door_delay_ms:
+            self.records.append(self._record([], None))
         if self.records:
             rec = self.records[-1]
             if rec["choice"] is not None and " failed: " not in rec["choice"]["reason"]:  # marked once
                 rec["choice"]["reason"] += f" failed: {code}"
             rec["timings_ms"]["total"] = round((time.time() - rec["at_unix"]) * 1000.0, 3)
 
-    def timed(self, timing: Timing) -> None:
+    def timed(self, timing: Timing, *, late: bool = False) -> None:
         if not self.records:
             self.records.append(self._record([], None))
-        self.records[-1]["timings_ms"] = {"network": round(timing.network_ms, 3), "queue": round(timing.queue_ms, 3),
-                                          "compute": round(timing.compute_ms, 3), "total": round(timing.total_ms, 3)}
+        rec = self.records[-1]
+        rec["timings_ms"] = {"network": round(timing.network_ms, 3), "queue": round(timing.queue_ms, 3),
+                             "compute": round(timing.compute_ms, 3), "total": round(timing.total_ms, 3)}
+        rec["late"] = late
 
-    def _record(self, candidates: list[dict[str, Any]], choice: dict[str, str] | None) -> dict[str, Any]:
+    def _record(self, candidates: list[dict[str, Any]], choice: dict[str, Any] | None) -> dict[str, Any]:
         return {"site": self.site, "role": self.role, "at_unix": time.time(), "candidates": candidates,
-                "choice": choice, "timings_ms": {"network": 0.0, "queue": 0.0, "compute": 0.0, "total": 0.0}}
+                "choice": choice, "timings_ms": {"network": 0.0, "queue": 0.0, "compute": 0.0, "total": 0.0},
+                "door_delay_ms": 0.0 if self.records else round(self.door_delay_ms, 3), "late": False}
 
 
 def _str(v: object, default: str = "") -> str:
@@ -107,7 +133,7 @@ def _candidate(c: object) -> dict[str, Any] | None:
         return None
     why = c.get("why_not")
     return {"site": _str(c.get("site")), "variant": _str(c.get("variant")),
-            **{k: _num(c.get(k)) for k in ("network_ms", "queue_ms", "compute_ms", "load_ms", "cost")},
+            **{k: _num(c.get(k)) for k in ("network_ms", "queue_ms", "compute_ms", "load_ms", "latency_ms", "cost")},
             "feasible": c.get("feasible") is True, "why_not": _str(why) if isinstance(why, str) else None}
 
 
@@ -124,9 +150,10 @@ def clean_hops(hops: object) -> list[dict[str, Any]]:
         out.append({
             "site": _str(h.get("site")), "role": role if role in ROLES else "serve", "at_unix": _num(h.get("at_unix")),
             "candidates": [c for c in map(_candidate, cands[:_MAX_CANDIDATES]) if c is not None],
-            "choice": {k: _str(choice.get(k)) for k in ("site", "variant", "reason")}
-            if isinstance(choice, dict) else None,
+            "choice": {**{k: _str(choice.get(k)) for k in ("site", "variant", "reason")},
+                       "estimated": choice.get("estimated") is True} if isinstance(choice, dict) else None,
             "timings_ms": {k: _num(timings.get(k)) for k in ("network", "queue", "compute", "total")},
+            "door_delay_ms": _num(h.get("door_delay_ms")), "late": h.get("late") is True,
         })
     return out
 
@@ -161,6 +188,7 @@ class TraceStore:
         self._tenants: dict[str, OrderedDict[str, _Kept]] = {}  # tenant -> request id -> trace, oldest first
         self._tenant_bytes: dict[str, int] = {}
         self._order: OrderedDict[tuple[str, str], None] = OrderedDict()  # every (tenant, id), oldest first
+        self._trace_ids: dict[str, dict[str, str]] = {}  # tenant -> trace id -> request id (the newest of it)
         self._bytes = 0
         self._seq = 0
 
@@ -185,6 +213,8 @@ class TraceStore:
         self._tenants.setdefault(tenant, OrderedDict())[request_id] = _Kept(trace, nbytes, self._seq)
         self._tenant_bytes[tenant] = self._tenant_bytes.get(tenant, 0) + nbytes
         self._order[(tenant, request_id)] = None
+        if trace_id:
+            self._trace_ids.setdefault(tenant, {})[trace_id] = request_id
         self._bytes += nbytes
         own = self._tenants[tenant]
         while len(own) > self.tenant_capacity or self._tenant_bytes[tenant] > self.tenant_bytes:
@@ -195,14 +225,21 @@ class TraceStore:
             self._evict(self._largest(lambda t: self._tenant_bytes[t]))
         return trace
 
-    def get(self, request_id: str, tenant: str | None = None) -> dict[str, Any] | None:
-        """``tenant``'s trace of ``request_id``; with no tenant (a reader of every tenant's), the newest of any."""
-        if tenant is not None:
-            own = self._tenants.get(tenant)
-            kept = own.get(request_id) if own is not None else None
-            return kept.trace if kept is not None else None
-        found = [k for own in self._tenants.values() if (k := own.get(request_id)) is not None]
+    def get(self, key: str, tenant: str | None = None) -> dict[str, Any] | None:
+        """``tenant``'s trace whose request id is ``key`` or, failing that, whose trace id is; with no tenant (a
+        reader of every tenant's), the newest of any tenant's."""
+        found = [k for t in ([tenant] if tenant is not None else list(self._tenants))
+                 if (k := self._find(t, key)) is not None]
         return max(found, key=lambda k: k.seq).trace if found else None
+
+    def _find(self, tenant: str, key: str) -> _Kept | None:
+        own = self._tenants.get(tenant)
+        if own is None:
+            return None
+        kept = own.get(key)
+        if kept is None and (rid := self._trace_ids.get(tenant, {}).get(key)) is not None:
+            kept = own.get(rid)
+        return kept
 
     def recent(self, limit: int, tenant: str | None = None) -> list[dict[str, Any]]:
         """Summaries of the newest ``limit`` traces (of ``tenant`` only, if given), newest first."""
@@ -234,5 +271,9 @@ class TraceStore:
         del self._order[(tenant, request_id)]
         self._bytes -= kept.nbytes
         self._tenant_bytes[tenant] -= kept.nbytes
+        ids = self._trace_ids.get(tenant, {})
+        if ids.get(kept.trace["trace_id"]) == request_id:
+            del ids[kept.trace["trace_id"]]
         if not own:
             del self._tenants[tenant], self._tenant_bytes[tenant]
+            self._trace_ids.pop(tenant, None)

@@ -75,10 +75,15 @@ class InferResult:
     hops: list[str] = field(default_factory=list)
     request_id: str = ""
     # set when the query was traced (asked with trace=True, or sampled): look it up at the edge's
-    # GET /v2/traces/{request_id}
+    # GET /v2/traces/{trace_id} (or by request_id)
     trace_id: str = ""
     # served through a backbone shared across tenants: how many tenants its batch held (0: not shared)
     backbone_tenants: int = 0
+    # answered past the latency asked (measured by the edge from the query's entry: ``timing.total_ms``), best
+    # effort or not: a late answer is an answer, never a met SLO
+    late: bool = False
+    # answered within the latency asked and at the accuracy asked (not late, accuracy >= min_accuracy)
+    within_slo: bool = True
 
     def output(self, name: str | None = None) -> Any:
         """The output called ``name``; with no name, the only output (``KeyError`` if several)."""
@@ -282,9 +287,12 @@ class AsyncClient:
         dec = wire.decode_infer_response(rb, int(raw_len) if raw_len is not None else None)
         params = dec.parameters
         trace_id = params.get("trace_id")
-        return InferResult(dec.outputs, *result_values(params), request_id=dec.request_id,
-                           trace_id=trace_id if type(trace_id) is str else "",
-                           backbone_tenants=backbone_tenants(params) if "backbone_batch_tenants" in params else 0)
+        res = InferResult(dec.outputs, *result_values(params), request_id=dec.request_id,
+                          trace_id=trace_id if type(trace_id) is str else "",
+                          backbone_tenants=backbone_tenants(params) if "backbone_batch_tenants" in params else 0,
+                          late=params.get("late") is True)
+        res.within_slo = not res.late and res.accuracy >= min_accuracy
+        return res
 
     async def _metadata_within(self, task: str, latency_ms: float) -> tuple[TaskSignature, float]:
         """The task's signature, and the seconds its lookup took. The caller's wait is bounded from its call, not

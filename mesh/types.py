@@ -387,3 +387,6 @@ class InferResponse:
     # served through a backbone shared by several heads: the distinct tenants in its batch (1 or
     # more); 0 when no shared backbone was involved
     backbone_tenants: int = 0
+    # answered past its budget (the SLO's latency_ms from the query's entry), best effort or not: set by the door,
+    # which measured the whole time (``edge_agent.site_dataplane``); a late answer is never reported as met
+    late: bool = False

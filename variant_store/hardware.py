@@ -38,6 +38,7 @@ __all__ = [
     "runtime_support",
     "serving_runtime",
     "short_gpu_model",
+    "split_cap",
     "tensorrt_available",
     "torch_cuda_available",
     "torch_serving",
@@ -226,6 +227,18 @@ def capped_class(base: str, cpu_cap: float | None) -> str:
     if cpu_cap is None:
         return base
     return f"{base}-cap{cpu_cap:.2f}"
+
+
+_CAPPED = re.compile(r"^(?P<base>.+)-cap(?P<cores>\d+(?:\.\d+)?)$")
+
+
+def split_cap(hardware_class: str) -> tuple[str, float | None]:
+    """The inverse of :func:`capped_class`: ``cpu-x86_64-cap0.25`` is ``("cpu-x86_64", 0.25)``, an uncapped class
+    ``(class, None)``."""
+    m = _CAPPED.match(hardware_class)
+    if m is None:
+        return hardware_class, None
+    return m["base"], float(m["cores"])
 
 
 def _cgroup_cpu_file(line: str) -> str | None:

@@ -252,6 +252,7 @@ async function lookupTrace(id) {
         return el("tr", { class: isChoice ? "chosen" : (c.feasible ? "feasible" : "rejected"), "data-feasible": String(!!c.feasible) },
           el("td", { text: c.site }), el("td", { text: c.variant }), el("td", { text: fmt(c.network_ms, 1) }),
           el("td", { text: fmt(c.queue_ms, 1) }), el("td", { text: fmt(c.compute_ms, 1) }), el("td", { text: fmt(c.load_ms, 1) }),
+          el("td", { text: c.latency_ms === undefined ? "–" : fmt(c.latency_ms, 1) }),
           el("td", { text: c.cost === null || c.cost === undefined ? "–" : (Math.abs(c.cost) < 0.01 && c.cost !== 0 ? Number(c.cost).toExponential(2) : fmt(c.cost, 4)) }), el("td", { text: c.feasible ? (isChoice ? "chosen" : "feasible") : (c.why_not || "rejected") }));
       });
       const tm = h.timings_ms || {};
@@ -260,7 +261,7 @@ async function lookupTrace(id) {
         el("div", { text: chosen ? `choice: ${chosen.variant} at ${chosen.site} — ${chosen.reason}` : "no choice at this hop" }),
         el("div", { class: "muted", text: `network ${fmt(tm.network, 1)} · queue ${fmt(tm.queue, 1)} · compute ${fmt(tm.compute, 1)} · total ${fmt(tm.total, 1)} ms` }),
         rows.length ? el("table", { class: "grid candidates" },
-          el("thead", {}, el("tr", {}, ["site", "variant", "net ms", "queue ms", "compute ms", "load ms", "cost", "verdict"].map((x) => el("th", { text: x })))),
+          el("thead", {}, el("tr", {}, ["site", "variant", "net ms", "queue ms", "compute ms", "load ms", "latency ms", "cost $", "verdict"].map((x) => el("th", { text: x })))),
           el("tbody", {}, rows)) : null);
     }));
 }

@@ -39,18 +39,26 @@ class Candidate:
     queue_ms: float
     compute_ms: float
     load_ms: float      # cold start (load + blob fetch); 0 when loaded
-    cost: float
+    latency_ms: float   # what routing expects in all: network + queue + compute + load, judged against the budget
+    cost: float         # dollars per query (routing_candidates): millionths of a dollar on a CPU site
     feasible: bool
     why_not: str | None
 
     def to_json(self) -> dict[str, object]:
         return {"site": self.site, "variant": self.variant, "network_ms": _ms(self.network_ms),
                 "queue_ms": _ms(self.queue_ms), "compute_ms": _ms(self.compute_ms), "load_ms": _ms(self.load_ms),
-                "cost": _ms(self.cost), "feasible": self.feasible, "why_not": self.why_not}
+                "latency_ms": _ms(self.latency_ms), "cost": _dollars(self.cost), "feasible": self.feasible,
+                "why_not": self.why_not}
 
 
 def _ms(x: float) -> float:
     return round(x, 4) if math.isfinite(x) else -1.0
+
+
+def _dollars(x: float) -> float:
+    # significant figures, not decimals: a query costs ~1e-7 $ on a CPU site, which 4 decimals made 0.0 for every
+    # candidate, so a trace could not show the cost that decided between them
+    return float(f"{x:.4g}") if math.isfinite(x) else -1.0
 
 
 def explain(router: object, q: Query, chosen: Decision | None = None,
@@ -90,7 +98,7 @@ def explain(router: object, q: Query, chosen: Decision | None = None,
             why = "cost"
         elif not latency <= budget:
             why = "latency"
-        out.append(Candidate(site, variant, network, queue, compute, load, cost, why is None, why))
+        out.append(Candidate(site, variant, network, queue, compute, load, latency, cost, why is None, why))
     if len(out) > limit:
         keep = out[:limit]
         if chosen is not None and not any(c.site == chosen.site and c.variant == chosen.variant_id for c in keep):

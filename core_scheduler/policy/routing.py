@@ -23,8 +23,22 @@ variant loaded at this site (no network, no cold start), else the lowest-latency
 variant that cannot arrive in time is no answer at all: the most accurate one anywhere, chosen
 regardless of its latency, came back ``504 deadline`` from across the WAN. Both prefer sites with
 capacity and are flagged ``best_effort``; the data plane gives a best-effort query a bounded grace
-past its deadline (``mesh.types.BEST_EFFORT_GRACE_MS``). ``"refuse"`` raises ``ImpossibleSLO``
-naming the best latency and accuracy on offer.
+past its deadline (``mesh.types.BEST_EFFORT_GRACE_MS``). ``"refuse"`` answers by why nothing fits:
+
+    ImpossibleSLO (422)     no variant at any site could meet the SLO *as asked*: judged on the whole
+                            budget the caller asked for (``Query.slo_ms``) against each candidate's floor
+                            (round trip + margin + warm compute, no queue, no cold start, whatever the
+                            sites' state), with the accuracy floor, tenant and cost ceiling. It names the
+                            best latency and accuracy on offer. A promise: asking again will not help.
+    DeadlineExceeded (504)  the SLO is one the mesh can meet, and could now on its whole budget, but the
+                            query lost that budget before or while routing (queued at a busy door, a
+                            failed attempt): the query is late, not impossible.
+    Overloaded (503)        the SLO is one the mesh can meet, but not now even on its whole budget (queues,
+                            capacity, cold starts, sites down or left out).
+
+A query that asked for best effort (``prefer`` latency or accuracy) is served best effort instead in every
+case above; only an impossible SLO with ``"refuse"`` is a 422 (issue 30: a query that asked 150 ms and
+lost 100 ms inside a busy edge was refused as impossible).
 
 Reason codes (``Decision.reason``):
 
@@ -50,7 +64,7 @@ from core_scheduler.policy.routing_candidates import (
     build_candidates,
 )
 from core_scheduler.policy.snapshot import MeshSnapshot
-from mesh.errors import ConfigError, ImpossibleSLO, NoRoute, UnknownTask
+from mesh.errors import ConfigError, DeadlineExceeded, ImpossibleSLO, MeshError, NoRoute, Overloaded, UnknownTask
 from mesh.types import DEFAULT_PREFER, DEFAULT_TENANT, SLO, Prefer
 
 __all__ = ["REASONS", "Decision", "Query", "RoutingTable"]
@@ -70,6 +84,9 @@ class Query:
     nbytes: int = 0
     exclude_sites: frozenset[str] = frozenset()
     rows: int = 1  # the request's batch: its compute is the profile's at the batch it makes
+    # the whole budget the caller asked for (the SLO's latency_ms), by which an SLO is judged impossible;
+    # None: ``budget_ms`` (a query that has lost none of it)
+    slo_ms: float | None = None
 
     @classmethod
     def from_slo(cls, task: str, tenant: str, slo: SLO, remaining_ms: float, nbytes: int = 0,
@@ -78,7 +95,12 @@ class Query:
         left: the one way the data plane builds a ``Query``."""
         return cls(task=task, tenant=tenant, budget_ms=remaining_ms, min_accuracy=slo.min_accuracy,
                    max_cost=slo.max_cost, prefer=slo.prefer, nbytes=nbytes, exclude_sites=exclude_sites,
-                   rows=rows)
+                   rows=rows, slo_ms=slo.latency_ms)
+
+    @property
+    def full_ms(self) -> float:
+        """The budget an SLO is judged impossible by: the one asked for, never less than what is left."""
+        return self.budget_ms if self.slo_ms is None else max(self.slo_ms, self.budget_ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +113,8 @@ class Decision:
     accuracy: float
     best_effort: bool
     feasible_count: int
+    # the chosen variant's timings on its site's class are an estimate, not a measurement (snapshot.with_estimates)
+    estimated: bool = False
 
 
 class RoutingTable:
@@ -164,7 +188,7 @@ class RoutingTable:
             if end - i > 1:
                 i += int(lat[i:end].argmin())
         return _decision(t.arr.site[i], t.arr.variant_id[i], t.reason[i], lat.item(i), t.cost[i],
-                         t.accuracy[i], False, int(np.count_nonzero(ok)))
+                         t.accuracy[i], False, int(np.count_nonzero(ok)), t.estimated[i])
 
     def _decide_rows(self, t: TaskTable, q: Query, base: NDArray[np.float64]) -> Decision:
         """``decide()`` for a request of several rows: its latency and its cost are those of its rows (the
@@ -186,7 +210,7 @@ class RoutingTable:
         # least cost, then lowest latency; lexsort is stable, so equal keys keep the table's order
         i = int(feasible[np.lexsort((lat[feasible], cost[feasible]))[0]])
         return _decision(a.site[i], a.variant_id[i], t.reason[i], lat.item(i), cost.item(i), t.accuracy[i], False,
-                         len(feasible))
+                         len(feasible), t.estimated[i])
 
     def _decide_restricted(self, t: TaskTable, q: Query, base: NDArray[np.float64]) -> Decision:
         """``decide()`` under a cost ceiling or site exclusions."""
@@ -215,7 +239,7 @@ class RoutingTable:
                     else:
                         i += int(lat[i:end].argmin())
                 return _decision(a.site[i], a.variant_id[i], t.reason[i], lat.item(i), t.cost[i],
-                                 t.accuracy[i], False, int(np.count_nonzero(ok)))
+                                 t.accuracy[i], False, int(np.count_nonzero(ok)), t.estimated[i])
         return self._best_effort(t, q)
 
     def _best_effort(self, t: TaskTable, q: Query) -> Decision:
@@ -239,7 +263,8 @@ class RoutingTable:
         else:
             i = int(base.argmin())
             latency = a.base_ms.item(i)
-        return _decision(a.site[i], a.variant_id[i], reason, latency, t.cost[i], t.accuracy[i], True, 0)
+        return _decision(a.site[i], a.variant_id[i], reason, latency, t.cost[i], t.accuracy[i], True, 0,
+                         t.estimated[i])
 
     def _best_effort_pool(self, t: TaskTable, q: Query) -> tuple[NDArray[np.float64], str]:
         """``base_ms`` masked to the best-effort pool of a ``prefer="latency"`` ``q`` (no exclusions)."""
@@ -282,19 +307,54 @@ class RoutingTable:
         extra = t.request_ms(q.nbytes, q.rows)
         lat = a.base_ms + extra if extra is not None else a.base_ms.copy()
         if q.prefer == "refuse":
-            i_lat = int(np.where(pool, lat, _INF).argmin())
-            best_acc = float(a.accuracy[pool].max())
-            raise ImpossibleSLO(
-                f"no site can serve {q.task!r} within {q.budget_ms:.1f} ms at accuracy >= "
-                f"{q.min_accuracy:.3f}: best latency {lat[i_lat]:.1f} ms (accuracy "
-                f"{a.accuracy[i_lat]:.3f}), best accuracy {best_acc:.3f}",
-                task=q.task, best_latency_ms=float(lat[i_lat]), best_accuracy=best_acc)
+            raise self._refusal(t, q, pool, lat, extra)
         if q.prefer == "accuracy":
             choose, reason = self._accuracy_choice(t, q, pool, lat), "best_effort_accuracy"
         else:
             choose, reason = self._latency_choice(t, q, pool)
         i = int(np.where(choose, lat, _INF).argmin())
-        return _decision(a.site[i], a.variant_id[i], reason, lat.item(i), t.cost[i], t.accuracy[i], True, 0)
+        return _decision(a.site[i], a.variant_id[i], reason, lat.item(i), t.cost[i], t.accuracy[i], True, 0,
+                         t.estimated[i])
+
+    def _refusal(self, t: TaskTable, q: Query, pool: NDArray[np.bool_], lat: NDArray[np.float64],
+                 extra: NDArray[np.float64] | None) -> MeshError:
+        """Why nothing fits ``q`` (``prefer="refuse"``), by the table in the module docstring: impossible as
+        asked, late, or not now. ``pool``: the hard-feasible candidates; ``lat``: their latency now."""
+        a = t.arr
+        full = min(q.full_ms, 1e300)
+        floor = a.floor_ms + extra if extra is not None else a.floor_ms
+        visible = t.tenant_mask(q.tenant) & np.isfinite(floor)
+        accurate = a.accuracy >= q.min_accuracy
+        cost_now: NDArray[np.bool_] | bool = True
+        possible = visible & accurate & (floor <= full)
+        if q.max_cost is not None:
+            # the warm cost of one row, plus what more rows bring (as cost_of() adds it to the cold cost)
+            more = t.cost_of(q.rows) - a.cost if q.rows > 1 else 0.0
+            possible &= a.floor_cost + more <= q.max_cost
+            cost_now = t.cost_of(q.rows) <= q.max_cost
+        if not any_true(possible):
+            runs = visible if any_true(visible) else pool
+            i_lat = int(np.where(runs, floor if any_true(visible) else lat, _INF).argmin())
+            best_lat = float(floor[i_lat] if any_true(visible) else lat[i_lat])
+            best_acc = float(a.accuracy[runs].max())
+            return ImpossibleSLO(
+                f"no site can serve {q.task!r} within {full:.1f} ms at accuracy >= {q.min_accuracy:.3f}"
+                f"{'' if q.max_cost is None else f' at cost <= {q.max_cost:g}'}: best latency {best_lat:.1f} ms "
+                f"(accuracy {a.accuracy[i_lat]:.3f}), best accuracy {best_acc:.3f}",
+                task=q.task, best_latency_ms=best_lat, best_accuracy=best_acc)
+        now = pool & a.capacity_ok & accurate & (lat <= full) & cost_now
+        if any_true(now):
+            i = int(np.where(now, lat, _INF).argmin())
+            return DeadlineExceeded(
+                f"{q.task!r}: {full - q.budget_ms:.1f} ms of the query's {full:.1f} ms budget was spent before this "
+                f"decision (waiting at the door, or on a failed attempt; {max(q.budget_ms, 0.0):.1f} ms left); "
+                f"{a.variant_id[i]} at {a.site[i]} would have met it in {lat[i]:.1f} ms",
+                task=q.task, spent_ms=full - q.budget_ms, best_latency_ms=float(lat[i]))
+        i = int(np.where(possible, floor, _INF).argmin())
+        return Overloaded(
+            f"no site can serve {q.task!r} within {full:.1f} ms at accuracy >= {q.min_accuracy:.3f} now: "
+            f"{a.variant_id[i]} at {a.site[i]} could in {floor[i]:.1f} ms, but is busy, cold, down or left out",
+            task=q.task, best_latency_ms=float(floor[i]))
 
 
 _new = object.__new__
@@ -305,7 +365,7 @@ _SET_FIELDS = tuple(getattr(Decision, f.name).__set__ for f in fields(Decision))
 
 
 def _decision(site: str, variant_id: str, reason: str, latency_ms: float, cost: float, accuracy: float,
-              best_effort: bool, feasible_count: int,
+              best_effort: bool, feasible_count: int, estimated: bool,
               _s: tuple[Callable[[Decision, object], None], ...] = _SET_FIELDS) -> Decision:
     d: Decision = _new(Decision)
     _s[0](d, site)
@@ -316,4 +376,5 @@ def _decision(site: str, variant_id: str, reason: str, latency_ms: float, cost: 
     _s[5](d, accuracy)
     _s[6](d, best_effort)
     _s[7](d, feasible_count)
+    _s[8](d, estimated)
     return d

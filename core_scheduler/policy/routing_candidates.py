@@ -81,6 +81,13 @@ class CandidateArrays:
     hardware_class: tuple[str, ...] = ()
     batch: tuple[int, ...] = ()
     price_per_ms: NDArray[np.float64] = field(default_factory=lambda: np.zeros(0))  # dollars per slot-ms
+    # what the candidate could do at best, whatever the mesh's state (round trip + margin + compute at batch 1,
+    # warm, no queue; inf where the variant cannot run on the site's class or the site is unreachable) and its
+    # cost then: what ``decide()`` judges an SLO impossible by (``routing``: 422 means impossible, not late)
+    floor_ms: NDArray[np.float64] = field(default_factory=lambda: np.zeros(0))
+    floor_cost: NDArray[np.float64] = field(default_factory=lambda: np.zeros(0))
+    # the variant's timings on the site's class are an estimate (snapshot.with_estimates), not a measurement
+    estimated: NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, dtype=bool))
 
     def latency_ms(self, nbytes: int) -> NDArray[np.float64]:
         return self.base_ms + self.per_byte_ms * float(nbytes) if nbytes else self.base_ms.copy()
@@ -117,7 +124,7 @@ class TaskTable:
     tenant, its accuracy floor, a payload size. A hit replaces a few whole-array numpy operations
     (microseconds at thousands of candidates) with one lookup."""
 
-    __slots__ = ("access", "accuracy", "arr", "best", "cost", "masked", "n", "public", "reason", "rows",
+    __slots__ = ("access", "accuracy", "arr", "best", "cost", "estimated", "masked", "n", "public", "reason", "rows",
                  "rows_costs", "tie_end", "tie_end_l", "transfer")
 
     def __init__(self, arr: CandidateArrays, here: str = "") -> None:
@@ -139,6 +146,7 @@ class TaskTable:
         self.rows_costs: BoundedCache[int, NDArray[np.float64]] = BoundedCache(_TRANSFER_CACHE_MAX)
         self.cost: list[float] = arr.cost.tolist()
         self.accuracy: list[float] = arr.accuracy.tolist()
+        self.estimated: list[bool] = arr.estimated.tolist()
         self.reason: tuple[str, ...] = tuple(
             ("local" if s == here else "forward") if loaded else "cold_start"
             for s, loaded in zip(arr.site, arr.loaded.tolist(), strict=True))
@@ -265,9 +273,13 @@ def build_candidates(snap: MeshSnapshot, here: str, variants: tuple[VariantInfo,
                 cost = float("inf")
             base = rtt + margin + queue + compute + load_ms + fetch if reachable else float("inf")
             price_ms = info.price_per_hour / 3600.0 / info.slots / 1000.0
+            warm = resolve_compute(c1)
+            floor = rtt + margin + warm if reachable and runs else float("inf")
+            floor_cost = warm * price_ms if runs else float("inf")
             rows.append((s, v.variant_id, v.owner, j, rtt, per_byte, queue, compute, load_ms + fetch, base,
-                         cost, v.accuracy, loaded, hard, cap_ok, s != here, v.size_bytes, v, hw, batch, price_ms))
-    cols = list(zip(*rows, strict=True)) if rows else [()] * 21
+                         cost, v.accuracy, loaded, hard, cap_ok, s != here, v.size_bytes, v, hw, batch, price_ms,
+                         floor, floor_cost, hw in v.estimated))
+    cols = list(zip(*rows, strict=True)) if rows else [()] * 24
     cost_a = np.array(cols[10], dtype=np.float64)
     base_a = np.array(cols[9], dtype=np.float64)
     not_here = np.array(cols[15], dtype=bool)
@@ -291,4 +303,5 @@ def build_candidates(snap: MeshSnapshot, here: str, variants: tuple[VariantInfo,
                            base_ms=f(9), cost=f(10), accuracy=f(11), loaded=b(12), hard_ok=b(13),
                            capacity_ok=b(14), variant=tuple(cols[17][i] for i in order),
                            hardware_class=s_(18), batch=tuple(int(cols[19][i]) for i in order),
-                           price_per_ms=f(20))
+                           price_per_ms=f(20), floor_ms=f(21), floor_cost=f(22),
+                           estimated=b(23))

@@ -30,7 +30,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -38,12 +38,13 @@ from numpy.typing import NDArray
 
 from mesh.errors import CatalogError, TopologyError
 from topology.paths import PathTables, shortest_paths
+from variant_store.hardware import split_cap
 
 if TYPE_CHECKING:
     from variant_store.meta import VariantMeta
 
-__all__ = ["MIB", "Link", "MeshSnapshot", "SiteInfo", "SiteLoad", "VariantInfo", "path_jitter_ms",
-           "path_tables", "tail_margin_ms"]
+__all__ = ["ESTIMATE_SAFETY", "MIB", "Link", "MeshSnapshot", "SiteInfo", "SiteLoad", "VariantInfo",
+           "class_speed", "path_jitter_ms", "path_tables", "tail_margin_ms", "with_estimates"]
 
 MIB = 1 << 20
 # (site a, site b, one-way latency ms, bandwidth Mbit/s); links are undirected
@@ -96,6 +97,8 @@ class VariantInfo:
     # instance is its own, so its whole memory is charged to it.
     base: str | None = None
     base_bytes: int = 0
+    # hardware classes whose timings above are estimates (:func:`with_estimates`), not measurements
+    estimated: frozenset[str] = frozenset()
 
     def usable_by(self, tenant: str) -> bool:
         return self.owner == "public" or self.owner == tenant
@@ -291,6 +294,72 @@ def path_tables(index: Mapping[str, int], links: Iterable[Link]
     five = [(a, b, lat, mbps, 0.0) for a, b, lat, mbps in links]
     return (_in_index_order(index, five, lambda t: t.rtt_ms),
             _in_index_order(index, five, lambda t: t.bandwidth_mbps))
+
+
+# What an estimate from another kind of machine is multiplied by (see with_estimates): a profile measured on a
+# different CPU (or GPU) says little about this one, so the estimate errs slow: routing then sends such a class
+# only what has room to spare, until the class's own timings (self-profiled, edge_agent.selfprofile) replace it.
+ESTIMATE_SAFETY = 2.0
+# formats whose artefact is built for one machine (a TensorRT engine for one GPU model): never estimated elsewhere
+_NOT_PORTABLE = frozenset({"tensorrt"})
+
+
+def class_speed(hardware_class: str) -> float:
+    """How fast one query runs on ``hardware_class`` relative to its uncapped base class: a CPU cap of ``c`` cores
+    (``cpu-x86_64-cap0.25``) runs a one-thread session at ``min(1, c)`` of the machine's speed (CFS gives it that
+    share of each period); uncapped, 1."""
+    cap = split_cap(hardware_class)[1]
+    return 1.0 if cap is None else max(1e-3, min(1.0, cap))
+
+
+def _estimate_from(v: VariantInfo, hw: str) -> tuple[str, float] | None:
+    """The measured class to estimate ``v`` on ``hw`` from and the factor to scale its timings by; None when
+    nothing can be said (no profile of that kind, or an artefact bound to its machine)."""
+    if v.format in _NOT_PORTABLE:
+        return None
+    base, kind = split_cap(hw)[0], hw.split("-", 1)[0]
+    measured = sorted(m for m in v.compute_ms if m not in v.estimated and v.compute_ms[m])
+    same = [m for m in measured if split_cap(m)[0] == base]
+    if same:  # the same machine under another cap (or none): scaled by the caps' shares, the fastest measured
+        src = max(same, key=class_speed)
+        return src, class_speed(src) / class_speed(hw)
+    alike = [m for m in measured if m.split("-", 1)[0] == kind]
+    if not alike:
+        return None
+    # another machine of the same kind: the slowest of them, as if uncapped, with a safety factor
+    src = max(alike, key=lambda m: v.compute_at(m, 1) * class_speed(m))
+    return src, ESTIMATE_SAFETY * class_speed(src) / class_speed(hw)
+
+
+def with_estimates(variants: Iterable[VariantInfo], classes: Iterable[str]) -> list[VariantInfo]:
+    """``variants`` with a timing estimate for each of ``classes`` (the sites' hardware classes) they have no
+    profile for, so that a variant not yet measured on a class is routed there as slow, never as absent:
+
+    * the same machine under another CPU cap (``cpu-x86_64`` for ``cpu-x86_64-cap0.25``): its profile scaled by
+      the ratio of the classes' speeds (:func:`class_speed`: 4x for a quarter of a core);
+    * else a machine of the same kind (CPU from CPU, GPU from GPU): the slowest such profile, at its uncapped
+      speed, times ``ESTIMATE_SAFETY``, scaled to this class's cap;
+    * else (only another kind measured, or a TensorRT engine) none: it does not run there.
+
+    Load times are scaled alike. Each such class is named in ``VariantInfo.estimated`` (routing marks a decision
+    taken on one; ``explain`` and traces show it), and a measurement, the catalog's or a site's own
+    (``core_scheduler.state.snapshot``), replaces it."""
+    wanted = sorted(set(classes))
+    out = []
+    for v in variants:
+        add: dict[str, tuple[str, float]] = {}
+        for hw in wanted:
+            if hw not in v.compute_ms or not v.compute_ms[hw]:
+                src = _estimate_from(v, hw)
+                if src is not None:
+                    add[hw] = src
+        if add:
+            v = replace(v, compute_ms={**v.compute_ms, **{hw: {b: ms * f for b, ms in v.compute_ms[m].items()}
+                                                          for hw, (m, f) in add.items()}},
+                        load_ms={**v.load_ms, **{hw: v.load_at(m) * f for hw, (m, f) in add.items()}},
+                        estimated=v.estimated | frozenset(add))
+        out.append(v)
+    return out
 
 
 # Tail allowance of a forward (see tail_margin_ms): a proportional share of the round trip, at

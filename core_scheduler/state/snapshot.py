@@ -4,7 +4,9 @@ A site's hardware class is the one its heartbeat reports (what it really runs on
 without a GPU says ``cpu-...``), falling back to the class the topology declares. Profiles are
 keyed by real hardware classes, so a site is never credited with hardware it does not have. A class
 the catalog has no profile for (a site under a CPU cap of its own) takes the timings its sites measured
-themselves and published in their heartbeats, until the catalog has one.
+themselves and published in their heartbeats, until the catalog has one. Until a site has (the first
+minute of a capped mesh) it is estimated from the classes that are measured (``with_estimates`` of
+:mod:`core_scheduler.policy.snapshot`: the uncapped machine scaled by the cap), never treated as absent.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from core_scheduler.policy.snapshot import (
     SiteLoad,
     VariantInfo,
     tail_margin_ms,
+    with_estimates,
 )
 from core_scheduler.state.heartbeat import Heartbeat
 from core_scheduler.state.view import MeshView
@@ -72,7 +75,8 @@ class SnapshotBuilder:
         self._live_rev: dict[str, int] = {}
         self._measured: dict[str, tuple[str | None, tuple[str, ...]] | None] = {}  # site -> profiled class, vids
         self._measured_rev = 0
-        self._variants_key: tuple[int, int, int, int] | None = None
+        self._classes_rev = 0  # bumped when a site's hardware class changes: the estimates depend on them
+        self._variants_key: tuple[int, int, int, int, int] | None = None
         self._variants: dict[str, tuple[VariantInfo, ...]] = {}
         self._placement_key: tuple[int, int] | None = None
         self._placement: dict[str, frozenset[str]] = {}
@@ -85,6 +89,9 @@ class SnapshotBuilder:
         assert self._topo is not None
         s = self._topo.sites[name]
         hw = (rec.hardware_class if rec else None) or s.hardware.hardware_class
+        prev = self._sites.get(name)
+        if prev is None or prev.hardware_class != hw:
+            self._classes_rev += 1
         self._sites[name] = SiteInfo(name=name, tier=s.tier, region=s.region, hardware_class=hw,
                                      cpu_cores=s.hardware.cpu_cores, memory_mb=s.hardware.memory_mb,
                                      gpus=len(s.hardware.gpus) if rec is not None and rec.gpu else 0,
@@ -140,7 +147,7 @@ class SnapshotBuilder:
             self._live_rev[here] = -1  # our heartbeat, when it comes back, is applied again
             self._site(here, local_loads)
         # strict tenants come from the topology; timings a capped site measured itself from its heartbeat
-        vkey = (view.generation, view.revisions.get("variant", 0), id(topo), self._measured_rev)
+        vkey = (view.generation, view.revisions.get("variant", 0), id(topo), self._measured_rev, self._classes_rev)
         if vkey != self._variants_key:
             self._variants_key = vkey
             by_task: dict[str, list[VariantInfo]] = {}
@@ -154,6 +161,7 @@ class SnapshotBuilder:
             if here is not None and local_loads is not None:
                 records[here] = local_loads
             infos = _with_measured(infos, [records[n] for n in sorted(records) if n in topo.sites])
+            infos = with_estimates(infos, {s.hardware_class for s in self._sites.values()})
             for v in sorted(infos, key=lambda v: (v.task, v.variant_id)):
                 by_task.setdefault(v.task, []).append(v)
             self._variants = {t: tuple(vs) for t, vs in by_task.items()}

@@ -46,14 +46,16 @@ def parse_slo(params: Mapping[str, Any]) -> SLO:
 
 
 def response_parameters(resp: InferResponse) -> dict[str, Any]:
-    """Mesh metadata for a response's ``parameters`` (V2 allows only scalar values: hops is joined)."""
+    """Mesh metadata for a response's ``parameters`` (V2 allows only scalar values: hops is joined).
+    ``late``: answered past the SLO's ``latency_ms``, counted from the query's entry (``timing_ms_total`` is that
+    whole time); a late answer is an answer, never a met SLO (tritonclient users read it here)."""
     t = resp.timing
     out = {
         "site": resp.site, "variant": resp.variant, "accuracy": resp.accuracy, "reason": resp.reason,
         "best_effort": resp.best_effort, "tenant": resp.tenant,
         "timing_ms_network": t.network_ms, "timing_ms_queue": t.queue_ms,
         "timing_ms_compute": t.compute_ms, "timing_ms_total": t.total_ms,
-        "hops": ",".join(resp.hops),
+        "hops": ",".join(resp.hops), "late": resp.late,
     }
     if resp.backbone_tenants:
         # run through a backbone shared across tenants; how many tenants its batch held

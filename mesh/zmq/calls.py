@@ -52,6 +52,7 @@ class Call:
     timer: asyncio.TimerHandle | None = None
     sent: bool = False             # over its peer's socket; False: held until that socket is up
     held: str = ""                 # why it waits for a new connection
+    settled: float = 0.0           # monotonic instant its reply (or its timer's error) was handled; 0: not yet
 
 
 def arm(call: Call, now: float) -> list[Any]:
@@ -116,6 +117,7 @@ def _expire(call: Call) -> None:
     forget(call)
     if call.fut.done():
         return
+    call.settled = clock.monotonic()
     endpoint, before_deadline = call.peer.endpoint, clock.monotonic() < call.req.deadline
     if call.held and before_deadline:
         call.fut.set_exception(PeerUnavailable(f"{endpoint}: {call.held}; no new connection in time"))

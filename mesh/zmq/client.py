@@ -69,7 +69,7 @@ from mesh.zmq.curve import RateLimitedLog
 from mesh.zmq.protocol_check import DECODE_ERRORS, DEFAULT_MAX_BYTES, MAX_HEADER_BYTES, MAX_ID_LEN
 from mesh.zmq.pump import Pump, io_socket
 
-__all__ = ["ZmqClient"]
+__all__ = ["ReplyWait", "ZmqClient"]
 
 log = get_logger("mesh.zmq")
 
@@ -91,6 +91,16 @@ for _event in _PEER_DEAD_EVENTS:
     _MONITORED |= _event
 _WRITABLE_POLL_S = 0.05  # re-check a full send queue this often even if no POLLOUT edge is seen
 
+
+
+@dataclasses.dataclass(slots=True)
+class ReplyWait:
+    """What :meth:`ZmqClient.request` tells its caller of its own event loop's delay: ``lag_s``, from the
+    moment the reply (or the attempt's timer) was handled to the moment the awaiting coroutine resumed,
+    the time this process took to get to its answer (other callbacks ahead of it: a CPU quota's stall,
+    TLS handshakes, other requests' work), which the peer and the path did not spend."""
+
+    lag_s: float = 0.0
 
 
 ReachabilityListener = Callable[[str, bool], None]
@@ -143,12 +153,13 @@ class ZmqClient(Service):
         return 0 if peer is None else len(peer.pending)
 
     async def request(self, endpoint: str, req: InferRequest, *, reserve_ms: float = 0.0,
-                      attempt_ms: float | None = None) -> InferResponse:
+                      attempt_ms: float | None = None, wait: ReplyWait | None = None) -> InferResponse:
         """Send ``req`` to ``endpoint`` and await its reply, until ``req.deadline`` at the latest.
         Sets ``req.request_id`` if empty. ``reserve_ms``: budget kept back from the peer (the
         receiver's deadline is its arrival plus what is left at send, less this). ``attempt_ms``: the
         reply must come within this of the send (the peer gets no more), else ``DeadlineExceeded``;
         a request re-sent over a new connection gets it again from then, never past ``req.deadline``.
+        ``wait``: filled with this process's own delay in getting to the reply or error (:class:`ReplyWait`).
 
         The wire id is the request id, unless that id is already in flight to the same peer (two
         callers chose the same id) or too long for the wire: then a fresh one stands in for it and
@@ -196,6 +207,8 @@ class ZmqClient(Service):
             return resp
         finally:
             forget(call)
+            if wait is not None and call.settled:
+                wait.lag_s = clock.monotonic() - call.settled
 
     async def _send_when_writable(self, peer: Peer, frames: list[Any], fut: asyncio.Future[Any]) -> None:
         pump = cast(Pump, peer.pump)
@@ -319,6 +332,7 @@ class ZmqClient(Service):
         fut = call.fut
         if fut.done():
             return
+        call.settled = clock.monotonic()
         if isinstance(out, MeshError):
             fut.set_exception(out)
         else:

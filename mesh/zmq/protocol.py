@@ -26,7 +26,7 @@ clock at encode, for diagnostics (logs of a late arrival) only: it is never comp
 receiver's clock.
 
 Reply header: ``{v, kind: "rep", id, site, variant, accuracy, reason, best_effort, tenant,
-timing: {network_ms, queue_ms, compute_ms, total_ms}, hops, tensors, trace?[, backbone_tenants]}`` or
+timing: {network_ms, queue_ms, compute_ms, total_ms}, hops, tensors, trace?[, backbone_tenants][, late]}`` or
 ``{v, kind: "err", id, code, error}`` where ``code`` is a ``mesh.errors`` code.
 
 Tensor bytes are little-endian, C-order, never copied on encode (frames are views of the arrays)
@@ -215,6 +215,8 @@ def encode_response(resp: InferResponse) -> Frames:
         header["trace"] = resp.trace
     if resp.backbone_tenants:
         header["backbone_tenants"] = int(resp.backbone_tenants)
+    if resp.late:  # only a door sets it (a reply to a caller over ZeroMQ): absent means on time
+        header["late"] = True
     return [_pack(header), *frames]
 
 
@@ -321,11 +323,11 @@ def _fast_response(h: dict[str, Any], rid: str, frames: Sequence[object], max_by
     tensors = _fast_tensors(h.get("tensors"), frames[1:], max_bytes)
     if tensors is None:
         return None
-    shared = h.get("backbone_tenants", 0)
-    if type(shared) is not int or shared < 0:
+    shared, late = h.get("backbone_tenants", 0), h.get("late", False)
+    if type(shared) is not int or shared < 0 or type(late) is not bool:
         return None  # the checked path says what is wrong
     return InferResponse(rid, tensors, site, variant, accuracy, reason, best_effort, tenant,
-                         Timing(network, queue, compute, total), hops, trace, shared)
+                         Timing(network, queue, compute, total), hops, trace, shared, late)
 
 
 # ---------------------------------------------------------------- decode

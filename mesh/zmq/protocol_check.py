@@ -326,6 +326,7 @@ def check_reply(h: Mapping[str, Any], rid: str, frames: Sequence[object],
             hops=_str_list(h, "hops"),
             trace=read_trace(h),
             backbone_tenants=_count(h.get("backbone_tenants", 0)),
+            late=_field(h, "late", bool, optional=True) is True,
         )
     except DECODE_ERRORS as exc:
         return exc

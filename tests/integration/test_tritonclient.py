@@ -78,6 +78,7 @@ def test_infer_matches_onnxruntime_and_labels(client: tritonhttp.InferenceServer
     body = res.get_response()
     assert body["id"] == "tc-1" and body["parameters"]["site"] == "edge-triton"
     assert body["parameters"]["best_effort"] is False
+    assert body["parameters"]["late"] is False  # a reply past its budget says so here (issue 30)
 
 
 def test_errors_surface_as_triton_exceptions(client: tritonhttp.InferenceServerClient) -> None:

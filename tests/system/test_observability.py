@@ -121,6 +121,9 @@ async def test_traced_query_across_two_sites(mesh: LocalMesh, holdout: Holdout) 
     trace = json.loads(text)
     assert (trace["request_id"], trace["trace_id"], trace["tenant"], trace["task"], trace["outcome"]) == (
         res.request_id, res.trace_id, "acme", TASK, "ok")
+    # by the result's trace id too, as the README says
+    status, by_trace_id = await _get(f"{url}/v2/traces/{res.trace_id}")
+    assert status == 200 and json.loads(by_trace_id) == trace, by_trace_id
     hops = trace["hops"]
     assert [h["role"] for h in hops][:1] == ["edge"] and hops[0]["site"] == EDGE
     assert hops[-1]["role"] == "serve" and hops[-1]["site"] == res.site, hops
@@ -129,8 +132,10 @@ async def test_traced_query_across_two_sites(mesh: LocalMesh, holdout: Holdout) 
     rejected = [c for c in edge["candidates"] if not c["feasible"]]
     assert rejected and all(c["why_not"] for c in rejected)
     assert any(c["site"] == EDGE and c["why_not"] == "accuracy" for c in rejected), edge["candidates"]
-    assert all(set(c) == {"site", "variant", "network_ms", "queue_ms", "compute_ms", "load_ms", "cost",
+    assert all(set(c) == {"site", "variant", "network_ms", "queue_ms", "compute_ms", "load_ms", "latency_ms", "cost",
                           "feasible", "why_not"} for c in edge["candidates"])
+    # each candidate's real cost (dollars per query, millionths on these sites: once rounded to 0.0 for all)
+    assert all(c["cost"] > 0 for c in edge["candidates"] if c["feasible"]), edge["candidates"]
     assert hops[-1]["timings_ms"]["compute"] > 0 and edge["timings_ms"]["total"] >= hops[-1]["timings_ms"]["total"]
     # on this --insecure mesh a caller naming a tenant in the header reads no trace, not even its own: traces need a
     # certificate (with TLS a tenant reads its own only: tests/integration/test_observe_tls.py)

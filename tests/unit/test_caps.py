@@ -11,13 +11,16 @@ from typing import Any, cast
 import numpy as np
 import pytest
 
+from core_scheduler.policy.routing import Query, RoutingTable
+from core_scheduler.policy.snapshot import ESTIMATE_SAFETY, VariantInfo, with_estimates
 from core_scheduler.state.heartbeat import Heartbeat, MeasuredProfile
 from core_scheduler.state.snapshot import build_snapshot
 from core_scheduler.state.view import MeshView
 from edge_agent.selfprofile import QUIET_S, SelfProfiler, sample_inputs, time_batches
+from edge_agent.traces import HopTrace
 from mesh.errors import ConfigError
 from mesh.types import TaskSignature, TensorSpec
-from tiermesh.caps import MIN_CPU, CpuCgroups, plan_caps
+from tiermesh.caps import MIN_CPU, PERIOD_US, CpuCgroups, period_for, plan_caps
 from topology.schema import Hardware, Link, Site, Topology
 from variant_store.hardware import capped_class
 from variant_store.meta import LatencyStats, Profile, VariantMeta
@@ -83,6 +86,14 @@ def test_no_cpu_controller_means_uncapped_and_says_why() -> None:
     cg.close()
 
 
+@pytest.mark.parametrize(("cores", "period_ms"), [(0.05, 20.0), (0.1, 10.0), (0.25, 4.0), (0.5, 2.0), (2.0, 2.0)])
+def test_a_cap_runs_over_the_shortest_period_that_can_express_it(cores: float, period_ms: float) -> None:
+    """A quota stalls a site for the rest of its period: the shortest period with a quota of at least 1 ms
+    (the kernel's least) keeps a capped site closer to a slower CPU (bench/cap_stalls.py)."""
+    assert period_for(cores) == period_ms * 1000 <= PERIOD_US
+    assert cores * period_for(cores) >= 1000 or period_for(cores) == PERIOD_US
+
+
 def test_a_capped_class_is_its_own() -> None:
     assert capped_class("cpu-x86_64", None) == "cpu-x86_64"
     assert capped_class("cpu-x86_64", 0.25) == "cpu-x86_64-cap0.25"
@@ -112,20 +123,67 @@ def _view(profiles: dict[str, Any]) -> MeshView:
     for name in topo.sites:
         capped = name.startswith("edge")
         view._apply(f"live/{name}", {"hardware_class": "cpu-x-cap0.10" if capped else "cpu-x", "capacity": 2,
-                                     "profiles": profiles if capped else {}})
+                                     "model_memory_budget_bytes": 1 << 30, "profiles": profiles if capped else {}})
     return view
 
 
-def test_a_capped_class_runs_only_with_a_self_measured_profile() -> None:
+def test_a_capped_class_is_estimated_until_its_self_measured_profile_replaces_it() -> None:
     snap = build_snapshot(_view({}))
     assert snap is not None
     (v,) = snap.variants["digits"]
-    assert not v.runs_on("cpu-x-cap0.10")                   # unprofiled class: not guessed
+    # unmeasured: estimated from the uncapped machine at a tenth of its speed, and marked so (issue 30)
+    assert v.runs_on("cpu-x-cap0.10") and v.estimated == {"cpu-x-cap0.10"}
+    assert v.compute_at("cpu-x-cap0.10", 1) == pytest.approx(10.0) and v.load_at("cpu-x-cap0.10") == pytest.approx(50.0)
     snap = build_snapshot(_view({"mlp": {"load_ms": 9.0, "p50_ms": {"1": 7.5, "8": 30.0}}}))
     assert snap is not None
     (v,) = snap.variants["digits"]
     assert v.compute_at("cpu-x-cap0.10", 1) == 7.5 and v.compute_at("cpu-x", 1) == 1.0
-    assert v.load_at("cpu-x-cap0.10") == 9.0
+    assert v.load_at("cpu-x-cap0.10") == 9.0 and not v.estimated
+
+
+def test_a_variant_not_measured_on_a_class_is_routable_and_the_decision_says_estimated() -> None:
+    """Issue 30: a capped edge in its first minute, before it has timed anything, is not a site without
+    variants: routing costs them from the estimate, serves there what fits, and marks the decision."""
+    snap = build_snapshot(_view({}), here="edge-a")
+    assert snap is not None
+    table = RoutingTable.build(snap, "edge-a")
+    a = table.candidates("digits")
+    here = a.site.index("edge-a")
+    assert a.hard_ok[here] and a.estimated[here] and a.compute_ms[here] == pytest.approx(10.0)
+    assert not a.estimated[a.site.index("core")]  # measured there
+    # the other sites unreachable: the edge serves it itself (a cold start costed from the estimate), not NoRoute
+    q = Query("digits", budget_ms=5000.0, prefer="refuse", exclude_sites=frozenset({"core", "mid", "edge-b"}))
+    d = table.decide(q)
+    assert (d.site, d.reason, d.estimated, d.best_effort) == ("edge-a", "cold_start", True, False)
+    assert d.expected_latency_ms == pytest.approx(10.0 + 50.0)
+    hop = HopTrace("edge-a", "edge")
+    hop.decided(table, q, d)
+    assert hop.records[0]["choice"]["estimated"] is True
+    # measured at last: the same decision, no longer an estimate
+    measured = build_snapshot(_view({"mlp": {"load_ms": 9.0, "p50_ms": {"1": 7.5, "8": 30.0}}}), here="edge-a")
+    assert measured is not None
+    d = RoutingTable.build(measured, "edge-a").decide(q)
+    assert (d.site, d.estimated, d.expected_latency_ms) == ("edge-a", False, pytest.approx(7.5 + 9.0))
+
+
+@pytest.mark.parametrize(("measured", "cls", "want"), [
+    ({"cpu-x": 2.0}, "cpu-x-cap0.25", 8.0),                    # the same machine at a quarter core
+    ({"cpu-x-cap0.50": 4.0}, "cpu-x-cap0.25", 8.0),            # another cap of it: by the caps' ratio
+    ({"cpu-x-cap0.50": 4.0, "cpu-x": 2.5}, "cpu-x-cap2.00", 2.5),  # the fastest measured; a cap >= 1 core: 1x
+    ({"cpu-y": 1.0, "cpu-z": 3.0}, "cpu-x", 3.0 * ESTIMATE_SAFETY),  # another machine: the slowest, with a margin
+    ({"cpu-y": 1.0}, "cpu-x-cap0.50", 1.0 * ESTIMATE_SAFETY * 2),
+    ({"gpu-a100": 1.0}, "cpu-x", None),                         # another kind: not guessed
+])
+def test_estimates_by_class(measured: dict[str, float], cls: str, want: float | None) -> None:
+    v = VariantInfo("t", "v", 0.9, 1, compute_ms={hw: {1: ms} for hw, ms in measured.items()},
+                    load_ms=dict.fromkeys(measured, 10.0))
+    (e,) = with_estimates([v], [cls, *measured])
+    if want is None:
+        assert not e.runs_on(cls) and not e.estimated
+    else:
+        assert e.compute_at(cls, 1) == pytest.approx(want) and e.estimated == {cls}
+    trt = VariantInfo("t", "v", 0.9, 1, format="tensorrt", compute_ms={"gpu-h100": {1: 1.0}})
+    assert not with_estimates([trt], ["gpu-a100"])[0].runs_on("gpu-a100")  # an engine is built for one GPU
 
 
 def test_sample_inputs_follow_the_signature_and_timing_is_bounded() -> None:

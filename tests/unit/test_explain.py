@@ -62,3 +62,21 @@ def test_bounded_and_the_choice_kept() -> None:
     assert len(few) == 2 and (few[-1].site, few[-1].variant) == (d.site, d.variant_id)
     assert explain(object(), q) == [] and explain(table, Query("nope")) == []
     assert all(isinstance(v, (str, float, bool, type(None))) for c in few for v in c.to_json().values())
+
+
+def test_a_trace_shows_each_candidates_real_cost_and_latency() -> None:
+    """A query costs millionths of a dollar on these sites: rounded to 4 decimals every candidate's cost was 0.0
+    in a trace, which then could not show why a site won. Its total expected latency is in the trace too."""
+    table = _table()
+    q = Query("digits", min_accuracy=0.95, budget_ms=100.0)
+    d = table.decide(q)
+    cands = explain(table, q, d)
+    shown = [c.to_json() for c in cands]
+    priced = [(c, j) for c, j in zip(cands, shown, strict=True) if c.feasible]
+    assert len(priced) >= 2 and all(0 < c.cost < 1e-4 for c, _ in priced)  # what made the 0.0
+    for c, j in priced:
+        assert j["cost"] == pytest.approx(c.cost, rel=1e-3)
+        assert j["latency_ms"] == pytest.approx(c.network_ms + c.queue_ms + c.compute_ms + c.load_ms, abs=1e-3)
+    assert len({j["cost"] for _, j in priced}) > 1  # they differ, as routing saw them
+    chosen = next(j for j in shown if (j["site"], j["variant"]) == (d.site, d.variant_id))
+    assert chosen["latency_ms"] == pytest.approx(d.expected_latency_ms, abs=1e-3)

@@ -100,7 +100,8 @@ def test_peer_hop_records_are_coerced_into_the_served_shape() -> None:
     assert len(out) == MAX_HOPS
     assert out[0]["site"] == "" and out[0]["role"] == "serve" and out[0]["choice"] is None
     assert out[0]["candidates"] == [{"site": "x", "variant": "", "network_ms": 0.0, "queue_ms": 0.0,
-                                     "compute_ms": 0.0, "load_ms": 0.0, "cost": 0.0, "feasible": False,
+                                     "compute_ms": 0.0, "load_ms": 0.0, "latency_ms": 0.0, "cost": 0.0,
+                                     "feasible": False,
                                      "why_not": None}]
     assert out[0]["timings_ms"]["total"] == -1.0
     assert clean_hops("x") == [] and clean_hops(None) == []

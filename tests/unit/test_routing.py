@@ -9,7 +9,7 @@ import pytest
 
 from core_scheduler.policy.routing import Query, RoutingTable
 from core_scheduler.policy.snapshot import MeshSnapshot, SiteInfo, SiteLoad, VariantInfo
-from mesh.errors import ImpossibleSLO, NoRoute, UnknownTask
+from mesh.errors import DeadlineExceeded, ImpossibleSLO, NoRoute, Overloaded, UnknownTask
 
 pytestmark = pytest.mark.unit
 
@@ -310,7 +310,16 @@ def _reference(table: RoutingTable, q: Query) -> tuple[object, ...]:
         raise NoRoute("none")
     pool = hard & a.capacity_ok if (hard & a.capacity_ok).any() else hard
     if q.prefer == "refuse":
-        raise ImpossibleSLO("refused")
+        # impossible only on the whole budget asked, against each candidate's floor (no queue, warm)
+        full = min(max(q.budget_ms if q.slo_ms is None else q.slo_ms, q.budget_ms), 1e300)
+        floor = a.floor_ms + a.per_byte_ms * float(q.nbytes)
+        warm_cheap = np.ones(len(a), dtype=bool) if q.max_cost is None else a.floor_cost <= q.max_cost
+        accurate = a.accuracy >= q.min_accuracy
+        if not (access & np.isfinite(floor) & accurate & (floor <= full) & warm_cheap).any():
+            raise ImpossibleSLO("refused")
+        if (pool & a.capacity_ok & accurate & (lat <= full) & cheap).any():
+            raise DeadlineExceeded("late")
+        raise Overloaded("not now")
     if q.prefer == "accuracy":
         within = pool & (lat <= min(q.budget_ms, 1e300))
         if not within.any():
@@ -347,7 +356,7 @@ def random_mesh(rng: np.random.Generator, n_sites: int) -> MeshSnapshot:
 def _outcome(fn: object, *args: object) -> tuple[object, ...]:
     try:
         d = fn(*args)  # type: ignore[operator]
-    except (UnknownTask, NoRoute, ImpossibleSLO) as exc:
+    except (UnknownTask, NoRoute, ImpossibleSLO, DeadlineExceeded, Overloaded) as exc:
         return ("raised", type(exc).__name__)
     if isinstance(d, tuple):
         return d
@@ -371,6 +380,8 @@ def test_decide_matches_plain_reference(seed: int) -> None:
                   None if rng.random() < 0.7 or not costs else float(rng.choice(costs)),
                   str(rng.choice(["latency", "latency", "accuracy", "refuse"])),  # type: ignore[arg-type]
                   int(rng.choice([0, 0, 1000, 125_000, int(rng.integers(1, 10**6))])), excl)
+        if rng.random() < 0.3:  # a query that lost part of its budget before routing
+            q = dataclasses.replace(q, slo_ms=q.budget_ms + float(rng.choice([1.0, 20.0, 500.0])))
         got, want = _outcome(table.decide, q), _outcome(_reference, table, q)
         assert got == want, q
         paths.add(got[2:3] if got[0] != "raised" else got)

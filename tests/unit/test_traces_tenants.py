@@ -54,6 +54,24 @@ def test_a_request_id_names_a_trace_only_within_its_tenant() -> None:
     assert [t["tenant"] for t in store.recent(10, "globex")] == ["globex"]
 
 
+def test_a_trace_is_found_by_its_trace_id_within_its_tenant() -> None:
+    """A result carries ``trace_id``, and the README says to read the trace by it: it names the trace too, within
+    the caller's tenant (an admin's reader any), and stops naming it once the trace is replaced or evicted."""
+    store = TraceStore(3)
+    store.add("r-1", "a" * 32, "acme", "digits", "ok", [])
+    store.add("r-2", "b" * 32, "globex", "digits", "ok", [])
+    found = store.get("a" * 32, "acme")
+    assert found is not None and found["request_id"] == "r-1"
+    assert store.get("a" * 32, "globex") is None  # another tenant's trace id names nothing
+    assert store.get("b" * 32) is not None and store.get("b" * 32)["tenant"] == "globex"  # type: ignore[index]
+    assert store.get("r-1", "acme") is found  # the request id still works
+    store.add("r-1", "c" * 32, "acme", "digits", "ok", [])  # replaced: the old trace id names nothing
+    assert store.get("a" * 32, "acme") is None and store.get("c" * 32, "acme") is not None
+    for i in range(3):  # evicted: nor does its trace id
+        store.add(f"n-{i}", f"{i}" * 32, "acme", "digits", "ok", [])
+    assert store.get("c" * 32, "acme") is None and store.get("2" * 32, "acme") is not None
+
+
 def test_a_flooding_tenant_evicts_its_own_traces_not_anothers() -> None:
     store = TraceStore(100)
     for i in range(5):
