@@ -33,7 +33,7 @@ from core_scheduler.state.heartbeat import MeasuredProfile
 from core_scheduler.state.view import MeshView
 from edge_agent.batch_parts import InferFn
 from edge_agent.host import VariantHost
-from mesh.errors import MeshError, Overloaded
+from mesh.errors import MeshError, Overloaded, PermissionDenied
 from mesh.log import get_logger, kv
 from mesh.types import TaskSignature
 from variant_store.meta import LatencyStats, Profile, VariantMeta
@@ -111,6 +111,7 @@ class SelfProfiler:
         self.batch_sizes = batch_sizes
         self.time_budget_s = time_budget_s
         self.failed: dict[str, str] = {}  # variant -> why it cannot run here (not retried)
+        self.unreadable: set[str] = set()  # variants whose blob the store refused: retried once placement asks
         self.no_room: set[str] = set()    # did not fit the memory budget when last tried (tried again)
         self._wake = asyncio.Event()
         self.published_cb = published_cb  # tells the mesh at once (a heartbeat) what was just timed
@@ -173,10 +174,14 @@ class SelfProfiler:
         failed here: those placement wants here first, then the rest cheapest first, this site's share
         of the class's list before the others' (see the module's docstring)."""
         peers = self.adopt_peer_profiles()
+        wanted = self.wanted()
+        # a variant whose blob the store refused this site (a tenant's private one, given only to the sites placement
+        # asks to serve that tenant: variant_store.placed) waits until placement asks for it here; routing costs it
+        # from an estimate until then
         out = [m for vs in self.view.variants.values() for m in vs.values()
                if self.hardware_class not in m.profiles and m.variant_id not in self.host.self_profiles
-               and m.variant_id not in peers and m.variant_id not in self.failed and m.task in self.view.signatures]
-        wanted = self.wanted()
+               and m.variant_id not in peers and m.variant_id not in self.failed and m.task in self.view.signatures
+               and (m.variant_id not in self.unreadable or m.variant_id in wanted)]
         first = sorted((m for m in out if m.variant_id in wanted), key=lambda m: (m.size_bytes, m.variant_id))
         # the cheapest variant of every task first (a task the class can serve at all), then the next...
         place: dict[str, int] = {}  # variant -> its place among its task's variants, cheapest 0
@@ -219,6 +224,11 @@ class SelfProfiler:
                     if meta.variant_id not in self.no_room:
                         log.info("not profiled yet: %s", exc, extra=kv(site=self.site, variant=meta.variant_id))
                     self.no_room.add(meta.variant_id)
+                except PermissionDenied as exc:  # not this site's to read yet: again once placement asks for it
+                    if meta.variant_id not in self.unreadable:
+                        log.info("not profiled until placed here: %s", exc,
+                                 extra=kv(site=self.site, variant=meta.variant_id, event="self_profile_deferred"))
+                    self.unreadable.add(meta.variant_id)
                 except MeshError as exc:
                     self.failed[meta.variant_id] = str(exc)
                     log.warning("cannot profile %s here: %s", meta.variant_id, exc,

@@ -281,3 +281,31 @@ def test_sites_of_one_class_split_the_profiling() -> None:
     a, b = order("edge-a"), order("edge-b")
     assert sorted(a) == sorted(b) == ["v0", "v1", "v2", "v3"]
     assert a[0] != b[0]                                   # each starts on its own share
+
+
+def test_a_variant_whose_blob_was_refused_is_timed_once_placement_puts_it_here() -> None:
+    """The variant store gives a tenant's private blob only to the sites placement asks to serve that tenant:
+    timing one speculatively elsewhere failed ("may not read blob") on every capped site of the demo."""
+    view = _view({"mlp": {"load_ms": 9.0, "p50_ms": {"1": 7.5, "8": 30.0}}})
+    view.signatures["digits"] = TaskSignature(task="digits", inputs=(TensorSpec("x", "float32", (-1, 4)),),
+                                              outputs=(TensorSpec("y", "float32", (-1, 2)),))
+    for vid, owner in (("pub", "public"), ("acme-head", "acme")):
+        meta = VariantMeta(task="digits", family="mlp", variant_id=vid, format="onnx", precision="fp32",
+                           runtime="onnxruntime", blob_digest="ab" * 32, size_bytes=1, accuracy=0.9, owner=owner,
+                           profiles={})
+        view._apply(f"catalog/digits/{vid}", meta.to_json())
+
+    class Host:
+        hardware_class = "cpu-x-cap0.10"
+
+        def __init__(self) -> None:
+            self.self_profiles: dict[str, Profile] = {}
+            self.class_profiles: dict[str, Profile] = {}
+
+    prof = SelfProfiler("edge-a", cast(Any, Host()), view, wanted=set)
+    assert {m.variant_id for m in prof.missing()} >= {"pub", "acme-head"}  # on an open store, every one
+    prof.unreadable.add("acme-head")  # the store refused its blob (as it does to a site not serving acme)
+    assert "acme-head" not in {m.variant_id for m in prof.missing()}
+    placed = SelfProfiler("edge-a", cast(Any, Host()), view, wanted=lambda: {"acme-head"})
+    placed.unreadable.add("acme-head")
+    assert "acme-head" in {m.variant_id for m in placed.missing()}  # placement asks: tried again
