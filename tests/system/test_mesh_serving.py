@@ -82,6 +82,16 @@ async def test_tiermesh_up_demo_writes_a_report() -> None:
         text = out.decode(errors="replace")
         assert proc.returncode == 0, text[-3000:]
         data = json.loads(report.read_text())
+        # the README tour goes on, on the same home with the mesh stopped: its etcd has TLS and RBAC on now, and
+        # every command still works (it failed 'user name is empty' once: issue 30)
+        home = str(Path(tmp) / "home")
+        for cmd in (["topology", "show"], ["variants", "list", "--task", "digit-classification"]):
+            tour = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "tiermesh", *cmd, "--home", home, cwd=REPO_ROOT,
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+            said, _ = await asyncio.wait_for(tour.communicate(), 60)
+            assert tour.returncode == 0, (cmd, said.decode(errors="replace")[-2000:])
+            assert b"edge-fra-1" in said or b"cnn-large" in said, (cmd, said[-2000:])
     assert data["schema"] == 1 and data["queries"] > 100, data
     # secured by default: mutual TLS at every edge, https addresses, the workload through tenant certificates
     assert data["tls"] is True and all(s["http"].startswith("https://") for s in data["addresses"]["sites"].values())
