@@ -117,6 +117,16 @@ class OnnxDataPlane:
 
 
 @contextmanager
+def digits_plane(workdir: Path, site: str, **kwargs: Any) -> Iterator[OnnxDataPlane]:
+    """An :class:`OnnxDataPlane` at ``site`` on the trained digits MLP (written to ``workdir``), closed on exit."""
+    plane = OnnxDataPlane(site, digits_model(workdir), **kwargs)
+    try:
+        yield plane
+    finally:
+        plane.close()
+
+
+@contextmanager
 def serve_in_thread(dp: DataPlane, **server_kwargs: Any) -> Iterator[EdgeHttpServer]:
     """Run an ``EdgeHttpServer`` on its own loop thread, for blocking clients (tritonclient, the sync
     SDK) that would otherwise deadlock a test's event loop. Stopped and joined even on failure."""

@@ -19,7 +19,7 @@ from mesh.errors import ConfigError
 from mesh.pki.identity import Identity
 from mesh.pki.local import LocalPki
 from tests.helpers.mtls_edge import SITE, make_pki
-from tests.helpers_dataplane import OnnxDataPlane, digits_model
+from tests.helpers_dataplane import OnnxDataPlane, digits_plane
 from tiermesh import deploy
 from tiermesh.cli.agent import probe_ready
 
@@ -31,11 +31,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def dp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OnnxDataPlane]:
-    plane = OnnxDataPlane(SITE.name, digits_model(tmp_path_factory.mktemp("model")))
-    try:
+    with digits_plane(tmp_path_factory.mktemp("model"), SITE.name) as plane:
         yield plane
-    finally:
-        plane.close()
 
 
 @pytest.fixture

@@ -36,19 +36,16 @@ from tests.helpers.mtls_edge import (
     tenant_context,
 )
 from tests.helpers.pki_certs import SERVER, odd_leaf
-from tests.helpers_dataplane import OnnxDataPlane, digits_model, serve_in_thread
+from tests.helpers_dataplane import OnnxDataPlane, digits_plane, serve_in_thread
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def dp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OnnxDataPlane]:
-    plane = OnnxDataPlane(SITE.name, digits_model(tmp_path_factory.mktemp("model")), accuracy=0.96,
-                          tenants=frozenset({"public", "acme", "globex", "initech"}))
-    try:
+    with digits_plane(tmp_path_factory.mktemp("model"), SITE.name, accuracy=0.96,
+                      tenants=frozenset({"public", "acme", "globex", "initech"})) as plane:
         yield plane
-    finally:
-        plane.close()
 
 
 @dataclass

@@ -15,7 +15,7 @@ from edge_agent.http_api import EdgeHttpServer
 from edge_agent.mtls import EdgeTls
 from mesh.pki.identity import Identity
 from tests.helpers.mtls_edge import ACME, SITE, call, make_pki, tenant_context
-from tests.helpers_dataplane import OnnxDataPlane, digits_model
+from tests.helpers_dataplane import OnnxDataPlane, digits_plane
 
 pytestmark = pytest.mark.integration
 ETCD = Identity("etcd", "etcd")
@@ -23,12 +23,9 @@ ETCD = Identity("etcd", "etcd")
 
 @pytest.fixture(scope="module")
 def dp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OnnxDataPlane]:
-    plane = OnnxDataPlane(SITE.name, digits_model(tmp_path_factory.mktemp("model")), accuracy=0.96,
-                          tenants=frozenset({"public", "acme"}))
-    try:
+    with digits_plane(tmp_path_factory.mktemp("model"), SITE.name, accuracy=0.96,
+                      tenants=frozenset({"public", "acme"})) as plane:
         yield plane
-    finally:
-        plane.close()
 
 
 async def _ready(url: str, ctx: ssl.SSLContext) -> int:

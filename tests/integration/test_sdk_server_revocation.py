@@ -23,7 +23,7 @@ from mesh.pki.files import write_file
 from mesh.pki.local import LocalPki
 from mesh.pki.reload import CrlFile
 from tests.helpers.mtls_edge import ACME, SITE, TASK, make_pki
-from tests.helpers_dataplane import OnnxDataPlane, digits_model, serve_in_thread
+from tests.helpers_dataplane import OnnxDataPlane, digits_plane, serve_in_thread
 
 pytestmark = pytest.mark.integration
 X = np.full((1, 64), 0.5, np.float32)
@@ -31,12 +31,9 @@ X = np.full((1, 64), 0.5, np.float32)
 
 @pytest.fixture(scope="module")
 def dp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OnnxDataPlane]:
-    plane = OnnxDataPlane(SITE.name, digits_model(tmp_path_factory.mktemp("model")), accuracy=0.96,
-                          tenants=frozenset({"public", "acme"}))
-    try:
+    with digits_plane(tmp_path_factory.mktemp("model"), SITE.name, accuracy=0.96,
+                      tenants=frozenset({"public", "acme"})) as plane:
         yield plane
-    finally:
-        plane.close()
 
 
 @dataclass

@@ -22,7 +22,7 @@ from mesh.etcd.store import Store
 from mesh.log import get_logger, kv
 from mesh.settings import MeshSettings
 
-__all__ = ["etcd_endpoints", "open_store", "store_args"]
+__all__ = ["etcd_endpoints", "open_store", "serve_for", "store_args"]
 
 log = get_logger(__name__)
 
@@ -98,3 +98,8 @@ def store_args(args: argparse.Namespace) -> dict[str, Any]:
     return {"etcd": getattr(args, "etcd", None), "home": getattr(args, "home", None),
             "prefix": getattr(args, "prefix", None), "etcd_ca": getattr(args, "etcd_ca", None),
             "etcd_cert": getattr(args, "etcd_cert", None), "etcd_key": getattr(args, "etcd_key", None)}
+
+
+async def serve_for(duration: float | None) -> None:
+    """What a serving command does once it is up: wait until interrupted, or ``duration`` seconds (``--duration``)."""
+    await (asyncio.Event().wait() if duration is None else asyncio.sleep(duration))

@@ -18,7 +18,7 @@ from mesh.etcd.keys import PKI_CRL
 from mesh.pki.crl import RevocationList
 from mesh.pki.local import LocalPki
 from mesh.pki.policy import CRL_LIFETIME, CRL_REFRESH
-from tiermesh.cli.context import etcd_endpoints, open_store, store_args
+from tiermesh.cli.context import etcd_endpoints, open_store, serve_for, store_args
 from tiermesh.cli.main import EXIT_FAILED, EXIT_OK, add_common
 
 __all__ = ["add_crl_commands"]
@@ -97,7 +97,7 @@ async def _refresh_crl(args: argparse.Namespace) -> int:
                 CrlRefresher(pki, store, every=timedelta(hours=args.every)):
             print(f"re-signing {pki.paths.crl} every {args.every:g} h and publishing it at etcd {PKI_CRL}",
                   flush=True)
-            await (asyncio.Event().wait() if args.duration is None else asyncio.sleep(args.duration))
+            await serve_for(args.duration)
         return EXIT_OK
     if named is None and running is None:
         crl = pki.refresh_crl()
@@ -145,8 +145,5 @@ async def _follow_crl(args: argparse.Namespace) -> int:
             CrlFollower(store, ca, args.out, on_revoked=bound) as follower:
         held = follower.crl.number if follower.crl is not None else "none"
         print(f"following etcd {PKI_CRL} into {args.out} (list held: {held})", flush=True)
-        if args.duration is None:
-            await asyncio.Event().wait()  # until stopped
-        else:
-            await asyncio.sleep(args.duration)
+        await serve_for(args.duration)
     return EXIT_OK

@@ -198,11 +198,10 @@ async def _show(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    import asyncio
     import contextlib
 
     from mesh.settings import MeshSettings
-    from tiermesh.cli.context import open_store, store_args
+    from tiermesh.cli.context import open_store, serve_for, store_args
     from variant_store.server import VariantStoreServer
 
     settings = MeshSettings()
@@ -230,10 +229,7 @@ async def _serve(args: argparse.Namespace) -> int:
             VariantStoreServer(BlobStore(blob_root(args)), Catalog(store), bind, args.port, advertise=advertise,
                                site=args.site, tls=tls))
         print(f"variant store serving at {server.url}", flush=True)
-        if args.duration is None:
-            await asyncio.Event().wait()  # until interrupted
-        else:
-            await asyncio.sleep(args.duration)
+        await serve_for(args.duration)
     return EXIT_OK
 
 
