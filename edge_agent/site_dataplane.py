@@ -415,7 +415,7 @@ class SiteDataPlane:
                                       f"{d.expected_latency_ms:.0f} ms)") from exc
             # named by its site, as the caller knows it: the endpoint may be an address of this host's plumbing
             # (a lab's delay proxy) that no printed address mentions
-            details = {k: v for k, v in exc.details.items() if k != "url"}
+            details = {k: v for k, v in exc.details.items() if k not in ("url", "site")}
             raise type(exc)(exc.message.replace(endpoint, f"site {d.site}"), site=d.site, **details) from exc
         now = time.monotonic()
         total = (now - received) * 1000.0
