@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +28,7 @@ from core_scheduler.policy.snapshot import MeshSnapshot
 from core_scheduler.state.forecast_store import load_forecast, save_forecast
 from core_scheduler.state.snapshot import SnapshotBuilder
 from core_scheduler.state.view import MeshView
+from mesh.backoff import Backoff
 from mesh.errors import StoreError
 from mesh.etcd.election import Election
 from mesh.etcd.keys import EVENTS_PLACEMENT, placement_key
@@ -121,11 +121,11 @@ class Scheduler(Service):
         # One Election for the life of the replica: it remembers leases it could not revoke while
         # etcd was down and clears them before campaigning again.
         self.election = Election(self.store, "scheduler", self.cfg.candidate_id, self.cfg.election_ttl_s)
-        backoff = MIN_BACKOFF_S
+        backoff = Backoff(MIN_BACKOFF_S, MAX_BACKOFF_S)
         while True:
             try:
                 await self.election.campaign()
-                backoff = MIN_BACKOFF_S
+                backoff.reset()
                 self.terms += 1
                 log.info("scheduler %s leads (revision %d)", self.cfg.candidate_id, self.election.leader_revision,
                          extra=kv(event="leader"))
@@ -139,8 +139,7 @@ class Scheduler(Service):
             finally:
                 with contextlib.suppress(Exception):
                     await self.election.resign()
-            await asyncio.sleep(backoff * random.uniform(0.5, 1.5))
-            backoff = min(backoff * 2, MAX_BACKOFF_S)
+            await asyncio.sleep(backoff.next())
 
     async def _lead(self, election: Election) -> None:
         """Placement rounds until leadership is lost (key gone, lease lost, or a refused write)."""

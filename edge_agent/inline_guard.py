@@ -21,7 +21,9 @@ machine, as it would any code on the loop: a short such pause alone never turns 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from mesh.backoff import Backoff
 
 __all__ = [
     "INLINE_BACKOFF_MAX_S",
@@ -48,7 +50,8 @@ class InlineGuard:
     """The stall back-off of one batcher's inline runs (pure state; the caller times the runs)."""
 
     off_until: float = 0.0
-    backoff_s: float = INLINE_BACKOFF_S
+    # not jittered: one site's batchers are no crowd that retries a peer together, and the tables test exact times
+    backoff: Backoff = field(default_factory=lambda: Backoff(INLINE_BACKOFF_S, INLINE_BACKOFF_MAX_S, jitter="none"))
     slow_share: float = 0.0  # moving share of inline runs over INLINE_STALL_MS
     clean: int = 0           # inline runs in a row under INLINE_STALL_MS
     blocked: bool = False    # the last slow inline run blocked the loop over INLINE_BLOCK_MS
@@ -63,7 +66,7 @@ class InlineGuard:
             self.blocked = False
             self.clean += 1
             if self.clean == INLINE_CLEAN_RUNS:
-                self.backoff_s = INLINE_BACKOFF_S
+                self.backoff.reset()
             return 0.0
         self.clean = 0
         self.slow_share = 0.875 * self.slow_share + 0.125
@@ -77,7 +80,6 @@ class InlineGuard:
         # the profile is wrong here: keep off the loop, longer after each time
         self.blocked = False
         self.slow_share = 0.0
-        started = self.backoff_s
+        started = self.backoff.next()
         self.off_until = now + started
-        self.backoff_s = min(INLINE_BACKOFF_MAX_S, self.backoff_s * 2.0)
         return started

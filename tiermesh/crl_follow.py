@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import random
 import re
 import signal
 import socket
@@ -45,6 +44,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from mesh.backoff import Backoff
 from mesh.errors import PkiError, StoreUnavailable
 from mesh.etcd.endpoints import EtcdEndpoints
 from mesh.etcd.keys import PKI_CRL
@@ -121,7 +121,7 @@ class CrlFollower(Service):
     async def _follow(self) -> None:
         """Read, then watch from the revision read; when the watch cannot resume (compaction) or anything else
         fails, read again after a jittered back-off. Never returns."""
-        backoff = 0.25
+        backoff = Backoff(0.25, 5.0)
         while True:
             try:
                 revision = await self.store.revision()  # first: the watch replays what changes during the read
@@ -131,7 +131,7 @@ class CrlFollower(Service):
                 async with self.store.watch_ranges([KeyRange.key(PKI_CRL)], start_revision=revision + 1) as watch:
                     self.connected = True
                     async for ev in watch:
-                        backoff = 0.25
+                        backoff.reset()
                         await self._consider(ev.value if ev.kind == "put" else None, ev.revision)
             except asyncio.CancelledError:
                 raise
@@ -139,8 +139,7 @@ class CrlFollower(Service):
                 log.warning("following %s failed; reading it again", PKI_CRL,
                             extra=kv(event="crl_follow_retry", reason=str(exc)[:300]))
             self.connected = False
-            await asyncio.sleep(backoff * random.uniform(0.5, 1.5))
-            backoff = min(backoff * 2, 5.0)
+            await asyncio.sleep(backoff.next())
 
     async def _consider(self, value: Any, revision: int) -> None:
         """Adopt the list in a ``pki/crl`` value if it verifies and is newer. A bad value is logged and the list
@@ -218,15 +217,14 @@ async def connect_crl_reader(target: EtcdEndpoints, prefix: str) -> Store:
     for etcd as long as it takes: beside etcd, the follower often starts first, or while etcd restarts. A refusal
     by RBAC ends it (``StorePermissionDenied``); a TLS handshake etcd refuses looks like an etcd that is down, so it
     is retried, each time logged with the store's hint about the TLS files."""
-    delay = 0.25
+    backoff = Backoff(0.25, 10.0)
     while True:
         try:
             return await Store.connect(target, prefix, probe=PKI_CRL)
         except StoreUnavailable as exc:
             log.warning("etcd not reachable yet; trying again", extra=kv(event="crl_follow_wait",
                                                                          reason=str(exc)[:300]))
-        await asyncio.sleep(delay * random.uniform(0.5, 1.5))
-        delay = min(delay * 2, 10.0)
+        await asyncio.sleep(backoff.next())
 
 
 # -- bounds on connections already open ---------------------------------------------------------------

@@ -15,10 +15,10 @@ meanwhile (``tiermesh pki revoke``) counts, and a mesh started on an old home re
 from __future__ import annotations
 
 import asyncio
-import random
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
+from mesh.backoff import Backoff
 from mesh.errors import MeshError
 from mesh.etcd.store import Store
 from mesh.lifecycle import Service, cancel_and_wait
@@ -73,6 +73,7 @@ class CrlRefresher(Service):
         return crl
 
     async def _loop(self) -> None:
+        retry = Backoff(RETRY_S, RETRY_S)  # a steady retry, jittered: replicas that failed together spread out
         while True:
             try:
                 crl = await asyncio.to_thread(self.pki.crl)
@@ -84,9 +85,9 @@ class CrlRefresher(Service):
             except asyncio.CancelledError:
                 raise
             except (MeshError, OSError) as exc:
-                log.warning("re-signing the revocation list failed; trying again in %.0f s: %s", RETRY_S, exc,
+                log.warning("re-signing the revocation list failed; trying again within %.0f s: %s", RETRY_S, exc,
                             extra=kv(event="crl_refresh_failed", reason=str(exc)[:300]))
-                await asyncio.sleep(RETRY_S * random.uniform(0.5, 1.5))
+                await asyncio.sleep(retry.next())
             except Exception:
                 log.exception("re-signing the revocation list failed", extra=kv(event="crl_refresh_failed"))
-                await asyncio.sleep(RETRY_S * random.uniform(0.5, 1.5))
+                await asyncio.sleep(retry.next())

@@ -17,11 +17,11 @@ something also records, in the same transaction, what it changed at ``topology/l
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from mesh.backoff import Backoff
 from mesh.errors import ConflictError, StoreError
 from mesh.etcd.keys import LINKS, SITES, TENANTS, TOPOLOGY_LAST_APPLY, TOPOLOGY_META, link_key, site_key, tenant_key
 from mesh.etcd.ops import KV, Compare, CreateRevision, Delete, ModRevision, Op, Put
@@ -167,6 +167,7 @@ async def apply(store: Store, topo: Topology, *, attempts: int = 5, source: str 
     topology file's text, kept with the record of this apply when it changes something."""
     desired = desired_state(topo)
     meta = _meta(topo)
+    backoff = Backoff(0.02, 0.25, jitter="full")  # writers that lost a race spread out before they read again
     for attempt in range(attempts):
         state, meta_kv = await read_state(store)
         d = diff({k: v.value for k, v in state.items()}, desired)
@@ -191,5 +192,5 @@ async def apply(store: Store, topo: Topology, *, attempts: int = 5, source: str 
                      extra=kv(event="topology_applied", revision=result.revision, digest=meta["digest"][:12]))
             return d
         log.info("topology apply lost a race, retrying", extra=kv(event="topology_conflict", attempt=attempt))
-        await asyncio.sleep(random.uniform(0.01, 0.05) * (attempt + 1))
+        await asyncio.sleep(backoff.next())
     raise ConflictError(f"topology apply conflicted {attempts} times: another writer keeps changing it")

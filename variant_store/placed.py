@@ -25,11 +25,11 @@ others (a cold start of a sibling variant of T's task, which routing picks per q
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from collections.abc import Callable
 from typing import Any
 
+from mesh.backoff import Backoff
 from mesh.etcd.keys import PLACEMENT, last_segment, placement_key
 from mesh.etcd.store import Store
 from mesh.etcd.watch import KeyRange
@@ -96,7 +96,7 @@ class PlacedVariants(Service):
     async def _follow(self) -> None:
         """Read every placement, then watch from that revision; on any failure read again after a back-off (a
         variant removed while the watch was down starts its grace at the re-read). Never returns."""
-        backoff = 0.25
+        backoff = Backoff(0.25, 5.0)
         while True:
             try:
                 revision = await self.store.revision()
@@ -106,12 +106,11 @@ class PlacedVariants(Service):
                     self.record(site, current.get(site, frozenset()))
                 async with self.store.watch_ranges([KeyRange.under(PLACEMENT)], start_revision=revision + 1) as w:
                     async for ev in w:
-                        backoff = 0.25
+                        backoff.reset()
                         self.record(last_segment(ev.key), placed_pairs(ev.value if ev.kind == "put" else None))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 log.warning("following %s failed; reading it again", PLACEMENT,
                             extra=kv(event="placed_follow_retry", reason=str(exc)[:300]))
-            await asyncio.sleep(backoff * random.uniform(0.5, 1.5))
-            backoff = min(backoff * 2, 5.0)
+            await asyncio.sleep(backoff.next())

@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import random
 import re
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -37,6 +36,7 @@ from typing import Any
 from aiohttp import web
 
 from mesh.addresses import DEFAULT_BIND, advertised_host, http_url, normalise_host
+from mesh.backoff import Backoff
 from mesh.errors import BlobError, MeshError, PermissionDenied, RequestError
 from mesh.etcd.keys import blobs_key
 from mesh.etcd.lease import Lease
@@ -163,7 +163,7 @@ class VariantStoreServer(Service):
     async def _keep_announced(self) -> None:
         """A lease lost to an etcd restart or partition takes the announcement with it: re-announce
         until it sticks, with jittered back-off, for as long as the server runs."""
-        delay = 0.5
+        backoff = Backoff(0.5, 10.0)
         while True:
             if self._lease is not None:
                 await self._lease.lost.wait()
@@ -171,11 +171,10 @@ class VariantStoreServer(Service):
                 log.warning("variant store announcement lost; re-announcing", extra=kv(event="reannounce"))
             try:
                 await self._announce()
-                delay = 0.5
+                backoff.reset()
             except MeshError as exc:
                 log.warning("re-announce failed: %s", exc, extra=kv(event="reannounce_failed"))
-                await asyncio.sleep(delay * random.uniform(0.5, 1.5))
-                delay = min(delay * 2, 10.0)
+                await asyncio.sleep(backoff.next())
 
     # handlers ---------------------------------------------------------------------------------
     @web.middleware

@@ -33,6 +33,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from mesh.backoff import Backoff
 from mesh.errors import StoreError, StoreUnavailable
 from mesh.etcd.endpoints import EtcdEndpoints
 from mesh.etcd.wire import RpcError, Service, StatusCode, WireChannel
@@ -175,7 +176,7 @@ class Channels:
         n = len(self)
         # one slow member must leave time for the others
         attempt_s = timeout if n == 1 else max(timeout / n, 1.0)
-        tries = 0
+        pause: Backoff | None = None  # made on the first failure: a call that succeeds pays nothing for it
         while True:
             if self.closed:
                 raise StoreError("store is closed")
@@ -185,7 +186,7 @@ class Channels:
                 return await call(member, max(min(attempt_s, remaining), 0.05))
             except RpcError as exc:
                 self.failed(generation, exc)
-                tries += 1
+                pause = pause or Backoff(0.05, 0.3)
                 now = time.monotonic()
                 # one member: only a request that never left, and only briefly, so a restarted etcd is
                 # waited for but a dead one is reported soon
@@ -194,8 +195,8 @@ class Channels:
                          and deadline - now > 0.1)
                 if not again:
                     raise translate(exc, f"{what} [{member.target}]") from exc
-            # a leader election takes about a second: do not spin through the members meanwhile
-            await asyncio.sleep(min(0.05 * tries, 0.3))
+                # a leader election takes about a second: do not spin through the members meanwhile
+                await asyncio.sleep(pause.next())
 
     async def close(self) -> None:
         self.closed = True

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from mesh.backoff import Backoff
 from mesh.errors import ConflictError, ProtocolError, StoreError, StoreUnavailable
 from mesh.etcd import messages as rpc
 from mesh.etcd.channels import Channels, Member, StorePermissionDenied, rpc_errors, tls_hint, translate
@@ -203,7 +204,7 @@ class Store(Service):
         # each member gets a share of the timeout, so one black-holed member cannot eat all of it
         per_member = max(self.timeout / len(self._channels), min(self.timeout, 1.0))
         deadline = time.monotonic() + self.timeout
-        backoff = 0.05
+        backoff = Backoff(0.05, 0.5)  # jittered: the agents of a mesh whose etcd restarted do not dial it together
         while True:
             for i, target in enumerate(self.endpoints.targets):
                 left = deadline - time.monotonic()
@@ -224,8 +225,7 @@ class Store(Service):
                         raise StoreUnavailable("; ".join(f"{t}: {e}" for t, e in errors.items())) from exc
                 except TimeoutError:
                     errors[target] = f"no answer in {wait:.1f} s"
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 0.5)
+            await asyncio.sleep(backoff.next())
 
     @property
     def member(self) -> str:

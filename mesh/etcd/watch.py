@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from mesh.backoff import Backoff
 from mesh.errors import StoreError
 from mesh.lifecycle import Service, State, cancel_and_wait
 from mesh.log import get_logger, kv
@@ -118,11 +118,11 @@ class Watch(Service):
         self._task = asyncio.get_running_loop().create_task(self._pump(), name=f"watch-{self.prefix}")
 
     async def _pump(self) -> None:
-        backoff = 0.05
+        backoff = Backoff(0.05, 2.0)
         while True:
             try:
                 if await self._stream():
-                    backoff = 0.05
+                    backoff.reset()
             except Compacted as exc:
                 await self._queue.put(StoreError(
                     f"watch on {self.prefix!r} cannot resume after revision {min(self._cursors)}: etcd "
@@ -142,8 +142,7 @@ class Watch(Service):
                     prefix=self.prefix, last_revision=min(self._cursors)))
                 return
             self.reconnects += 1
-            await asyncio.sleep(backoff * (0.5 + random.random()))
-            backoff = min(backoff * 2, 2.0)
+            await asyncio.sleep(backoff.next())
 
     async def _stream(self) -> bool:
         """Run one watch stream until it fails. True if it had been established."""

@@ -48,7 +48,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import random
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -57,6 +56,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from mesh import clock
+from mesh.backoff import Backoff
 from mesh.errors import DeadlineExceeded, MeshError, PayloadTooLarge, PeerUnavailable, ProtocolError, RequestError
 from mesh.lifecycle import Service, State
 from mesh.log import get_logger, kv
@@ -124,7 +124,7 @@ class ZmqClient(Service):
         self._peers: dict[str, Peer] = {}
         # endpoint -> monotonic instant it was marked unreachable (its socket only probes)
         self._down: dict[str, float] = {}
-        self._retry_s: dict[str, float] = {}  # endpoint -> the wait before its next dial after a failed handshake
+        self._retry_s: dict[str, Backoff] = {}  # endpoint -> the waits before its next dials after failed handshakes
         self._listeners: list[ReachabilityListener] = []
         self._dying: set[asyncio.Task[None]] = set()
         self._state = State.RUNNING  # usable from construction: peers open on first use
@@ -366,15 +366,16 @@ class ZmqClient(Service):
                 return
 
     def _retry_later(self, peer: Peer, reason: str) -> None:
-        delay = self._retry_s.get(peer.endpoint, RETRY_FIRST_S)
-        self._retry_s[peer.endpoint] = min(delay * 2, RETRY_MAX_S)
+        backoff = self._retry_s.get(peer.endpoint)
+        if backoff is None:
+            backoff = self._retry_s[peer.endpoint] = Backoff(RETRY_FIRST_S, RETRY_MAX_S)
 
         def again() -> None:
             peer.retry = None
             if self._peers.get(peer.endpoint) is peer and self._state is State.RUNNING:
                 self.redial(peer.endpoint, f"{reason}; dialled again", lost=peer.key)
 
-        peer.retry = peer.pump.loop.call_later(delay * random.uniform(0.75, 1.25), again) if peer.pump else None
+        peer.retry = peer.pump.loop.call_later(backoff.next(), again) if peer.pump else None
 
     def _handshake_overdue(self, peer: Peer) -> None:
         peer.watchdog = None
