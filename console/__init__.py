@@ -5,7 +5,7 @@ It reads etcd (through ``core_scheduler.state``) and scrapes the agents' ``/metr
 APIs; it imports nothing of ``edge_agent``. Its front end (``static/``) ships its vendored libraries with their
 licences (``scripts/vendor_console.sh`` re-creates them), so it needs no network and no Node.
 
-    promtext   Prometheus text -> samples            digest   samples -> per-site metrics (pure)
+    digest     Prometheus text -> samples (prometheus_client's parser) -> per-site metrics (pure)
     scrape     the agents' HTTP client                state    etcd + scrapes -> one snapshot, every tick
     auth       the admin gate (certificate or token)  app      routes, server-sent events
     server     ConsoleServer: the service a scheduler process runs

@@ -12,6 +12,10 @@ The agents' metric names (issue 12, item 1) are the contract read here:
 Units: latencies here are milliseconds (the metrics say seconds); counters stay counts; rates are per second.
 A metric an agent does not serve is simply absent from its :class:`SiteMetrics` (an older agent, or one whose
 metrics are off): the console shows "no data" for it rather than zero.
+
+The text is read by ``prometheus_client``'s parser (:func:`parse_samples`), the one the console's process already
+has, not by a reader of our own: a hand-written one broke a whole scrape on a label value holding ``\r`` or U+2028
+(``str.splitlines`` ends a line there) and decoded ``\t`` as ``t``.
 """
 
 from __future__ import annotations
@@ -21,11 +25,31 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from console.promtext import Sample
+from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["SiteMetrics", "attainment", "digest", "histogram_quantile", "rate"]
+__all__ = ["Sample", "SiteMetrics", "attainment", "digest", "histogram_quantile", "parse_samples", "rate"]
 
 _P = "tiermesh_"
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One sample of an exposition: its full name (``_total``, ``_bucket``, ... included), labels and value."""
+
+    name: str
+    labels: dict[str, str]
+    value: float
+
+
+def parse_samples(text: str) -> list[Sample]:
+    """Every sample of a Prometheus text exposition (0.0.4), in order; ``ValueError`` when any line is malformed:
+    a scrape parses whole or is reported as failed, never half read. The text is an agent's answer, so whatever
+    the parser raises on it is that one error."""
+    try:
+        return [Sample(s.name, dict(s.labels), float(s.value))
+                for family in text_string_to_metric_families(text) for s in family.samples]
+    except Exception as exc:  # untrusted text: the parser raises ValueError, and IndexError, TypeError, ... on some
+        raise ValueError(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from exc
 
 
 @dataclass(slots=True)

@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from console.digest import SiteMetrics, digest
-from console.promtext import parse_text
+from console.digest import SiteMetrics, digest, parse_samples
 from mesh.errors import MeshError
 from mesh.lifecycle import Service
 from mesh.pki.site_names import Believer, Claim, SiteNames, response_ssl_object, server_site
@@ -150,7 +149,7 @@ class Scraper(Service):
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             return Scrape(site, now, False, error=f"{type(exc).__name__}: {exc}"[:200])
         try:
-            return Scrape(site, now, True, metrics=digest(parse_text(body)))
+            return Scrape(site, now, True, metrics=digest(parse_samples(body)))
         except ValueError as exc:
             return Scrape(site, now, True, error=f"unparseable metrics: {exc}"[:200])
 
