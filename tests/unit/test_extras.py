@@ -95,3 +95,21 @@ def test_every_command_group_names_its_extra() -> None:
 
     for modname in _GROUPS:
         _require_extra(modname.rsplit(".", 1)[1])  # a group without an entry raises KeyError
+
+
+def test_version_prints_the_installed_version_and_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib import metadata
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"tiermesh {metadata.version('tiermesh')}"
+
+
+def test_version_on_the_base_install_needs_no_extra_and_imports_no_group() -> None:
+    code = ("import sys; from tiermesh.cli.main import main, _GROUPS\n"
+            "try:\n    main(['--version'])\nexcept SystemExit as exc:\n"
+            "    print(sorted(m for m in _GROUPS if m in sys.modules)); sys.exit(exc.code)")
+    out = _run(code, hide=_NOT_IN_BASE)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-800:]
+    assert out.stdout.startswith("tiermesh ") and out.stdout.strip().endswith("[]")  # no command group imported

