@@ -1,7 +1,7 @@
 """The site agent: the same process at every tier; tier and hardware come from the topology.
 
 Lifecycle (start in this order, stop in reverse, each with a timeout):
-store -> view (watch) -> variant host -> ZeroMQ server + client -> HTTP front -> liveness ->
+store -> view (watch) -> variant host -> ZeroMQ server + client -> HTTP front -> gRPC front -> liveness ->
 placement follower. Every background task is owned here and cancelled on stop.
 
 The revocation list published at etcd ``pki/crl`` reaches both trust stores (edge TLS and CURVE) through the
@@ -27,6 +27,7 @@ from edge_agent.agent_config import BLOB_PEER, AgentConfig
 from edge_agent.agent_trust import AgentTrust
 from edge_agent.blobs import PeerSource, blob_routes, peer_sources, public_blob
 from edge_agent.demand import DemandMeter
+from edge_agent.grpc_api import EdgeGrpcServer
 from edge_agent.host import VariantHost
 from edge_agent.http_api import EdgeHttpServer
 from edge_agent.liveness import Liveness
@@ -80,6 +81,7 @@ class Agent(AgentTrust, Service):
         # where each peer is dialled and which of its URLs is used: what its certificate vouches for (CURVE on)
         self.peer_addresses: PeerAddresses | None = None
         self.http: EdgeHttpServer | None = None
+        self.grpc: EdgeGrpcServer | None = None  # the Open Inference Protocol over gRPC (cfg.grpc_port None: off)
         self.liveness: Liveness | None = None
         self.dataplane: SiteDataPlane | None = None
         self.table: Router | None = None
@@ -157,12 +159,18 @@ class Agent(AgentTrust, Service):
         self.zmq_server = ZmqServer(self.dataplane.infer_from_peer, bind=tcp_endpoint(cfg.bind, cfg.zmq_port),
                                     max_bytes=cfg.max_body_bytes, security=self.curve)
         await self.zmq_server.start()
+        observe = Observe(self.metrics, self.traces, tls)
         self.http = EdgeHttpServer(self.dataplane, host=cfg.bind, port=cfg.http_port,
                                    advertise=self.advertise_host, max_body_bytes=cfg.max_body_bytes,
-                                   tls=tls, observe=Observe(self.metrics, self.traces, tls),
+                                   tls=tls, observe=observe,
                                    routes=tuple(blob_routes(cache, tls, self._public_blob)),
                                    visible=self.dataplane.visible, quota_check=self.quota.check)
         await self.http.start()
+        if cfg.grpc_port is not None:  # after the HTTP front: it starts the TLS side both share
+            self.grpc = EdgeGrpcServer(self.dataplane, host=cfg.bind, port=cfg.grpc_port, advertise=self.advertise_host,
+                                       max_message_bytes=cfg.max_body_bytes, tls=tls, visible=self.dataplane.visible,
+                                       quota_check=self.quota.check, rejected=observe.rejected)
+            await self.grpc.start()
         # blobs from an https:// variant store or peer: with the site's own (reloading) client certificate; a peer
         # must prove to be the site it is fetched from
         if self.http.tls is not None:
@@ -184,8 +192,8 @@ class Agent(AgentTrust, Service):
         self._tasks.append(asyncio.create_task(self.selfprof.run(), name=f"self-profile:{self.site}"))
         self.selfprof.wake()
         settle("agent start")  # what start made is long-lived: out of the collector's full passes (mesh.heap)
-        log.info("agent up: zmq %s (bound %s) http %s (%s%s)", self.zmq_endpoint, self.zmq_server.endpoint,
-                 self.http.url,
+        log.info("agent up: zmq %s (bound %s) http %s grpc %s (%s%s)", self.zmq_endpoint, self.zmq_server.endpoint,
+                 self.http.url, self.grpc.url if self.grpc is not None else "off",
                  self.hardware_class, "" if self.gpu_ok else f"; {self.gpu_note}",
                  extra=kv(site=self.site, event="agent_up"))
 
@@ -193,6 +201,7 @@ class Agent(AgentTrust, Service):
         tasks, self._tasks = self._tasks, []
         await cancel_and_wait(*tasks, self._rekeying)
         steps: list[Any] = [self.liveness.stop if self.liveness else None,
+                            self.grpc.stop if self.grpc else None,
                             self.http.stop if self.http else None,
                             self.zmq_server.stop if self.zmq_server else None,
                             self.zmq_client.close if self.zmq_client else None,
@@ -222,6 +231,11 @@ class Agent(AgentTrust, Service):
         """The HTTP(S) base URL callers use (advertised host, bound port)."""
         assert self.http is not None
         return self.http.url
+
+    @property
+    def grpc_url(self) -> str | None:
+        """The gRPC front's URL (``grpcs://host:port``, advertised host, bound port); None when it is off."""
+        return self.grpc.url if self.grpc is not None else None
 
     def _public_blob(self, digest: str) -> bool:
         """Whether a public variant of the catalog is built on blob ``digest`` (only those go to peers)."""

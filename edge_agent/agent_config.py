@@ -27,8 +27,9 @@ class AgentConfig:
     prefix: str = "/tiermesh/"
     home: Path = Path(".tiermesh")
     http_port: int = 0
+    grpc_port: int | None = 0         # the gRPC Open Inference Protocol front (0: a free port; None: none)
     zmq_port: int = 0
-    bind: str = DEFAULT_BIND          # address HTTP and ZeroMQ listen on (0.0.0.0 / ::: every interface)
+    bind: str = DEFAULT_BIND          # address HTTP, gRPC and ZeroMQ listen on (0.0.0.0 / ::: every interface)
     advertise: str | None = None      # what peers dial (live record); None: the bind address
     peer_map: dict[str, str] = field(default_factory=dict)  # site -> endpoint (WAN emulation proxies);
     # BLOB_PEER -> the variant store's URL as this site reaches it

@@ -44,7 +44,11 @@ from multidict import CIMultiDict
 
 from edge_agent.conn_guard import FIRST_REQUEST_S, HANDSHAKE_TIMEOUT_S, MAX_PENDING, ConnectionGuard, GuardedSite
 from edge_agent.dataplane import DataPlane
+from edge_agent.front import server_version as _version
+from edge_agent.front import task_signature, traceparent_for
+from edge_agent.front import unknown_task as _unknown
 from edge_agent.observe import Observe, Route, require_certificate
+from edge_agent.v2_extras import V2Extras, task_labels
 from mesh.addresses import DEFAULT_BIND, advertised_host, http_url, normalise_host
 from mesh.cache import BoundedCache
 from mesh.errors import (
@@ -58,10 +62,11 @@ from mesh.errors import (
 )
 from mesh.lifecycle import Service
 from mesh.log import get_logger, kv
-from mesh.tracecontext import new_traceparent, parse_traceparent, trace_id_of
+from mesh.tracecontext import trace_id_of
 from mesh.types import DEFAULT_TENANT, InferRequest, TaskSignature
 from mesh.v2 import codec as codec
 from mesh.v2.body import HEADER_LENGTH, TENANT_HEADER, tenant_claim
+from mesh.v2.classify import classify
 from mesh.v2.params import parse_slo, response_parameters, signature_to_metadata
 
 if TYPE_CHECKING:  # mutual TLS (cryptography) is loaded only by an agent that serves it
@@ -82,7 +87,9 @@ __all__ = [
 log = get_logger(__name__)
 
 DEFAULT_MAX_BODY = 16 << 20
-EXTENSIONS = ["binary_tensor_data", "tiermesh_slo"]
+# the last four: edge_agent.v2_extras (the Triton routes) and mesh.v2.classify
+EXTENSIONS = ["binary_tensor_data", "tiermesh_slo", "classification", "model_configuration", "model_repository",
+              "statistics"]
 # A connection is pending from its accept until its first request reaches a handler (TLS: through its handshake).
 Identify = Callable[[web.Request], str]
 Authenticate = Callable[[web.Request], object]
@@ -98,23 +105,8 @@ def identify(request: web.Request) -> str:
     return tenant_claim(request.headers.getall(TENANT_HEADER, _NONE)) or DEFAULT_TENANT
 
 
-def _unknown(task: str) -> UnknownTask:
-    """The one answer for a task a caller may not know of, whether it exists or not: same code, status and words
-    (the data plane's own messages list the tasks it knows, or say whose a variant is)."""
-    return UnknownTask(f"unknown task {task!r}")
-
-
 def _anyone(request: web.Request) -> object:
     return None
-
-
-def _version() -> str:
-    from importlib import metadata  # only when asked: it costs an idle agent ~0.4 MiB (zipfile, csv, email)
-
-    try:
-        return metadata.version("tiermesh")
-    except metadata.PackageNotFoundError:
-        return "0+unknown"
 
 
 _JSON = "application/json"
@@ -199,12 +191,7 @@ def _header_length(raw: str | None) -> int | None:
 
 def _traceparent(request: web.Request, asked: object) -> str | None:
     """The ``traceparent`` of a query that asks for its trace (the caller's trace id if it sent a valid one)."""
-    if asked is None or asked is False:
-        return None
-    if asked is not True:
-        raise RequestError(f"parameter trace must be true or false, got {asked!r}")
-    parsed = parse_traceparent(request.headers.get("traceparent"))
-    return new_traceparent(parsed[0] if parsed else None)
+    return traceparent_for(request.headers.get("traceparent"), asked)
 
 
 class _Handlers:
@@ -218,12 +205,7 @@ class _Handlers:
     def signature(self, task: str, tenant: str) -> TaskSignature:
         """``task``'s signature if ``tenant`` may know of it; else the one 404 (:func:`_unknown`), whether the task
         is another tenant's or does not exist."""
-        if self.visible is not None and not self.visible(task, tenant):
-            raise _unknown(task)
-        try:
-            return self.dp.task_signature(task)
-        except UnknownTask:
-            raise _unknown(task) from None
+        return task_signature(self.dp, self.visible, task, tenant)
 
     async def live(self, request: web.Request) -> web.Response:
         self.anyone(request)
@@ -295,6 +277,9 @@ class _Handlers:
             binary: bool | dict[str, bool] = dec.binary_default
             if wanted is not None:
                 outputs, binary = {n: outputs[n] for n in wanted if n in outputs}, wanted
+                if dec.classification is not None:  # Triton's classification extension (mesh.v2.classify)
+                    outputs = {n: classify(a, dec.classification[n], task_labels(task), n)
+                               if n in dec.classification else a for n, a in outputs.items()}
             if resp.timing.total_ms == 0.0:
                 resp.timing.total_ms = (time.perf_counter() - started) * 1000.0
             rparams = response_parameters(resp)
@@ -338,6 +323,9 @@ def make_app(dp: DataPlane, *, max_body_bytes: int = DEFAULT_MAX_BODY,
     # routes go first: aiohttp tries the routes under /v2/models in the order they were added.
     for prefix in prefixes:
         app.router.add_post(prefix + "/infer", h.infer)
+    extras = V2Extras(dp, h.who, h.signature, visible, observe.metrics if observe is not None else None)
+    for method, path, handler in extras.routes():  # before /v2/models/{task}, which would take "stats" for a task
+        app.router.add_route(method, path, _guarded(handler, guard))
     app.router.add_get("/v2/health/live", _guarded(h.live, guard))
     app.router.add_get("/v2/health/ready", _guarded(h.ready, guard))
     app.router.add_get("/v2", _guarded(h.server_metadata, guard))

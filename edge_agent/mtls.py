@@ -18,6 +18,7 @@ guard (``edge_agent.http_api.ConnectionGuard``), which starts TLS on each accept
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from aiohttp import web
@@ -54,11 +55,16 @@ class EdgeTls(TlsPeers):
     def tenant(self, request: web.Request) -> str:
         """The tenant the client certificate names. A site (or admin, scheduler) identity is not a tenant (403);
         a tenant header naming another tenant is refused (403): identity comes from the certificate only."""
-        identity = self.peer(request)
+        return self.tenant_of(request.transport, request.headers.getall(TENANT_HEADER, _NONE))
+
+    def tenant_of(self, transport: asyncio.BaseTransport | None, claims: list[str]) -> str:
+        """:meth:`tenant` for any front (gRPC's too): the caller on ``transport``, ``claims`` the tenant header's
+        values (gRPC metadata ``x-tiermesh-tenant``)."""
+        identity = self.identify(transport)
         if identity.kind != "tenant":
             raise PermissionDenied(f"{identity} is a {identity.kind}, not a tenant: the inference API serves "
                                    f"tenants", reason="wrong_kind")
-        claimed = tenant_claim(request.headers.getall(TENANT_HEADER, _NONE))  # once, one name: else a 400
+        claimed = tenant_claim(claims)  # once, one name: else a 400
         if claimed is not None and claimed != identity.name:
             raise PermissionDenied(f"header {TENANT_HEADER}: {claimed!r} does not match the client "
                                    f"certificate's tenant {identity.name!r}", reason="tenant_mismatch")

@@ -44,7 +44,7 @@ from ruamel.yaml.scalarstring import LiteralScalarString
 from mesh.errors import ConfigError, MeshError
 from mesh.pki.files import PkiPaths
 from mesh.pki.identity import Identity
-from tiermesh.hosts import AGENT_HTTP_PORT, AGENT_ZMQ_PORT, HostCommand, agent_command, shared_env
+from tiermesh.hosts import AGENT_GRPC_PORT, AGENT_HTTP_PORT, AGENT_ZMQ_PORT, HostCommand, agent_command, shared_env
 from topology.loader import parse_topology
 from topology.schema import Site, Topology
 
@@ -172,6 +172,7 @@ def _agent_deployment(site: Site) -> dict[str, Any]:
         "envFrom": [{"configMapRef": {"name": CONFIG_MAP}}],
         # 8000 serves the Open Inference Protocol and, for admin and scheduler certificates, /metrics: both HTTPS
         "ports": [{"name": "https", "containerPort": AGENT_HTTP_PORT, "protocol": "TCP"},
+                  {"name": "grpc", "containerPort": AGENT_GRPC_PORT, "protocol": "TCP"},
                   {"name": "zmq", "containerPort": AGENT_ZMQ_PORT, "protocol": "TCP"}],
         # Ready once the agent holds a routing snapshot and the catalog's task signatures. The edge API
         # wants a client certificate, which an httpGet probe cannot present: the agent's own command asks it
@@ -228,7 +229,9 @@ def _oip_service(site: Site) -> dict[str, Any]:
         "spec": {"type": "ClusterIP",
                  "selector": {"app.kubernetes.io/name": "tiermesh-agent", "tiermesh.io/site": site.name},
                  "ports": [{"name": "https", "port": AGENT_HTTP_PORT, "targetPort": "https", "protocol": "TCP",
-                            "appProtocol": "https"}]},  # mutual TLS: no TLS-terminating proxy in between
+                            "appProtocol": "https"},  # mutual TLS: no TLS-terminating proxy in between
+                           {"name": "grpc", "port": AGENT_GRPC_PORT, "targetPort": "grpc", "protocol": "TCP",
+                            "appProtocol": "grpc"}]},
     }
 
 

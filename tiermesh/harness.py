@@ -377,6 +377,8 @@ class LocalMesh(Readiness, MeshIdentities, HostHomes, Membership, WanLinks, Serv
                    "--bind", self._address(name), *lab]
             if sp.http:  # a restart keeps the site's address: its callers' URLs stay good
                 cmd += ["--http-port", str(urlsplit(sp.http).port)]
+            if sp.grpc:
+                cmd += ["--grpc-port", str(urlsplit(sp.grpc).port)]
             if self.opts.tls or self.opts.curve:
                 cmd += ["--pki-dir", str(LocalPki.under(self.opts.home).paths.root)]
             if self.creds is not None:
@@ -415,7 +417,7 @@ class LocalMesh(Readiness, MeshIdentities, HostHomes, Membership, WanLinks, Serv
                                 f"see {sp.log_path}")
             await asyncio.sleep(0.1)
         info = json.loads(ready.read_text())
-        sp.http, sp.zmq = info["http"], info["zmq"]
+        sp.http, sp.grpc, sp.zmq = info["http"], info.get("grpc"), info["zmq"]
         sp.zmq_port = int(str(info["zmq"]).rsplit(":", 1)[1])
         for (_, dst), proxy in self.proxies.proxies.items():
             if dst == name:

@@ -22,6 +22,7 @@ from mesh.pki.files import PkiPaths
 from mesh.pki.identity import Identity
 
 __all__ = [
+    "AGENT_GRPC_PORT",
     "AGENT_HTTP_PORT",
     "AGENT_ZMQ_PORT",
     "CONSOLE_PORT",
@@ -43,6 +44,7 @@ __all__ = [
 ]
 
 AGENT_HTTP_PORT = 8000  # Open Inference Protocol (KServe V2) over mutual TLS; /metrics for admins on the same port
+AGENT_GRPC_PORT = 8001  # the Open Inference Protocol over gRPC (mutual TLS), Triton's gRPC port
 AGENT_ZMQ_PORT = 5555   # site-to-site ZeroMQ (CURVE)
 STORE_PORT = 8080       # the variant store's blobs and catalog over mutual TLS; /metrics for admins and schedulers
 STORE_IDENTITY = Identity("store", "variant-store")
@@ -97,13 +99,14 @@ def identity_env(identity: Identity, home: str) -> dict[str, str]:
 
 
 def agent_command(site: str, *, home: str, advertise: str, bind: str = "0.0.0.0",
-                  http_port: int = AGENT_HTTP_PORT, zmq_port: int = AGENT_ZMQ_PORT) -> HostCommand:
-    """The agent of ``site``: HTTPS with client certificates at its edge API, CURVE to its peers, its identity
+                  http_port: int = AGENT_HTTP_PORT, zmq_port: int = AGENT_ZMQ_PORT,
+                  grpc_port: int = AGENT_GRPC_PORT) -> HostCommand:
+    """The agent of ``site``: HTTPS and gRPC with client certificates at its edge API, CURVE to its peers, its identity
     under ``home/pki`` (the agent's default PKI directory). ``advertise`` is what peers dial (a pod IP, a
     namespace's address)."""
     me = Identity("site", site)
     args = ("agent", "--site", site, "--bind", bind, "--advertise", advertise,
-            "--http-port", str(http_port), "--zmq-port", str(zmq_port))
+            "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--zmq-port", str(zmq_port))
     return HostCommand(me, args, identity_env(me, home))
 
 

@@ -114,6 +114,7 @@ class SiteProcess:
     zmq_port: int
     proc: asyncio.subprocess.Process | ForkedChild | None = None
     http: str | None = None
+    grpc: str | None = None          # its gRPC front's URL (grpc:// or grpcs://), None when off
     zmq: str | None = None           # the endpoint it advertises
     log_path: Path | None = None
     peer_map_path: Path | None = None

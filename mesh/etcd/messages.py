@@ -4,7 +4,7 @@ Why not protobuf's generated classes: the protobuf runtime and the classes of et
 about 3 MiB of an idle edge agent (issue 17), for some twenty small messages. These are those messages, each a
 class with the fields of etcd 3.5's ``rpc.proto``, ``kv.proto`` and ``auth.proto`` (same names, numbers and
 types), built by keyword (``RangeRequest(key=b"k", range_end=b"l")``), read by attribute, written and read by
-:mod:`mesh.etcd.protowire` (proto3 semantics: a oneof member such as ``Compare.mod_revision`` is sent when set,
+:mod:`mesh.protowire` (proto3 semantics: a oneof member such as ``Compare.mod_revision`` is sent when set,
 zero included). Enum values are class attributes, as in the generated code: ``Compare.EQUAL``,
 ``RangeRequest.ASCEND``, ``Event.DELETE``. ``SERVICES`` names each service's methods and their types.
 ``tests/unit/test_etcd_messages.py`` checks every field here against the descriptors protobuf generates from
@@ -13,7 +13,7 @@ etcd's protos, and round-trips through both.
 
 from __future__ import annotations
 
-from mesh.etcd.protowire import Message, fields
+from mesh.protowire import Message, fields
 
 __all__ = ["PACKAGE", "SERVICES"]
 

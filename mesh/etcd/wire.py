@@ -15,7 +15,8 @@ Errors. Every failure is an ``RpcError`` with ``code()`` (gRPC's status codes, `
 ``details()``, which the store's failover reads (:mod:`mesh.etcd.channels`): a connection that could not be
 made (refused, TLS refused) is ``UNAVAILABLE`` "failed to connect" (the request never left, so even a txn may
 be sent again); one lost mid-call ``UNAVAILABLE``; a passed timeout ``DEADLINE_EXCEEDED``; a member's answer
-its own status.
+its own status; a reply that does not decode (``mesh.protowire.DecodeError``) ``UNAVAILABLE`` "undecodable
+reply", so the store fails over as from a dead member (a txn is not sent again: its fate is unknown).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from h2.exceptions import H2Error
 
 from mesh.etcd import messages as rpc
 from mesh.etcd.endpoints import TLSFiles
-from mesh.etcd.protowire import message_class
+from mesh.protowire import DecodeError
 
 __all__ = ["RpcError", "Service", "StatusCode", "StreamCall", "WireChannel", "client_context", "prefix_end"]
 
@@ -89,6 +90,8 @@ def _errors(target: str) -> Iterator[None]:
         raise RpcError(exc.status, exc.message or exc.status.name) from exc
     except TimeoutError as exc:  # before OSError: asyncio's timeout is one
         raise RpcError(Status.DEADLINE_EXCEEDED, f"deadline exceeded [{target}]") from exc
+    except DecodeError as exc:  # a reply that is no message: the member is broken, try the next (failover)
+        raise RpcError(Status.UNAVAILABLE, f"undecodable reply from {target}: {exc}") from exc
     except (StreamTerminatedError, ProtocolError, H2Error, OSError, EOFError) as exc:
         raise RpcError(Status.UNAVAILABLE, f"connection to {target} lost: {exc or type(exc).__name__}") from exc
 
@@ -219,7 +222,7 @@ class Service:
         if m is None:
             raise AttributeError(f"etcd service {self._name} has no method {name}")
         path = f"/{rpc.PACKAGE}.{self._name}/{name}"
-        (req, reply), streaming = map(message_class, m[:2]), m[2]
+        (req, reply), streaming = (getattr(rpc, n) for n in m[:2]), m[2]
         method: Any = (StreamMethod(self._channel, path, req, reply) if streaming
                        else UnaryCall(self._channel, path, reply))
         setattr(self, name, method)

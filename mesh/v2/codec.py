@@ -32,6 +32,7 @@ from mesh.cache import BoundedCache
 from mesh.errors import RequestError
 from mesh.types import SLO
 from mesh.v2.body import DecodedResponse, assemble, request_head, response_meta, split_body
+from mesh.v2.classify import class_count
 from mesh.v2.params import parse_slo
 from mesh.v2.tensors import Spec, arrays_at, binary_specs, read_tensors, tensors_json
 
@@ -57,6 +58,8 @@ class DecodedRequest:
     # the SLO of ``parameters`` when a kept header brought it, already parsed (None: parse it with
     # ``mesh.v2.params.parse_slo``, which says what is wrong with it)
     slo: SLO | None = None
+    # output name -> k of an output asked for as its top k classes (``mesh.v2.classify``); None: none asked
+    classification: dict[str, int] | None = None
 
 
 # A client sends the same header query after query (same tensors, same SLO, no id): its parsed
@@ -101,6 +104,7 @@ def decode_infer_request(body: bytes, header_length: int | None = None, *,
         raise RequestError("request has no 'inputs'")
     inputs = read_tensors(head["inputs"], tail, "input", max_bytes, copy)
     outputs: dict[str, bool] | None = None
+    classification: dict[str, int] | None = None
     binary_default = params.get("binary_data_output") is True
     if head.get("outputs") is not None:
         if not isinstance(head["outputs"], list):
@@ -112,7 +116,10 @@ def decode_infer_request(body: bytes, header_length: int | None = None, *,
             oparams = o.get("parameters") or {}
             flag = oparams.get("binary_data") if isinstance(oparams, dict) else None
             outputs[o["name"]] = binary_default if flag is None else flag is True
-    return DecodedRequest(rid, inputs, params, outputs, binary_default)
+            if isinstance(oparams, dict) and oparams.get("classification") is not None:
+                classification = classification or {}
+                classification[o["name"]] = class_count(oparams["classification"], o["name"])
+    return DecodedRequest(rid, inputs, params, outputs, binary_default, None, classification)
 
 
 def encode_infer_request(inputs: Mapping[str, np.ndarray], parameters: Mapping[str, Any], *,

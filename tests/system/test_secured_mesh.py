@@ -2,7 +2,8 @@
 speaks TLS with client certificates and RBAC, so an agent's certificate writes only its own live key and a tenant's
 reads nothing; the variant store speaks HTTPS and hands a tenant-private variant only to its tenant (and the sites
 placement asks to serve that tenant); agents fetch their blobs from it with their site certificates, or nothing
-would be served."""
+would be served. The edge's gRPC front answers unmodified ``tritonclient.grpc.aio`` with the tenant of its
+certificate, and refuses a caller without one."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ import sys
 import time
 
 import aiohttp
+import numpy as np
 import pytest
+import tritonclient.grpc.aio as tgrpc
+from tritonclient.utils import InferenceServerException
 
 from mesh.client import AsyncClient
 from mesh.errors import MeshError
@@ -57,6 +61,30 @@ async def _catalog_ids(session: aiohttp.ClientSession, url: str, ctx: ssl.SSLCon
         return {v["variant_id"] for v in (await resp.json())["variants"]}
 
 
+async def _grpc_served(mesh: LocalMesh, x: np.ndarray) -> None:
+    """A digits query over gRPC at the edge as acme, and a caller without a certificate refused."""
+    url = mesh.sites[EDGE].grpc
+    assert url is not None and url.startswith("grpcs://")
+    files = {k: str(v) for k, v in mesh.tenant_files("acme").items()}
+    inp = tgrpc.InferInput("x", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x.astype(np.float32))
+    client = tgrpc.InferenceServerClient(url.removeprefix("grpcs://"), ssl=True, root_certificates=files["ca"],
+                                         private_key=files["key"], certificate_chain=files["cert"])
+    try:
+        assert await client.is_server_live()
+        reply = (await client.infer(TASK, [inp], parameters={"latency_ms": 400, "min_accuracy": 0.9})).get_response()
+        assert reply.parameters["tenant"].string_param == "acme" and reply.parameters["site"].string_param
+        assert reply.outputs and reply.raw_output_contents
+    finally:
+        await client.close()
+    anonymous = tgrpc.InferenceServerClient(url.removeprefix("grpcs://"), ssl=True, root_certificates=files["ca"])
+    try:
+        with pytest.raises(InferenceServerException):
+            await anonymous.infer(TASK, [inp], parameters={"latency_ms": 400}, client_timeout=15)
+    finally:
+        await anonymous.close()
+
+
 async def test_a_secured_mesh_holds_every_role_to_its_own(holdout: Holdout) -> None:
     async with mesh_running(tls=True) as mesh:
         assert mesh.etcd_url.startswith("https://") and (mesh.store_url or "").startswith("https://")
@@ -77,6 +105,7 @@ async def test_a_secured_mesh_holds_every_role_to_its_own(holdout: Holdout) -> N
                     pytest.fail(f"nothing served in 90 s on the secured mesh: {last}")
                 await asyncio.sleep(0.5)
         assert reply.outputs
+        await _grpc_served(mesh, x)
 
         # etcd: a site reads the mesh and writes only its own live key
         site = await _connect_as(mesh, Identity("site", EDGE))

@@ -1,4 +1,4 @@
-"""mesh.etcd.messages (on mesh.etcd.protowire) against etcd's own protos: every field's number, type and
+"""mesh.etcd.messages (on mesh.protowire) against etcd's own protos: every field's number, type and
 cardinality as protobuf generates them (aetcd ships etcd 3.5's ``rpc.proto``, ``kv.proto`` and ``auth.proto``
 compiled; a dev dependency), every service method's types, and bytes that protobuf reads back as we meant them
 and that we read back from protobuf.
@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from mesh.etcd import messages as rpc
-from mesh.etcd.protowire import Field, Message, message_class
+from mesh.protowire import Field, Message
 
 pytestmark = pytest.mark.unit
 
@@ -40,6 +40,11 @@ def _generated() -> dict[str, Any]:
     out: dict[str, Any] = {n: getattr(m, n) for m in mods for n in dir(m) if not n.startswith("_")}
     out["DESCRIPTOR"] = mods[-1].DESCRIPTOR
     return out
+
+
+def message_class(name: str) -> type[Message]:
+    cls: type[Message] = getattr(rpc, name)
+    return cls
 
 
 GEN = _generated()

@@ -35,6 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--site", required=True, help="site name from the topology")
     add_addresses(p, "the edge HTTP API and the ZeroMQ port")
     p.add_argument("--http-port", type=int, default=0, help="edge HTTP port (0: pick a free one)")
+    p.add_argument("--grpc-port", type=int, default=0,
+                   help="edge gRPC port: the Open Inference Protocol over gRPC, as tritonclient.grpc calls it, with "
+                        "the HTTP API's TLS and tenants (0: pick a free one; -1: no gRPC front)")
     p.add_argument("--zmq-port", type=int, default=0, help="site-to-site ZeroMQ port (0: pick a free one)")
     p.add_argument("--peer-map", type=Path, default=None,
                    help="JSON {site: tcp://host:port} overriding peers' endpoints (WAN emulation proxies)")
@@ -58,7 +61,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--model-memory-mb", type=int, default=None, metavar="MIB",
                    help="model-memory budget this agent enforces (default: a share of the site's declared memory)")
     p.add_argument("--ready-file", type=Path, default=None,
-                   help="write {http, zmq} here once serving (for harnesses)")
+                   help="write {http, grpc, zmq} here once serving (for harnesses; grpc null when off)")
     p.add_argument("--probe", action="store_true",
                    help="do not run an agent: ask SITE's running agent on --http-port (at --bind, default "
                         "127.0.0.1) for /v2/health/ready over mutual TLS with the site's own certificate, and exit "
@@ -90,6 +93,7 @@ def agent_config(args: argparse.Namespace, settings: MeshSettings) -> AgentConfi
     return AgentConfig(site=args.site, etcd=etcd, etcd_ca=ca, etcd_cert=cert, etcd_key=key,
                        prefix=args.prefix or settings.prefix,
                        home=Path(args.home) if args.home else settings.home, http_port=args.http_port,
+                       grpc_port=_grpc_port(getattr(args, "grpc_port", 0)),
                        zmq_port=args.zmq_port, bind=bind or settings.bind,
                        advertise=settings.advertised_host(bind, advertise),
                        peer_map=load_peer_map(args.peer_map),
@@ -107,6 +111,12 @@ def agent_config(args: argparse.Namespace, settings: MeshSettings) -> AgentConfi
 INSECURE_WARNING = ("WARNING: --insecure: the edge API speaks plain HTTP and believes the X-Tiermesh-Tenant "
                     "header; any caller can claim any tenant; site-to-site links are not authenticated. "
                     "For development only.")
+
+
+def _grpc_port(port: int) -> int | None:
+    if port < -1 or port > 65535:
+        raise ConfigError(f"--grpc-port must be a port, 0 (a free one) or -1 (no gRPC front), not {port}")
+    return None if port == -1 else port
 
 
 def _path(value: str | Path | None) -> Path | None:
@@ -170,8 +180,9 @@ async def run_agent(args: argparse.Namespace) -> int:
             import json
 
             tmp = args.ready_file.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"http": agent.http_url, "zmq": agent.zmq_endpoint}))
+            tmp.write_text(json.dumps({"http": agent.http_url, "grpc": agent.grpc_url, "zmq": agent.zmq_endpoint}))
             tmp.rename(args.ready_file)
-        print(f"agent {args.site} serving: http {agent.http_url} zmq {agent.zmq_endpoint}", flush=True)
+        print(f"agent {args.site} serving: http {agent.http_url} grpc {agent.grpc_url or 'off'} "
+              f"zmq {agent.zmq_endpoint}", flush=True)
         await stop.wait()
     return 0

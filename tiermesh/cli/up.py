@@ -199,7 +199,7 @@ async def _run_up(args: argparse.Namespace, home: Path) -> int:
                           "background; placement adds each as its timings arrive")
         for name, sp in sorted(mesh.sites.items()):
             tier = mesh.topology.sites[name].tier
-            console.print(f"  {tier:6s} {name:14s} http {sp.http}  zmq {sp.zmq}")
+            console.print(f"  {tier:6s} {name:14s} http {sp.http}  grpc {sp.grpc or 'off'}  zmq {sp.zmq}")
             caps = mesh.site_caps.get(name)
             console.print(f"  {'':6s} {'':14s} caps: {caps.describe() if caps else 'none (--no-caps)'}")
         if mesh.cgroups is not None and not mesh.cgroups.available:

@@ -1,0 +1,293 @@
+"""The edge agent's gRPC front: the Open Inference Protocol's ``inference.GRPCInferenceService`` (KServe V2, as
+Triton serves it) over a ``DataPlane``, beside the REST front (:mod:`edge_agent.http_api`) and with its semantics,
+so unmodified ``tritonclient.grpc`` (sync and ``aio``) works.
+
+A thin adapter on grpclib (gRPC over ``h2`` on asyncio, already in the agent for etcd; grpcio's C core and the
+protobuf runtime would cost an idle edge some 14 MiB): messages are :mod:`mesh.v2.grpc_messages`, tensors
+:mod:`mesh.v2.grpc_codec`. The task stands where V2 puts a model name; the SLO rides in request ``parameters``
+and the mesh's answer (site, variant, accuracy, reason, timing: ``mesh.v2.params.response_parameters``) in
+response ``parameters``. A gRPC deadline (``grpc-timeout``) shorter than the SLO's ``latency_ms`` caps the query's
+budget: routing sees what is left of the shorter one (the SLO itself, and so ``late``, stay the caller's).
+
+Served: ServerLive, ServerReady, ServerMetadata, ModelReady, ModelMetadata, ModelInfer, and Triton's ModelConfig
+(what ``get_model_config`` and ``perf_analyzer`` ask), with Triton's classification extension on requested outputs
+(``class_count``, as REST's); everything else (ModelStreamInfer, ModelStatistics,
+repository and shared-memory calls) answers UNIMPLEMENTED.
+
+Who calls, as REST: with ``tls`` (:class:`edge_agent.mtls.EdgeTls`, the same credentials in an ``h2`` context) the
+tenant is the client certificate's, and a ``x-tiermesh-tenant`` metadata naming another is refused; without it
+(``--insecure``) the tenant is that metadata. No certificate or another CA: refused at the handshake; revoked and
+the like: UNAUTHENTICATED and the connection closed; another tenant's private task: NOT_FOUND, word for word as a
+task that does not exist; over quota: RESOURCE_EXHAUSTED before the message is read; a message over
+``max_body_bytes``: RESOURCE_EXHAUSTED when its length prefix arrives, before its bytes are buffered. Errors carry
+the status of their code (:mod:`mesh.v2.grpc_status`) and the code itself in the ``tiermesh-code`` trailer.
+
+Not here yet: the REST front's connection guard (a bound on connections before their first request); grpclib
+leaves a TLS handshake to asyncio's 60 s timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from grpclib.const import Cardinality, Handler, Status
+from grpclib.encoding.proto import ProtoCodec
+from grpclib.server import Server, Stream
+
+from edge_agent.dataplane import DataPlane
+from edge_agent.front import (
+    Visible,
+    check_claim,
+    check_outputs,
+    server_version,
+    task_signature,
+    traceparent_for,
+    unknown_task,
+)
+from edge_agent.v2_extras import task_labels
+from mesh import clock
+from mesh.addresses import DEFAULT_BIND, advertised_host, normalise_host, tcp_endpoint
+from mesh.errors import MeshError, PayloadTooLarge, QuotaExceeded, RequestError, Unauthenticated, UnknownTask
+from mesh.lifecycle import Service
+from mesh.log import get_logger, kv
+from mesh.tracecontext import trace_id_of
+from mesh.types import DEFAULT_TENANT, InferRequest, TaskSignature
+from mesh.v2 import grpc_messages as oip
+from mesh.v2.body import TENANT_HEADER, tenant_claim
+from mesh.v2.classify import classify
+from mesh.v2.grpc_codec import decode_infer_request, encode_infer_response, model_config, model_metadata
+from mesh.v2.grpc_status import status_of
+from mesh.v2.params import parse_slo, response_parameters
+
+if TYPE_CHECKING:
+    from edge_agent.mtls import EdgeTls
+
+__all__ = ["CODE_TRAILER", "DEFAULT_MAX_MESSAGE", "EXTENSIONS", "EdgeGrpcServer", "GrpcFront"]
+
+log = get_logger(__name__)
+
+DEFAULT_MAX_MESSAGE = 16 << 20  # the REST front's body limit (edge_agent.http_api.DEFAULT_MAX_BODY)
+EXTENSIONS = ["tiermesh_slo"]
+CODE_TRAILER = "tiermesh-code"
+_TENANT_KEY = TENANT_HEADER.lower()  # gRPC metadata keys are lower case
+_NONE: list[str] = []  # getall's default: never mutated
+_Call = Callable[[Stream[Any, Any]], Awaitable[None]]
+
+
+async def _receive(stream: Stream[Any, Any], cls: type[Any], limit: int) -> Any:
+    """The request message of a unary call, its length checked before its bytes are read. grpclib's own
+    ``recv_message`` has no size limit (it would buffer whatever length the prefix declares): the prefix is read
+    here from its HTTP/2 stream, and the codec's message type decodes the rest (``DecodeError``, a 400 code)."""
+    h2 = stream._stream  # grpclib's HTTP/2 stream: the same buffer recv_message reads
+    head = await h2.recv_data(5)
+    if len(head) < 5:
+        raise RequestError("the call carries no request message")
+    if head[0]:
+        raise RequestError("compressed messages are not accepted (send without grpc-encoding)")
+    n = int.from_bytes(head[1:5], "big")
+    if n > limit:
+        raise PayloadTooLarge(f"message of {n} bytes exceeds the limit of {limit}")
+    data = await h2.recv_data(n)
+    if len(data) != n:
+        raise RequestError(f"request message truncated: {len(data)} of {n} bytes")
+    return cls.FromString(data)
+
+
+class GrpcFront:
+    """The handlers of ``inference.GRPCInferenceService`` over ``dp`` (grpclib's ``IServable``). ``tls``: identity
+    from the client certificate (None: from the tenant metadata); ``visible``, ``quota_check`` and ``rejected`` as
+    for :func:`edge_agent.http_api.make_app`."""
+
+    def __init__(self, dp: DataPlane, *, tls: EdgeTls | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE,
+                 visible: Visible | None = None, quota_check: Callable[[str], None] | None = None,
+                 rejected: Callable[[str, str, str], None] | None = None) -> None:
+        self.dp, self.tls, self.max_message = dp, tls, max_message_bytes
+        self.visible, self.quota_check, self.rejected = visible, quota_check, rejected
+
+    def __mapping__(self) -> dict[str, Handler]:
+        calls: dict[str, _Call] = {"ServerLive": self.server_live, "ServerReady": self.server_ready,
+                                   "ServerMetadata": self.server_metadata, "ModelReady": self.model_ready,
+                                   "ModelMetadata": self.model_metadata, "ModelConfig": self.model_config,
+                                   "ModelInfer": self.model_infer}
+        return {f"/{oip.PACKAGE}.{oip.SERVICE}/{name}":
+                Handler(self._answering(name, call), Cardinality.UNARY_UNARY, *oip.METHODS[name])
+                for name, call in calls.items()}
+
+    # -- who calls -----------------------------------------------------------------------------
+    def _claims(self, stream: Stream[Any, Any]) -> list[str]:
+        md = stream.metadata
+        return [v for v in md.getall(_TENANT_KEY, _NONE) if isinstance(v, str)] if md is not None else []
+
+    def tenant(self, stream: Stream[Any, Any]) -> str:
+        if self.tls is not None:
+            return self.tls.tenant_of(stream.peer._transport, self._claims(stream))
+        return tenant_claim(self._claims(stream)) or DEFAULT_TENANT
+
+    def anyone(self, stream: Stream[Any, Any]) -> None:
+        """Health and server metadata admit any caller that proves an identity (with TLS), as REST's."""
+        if self.tls is not None:
+            self.tls.identify(stream.peer._transport)
+
+    def signature(self, task: str, tenant: str) -> TaskSignature:
+        return task_signature(self.dp, self.visible, task, tenant)
+
+    # -- errors --------------------------------------------------------------------------------
+    def _answering(self, name: str, call: _Call) -> _Call:
+        async def answer(stream: Stream[Any, Any]) -> None:
+            try:
+                await call(stream)
+            except MeshError as exc:
+                await self._refuse(stream, exc)
+            except Exception:
+                log.exception("unhandled error serving gRPC %s", name, extra=kv(event="grpc_error", reason="internal"))
+                await stream.send_trailing_metadata(status=Status.INTERNAL, status_message="internal server error",
+                                                    metadata={CODE_TRAILER: "internal"})
+        return answer
+
+    async def _refuse(self, stream: Stream[Any, Any], exc: MeshError) -> None:
+        trailers = {CODE_TRAILER: exc.code}
+        if isinstance(exc, QuotaExceeded):  # when to come back, whole seconds (REST's Retry-After)
+            trailers["retry-after"] = str(exc.retry_after_s)
+        await stream.send_trailing_metadata(status=Status(status_of(exc.code)), status_message=exc.message,
+                                            metadata=trailers)
+        if isinstance(exc, Unauthenticated):  # a caller whose credential proves nothing keeps no connection
+            stream.peer._transport.close()
+
+    # -- health and metadata -------------------------------------------------------------------
+    async def server_live(self, stream: Stream[Any, Any]) -> None:
+        await _receive(stream, oip.ServerLiveRequest, self.max_message)
+        self.anyone(stream)
+        await stream.send_message(oip.ServerLiveResponse(live=True))
+
+    async def server_ready(self, stream: Stream[Any, Any]) -> None:
+        await _receive(stream, oip.ServerReadyRequest, self.max_message)
+        self.anyone(stream)
+        await stream.send_message(oip.ServerReadyResponse(ready=self.dp.ready()))
+
+    async def server_metadata(self, stream: Stream[Any, Any]) -> None:
+        await _receive(stream, oip.ServerMetadataRequest, self.max_message)
+        self.anyone(stream)
+        await stream.send_message(oip.ServerMetadataResponse(name="tiermesh", version=server_version(),
+                                                             extensions=EXTENSIONS))
+
+    async def model_ready(self, stream: Stream[Any, Any]) -> None:
+        tenant = self.tenant(stream)
+        req = await _receive(stream, oip.ModelReadyRequest, self.max_message)
+        self.signature(req.name, tenant)
+        if req.name not in self.dp.tasks():
+            raise unknown_task(req.name)
+        await stream.send_message(oip.ModelReadyResponse(ready=self.dp.ready()))
+
+    async def model_metadata(self, stream: Stream[Any, Any]) -> None:
+        tenant = self.tenant(stream)
+        req = await _receive(stream, oip.ModelMetadataRequest, self.max_message)
+        await stream.send_message(model_metadata(self.signature(req.name, tenant)))
+
+    async def model_config(self, stream: Stream[Any, Any]) -> None:
+        tenant = self.tenant(stream)
+        req = await _receive(stream, oip.ModelConfigRequest, self.max_message)
+        await stream.send_message(model_config(self.signature(req.name, tenant)))
+
+    # -- inference -----------------------------------------------------------------------------
+    async def model_infer(self, stream: Stream[Any, Any]) -> None:
+        started, arrived = time.perf_counter(), clock.monotonic()  # its budget runs from here
+        task, tenant, req = "?", "?", None
+        try:
+            tenant = self.tenant(stream)
+            if self.quota_check is not None:
+                self.quota_check(tenant)  # before the message: an over-quota caller's is never read or decoded
+            msg = await _receive(stream, oip.ModelInferRequest, self.max_message)
+            task = msg.model_name
+            sig = self.signature(task, tenant)
+            dec = decode_infer_request(msg)
+            params = dec.parameters
+            slo = parse_slo(params)
+            check_claim(params, tenant)
+            check_outputs(sig, dec.outputs)
+            header = stream.metadata.get("traceparent") if stream.metadata is not None else None
+            traced = (traceparent_for(header if isinstance(header, str) else None, params.get("trace"))
+                      if "trace" in params else None)
+            req = InferRequest.entering(task, dec.inputs, slo, tenant, dec.request_id, now=arrived)
+            if stream.deadline is not None:  # the caller's gRPC deadline, if shorter, is the query's
+                req.deadline = min(req.deadline, clock.monotonic() + stream.deadline.time_remaining())
+            req.traceparent = traced
+            resp = await self.dp.infer(req)
+            outputs = resp.outputs
+            if dec.outputs is not None:
+                outputs = {n: outputs[n] for n in dec.outputs if n in outputs}
+                if dec.classification is not None:  # Triton's classification extension, as REST's
+                    outputs = {n: classify(a, dec.classification[n], task_labels(task), n)
+                               if n in dec.classification else a for n, a in outputs.items()}
+            if resp.timing.total_ms == 0.0:
+                resp.timing.total_ms = (time.perf_counter() - started) * 1000.0
+            rparams = response_parameters(resp)
+            if req.traceparent is not None:  # asked for, or sampled at the door
+                rparams["trace_id"] = trace_id_of(req.traceparent)
+            reply = encode_infer_response(task, req.request_id, outputs, rparams)
+        except MeshError as exc:
+            if isinstance(exc, UnknownTask):  # the data plane's words may name tasks or owners
+                exc = unknown_task(task)
+            log.info("infer rejected: %s", exc.message,
+                     extra=kv(event="grpc_error", reason=exc.code, tenant=tenant, task=task))
+            if req is None and self.rejected is not None:
+                self.rejected(task, tenant, exc.code)
+            raise exc from None
+        await stream.send_message(reply)
+
+
+class EdgeGrpcServer(Service):
+    """Serves :class:`GrpcFront` over ``dp`` on ``host:port`` (port 0 picks a free one; ``address`` and ``url``
+    say which). ``tls``: mutual TLS with the edge's credentials, in a context of its own (ALPN ``h2``, which gRPC
+    clients require, where the REST front's offers HTTP/1.1), reloaded with them; its owner (the REST front, in an
+    agent) starts and stops it. Other arguments as :class:`GrpcFront`'s."""
+
+    def __init__(self, dp: DataPlane, host: str = DEFAULT_BIND, port: int = 0, *, advertise: str | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE, tls: EdgeTls | None = None,
+                 visible: Visible | None = None, quota_check: Callable[[str], None] | None = None,
+                 rejected: Callable[[str, str, str], None] | None = None) -> None:
+        self.host, self.port = normalise_host(host, "bind address"), port
+        self.advertise = advertised_host(self.host, advertise)
+        self.tls = tls
+        self.front = GrpcFront(dp, tls=tls, max_message_bytes=max_message_bytes, visible=visible,
+                               quota_check=quota_check, rejected=rejected)
+        self._ssl: ssl.SSLContext | None = None
+        self._server: Server | None = None
+
+    def _url(self, host: str) -> str:
+        return ("grpcs" if self.tls is not None else "grpc") + tcp_endpoint(host, self.port).removeprefix("tcp")
+
+    @property
+    def address(self) -> str:
+        """``host:port`` as ``tritonclient.grpc`` takes it (advertised host, bound port)."""
+        return self.url.split("://", 1)[1]
+
+    @property
+    def url(self) -> str:
+        """``grpcs://host:port`` (``grpc://`` without TLS): advertised host, bound port."""
+        self._require_running("its URL")
+        return self._url(self.advertise)
+
+    async def _start(self) -> None:
+        if self.tls is not None:
+            self._ssl = self.tls.credentials.server_context()  # held here: the credentials keep it only weakly
+            self._ssl.set_alpn_protocols(["h2"])
+        # the codec given: grpclib would otherwise look for googleapis' status protos (the protobuf runtime)
+        self._server = Server([self.front], codec=ProtoCodec())
+        await self._server.start(self.host, self.port, ssl=self._ssl)
+        listener = self._server._server
+        assert isinstance(listener, asyncio.Server)  # what loop.create_server made
+        self.port = int(listener.sockets[0].getsockname()[1])
+        log.info("grpc api listening on %s (advertised %s)", self._url(self.host), self._url(self.advertise),
+                 extra=kv(event="grpc_start"))
+
+    async def _stop(self) -> None:
+        if self._server is not None and self._server._server is not None:  # started (a failed start may not be)
+            self._server.close()
+            await self._server.wait_closed()
+
+    def __repr__(self) -> str:
+        return f"<EdgeGrpcServer {self.host}:{self.port} {self.state.value}>"
