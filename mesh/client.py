@@ -1,9 +1,6 @@
 """The tiermesh SDK: name a task and an SLO, get outputs plus where and how they were served.
 
-One implementation, ``AsyncClient``; ``Client`` is a synchronous wrapper that runs the async client
-on a private event loop in one background thread, started on first use and stopped by ``close()``.
-That thread owns the only ``aiohttp`` session, so connections are reused across sync calls (an
-``asyncio.run`` per call would open a new session, and so a new TCP connection, every time).
+One implementation, ``AsyncClient``; ``Client`` runs it on a private loop thread (``mesh.sdk_loop``).
 
 Both speak the Open Inference Protocol to an edge agent (``edge_agent.http_api``) through a
 ``Transport`` (``mesh.sdk_transport``). Failures arrive as ``mesh.errors`` classes: an error body
@@ -22,6 +19,16 @@ as ``ca=`` is) the handshake refuses an edge whose certificate the list names, b
 revoked site key cannot pose as an edge. It is checked by ``ssl`` alone (the base install has no
 ``cryptography``), re-read like the other files, and fails closed: a list past its nextUpdate (two days after it
 was signed; the operator re-signs it) refuses every server, as it does in every verifier of the mesh.
+
+Several edges: ``Client([url_a, url_b])`` (nearest first; the same TLS files for all) fails a query over to the
+next edge when one refuses the connection or stays silent past a share of the query's budget, with the same
+request id, and tries a failed edge again after a cool-down (``mesh.failover`` has the policy). One URL works as it
+always did: one edge, no failover, no id drawn by the client.
+
+Per call: ``timeout=`` caps that call's wait (in place of the client's ``timeout``; a query's wait is also capped
+by its budget and grace, ``DEADLINE_GRACE_S``); ``headers=`` adds HTTP headers, a W3C ``traceparent`` for one
+(with ``trace=True`` the edge records the query's trace under the caller's trace id). The headers the SDK writes
+itself (the tenant, content type and length, the binary header's length) cannot be given: ``RequestError``.
 """
 
 from __future__ import annotations
@@ -29,27 +36,28 @@ from __future__ import annotations
 import asyncio
 import enum
 import json
-import threading
 import time
-from collections.abc import Coroutine, Mapping
+from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any
 from urllib.parse import quote
 
+from mesh import failover
 from mesh.cache import BoundedCache
-from mesh.errors import BadTensor, DeadlineExceeded, MeshError, error_from_reply
+from mesh.errors import BadTensor, ConfigError, DeadlineExceeded, MeshError, error_from_reply
+from mesh.failover import FAILOVER_SHARE, EdgeHealthBook, first_answer, retry_budget_ms
 from mesh.pki.reload import client_tls
-from mesh.sdk_transport import AiohttpTransport, Transport
-from mesh.types import DEFAULT_PREFER, DEFAULT_TENANT, TaskSignature, Timing
+from mesh.sdk_loop import LoopThread
+from mesh.sdk_transport import Response, Transport, open_edges
+from mesh.types import DEFAULT_PREFER, DEFAULT_TENANT, TaskSignature, Timing, new_request_id
 from mesh.v2 import sdk as wire
 from mesh.v2.body import HEADER_LENGTH, TENANT_HEADER
 from mesh.v2.params import backbone_tenants, metadata_to_signature, result_values
 
 __all__ = ["AsyncClient", "Client", "InferResult"]
 
-T = TypeVar("T")
 # how long past a query's budget the SDK waits for its answer before raising DeadlineExceeded itself (an agent
 # that hangs, a frozen edge): room for a best-effort answer's grace (mesh.types.BEST_EFFORT_GRACE_MS,
 # 0.5 s) and the loopback/LAN hop, and so that every query is answered or failed within budget + 1 s
@@ -84,6 +92,8 @@ class InferResult:
     late: bool = False
     # answered within the latency asked and at the accuracy asked (not late, accuracy >= min_accuracy)
     within_slo: bool = True
+    # the URL of the edge that answered (a client of several edges: the one its failover reached)
+    edge: str = ""
 
     def output(self, name: str | None = None) -> Any:
         """The output called ``name``; with no name, the only output (``KeyError`` if several)."""
@@ -100,74 +110,52 @@ class _State(enum.Enum):
     CLOSED = "closed"
 
 
-def _header(headers: Mapping[str, str], name: str) -> str | None:
-    # aiohttp's headers look up case-insensitively, and most dicts use the canonical spelling
-    found = headers.get(name)
-    if found is not None:
-        return found
-    lname = name.lower()
-    for k, v in headers.items():
-        if k.lower() == lname:
-            return v
-    return None
-
-
-def _retry_after(headers: Mapping[str, str] | None) -> int | None:
-    """RFC 9110 ``Retry-After`` in whole seconds (the delay form; a date or garbage: None)."""
-    raw = _header(headers, "Retry-After") if headers is not None else None
-    if raw is None or not raw.strip().isdigit():
-        return None
-    return int(raw.strip())
-
-
 PathLike = str | Path
-
-
-@dataclass(slots=True, frozen=True)
-class _Plan:
-    header: bytes  # the request's JSON header (binary mode, no request id)
-    headers: dict[str, str]  # HTTP headers; transports only read them
-    path: str
-    bound: float
-
 
 
 class AsyncClient:
     """Asynchronous SDK client. Opens on first use or ``async with``; ``aclose()`` ends it.
 
+    ``base_url``: the edge's URL, or a list of edges' URLs, nearest first (failover: the module docstring).
     ``cert``, ``key``, ``ca``: the tenant's certificate and key and the mesh CA (paths) for an
     ``https://`` edge; ``crl``: the CA's revocation list (a path), to refuse a revoked server; ``tenant``: the
     tenant header for an ``--insecure`` edge (with a certificate, leave it out: the certificate names the tenant,
-    and a header naming another one is refused)."""
+    and a header naming another one is refused). ``transport``: one per URL, in place of HTTP (tests).
+    ``failover_share``: of a query's latency budget, how long an edge that is not the last one may stay silent."""
 
-    def __init__(self, base_url: str, *, tenant: str | None = None, timeout: float = 30.0,
-                 transport: Transport | None = None, binary: bool = True, cert: PathLike | None = None,
-                 key: PathLike | None = None, ca: PathLike | None = None, check_hostname: bool = True,
-                 crl: PathLike | None = None) -> None:
-        self.base_url = base_url
-        ssl_context, self.credentials = client_tls(base_url, cert, key, ca, check_hostname, crl) \
-            if transport is None else (None, None)
+    def __init__(self, base_url: str | Sequence[str], *, tenant: str | None = None, timeout: float = 30.0,
+                 transport: Transport | Sequence[Transport] | None = None, binary: bool = True,
+                 cert: PathLike | None = None, key: PathLike | None = None, ca: PathLike | None = None,
+                 check_hostname: bool = True, crl: PathLike | None = None,
+                 failover_share: float = FAILOVER_SHARE) -> None:
+        urls = (base_url,) if isinstance(base_url, str) else tuple(base_url)
+        if not urls:
+            raise ConfigError("an SDK client needs an edge URL")
+        self.base_url, self.base_urls = urls[0], urls
+        tls = client_tls(urls[0], cert, key, ca, check_hostname, crl) if transport is None else (None, None)
+        self.credentials = tls[1]
         if tenant is None and cert is None:
             tenant = DEFAULT_TENANT
         self._tenant_headers: dict[str, str] = {}
         self.tenant = tenant
         self.timeout = timeout
         self.binary = binary
+        if not 0.0 < failover_share <= 1.0:
+            raise ConfigError(f"failover_share must be in (0, 1], got {failover_share!r}")
+        self.failover_share = failover_share
+        self._edges = open_edges(urls, transport, timeout=timeout, ssl_context=tls[0],
+                                 refresh=tls[1].refresh if tls[1] is not None else None)
         # our own transport bounds every request itself (aiohttp's total timeout, raised as
         # DeadlineExceeded, per call for a query's budget); a second timer per call would only add cost
-        self._own: AiohttpTransport | None = None
-        if transport is None:
-            transport = self._own = AiohttpTransport(
-                base_url, timeout=timeout, ssl_context=ssl_context,
-                refresh=self.credentials.refresh if self.credentials is not None else None)
-        self._transport: Transport = transport
-        self._bounded = self._own is not None
+        self._own = self._edges[0].own
+        self._transport: Transport = self._edges[0].transport
+        self._book = EdgeHealthBook(len(self._edges)) if len(self._edges) > 1 else None
         self._state = _State.UNOPENED
         self._signatures: dict[str, TaskSignature] = {}
         # A caller repeats the shape of its query (task, SLO, tensor names, dtypes and shapes):
-        # the JSON header, HTTP headers, path and time bound of one are kept for the next, which
+        # the JSON header, HTTP headers and path of one are kept for the next, which
         # then skips building and serialising the JSON header.
-        self._plans: BoundedCache[tuple[Any, ...], _Plan] = BoundedCache(256)
+        self._plans: BoundedCache[tuple[Any, ...], wire.Plan] = BoundedCache(256)
 
     @property
     def tenant(self) -> str | None:
@@ -185,6 +173,7 @@ class AsyncClient:
 
     @property
     def transport(self) -> Transport:
+        """The first edge's transport."""
         return self._transport
 
     def _open(self) -> None:
@@ -192,29 +181,51 @@ class AsyncClient:
             raise RuntimeError("client is closed")
         self._state = _State.OPEN
 
-    async def _send(self, method: str, path: str, headers: dict[str, str] | None = None,
-                    body: bytes = b"") -> tuple[int, Mapping[str, str], bytes]:
-        self._open()
-        hdrs = {**self._tenant_headers, **(headers or {})}
-        if self._bounded:
-            return await self._transport.request(method, path, hdrs, body)
+    async def _attempt(self, i: int, method: str, path: str, headers: Mapping[str, str], body: bytes,
+                       wait: float | None) -> Response:
+        """One request to edge ``i``, waited on for ``wait`` seconds (None: the client's timeout)."""
+        edge = self._edges[i]
+        if edge.own is not None:
+            return await edge.own.request(method, path, headers, body, limit_s=wait)
+        bound = self.timeout if wait is None else wait
         try:
-            async with asyncio.timeout(self.timeout):
-                return await self._transport.request(method, path, hdrs, body)
+            async with asyncio.timeout(bound):
+                return await edge.transport.request(method, path, headers, body)
+        except DeadlineExceeded:
+            raise
         except TimeoutError as exc:
-            raise DeadlineExceeded(f"{method} {path}: no answer within {self.timeout} s") from exc
+            raise DeadlineExceeded(f"{method} {path}: no answer within {bound:.3f} s") from exc
 
-    async def _checked(self, method: str, path: str, headers: dict[str, str] | None = None,
-                       body: bytes = b"") -> tuple[Mapping[str, str], bytes]:
-        status, rh, rb = await self._send(method, path, headers, body)
-        if status >= 400:
-            raise error_from_reply(status, rb, _retry_after(rh))
-        return rh, rb
+    async def _send(self, method: str, path: str, headers: Mapping[str, str] | None = None, body: bytes = b"", *,
+                    bound: float | None = None, budget: float | None = None) -> Response:
+        """A request to the first edge that answers; ``bound``: the whole wait (None: the client's timeout);
+        ``budget``: the query's latency budget, whose share an edge that is not the last may be silent (None: the
+        bound, at most ``failover.NO_BUDGET_S``)."""
+        self._open()
+        hdrs = {**self._tenant_headers, **headers} if headers else self._tenant_headers
+        if self._book is None:
+            return await self._attempt(0, method, path, hdrs, body, bound)
+        whole = self.timeout if bound is None else bound
 
-    async def task_metadata(self, task: str) -> TaskSignature:
-        """The task's input/output signature (cached per client)."""
+        def attempt(i: int, wait: float, _: int) -> Coroutine[Any, Any, Response]:
+            return self._attempt(i, method, path, hdrs, body, wait)
+
+        return await first_answer(self._book, attempt, bound_s=whole,
+                                  budget_s=min(whole, failover.NO_BUDGET_S) if budget is None else budget,
+                                  share=self.failover_share, what=f"{method} {path}")
+
+    async def task_metadata(self, task: str, *, timeout: float | None = None,  # noqa: ASYNC109 (this call's bound)
+                            headers: Mapping[str, str] | None = None) -> TaskSignature:
+        """The task's input/output signature (cached per client). ``timeout``, ``headers``: this call's."""
+        return await self._task_metadata(task, timeout, wire.call_headers(headers) if headers else None)
+
+    async def _task_metadata(self, task: str, bound: float | None, headers: Mapping[str, str] | None,
+                             budget: float | None = None) -> TaskSignature:
         if task not in self._signatures:
-            _, body = await self._checked("GET", f"v2/models/{quote(task, safe='')}")
+            status, rh, body = await self._send("GET", f"v2/models/{quote(task, safe='')}", headers, bound=bound,
+                                                budget=budget)
+            if status >= 400:
+                raise error_from_reply(status, body, wire.retry_after(rh))
             try:
                 meta = json.loads(body)
             except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -222,9 +233,12 @@ class AsyncClient:
             self._signatures[task] = metadata_to_signature(meta)
         return self._signatures[task]
 
-    async def ready(self) -> bool:
-        """Whether the edge agent can answer queries (503 -> False; unreachable -> PeerUnavailable)."""
-        status, _, body = await self._send("GET", "v2/health/ready")
+    async def ready(self, *, timeout: float | None = None,  # noqa: ASYNC109 (this call's bound)
+                    headers: Mapping[str, str] | None = None) -> bool:
+        """Whether the edge agent (the first of several that answers) can answer queries (503 -> False;
+        unreachable -> PeerUnavailable). ``timeout``, ``headers``: this call's."""
+        status, _, body = await self._send("GET", "v2/health/ready", wire.call_headers(headers) if headers else None,
+                                           bound=timeout)
         if status == 503:
             return False
         if status >= 400:
@@ -232,19 +246,27 @@ class AsyncClient:
         return True
 
     async def infer(self, task: str, inputs: Inputs, *, latency_ms: float, min_accuracy: float = 0.0,
-                    max_cost: float | None = None, prefer: str = DEFAULT_PREFER,
-                    request_id: str | None = None, trace: bool = False) -> InferResult:
+                    max_cost: float | None = None, prefer: str = DEFAULT_PREFER, request_id: str | None = None,
+                    trace: bool = False, timeout: float | None = None,  # noqa: ASYNC109 (this call's bound)
+                    headers: Mapping[str, str] | None = None) -> InferResult:
         """Run ``task`` on ``inputs`` within the SLO. A bare array feeds the task's single input.
-        ``trace``: ask the mesh to record its decisions for this query (``InferResult.trace_id``)."""
+        ``trace``: ask the mesh to record its decisions for this query (``InferResult.trace_id``).
+        ``timeout``: this call's longest wait (default the client's); ``headers``: HTTP headers of this call (a
+        ``traceparent``, say), none of the SDK's own (``RequestError``)."""
         if self._state is not _State.OPEN:
             self._open()
-        spent = 0.0  # of the budget's wait, before the request itself (a first call's metadata lookup)
+        started = time.monotonic()
+        extra = wire.call_headers(headers) if headers else None
+        # The edge answers by the query's deadline (or with an error); the bound only protects
+        # the caller from an agent that hangs: the SLO budget plus a grace for the loopback/LAN hop.
+        bound = min(self.timeout if timeout is None else timeout, latency_ms / 1000.0 + DEADLINE_GRACE_S)
         named: Mapping[str, Any] | None = None if wire.is_single(inputs) else inputs
         sig = None
         if named is None or not wire.ready(named):  # converting lists needs the task's dtypes
             sig = self._signatures.get(task)
             if sig is None:
-                sig, spent = await self._metadata_within(task, latency_ms)
+                # within the call's bound: a metadata lookup at a busy edge counts against the caller's wait too
+                sig = await self._task_metadata(task, bound, None, latency_ms / 1000.0)
         if named is None:
             assert sig is not None
             if len(sig.inputs) != 1:
@@ -256,82 +278,96 @@ class AsyncClient:
         if shape_key and request_id is None and self.binary:
             # types are part of the key: 20 == 20.0 but they are written differently
             key = (task, shape_key, latency_ms, type(latency_ms), min_accuracy, type(min_accuracy), max_cost,
-                   type(max_cost), prefer, self._tenant, self.timeout, trace)
+                   type(max_cost), prefer, self._tenant, trace)
             try:
                 plan = self._plans.get(key)
             except TypeError:  # an unhashable argument: encode it in full, let the edge judge it
                 key = ()
-        if plan is not None:
+        # a client of several edges sends every attempt with one id: the caller's, else one it draws
+        drawn = request_id is None and self._book is not None
+        rid = new_request_id() if drawn else request_id
+        if plan is not None and not drawn:
             body = b"".join([plan.header, *wire.tensor_data(tensors)])
-        else:
+        elif plan is None:
             plan, body = self._plan(key, task, tensors, latency_ms, min_accuracy, max_cost, prefer, request_id,
                                     trace)
-        # The edge answers by the query's deadline (or with an error); plan.bound only protects
-        # the caller from an agent that hangs: the SLO budget plus a grace for the loopback/LAN hop.
-        try:
-            bound = plan.bound - spent if spent else plan.bound
-            if bound <= 0:
-                raise TimeoutError
-            if self._own is not None:
-                status, rh, rb = await self._own.request("POST", plan.path, plan.headers, body, limit_s=bound)
+        sent = plan.headers
+        if drawn:
+            assert rid is not None
+            if plan.header:  # binary: the id goes into the kept JSON header, whose length the HTTP header says
+                head = wire.with_id(plan.header, rid)
+                body = b"".join([head, *wire.tensor_data(tensors)])
+                sent = {**sent, HEADER_LENGTH: str(len(head))}
             else:
-                async with asyncio.timeout(bound):
-                    status, rh, rb = await self._transport.request("POST", plan.path, plan.headers, body)
-        except (TimeoutError, DeadlineExceeded) as exc:
-            raise DeadlineExceeded(f"{task}: no answer within {plan.bound:.3f} s (budget {latency_ms} ms)") from exc
+                body = wire.with_id(body, rid)
+        if extra:
+            sent = {**sent, **extra}
+        left = bound - (time.monotonic() - started)
+        try:
+            if self._book is not None:
+                i, (status, rh, rb) = await self._failover(task, tensors, plan.path, body, sent, left, latency_ms,
+                                                           (min_accuracy, max_cost, prefer, rid, trace, extra),
+                                                           started)
+            elif left <= 0:
+                raise TimeoutError
+            else:
+                i = 0
+                if (own := self._own) is not None:  # every query: no frame more than it needs
+                    status, rh, rb = await own.request("POST", plan.path, sent, body, limit_s=left)
+                else:
+                    status, rh, rb = await self._attempt(0, "POST", plan.path, sent, body, left)
+        except TimeoutError as exc:  # DeadlineExceeded is one
+            raise DeadlineExceeded(f"{task}: no answer within {bound:.3f} s (budget {latency_ms} ms)") from exc
         if status >= 400:
-            raise error_from_reply(status, rb, _retry_after(rh))
-        raw_len = rh.get(HEADER_LENGTH)  # aiohttp's headers: case-insensitive already
-        if raw_len is None:
-            raw_len = _header(rh, HEADER_LENGTH)
-        dec = wire.decode_infer_response(rb, int(raw_len) if raw_len is not None else None)
+            raise error_from_reply(status, rb, wire.retry_after(rh))
+        dec = wire.decode_reply(rh, rb)
         params = dec.parameters
         trace_id = params.get("trace_id")
         res = InferResult(dec.outputs, *result_values(params), request_id=dec.request_id,
                           trace_id=trace_id if type(trace_id) is str else "",
                           backbone_tenants=backbone_tenants(params) if "backbone_batch_tenants" in params else 0,
-                          late=params.get("late") is True)
+                          late=params.get("late") is True, edge=self._edges[i].url)
         res.within_slo = not res.late and res.accuracy >= min_accuracy
         return res
 
-    async def _metadata_within(self, task: str, latency_ms: float) -> tuple[TaskSignature, float]:
-        """The task's signature, and the seconds its lookup took. The caller's wait is bounded from its call, not
-        from the request: a metadata lookup at a busy edge counts against it too."""
-        started = time.monotonic()
-        try:
-            async with asyncio.timeout(min(self.timeout, latency_ms / 1000.0 + DEADLINE_GRACE_S)):
-                sig = await self.task_metadata(task)
-        except TimeoutError as exc:
-            raise DeadlineExceeded(f"{task}: no task metadata within the budget ({latency_ms} ms) "
-                                   f"and its grace") from exc
-        return sig, time.monotonic() - started
+    async def _failover(self, task: str, tensors: dict[str, Any], path: str, body: bytes, headers: dict[str, str],
+                        left: float, latency_ms: float, rest: tuple[Any, ...],
+                        started: float) -> tuple[int, Response]:
+        """The query asked of the edges in turn (``mesh.failover.first_answer``): the first attempt sends ``body``,
+        a retry is encoded again with the same id and only what is left of the budget."""
+        assert self._book is not None
+        min_accuracy, max_cost, prefer, rid, trace, extra = rest
+
+        async def attempt(i: int, wait: float, n: int) -> tuple[int, Response]:
+            b, h = body, headers
+            if n:  # told only what is left of the budget
+                plan, b = self._plan((), task, tensors, retry_budget_ms(latency_ms, time.monotonic() - started),
+                                     min_accuracy, max_cost, prefer, rid, trace)
+                h = {**plan.headers, **extra} if extra else plan.headers
+            return i, await self._attempt(i, "POST", path, h, b, wait)
+
+        return await first_answer(self._book, attempt, bound_s=left, budget_s=latency_ms / 1000.0,
+                                  share=self.failover_share, what=task)
 
     def _plan(self, key: tuple[Any, ...], task: str, tensors: dict[str, Any], latency_ms: float,
               min_accuracy: float, max_cost: float | None, prefer: str,
-              request_id: str | None, trace: bool = False) -> tuple[_Plan, bytes]:
+              request_id: str | None, trace: bool = False) -> tuple[wire.Plan, bytes]:
         """Encode a request in full; keep its plan for the next one with the same ``key``."""
         params: dict[str, Any] = {"latency_ms": latency_ms, "min_accuracy": min_accuracy, "prefer": prefer}
         if max_cost is not None:
             params["max_cost"] = max_cost
         if trace:
             params["trace"] = True
-        body, hlen = wire.encode_infer_request(tensors, params, request_id=request_id, binary=self.binary)
-        headers = dict(self._tenant_headers)
-        if hlen is None:
-            headers["Content-Type"] = "application/json"
-        else:
-            headers["Content-Type"] = "application/octet-stream"
-            headers[HEADER_LENGTH] = str(hlen)
-        plan = _Plan(body[:hlen] if hlen is not None else b"", headers, f"v2/models/{quote(task, safe='')}/infer",
-                     min(self.timeout, latency_ms / 1000.0 + DEADLINE_GRACE_S))
-        if request_id is None and hlen is not None and key:
+        plan, body = wire.encode_plan(task, tensors, params, request_id, self.binary, self._tenant_headers)
+        if request_id is None and plan.header and key:
             self._plans.put(key, plan)
         return plan, body
 
     async def aclose(self) -> None:
         if self._state is not _State.CLOSED:
             self._state = _State.CLOSED
-            await self._transport.aclose()
+            for edge in self._edges:
+                await edge.transport.aclose()
 
     async def __aenter__(self) -> AsyncClient:
         self._open()
@@ -341,20 +377,19 @@ class AsyncClient:
                         tb: TracebackType | None) -> None:
         await self.aclose()
 
-
 class Client:
-    """Synchronous SDK client: ``AsyncClient`` on a private loop thread (see the module docstring)."""
+    """Synchronous SDK client: ``AsyncClient`` on a private loop thread (see the module docstring); the same
+    arguments, and the same per-call ``timeout=`` and ``headers=``."""
 
-    def __init__(self, base_url: str, *, tenant: str | None = None, timeout: float = 30.0,
-                 transport: Transport | None = None, binary: bool = True, cert: PathLike | None = None,
-                 key: PathLike | None = None, ca: PathLike | None = None, check_hostname: bool = True,
-                 crl: PathLike | None = None) -> None:
-        self._async = AsyncClient(base_url, tenant=tenant, timeout=timeout, transport=transport,
-                                  binary=binary, cert=cert, key=key, ca=ca, check_hostname=check_hostname, crl=crl)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-        self._closed = False
+    def __init__(self, base_url: str | Sequence[str], *, tenant: str | None = None, timeout: float = 30.0,
+                 transport: Transport | Sequence[Transport] | None = None, binary: bool = True,
+                 cert: PathLike | None = None, key: PathLike | None = None, ca: PathLike | None = None,
+                 check_hostname: bool = True, crl: PathLike | None = None,
+                 failover_share: float = FAILOVER_SHARE) -> None:
+        self._async = AsyncClient(base_url, tenant=tenant, timeout=timeout, transport=transport, binary=binary,
+                                  cert=cert, key=key, ca=ca, check_hostname=check_hostname, crl=crl,
+                                  failover_share=failover_share)
+        self._runner = LoopThread("tiermesh-client")
 
     @property
     def state(self) -> str:
@@ -364,72 +399,27 @@ class Client:
     def transport(self) -> Transport:
         return self._async.transport
 
-    def _ensure_loop(self) -> tuple[asyncio.AbstractEventLoop, threading.Thread]:
-        # Caller holds self._lock.
-        if self._loop is None or self._thread is None:
-            loop = asyncio.new_event_loop()
-            self._thread = threading.Thread(target=loop.run_forever, name="tiermesh-client", daemon=True)
-            self._thread.start()
-            self._loop = loop
-        return self._loop, self._thread
-
-    def _loop_for_call(self) -> asyncio.AbstractEventLoop:
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("client is closed")
-            return self._ensure_loop()[0]
-
-    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
-        try:
-            loop = self._loop_for_call()
-        except RuntimeError:
-            coro.close()
-            raise
-        fut = asyncio.run_coroutine_threadsafe(coro, loop)
-        try:
-            return fut.result()
-        except BaseException:
-            fut.cancel()
-            raise
-
     def infer(self, task: str, inputs: Inputs, *, latency_ms: float, min_accuracy: float = 0.0,
-              max_cost: float | None = None, prefer: str = DEFAULT_PREFER,
-              request_id: str | None = None, trace: bool = False) -> InferResult:
-        return self._call(self._async.infer(task, inputs, latency_ms=latency_ms, min_accuracy=min_accuracy,
-                                            max_cost=max_cost, prefer=prefer, request_id=request_id, trace=trace))
+              max_cost: float | None = None, prefer: str = DEFAULT_PREFER, request_id: str | None = None,
+              trace: bool = False, timeout: float | None = None,
+              headers: Mapping[str, str] | None = None) -> InferResult:
+        return self._runner.call(self._async.infer(
+            task, inputs, latency_ms=latency_ms, min_accuracy=min_accuracy, max_cost=max_cost, prefer=prefer,
+            request_id=request_id, trace=trace, timeout=timeout, headers=headers))
 
-    def task_metadata(self, task: str) -> TaskSignature:
-        return self._call(self._async.task_metadata(task))
+    def task_metadata(self, task: str, *, timeout: float | None = None,
+                      headers: Mapping[str, str] | None = None) -> TaskSignature:
+        return self._runner.call(self._async.task_metadata(task, timeout=timeout, headers=headers))
 
-    def ready(self) -> bool:
-        return self._call(self._async.ready())
+    def ready(self, *, timeout: float | None = None, headers: Mapping[str, str] | None = None) -> bool:
+        return self._runner.call(self._async.ready(timeout=timeout, headers=headers))
 
     def close(self) -> None:
-        """Close the transport, stop the loop thread and close the loop. Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            # Even an unused client closes its transport on its own loop, so close() works
-            # from inside a caller's running event loop too.
-            loop, thread = self._ensure_loop()
-            self._closed = True
-        try:
-            asyncio.run_coroutine_threadsafe(self._shutdown(loop), loop).result()
-        finally:
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join()
-            loop.close()
-
-    async def _shutdown(self, loop: asyncio.AbstractEventLoop) -> None:
-        # Runs on the client's own loop, so close() works even from inside another running loop.
-        try:
-            await self._async.aclose()
-        finally:
-            await loop.shutdown_asyncgens()
-            await loop.shutdown_default_executor()
+        """Close the transports, stop the loop thread and close the loop. Idempotent."""
+        self._runner.close(self._async.aclose)
 
     def __enter__(self) -> Client:
-        self._loop_for_call()
+        self._runner.start()
         return self
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,

@@ -17,7 +17,8 @@
     │   ├── BadTensor               bad_tensor      400    wrong shape / dtype / size
     │   ├── PayloadTooLarge         too_large       413    body or tensor over the limit
     │   └── ImpossibleSLO           impossible_slo  422    no variant anywhere can meet the SLO and prefer=refuse
-    ├── DeadlineExceeded            deadline        504    the request's absolute deadline passed
+    ├── DeadlineExceeded            deadline        504    the request's absolute deadline passed (also a
+    │                                                      ``TimeoutError``: ``except TimeoutError`` catches it)
     ├── Overloaded                  overloaded      503    queue would hold the request past its deadline
     ├── QuotaExceeded               quota_exceeded  429    the tenant is over its quota at this door (``retry_after_s``)
     ├── NoRoute                     no_route        503    no live site can serve the task
@@ -180,7 +181,11 @@ class ImpossibleSLO(RequestError):
     http_status = 422
 
 
-class DeadlineExceeded(MeshError):
+class DeadlineExceeded(MeshError, TimeoutError):
+    """The deadline passed before an answer. A ``TimeoutError`` too (so an ``OSError``), as Python's own timeouts
+    are: a caller's ``except TimeoutError`` catches it; ``except MeshError`` still does. A handler that maps
+    ``TimeoutError`` to something else must catch ``MeshError`` first."""
+
     code = "deadline"
     http_status = 504
 

@@ -13,6 +13,13 @@ connection was checked against the list in force when it opened, and a server re
 Requests already running on the old pool finish (it is closed ``timeout`` later); the next request dials with a
 context made from the files now, and its handshake checks the new list. A server the handshake refuses (another
 CA; revoked, with ``crl=``) is ``PeerUnavailable``: nothing was sent.
+
+A client of several edges (``mesh.failover``) has one transport per edge, all with the same TLS settings; they share
+one ``refresh`` through :class:`SharedRefresh`, so each of them learns of a change (a check reports it only once).
+
+A transport of another protocol (gRPC, say) fits the same seam: ``request`` with the V2 REST path and headers it maps
+onto its own call, a reply as ``(status, headers, body)``, and its failures translated the same way, which is all
+the client's failover reads.
 """
 
 from __future__ import annotations
@@ -22,16 +29,18 @@ import inspect
 import math
 import ssl
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Protocol, runtime_checkable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol, cast, runtime_checkable
 
 import aiohttp
 from yarl import URL
 
 from mesh.cache import BoundedCache
-from mesh.errors import DeadlineExceeded, PeerUnavailable
+from mesh.errors import ConfigError, DeadlineExceeded, PeerUnavailable
 
-__all__ = ["AiohttpTransport", "Handler", "MockTransport", "Response", "Transport"]
+__all__ = ["AiohttpTransport", "BoundedTransport", "Edge", "Handler", "MockTransport", "Response", "SharedRefresh",
+           "Transport", "open_edges"]
 
 # (status, headers, body); headers may be any mapping (aiohttp's are case-insensitive)
 Response = tuple[int, Mapping[str, str], bytes]
@@ -46,6 +55,37 @@ class Transport(Protocol):
 
     async def aclose(self) -> None:
         ...
+
+
+class BoundedTransport(Transport, Protocol):
+    """A transport that bounds each request itself: ``limit_s`` (seconds) for that call alone, past which it raises
+    ``DeadlineExceeded`` (the client then sets no timer of its own). ``AiohttpTransport`` is one; a transport of
+    another protocol that has per-call deadlines (gRPC's) would be one too."""
+
+    async def request(self, method: str, path: str, headers: Mapping[str, str], body: bytes, *,
+                      limit_s: float | None = None) -> Response:
+        ...
+
+
+class SharedRefresh:
+    """One ``refresh`` (a credentials' file check, True once per change) told to several transports: ``view()``
+    gives each its own callable, True when a change happened since that transport last asked."""
+
+    def __init__(self, refresh: Callable[[], bool]) -> None:
+        self._refresh = refresh
+        self._changes = 0
+
+    def view(self) -> Callable[[], bool]:
+        seen = self._changes
+
+        def changed() -> bool:
+            nonlocal seen
+            if self._refresh():
+                self._changes += 1
+            news, seen = seen != self._changes, self._changes
+            return news
+
+        return changed
 
 
 class AiohttpTransport:
@@ -152,6 +192,37 @@ class AiohttpTransport:
             await session.close()
         if self._retired_tasks:
             await asyncio.gather(*self._retired_tasks, return_exceptions=True)
+
+
+@dataclass(slots=True, frozen=True)
+class Edge:
+    """One edge of an SDK client: its URL, its transport, and that transport again where it bounds each request
+    itself (``own``: one the client made)."""
+
+    url: str
+    transport: Transport
+    own: BoundedTransport | None
+
+
+def open_edges(urls: Sequence[str], transport: Transport | Sequence[Transport] | None, *, timeout: float,
+               ssl_context: ssl.SSLContext | Callable[[], ssl.SSLContext] | None,
+               refresh: Callable[[], bool] | None) -> list[Edge]:
+    """A client's edges: the ``transport`` given for each URL, else one ``AiohttpTransport`` per URL, all with the
+    same TLS settings (and one ``refresh``, shared)."""
+    if transport is not None:
+        given = list(transport) if isinstance(transport, list | tuple) else [transport]
+        if len(given) != len(urls):
+            raise ConfigError(f"{len(given)} transport(s) for {len(urls)} edge URL(s): pass one per URL")
+        return [Edge(u, cast(Transport, t), None) for u, t in zip(urls, given, strict=True)]
+    if len({u.split(":", 1)[0].lower() for u in urls}) > 1:
+        raise ConfigError(f"edge URLs mix schemes: {list(urls)} (one TLS setting applies to every edge)")
+    shared = SharedRefresh(refresh) if refresh is not None and len(urls) > 1 else None
+    out = []
+    for u in urls:
+        own = AiohttpTransport(u, timeout=timeout, ssl_context=ssl_context,
+                               refresh=shared.view() if shared is not None else refresh)
+        out.append(Edge(u, own, own))
+    return out
 
 
 class MockTransport:

@@ -259,12 +259,12 @@ class ZmqServer(Service):
                 raise
             cast(asyncio.Task[None], asyncio.current_task()).uncancel()
             frames = wire.encode_error(rid, DeadlineExceeded(f"request {rid} not served before its deadline"))
+        except MeshError as exc:  # before TimeoutError: DeadlineExceeded is one, and keeps its own code
+            frames = wire.encode_error(rid, exc)
         except TimeoutError as exc:
             err = MeshError(f"internal error: handler timed out: {exc}") if self._enforce_deadline else \
                 DeadlineExceeded(f"request {rid} not served before its deadline")
             frames = wire.encode_error(rid, err)
-        except MeshError as exc:
-            frames = wire.encode_error(rid, exc)
         except Exception as exc:
             log.exception("handler failed", extra=kv(request_id=rid, task=req.task, tenant=req.tenant))
             frames = wire.encode_error(rid, MeshError(f"internal error: {type(exc).__name__}: {exc}"))
