@@ -37,6 +37,7 @@ from edge_agent.peer_keys import PeerAddresses, PeerKeys
 from edge_agent.quota import DoorQuotas, PeerQuotas, limits_from_view
 from edge_agent.selfprofile import SelfProfiler
 from edge_agent.site_dataplane import SiteDataPlane
+from edge_agent.stall_watch import StallWatch
 from edge_agent.traces import TraceStore
 from mesh import clock
 from mesh.addresses import advertised_host, tcp_endpoint
@@ -76,6 +77,7 @@ class Agent(AgentTrust, Service):
         self.selfprof: SelfProfiler | None = None
         self.zmq_server: ZmqServer | None = None
         self.zmq_client: ZmqClient | None = None
+        self.stall_watch = StallWatch()  # a query that waited through a freeze of this process is charged from it
         self.curve: CurveSecurity | None = None
         self.peer_keys: PeerKeys | None = None  # the CURVE key each peer is dialled with (CURVE on)
         # where each peer is dialled and which of its URLs is used: what its certificate vouches for (CURVE on)
@@ -156,15 +158,18 @@ class Agent(AgentTrust, Service):
                                        traces=self.traces, trace_sample_rate=cfg.trace_sample_rate,
                                        peer_quota=self.peer_quota)
         self.dataplane.secured = self.curve is not None
+        await self.stall_watch.start()
         self.zmq_server = ZmqServer(self.dataplane.infer_from_peer, bind=tcp_endpoint(cfg.bind, cfg.zmq_port),
-                                    max_bytes=cfg.max_body_bytes, security=self.curve)
+                                    max_bytes=cfg.max_body_bytes, security=self.curve,
+                                    arrival=self.stall_watch.arrival)
         await self.zmq_server.start()
         observe = Observe(self.metrics, self.traces, tls)
         self.http = EdgeHttpServer(self.dataplane, host=cfg.bind, port=cfg.http_port,
                                    advertise=self.advertise_host, max_body_bytes=cfg.max_body_bytes,
                                    tls=tls, observe=observe,
                                    routes=tuple(blob_routes(cache, tls, self._public_blob)),
-                                   visible=self.dataplane.visible, quota_check=self.quota.check)
+                                   visible=self.dataplane.visible, quota_check=self.quota.check,
+                                   stall_watch=self.stall_watch)
         await self.http.start()
         if cfg.grpc_port is not None:  # after the HTTP front: it starts the TLS side both share
             self.grpc = EdgeGrpcServer(self.dataplane, host=cfg.bind, port=cfg.grpc_port, advertise=self.advertise_host,
@@ -204,6 +209,7 @@ class Agent(AgentTrust, Service):
                             self.grpc.stop if self.grpc else None,
                             self.http.stop if self.http else None,
                             self.zmq_server.stop if self.zmq_server else None,
+                            self.stall_watch.stop,
                             self.zmq_client.close if self.zmq_client else None,
                             self.curve.sites.stop if self.curve else None,
                             self.host.close if self.host else None,

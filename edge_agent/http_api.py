@@ -48,11 +48,13 @@ from edge_agent.front import server_version as _version
 from edge_agent.front import task_signature, traceparent_for
 from edge_agent.front import unknown_task as _unknown
 from edge_agent.observe import Observe, Route, require_certificate
+from edge_agent.stall_watch import StallWatch
 from edge_agent.v2_extras import V2Extras, task_labels
 from mesh.addresses import DEFAULT_BIND, advertised_host, http_url, normalise_host
 from mesh.cache import BoundedCache
 from mesh.errors import (
     BadTensor,
+    EdgeStalled,
     MeshError,
     PayloadTooLarge,
     PermissionDenied,
@@ -197,8 +199,10 @@ def _traceparent(request: web.Request, asked: object) -> str | None:
 class _Handlers:
     def __init__(self, dp: DataPlane, max_body: int, who: Identify, anyone: Authenticate,
                  rejected: Callable[[str, str, str], None] | None = None, *, visible: Visible | None = None,
-                 quota_check: QuotaCheck | None = None, guard: ConnectionGuard | None = None) -> None:
+                 quota_check: QuotaCheck | None = None, guard: ConnectionGuard | None = None,
+                 arrival: Callable[[float], float] | None = None) -> None:
         self.dp, self.max_body, self.who, self.anyone = dp, max_body, who, anyone
+        self.arrival = arrival  # when a query handled now is charged from (StallWatch.arrival); None: now
         self.rejected = rejected  # (task, tenant, code) of a query refused before the data plane
         self.visible, self.quota_check, self.guard = visible, quota_check, guard
 
@@ -235,7 +239,9 @@ class _Handlers:
     async def infer(self, request: web.Request) -> web.Response:
         # One coroutine for the whole query, its errors mapped here: every frame and call on this
         # path costs each query a micro-second or more.
-        started, arrived = time.perf_counter(), time.monotonic()  # its budget runs from here, the body's read included
+        started, handled = time.perf_counter(), time.monotonic()  # its budget runs from here, the body's read included
+        # ... or from the start of a freeze of this process it may have waited through (StallWatch.arrival)
+        arrived = handled if self.arrival is None else self.arrival(handled)
         task, tenant = request.match_info["task"], "?"
         req: InferRequest | None = None
         if self.guard is not None:
@@ -270,6 +276,10 @@ class _Handlers:
             # checked at the data plane's door
             traced = _traceparent(request, params.get("trace")) if "trace" in params else None
             req = InferRequest.entering(task, dec.inputs, slo, tenant, dec.request_id, now=arrived)
+            if arrived < handled and req.deadline <= time.monotonic():
+                # it waited out a freeze of this process longer than its budget: not run, ask another edge
+                raise EdgeStalled(f"request {req.request_id}: this edge ({self.dp.site}) was stopped while the "
+                                  "query waited at its door; not run")
             req.traceparent = traced
             rid = req.request_id
             resp = await self.dp.infer(req)
@@ -306,7 +316,8 @@ def make_app(dp: DataPlane, *, max_body_bytes: int = DEFAULT_MAX_BODY,
              identify: Identify = identify, authenticate: Authenticate = _anyone,
              observe: Observe | None = None, routes: tuple[Route, ...] = (), certificates: bool = False,
              visible: Visible | None = None, quota_check: QuotaCheck | None = None,
-             guard: ConnectionGuard | None = None) -> web.Application:
+             guard: ConnectionGuard | None = None,
+             arrival: Callable[[float], float] | None = None) -> web.Application:
     """The V2 application over ``dp``. ``max_body_bytes`` bounds every request body and each
     declared binary tensor; ``identify`` maps a request to its tenant; ``authenticate`` admits (or
     raises for) callers of the health and server-metadata endpoints; ``observe`` adds the metrics and
@@ -316,7 +327,7 @@ def make_app(dp: DataPlane, *, max_body_bytes: int = DEFAULT_MAX_BODY,
     over-quota tenant before its body is read (None: the data plane alone decides), ``guard`` learns which
     connections have made a request (:class:`ConnectionGuard`)."""
     h = _Handlers(dp, max_body_bytes, identify, authenticate, observe.rejected if observe is not None else None,
-                  visible=visible, quota_check=quota_check, guard=guard)
+                  visible=visible, quota_check=quota_check, guard=guard, arrival=arrival)
     app = web.Application(client_max_size=max_body_bytes)
     prefixes = ("/v2/models/{task}", "/v2/models/{task}/versions/{version}")
     # Versions are accepted and ignored: the mesh, not the caller, picks the variant. The infer
@@ -346,7 +357,9 @@ class EdgeHttpServer(Service):
     ``tls``: HTTPS with client certificates (identity from the certificate; ``identify`` is then
     ignored); this server starts and stops it. None: plain HTTP, tenant from the header.
     ``visible`` and ``quota_check``: see :func:`make_app`. Connections pass a :class:`ConnectionGuard`
-    (``max_pending``, ``handshake_timeout_s``, ``first_request_s``)."""
+    (``max_pending``, ``handshake_timeout_s``, ``first_request_s``). ``stall_watch``: this process's
+    (:class:`edge_agent.stall_watch.StallWatch`, the agent's, which starts it), so that a query that waited through a
+    freeze is charged from its start; None: one of this server's own, started and stopped with it."""
 
     def __init__(self, dp: DataPlane, host: str = DEFAULT_BIND, port: int = 0, *,
                  advertise: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY,
@@ -354,8 +367,12 @@ class EdgeHttpServer(Service):
                  observe: Observe | None = None, routes: tuple[Route, ...] = (),
                  visible: Visible | None = None, quota_check: QuotaCheck | None = None,
                  max_pending: int = MAX_PENDING, handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
-                 first_request_s: float = FIRST_REQUEST_S, shutdown_timeout: float = 5.0) -> None:
+                 first_request_s: float = FIRST_REQUEST_S, shutdown_timeout: float = 5.0,
+                 stall_watch: StallWatch | None = None) -> None:
         self.host, self.port = normalise_host(host, "bind address"), port
+        self._own_watch = StallWatch() if stall_watch is None else None
+        watch = stall_watch or self._own_watch
+        assert watch is not None
         self.advertise = advertised_host(self.host, advertise)
         self.tls = tls
         self.guard = ConnectionGuard(tls.ssl_context if tls is not None else None, max_pending=max_pending,
@@ -364,7 +381,7 @@ class EdgeHttpServer(Service):
         # Built here, not in start(), so a caller may add middlewares before the app freezes.
         self.app = make_app(dp, max_body_bytes=max_body_bytes, identify=who, authenticate=anyone, observe=observe,
                             routes=routes, certificates=tls is not None, visible=visible, quota_check=quota_check,
-                            guard=self.guard)
+                            guard=self.guard, arrival=watch.arrival)
         self._runner = web.AppRunner(self.app, shutdown_timeout=shutdown_timeout)
 
     def _url(self, host: str) -> str:
@@ -377,6 +394,8 @@ class EdgeHttpServer(Service):
         return self._url(self.advertise)
 
     async def _start(self) -> None:
+        if self._own_watch is not None:
+            await self._own_watch.start()
         if self.tls is not None:
             await self.tls.start()
         await self._runner.setup()
@@ -390,8 +409,12 @@ class EdgeHttpServer(Service):
             await self.guard.close()  # first: a server that stops admits nobody new
             await self._runner.cleanup()
         finally:
-            if self.tls is not None:
-                await self.tls.stop()
+            try:
+                if self.tls is not None:
+                    await self.tls.stop()
+            finally:
+                if self._own_watch is not None:
+                    await self._own_watch.stop()
 
     def __repr__(self) -> str:
         return f"<EdgeHttpServer {self.host}:{self.port} {self.state.value}>"

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from mesh.errors import (
     BadTensor,
     DeadlineExceeded,
+    EdgeStalled,
     ImpossibleSLO,
     MeshError,
     NoRoute,
@@ -49,6 +50,7 @@ __all__ = [
     "BadTensor",
     "Client",
     "DeadlineExceeded",
+    "EdgeStalled",
     "ImpossibleSLO",
     "InferResult",
     "MeshError",

@@ -46,7 +46,7 @@ from urllib.parse import quote
 
 from mesh import failover
 from mesh.cache import BoundedCache
-from mesh.errors import BadTensor, ConfigError, DeadlineExceeded, MeshError, error_from_reply
+from mesh.errors import BadTensor, ConfigError, DeadlineExceeded, EdgeStalled, MeshError, error_from_reply
 from mesh.failover import FAILOVER_SHARE, EdgeHealthBook, first_answer, retry_budget_ms
 from mesh.pki.reload import client_tls
 from mesh.sdk_loop import LoopThread
@@ -344,7 +344,10 @@ class AsyncClient:
                 plan, b = self._plan((), task, tensors, retry_budget_ms(latency_ms, time.monotonic() - started),
                                      min_accuracy, max_cost, prefer, rid, trace)
                 h = {**plan.headers, **extra} if extra else plan.headers
-            return i, await self._attempt(i, "POST", path, h, b, wait)
+            status, rh, rb = await self._attempt(i, "POST", path, h, b, wait)
+            if status == EdgeStalled.http_status and (err := error_from_reply(status, rb)).code == EdgeStalled.code:
+                raise err  # not run there (it was frozen): a refusal, asked of the next edge
+            return i, (status, rh, rb)
 
         return await first_answer(self._book, attempt, bound_s=left, budget_s=latency_ms / 1000.0,
                                   share=self.failover_share, what=task)

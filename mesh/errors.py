@@ -23,6 +23,8 @@
     ├── QuotaExceeded               quota_exceeded  429    the tenant is over its quota at this door (``retry_after_s``)
     ├── NoRoute                     no_route        503    no live site can serve the task
     ├── PeerUnavailable             peer_down       502    a forwarded hop did not answer
+    │   └── EdgeStalled             stalled         503    this edge's process was stopped (frozen) while the query
+    │                                                      waited at its door, past its budget: not run; ask another
     ├── ProtocolError               protocol        400    a wire frame, or a value read from etcd, could not be decoded
     ├── PkiError                    pki             500    our own CA, keys or revocation list are missing or unusable
     ├── Unauthenticated             unauthenticated 401    a peer's credential proves no identity (``reason`` says why:
@@ -45,6 +47,7 @@ __all__ = [
     "ConfigError",
     "ConflictError",
     "DeadlineExceeded",
+    "EdgeStalled",
     "EtcdServerError",
     "ImpossibleSLO",
     "MeshError",
@@ -216,6 +219,15 @@ class NoRoute(MeshError):
 class PeerUnavailable(MeshError):
     code = "peer_down"
     http_status = 502
+
+
+class EdgeStalled(PeerUnavailable):
+    """The edge did not run the query: its process was stopped (SIGSTOP, a paused VM) while the query waited at its
+    door, for longer than the query's budget (``edge_agent.stall_watch``). Nothing was run, so the query may be
+    asked of another edge with what is left of its budget by the caller's clock (``mesh.Client([...])`` does)."""
+
+    code = "stalled"
+    http_status = 503
 
 
 class ProtocolError(MeshError):

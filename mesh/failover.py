@@ -6,7 +6,9 @@ asked again safely:
 
     outcome    what the client saw                                      next edge?   the edge
     REFUSED    no connection, or it was reset / refused at the TLS      yes          cools down
-               handshake (``PeerUnavailable`` from the transport)
+               handshake (``PeerUnavailable`` from the transport), or
+               the edge's ``503 stalled`` (``EdgeStalled``: it was
+               frozen while the query waited, and did not run it)
     SILENT     no answer within the attempt's wait (a frozen process,   yes          cools down
                a black-holed path: ``DeadlineExceeded`` from the
                transport, the client having closed the connection)
@@ -34,8 +36,10 @@ query tries them all anyway, soonest-back first: a client never refuses to ask.
 V2 ``id``: the caller's, else one it draws), abandons an attempt before it starts the next (its connection
 closed), and returns the first answer: a call returns at most one answer. The retry is told only what is left of
 the budget (``latency_ms`` minus the time spent), so the edge that answers routes it within the original deadline.
-What an abandoned edge does is its own affair: a frozen one that wakes finds the query in its socket buffer, and
-(measured in ``tests/system/test_sdk_frozen_edge.py``) still runs it, its answer going nowhere.
+An abandoned edge that was frozen finds the query in its socket buffer when it wakes, and does not run it: it charges
+a query that waited through its freeze from the freeze's start (``edge_agent.stall_watch``), so one whose budget the
+freeze used up is refused ``stalled`` (``tests/system/test_sdk_frozen_edge.py``: none run). A fresh query that came
+in just as the edge woke may get that answer too; it was not run either, and goes to the next edge.
 
 The policy's functions are pure (no clock reads, no I/O: ``now`` and the jitter's draw are arguments) and
 unit-tested as tables; :class:`EdgeHealthBook` keeps the per-edge state a client shares between its concurrent

@@ -20,7 +20,7 @@ transport reads back, with the code itself in the ``tiermesh-code`` trailer), be
     forbidden        PERMISSION_DENIED (7)
     unknown_tenant   PERMISSION_DENIED (7)
     conflict         ABORTED (10)
-    store, store_down, no_route, peer_down, blob
+    store, store_down, no_route, peer_down, stalled, blob
                      UNAVAILABLE (14)         worth trying again, or at another edge
     anything else    INTERNAL (13)
 """
@@ -41,7 +41,7 @@ STATUS_OF_CODE: Final[dict[str, int]] = {
     "unauthenticated": 16,
     "forbidden": 7, "unknown_tenant": 7,
     "conflict": 10,
-    "store": 14, "store_down": 14, "no_route": 14, "peer_down": 14, "blob": 14,
+    "store": 14, "store_down": 14, "no_route": 14, "peer_down": 14, "stalled": 14, "blob": 14,
     "etcd_server": INTERNAL, "build": INTERNAL, "runtime_load": INTERNAL, "pki": INTERNAL, "internal": INTERNAL,
 }
 

@@ -66,8 +66,11 @@ class ZmqServer(Service):
                  ctx: zmq.asyncio.Context | None = None, security: SocketSecurity | None = None,
                  max_inflight: int = 1024, max_bytes: int = DEFAULT_MAX_BYTES,
                  enforce_deadline: bool = True, heartbeat: Heartbeat = DEFAULT_HEARTBEAT,
-                 rcvhwm: int = DEFAULT_RCVHWM) -> None:
+                 rcvhwm: int = DEFAULT_RCVHWM, arrival: Callable[[float], float] | None = None) -> None:
         self._handler = handler
+        # when a request received now is charged from: the start of a stall of this process it may have waited
+        # through (edge_agent.stall_watch), so a forward its sender gave up on during a freeze is not run on waking
+        self._arrival = arrival
         self._bind = bind
         # None until start(): then the shared context, or one of its own when ``security`` is set
         self._given_ctx = ctx
@@ -211,7 +214,8 @@ class ZmqServer(Service):
                         "the sender is not an admitted site (revoked?)", reason="not_admitted")))
                 return
         try:
-            req = wire.decode_request(frames, max_bytes=self._max_bytes, now=now)
+            req = wire.decode_request(frames, max_bytes=self._max_bytes,
+                                      now=now if self._arrival is None else self._arrival(now))
         except Exception as exc:  # hostile bytes: whatever a decoder raises is garbage
             # a decoder error other than a ProtocolError is a decoder bug; still the sender's bad input, and
             # logged at the garbage's rate, not once per message
