@@ -3,7 +3,9 @@
 One implementation, ``AsyncClient``; ``Client`` runs it on a private loop thread (``mesh.sdk_loop``).
 
 Both speak the Open Inference Protocol to an edge agent (``edge_agent.http_api``) through a
-``Transport`` (``mesh.sdk_transport``). Failures arrive as ``mesh.errors`` classes: an error body
+``Transport`` (``mesh.sdk_transport``); a ``grpcs://`` (``grpc://``) URL speaks it over gRPC to the agent's gRPC
+front (``mesh.grpc_transport``, the ``grpc`` extra), with the same results and errors. Failures arrive as
+``mesh.errors`` classes: an error body
 becomes the class its ``code`` names, an unreachable agent ``PeerUnavailable``, a timeout
 ``DeadlineExceeded``. A closed client raises ``RuntimeError``, as a closed file would.
 
@@ -116,7 +118,8 @@ PathLike = str | Path
 class AsyncClient:
     """Asynchronous SDK client. Opens on first use or ``async with``; ``aclose()`` ends it.
 
-    ``base_url``: the edge's URL, or a list of edges' URLs, nearest first (failover: the module docstring).
+    ``base_url``: the edge's URL (``https://``, ``grpcs://``; ``http://``, ``grpc://`` without TLS), or a list of
+    edges' URLs, nearest first (failover: the module docstring).
     ``cert``, ``key``, ``ca``: the tenant's certificate and key and the mesh CA (paths) for an
     ``https://`` edge; ``crl``: the CA's revocation list (a path), to refuse a revoked server; ``tenant``: the
     tenant header for an ``--insecure`` edge (with a certificate, leave it out: the certificate names the tenant,

@@ -5,6 +5,7 @@ and orjson only (outputs are ``mesh.Tensor``; no numpy, no cryptography). Server
 them (``pyproject.toml`` is the one list of what each brings):
 
     numpy       the SDK with numpy arrays in and out (every role below brings numpy too)
+    grpc        the SDK speaking gRPC (``grpcs://`` edges, :mod:`mesh.grpc_transport`): grpclib
     agent       a site agent: etcd client, ZeroMQ, ONNX Runtime, TFLite, the mesh PKI (cryptography)
     scheduler   a scheduler replica and its admin console: etcd client, placement
     store       the variant store: catalog, variant generation (onnx, quantization), the digits family
@@ -26,7 +27,7 @@ from mesh.errors import ConfigError
 
 __all__ = ["EXTRAS", "MissingExtra", "require"]
 
-EXTRAS = ("numpy", "agent", "scheduler", "store", "etcd", "all")
+EXTRAS = ("numpy", "grpc", "agent", "scheduler", "store", "etcd", "all")
 
 
 class MissingExtra(ConfigError):

@@ -17,9 +17,11 @@ CA; revoked, with ``crl=``) is ``PeerUnavailable``: nothing was sent.
 A client of several edges (``mesh.failover``) has one transport per edge, all with the same TLS settings; they share
 one ``refresh`` through :class:`SharedRefresh`, so each of them learns of a change (a check reports it only once).
 
-A transport of another protocol (gRPC, say) fits the same seam: ``request`` with the V2 REST path and headers it maps
-onto its own call, a reply as ``(status, headers, body)``, and its failures translated the same way, which is all
-the client's failover reads.
+A transport of another protocol fits the same seam: ``request`` with the V2 REST path and headers it maps onto its own
+call, a reply as ``(status, headers, body)``, and its failures translated the same way, which is all the client's
+failover reads. ``open_edges`` gives a ``grpc://`` or ``grpcs://`` URL :class:`mesh.grpc_transport.GrpcTransport`
+(imported then, and only then: grpclib is the ``grpc`` extra's), any other an ``AiohttpTransport``; one client may
+list both kinds, if all or none of its URLs use TLS (one set of TLS files serves them all).
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ __all__ = ["AiohttpTransport", "BoundedTransport", "Edge", "Handler", "MockTrans
 # (status, headers, body); headers may be any mapping (aiohttp's are case-insensitive)
 Response = tuple[int, Mapping[str, str], bytes]
 Handler = Callable[[str, str, dict[str, str], bytes], Response | Awaitable[Response]]
+_TLS_SCHEMES = frozenset({"https", "grpcs"})
+_GRPC_SCHEMES = frozenset({"grpc", "grpcs"})  # mesh.grpc_transport.SCHEMES, known here without importing grpclib
 
 
 @runtime_checkable
@@ -207,20 +211,28 @@ class Edge:
 def open_edges(urls: Sequence[str], transport: Transport | Sequence[Transport] | None, *, timeout: float,
                ssl_context: ssl.SSLContext | Callable[[], ssl.SSLContext] | None,
                refresh: Callable[[], bool] | None) -> list[Edge]:
-    """A client's edges: the ``transport`` given for each URL, else one ``AiohttpTransport`` per URL, all with the
-    same TLS settings (and one ``refresh``, shared)."""
+    """A client's edges: the ``transport`` given for each URL, else one per URL (``GrpcTransport`` for a gRPC URL,
+    ``AiohttpTransport`` for the rest), all with the same TLS settings (and one ``refresh``, shared)."""
     if transport is not None:
         given = list(transport) if isinstance(transport, list | tuple) else [transport]
         if len(given) != len(urls):
             raise ConfigError(f"{len(given)} transport(s) for {len(urls)} edge URL(s): pass one per URL")
         return [Edge(u, cast(Transport, t), None) for u, t in zip(urls, given, strict=True)]
-    if len({u.split(":", 1)[0].lower() for u in urls}) > 1:
-        raise ConfigError(f"edge URLs mix schemes: {list(urls)} (one TLS setting applies to every edge)")
+    schemes = [u.split(":", 1)[0].lower() for u in urls]
+    if len({s in _TLS_SCHEMES for s in schemes}) > 1:
+        raise ConfigError(f"edge URLs mix schemes with and without TLS: {list(urls)} (one TLS setting applies to "
+                          f"every edge)")
     shared = SharedRefresh(refresh) if refresh is not None and len(urls) > 1 else None
     out = []
-    for u in urls:
-        own = AiohttpTransport(u, timeout=timeout, ssl_context=ssl_context,
-                               refresh=shared.view() if shared is not None else refresh)
+    for u, scheme in zip(urls, schemes, strict=True):
+        view = shared.view() if shared is not None else refresh
+        own: BoundedTransport
+        if scheme in _GRPC_SCHEMES:
+            from mesh.grpc_transport import GrpcTransport  # grpclib: the grpc extra (MissingExtra without it)
+
+            own = GrpcTransport(u, timeout=timeout, ssl_context=ssl_context, refresh=view)
+        else:
+            own = AiohttpTransport(u, timeout=timeout, ssl_context=ssl_context, refresh=view)
         out.append(Edge(u, own, own))
     return out
 

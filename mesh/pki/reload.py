@@ -260,16 +260,17 @@ def client_tls(base_url: str, cert: str | Path | None, key: str | Path | None, c
     """An SDK client's SSL contexts for ``base_url``: a factory of client contexts from the files in force (called
     for each connection pool; None for plain http), and what checks those files (``refresh()``, True on a change):
     the credentials (with their revocation list), the list alone (no client certificate), or None.
-    ``crl``: the CA's revocation list (``pki/crl.pem``): the server's certificate is checked against it."""
-    https = base_url.lower().startswith("https://")
+    ``crl``: the CA's revocation list (``pki/crl.pem``): the server's certificate is checked against it. A
+    ``grpcs://`` URL is TLS as ``https://`` is (its transport adds ALPN ``h2`` to each context it gets)."""
+    https = base_url.lower().startswith(("https://", "grpcs://"))
     if (cert is None) != (key is None):
         raise ConfigError("pass both cert= and key= (the client certificate and its private key), or neither")
     if (cert is not None or crl is not None) and not https:
-        raise ConfigError(f"a client certificate or crl= needs an https:// URL, not {base_url!r}")
+        raise ConfigError(f"a client certificate or crl= needs an https:// or grpcs:// URL, not {base_url!r}")
     if not https:
         return None, None
     if ca is None:
-        raise ConfigError("an https:// mesh URL needs ca= (the mesh CA certificate, pki/ca.pem)")
+        raise ConfigError(f"a TLS mesh URL ({base_url}) needs ca= (the mesh CA certificate, pki/ca.pem)")
     if cert is None or key is None:  # server authentication only: a mutual-TLS edge will refuse us
         crl_file = CrlFile(Path(crl)) if crl is not None else None
 

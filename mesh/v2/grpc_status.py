@@ -23,15 +23,22 @@ transport reads back, with the code itself in the ``tiermesh-code`` trailer), be
     store, store_down, no_route, peer_down, stalled, blob
                      UNAVAILABLE (14)         worth trying again, or at another edge
     anything else    INTERNAL (13)
+
+Read back (the SDK's gRPC transport, :mod:`mesh.grpc_transport`): the ``tiermesh-code`` trailer names the error;
+a status that comes without it (grpclib's own, a proxy's) is read as the most general code of that status,
+:func:`code_of_status`.
 """
 
 from __future__ import annotations
 
 from typing import Final
 
-__all__ = ["INTERNAL", "STATUS_OF_CODE", "status_of"]
+__all__ = ["CODE_OF_STATUS", "CODE_TRAILER", "INTERNAL", "RETRY_TRAILER", "STATUS_OF_CODE", "code_of_status",
+           "status_of"]
 
 INTERNAL: Final = 13
+CODE_TRAILER: Final = "tiermesh-code"  # the error's tiermesh code, beside its status
+RETRY_TRAILER: Final = "retry-after"  # quota_exceeded: when to come back, whole seconds (REST's Retry-After)
 STATUS_OF_CODE: Final[dict[str, int]] = {
     "bad_request": 3, "bad_tensor": 3, "protocol": 3, "bad_config": 3, "bad_topology": 3,
     "unknown_task": 5, "catalog": 5,
@@ -49,3 +56,15 @@ STATUS_OF_CODE: Final[dict[str, int]] = {
 def status_of(code: str) -> int:
     """The gRPC status number of a tiermesh error code (INTERNAL for one not in the table)."""
     return STATUS_OF_CODE.get(code, INTERNAL)
+
+
+# a status without the code trailer: the most general code that answers with it (INTERNAL's: internal)
+CODE_OF_STATUS: Final[dict[int, str]] = {
+    3: "bad_request", 4: "deadline", 5: "unknown_task", 7: "forbidden", 8: "overloaded", 9: "impossible_slo",
+    10: "conflict", 14: "peer_down", 16: "unauthenticated",
+}
+
+
+def code_of_status(status: int) -> str:
+    """The tiermesh code read from a gRPC status that carries none in its trailers (``internal`` for the rest)."""
+    return CODE_OF_STATUS.get(status, "internal")
