@@ -20,16 +20,20 @@ from typing import TYPE_CHECKING, Any
 
 from core_scheduler.policy.modes import Router, make_router
 from core_scheduler.state.heartbeat import Heartbeat, LoadedVariant
+from core_scheduler.state.jobs import JobBook
 from core_scheduler.state.scope import Scope
 from core_scheduler.state.snapshot import SnapshotBuilder
 from core_scheduler.state.view import MeshView
 from edge_agent.agent_config import BLOB_PEER, AgentConfig
 from edge_agent.agent_trust import AgentTrust
 from edge_agent.blobs import PeerSource, blob_routes, peer_sources, public_blob
+from edge_agent.chunks import ChunkWorker
 from edge_agent.demand import DemandMeter
 from edge_agent.grpc_api import EdgeGrpcServer
 from edge_agent.host import VariantHost
-from edge_agent.http_api import EdgeHttpServer
+from edge_agent.http_api import EdgeHttpServer, identify
+from edge_agent.job_data import DataClient
+from edge_agent.jobs_api import JobsApi
 from edge_agent.liveness import Liveness
 from edge_agent.metrics import AgentMetrics, Gauges
 from edge_agent.observe import Observe
@@ -84,6 +88,7 @@ class Agent(AgentTrust, Service):
         self.peer_addresses: PeerAddresses | None = None
         self.http: EdgeHttpServer | None = None
         self.grpc: EdgeGrpcServer | None = None  # the Open Inference Protocol over gRPC (cfg.grpc_port None: off)
+        self.chunks: ChunkWorker | None = None  # offline jobs' chunks, run on idle capacity (edge_agent.chunks)
         self.liveness: Liveness | None = None
         self.dataplane: SiteDataPlane | None = None
         self.table: Router | None = None
@@ -164,12 +169,17 @@ class Agent(AgentTrust, Service):
                                     arrival=self.stall_watch.arrival)
         await self.zmq_server.start()
         observe = Observe(self.metrics, self.traces, tls)
+        host = self.host
+        job_data = DataClient(lambda: host.blobs.store_url, lambda: host.blobs.ssl)
+        jobs = JobsApi(self.site, self.view, JobBook(self.store), job_data,
+                       cfg.home / "sites" / self.site / "jobs-spool", tls.tenant if tls is not None else identify,
+                       on_admit=lambda: self.chunks.wake() if self.chunks is not None else None)
         self.http = EdgeHttpServer(self.dataplane, host=cfg.bind, port=cfg.http_port,
                                    advertise=self.advertise_host, max_body_bytes=cfg.max_body_bytes,
                                    tls=tls, observe=observe,
                                    routes=tuple(blob_routes(cache, tls, self._public_blob)),
                                    visible=self.dataplane.visible, quota_check=self.quota.check,
-                                   stall_watch=self.stall_watch)
+                                   stall_watch=self.stall_watch, tenant_routes=tuple(jobs.routes()))
         await self.http.start()
         if cfg.grpc_port is not None:  # after the HTTP front: it starts the TLS side both share
             self.grpc = EdgeGrpcServer(self.dataplane, host=cfg.bind, port=cfg.grpc_port, advertise=self.advertise_host,
@@ -193,6 +203,10 @@ class Agent(AgentTrust, Service):
         self.liveness = Liveness(self.store, self.site, self._live_record, ttl_s=cfg.lease_ttl_s,
                                  interval_s=cfg.heartbeat_s)
         await self.liveness.start()
+        dataplane = self.dataplane
+        self.chunks = ChunkWorker(self.site, self.store, self.view, self.host, job_data,
+                                  cfg.home / "sites" / self.site / "jobs", lambda: dataplane.inflight > 0)
+        await self.chunks.start()
         self._tasks.append(asyncio.create_task(self._reconcile_loop(), name=f"reconcile:{self.site}"))
         self._tasks.append(asyncio.create_task(self.selfprof.run(), name=f"self-profile:{self.site}"))
         self.selfprof.wake()
@@ -205,7 +219,8 @@ class Agent(AgentTrust, Service):
     async def _stop(self) -> None:
         tasks, self._tasks = self._tasks, []
         await cancel_and_wait(*tasks, self._rekeying)
-        steps: list[Any] = [self.liveness.stop if self.liveness else None,
+        steps: list[Any] = [self.chunks.stop if self.chunks else None,
+                            self.liveness.stop if self.liveness else None,
                             self.grpc.stop if self.grpc else None,
                             self.http.stop if self.http else None,
                             self.zmq_server.stop if self.zmq_server else None,

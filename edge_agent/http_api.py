@@ -317,7 +317,8 @@ def make_app(dp: DataPlane, *, max_body_bytes: int = DEFAULT_MAX_BODY,
              observe: Observe | None = None, routes: tuple[Route, ...] = (), certificates: bool = False,
              visible: Visible | None = None, quota_check: QuotaCheck | None = None,
              guard: ConnectionGuard | None = None,
-             arrival: Callable[[float], float] | None = None) -> web.Application:
+             arrival: Callable[[float], float] | None = None,
+             tenant_routes: tuple[Route, ...] = ()) -> web.Application:
     """The V2 application over ``dp``. ``max_body_bytes`` bounds every request body and each
     declared binary tensor; ``identify`` maps a request to its tenant; ``authenticate`` admits (or
     raises for) callers of the health and server-metadata endpoints; ``observe`` adds the metrics and
@@ -325,7 +326,8 @@ def make_app(dp: DataPlane, *, max_body_bytes: int = DEFAULT_MAX_BODY,
     which, unless callers have ``certificates``, are refused to callers the tenant header names.
     ``visible`` says which tasks a tenant may know of (None: every task), ``quota_check`` refuses an
     over-quota tenant before its body is read (None: the data plane alone decides), ``guard`` learns which
-    connections have made a request (:class:`ConnectionGuard`)."""
+    connections have made a request (:class:`ConnectionGuard`). ``tenant_routes``: routes for tenants (the job
+    API, ``edge_agent.jobs_api``), which identify their callers as inference does, so open without TLS too."""
     h = _Handlers(dp, max_body_bytes, identify, authenticate, observe.rejected if observe is not None else None,
                   visible=visible, quota_check=quota_check, guard=guard, arrival=arrival)
     app = web.Application(client_max_size=max_body_bytes)
@@ -347,6 +349,8 @@ def make_app(dp: DataPlane, *, max_body_bytes: int = DEFAULT_MAX_BODY,
         app.router.add_route(method, path, _guarded(handler, guard))
     for method, path, handler in routes:
         app.router.add_route(method, path, _guarded(handler if certificates else _certificate_only(handler), guard))
+    for method, path, handler in tenant_routes:
+        app.router.add_route(method, path, _guarded(handler, guard))
     app.router.add_route("*", "/{path:.*}", _guarded(_unrouted, guard))
     return app
 
@@ -368,7 +372,7 @@ class EdgeHttpServer(Service):
                  visible: Visible | None = None, quota_check: QuotaCheck | None = None,
                  max_pending: int = MAX_PENDING, handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
                  first_request_s: float = FIRST_REQUEST_S, shutdown_timeout: float = 5.0,
-                 stall_watch: StallWatch | None = None) -> None:
+                 stall_watch: StallWatch | None = None, tenant_routes: tuple[Route, ...] = ()) -> None:
         self.host, self.port = normalise_host(host, "bind address"), port
         self._own_watch = StallWatch() if stall_watch is None else None
         watch = stall_watch or self._own_watch
@@ -381,7 +385,7 @@ class EdgeHttpServer(Service):
         # Built here, not in start(), so a caller may add middlewares before the app freezes.
         self.app = make_app(dp, max_body_bytes=max_body_bytes, identify=who, authenticate=anyone, observe=observe,
                             routes=routes, certificates=tls is not None, visible=visible, quota_check=quota_check,
-                            guard=self.guard, arrival=watch.arrival)
+                            guard=self.guard, arrival=watch.arrival, tenant_routes=tenant_routes)
         self._runner = web.AppRunner(self.app, shutdown_timeout=shutdown_timeout)
 
     def _url(self, host: str) -> str:

@@ -69,6 +69,7 @@ from variant_store.blobs import BlobStore
 from variant_store.build import ensure_digits_family
 from variant_store.build_text import ensure_text_family
 from variant_store.catalog import Catalog
+from variant_store.data_area import DataArea
 from variant_store.server import VariantStoreServer
 
 __all__ = ["LocalMesh"]
@@ -161,7 +162,8 @@ class LocalMesh(Readiness, MeshIdentities, HostHomes, Membership, WanLinks, Serv
         else:
             store_site = self._store_site()
             tls = StoreTls(self.creds.pki.paths, STORE) if self.creds else None
-            self.variant_server = VariantStoreServer(self.blobs, self.catalog, site=store_site, tls=tls)
+            self.variant_server = VariantStoreServer(self.blobs, self.catalog, site=store_site, tls=tls,
+                                                     data=DataArea(self.blobs.root.parent / "data"))
             await self.variant_server.start()
             self.store_url = self.variant_server.url
             if self.opts.scheduler:

@@ -4,6 +4,7 @@
     GET      /catalog[?task=]  {"variants": [VariantMeta JSON, ...]}
     GET      /healthz          {"ok": true, ...}
     GET      /metrics          Prometheus text (``variant_store.metrics``); with TLS only for admin or scheduler
+    PUT|GET  /data/...         tenants' offline-job data, when given a ``data`` area (``variant_store.data_area``)
 
 A blob whose bytes no longer hash to its name is never served (502 with a JSON error body). Each
 blob is verified on its first serve and the verdict cached by the file's (inode, mtime, size), so
@@ -46,6 +47,7 @@ from mesh.pki.identity import Identity
 from variant_store.access import Serves, StoreTls, blob_readable, may_read, no_site, site_tenants
 from variant_store.blobs import CHUNK, BlobStore, is_digest
 from variant_store.catalog import Catalog
+from variant_store.data_area import DataArea, data_routes
 from variant_store.meta import VariantMeta
 from variant_store.metrics import CONTENT_TYPE, StoreMetrics
 from variant_store.placed import PlacedVariants
@@ -80,8 +82,10 @@ class VariantStoreServer(Service):
     def __init__(self, blob_store: BlobStore, catalog: Catalog, host: str = DEFAULT_BIND, port: int = 0, *,
                  advertise: str | None = None, authenticate: Authenticator = header_identity,
                  announce: bool = True, lease_ttl: int = 10, site: str | None = None,
-                 tls: StoreTls | None = None, placement: PlacedVariants | None = None) -> None:
+                 tls: StoreTls | None = None, placement: PlacedVariants | None = None,
+                 data: DataArea | None = None) -> None:
         self.blobs = blob_store
+        self.data = data
         self.site = site
         self.catalog = catalog
         self.host, self.port = normalise_host(host, "bind address"), port
@@ -111,6 +115,8 @@ class VariantStoreServer(Service):
         app.router.add_get("/catalog", self._catalog)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/metrics", self._metrics)
+        for method, path, handler in data_routes(self.data, lambda r: r.get(PEER)) if self.data is not None else ():
+            app.router.add_route(method, path, handler)
         return app
 
     async def _start(self) -> None:

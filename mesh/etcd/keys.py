@@ -14,6 +14,7 @@ __all__ = [
     "ELECTION_SCHEDULER",
     "EVENTS_PLACEMENT",
     "FORECAST_STATE",
+    "JOBS",
     "LINKS",
     "LIVE",
     "MODELS",
@@ -30,6 +31,9 @@ __all__ = [
     "KeyKind",
     "blobs_key",
     "catalog_key",
+    "chunk_key",
+    "claim_key",
+    "job_key",
     "last_segment",
     "link_key",
     "live_key",
@@ -63,6 +67,9 @@ EVENTS_PLACEMENT = "events/placement"
 # the scheduler leader's forecast state (a head key and its chunks below it), under events/ because that
 # is a prefix the scheduler may write (mesh.etcd.rbac); no view follows it, only a new leader reads it
 FORECAST_STATE = "events/forecast"
+# offline jobs (edge_agent.jobs_api, edge_agent.chunks): jobs/<id>/job (the record), jobs/<id>/chunks/<n> (each
+# chunk's state and output digest), jobs/<id>/claims/<n> (who works on it, under that site's lease). Never payloads
+JOBS = "jobs/"
 TASK_NAME = "_task"  # catalog/<task>/_task holds the task's signature: never a variant id
 _BLOBS = SERVICES + "variant-store"
 
@@ -122,6 +129,25 @@ def placement_key(site: str) -> str:
 def blobs_key() -> str:
     """Where the variant store announces the URL of its blob HTTP server."""
     return _BLOBS
+
+
+def job_key(job_id: str) -> str:
+    """An offline job's record."""
+    return f"{JOBS}{_segment('job', job_id)}/job"
+
+
+def chunk_key(job_id: str, index: int) -> str:
+    """Chunk ``index`` of a job (zero-padded, so a prefix read returns chunks in order)."""
+    if index < 0:
+        raise ValueError(f"a chunk index is >= 0, got {index}")
+    return f"{JOBS}{_segment('job', job_id)}/chunks/{index:06d}"
+
+
+def claim_key(job_id: str, index: int) -> str:
+    """Who holds chunk ``index`` of a job now (written under the worker's lease: it vanishes with the site)."""
+    if index < 0:
+        raise ValueError(f"a chunk index is >= 0, got {index}")
+    return f"{JOBS}{_segment('job', job_id)}/claims/{index:06d}"
 
 
 def last_segment(key: str) -> str:

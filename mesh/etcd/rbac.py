@@ -5,9 +5,11 @@ With ``--client-cert-auth`` etcd takes the client certificate's subject CN as th
 CA writes ``<kind>:<name>`` there (:attr:`mesh.pki.identity.Identity.common_name`), so the users here are
 named after identities and have no password. Roles (all relative to the store prefix ``P``):
 
-- ``site:<S>`` (an agent): read everything under ``P``; write only ``P live/<S>`` (its heartbeat) and
-  ``P pki/sites/<S>`` (its own certificate, public: peers believe it only if the CA signed it).
-- ``scheduler:<N>``: read everything under ``P``; write ``placement/``, ``events/`` and ``election/``.
+- ``site:<S>`` (an agent): read everything under ``P``; write only ``P live/<S>`` (its heartbeat),
+  ``P pki/sites/<S>`` (its own certificate, public: peers believe it only if the CA signed it) and ``P jobs/``
+  (offline jobs: a door writes the records of the jobs it admitted, every site claims and commits chunks. Any site
+  may write any job's keys: narrowing that to a job's door and a chunk's lease holder is not built yet).
+- ``scheduler:<N>``: read everything under ``P``; write ``placement/``, ``events/``, ``election/`` and ``jobs/``.
 - ``store:<N>`` (the variant store): read everything under ``P``; write ``catalog/``, ``models/`` (what it
   builds) and ``services/`` (its announcement).
 - ``admin:<N>`` (operators): read everything under ``P``; write ``topology/``, ``tenants/``, ``catalog/``,
@@ -44,6 +46,7 @@ from mesh.etcd.keys import (
     CATALOG,
     ELECTION_SCHEDULER,
     EVENTS_PLACEMENT,
+    JOBS,
     MODELS,
     PKI,
     PKI_CRL,
@@ -67,7 +70,7 @@ Access = Literal["read", "write", "readwrite"]
 _PERM = {"read": rpc.Permission.READ, "write": rpc.Permission.WRITE, "readwrite": rpc.Permission.READWRITE}
 OPERATOR_WRITES = ("topology/", TENANTS, CATALOG, MODELS, PKI, SERVICES)
 STORE_WRITES = (CATALOG, MODELS, SERVICES)
-SCHEDULER_WRITES = (PLACEMENT, EVENTS_PLACEMENT.split("/")[0] + "/", ELECTION_SCHEDULER.split("/")[0] + "/")
+SCHEDULER_WRITES = (PLACEMENT, EVENTS_PLACEMENT.split("/")[0] + "/", ELECTION_SCHEDULER.split("/")[0] + "/", JOBS)
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -103,10 +106,11 @@ class RbacPlan:
 
 
 def site_role(prefix: str, site: Identity) -> tuple[str, tuple[Grant, ...]]:
-    """A site's role: read everything under ``prefix``, write its own heartbeat and its own certificate."""
+    """A site's role: read everything under ``prefix``, write its own heartbeat, its own certificate and jobs."""
     return f"tiermesh-{site.common_name}", (Grant(prefix, "read", True),
                                             Grant(prefix + live_key(site.name), "write", False),
-                                            Grant(prefix + site_cert_key(site.name), "write", False))
+                                            Grant(prefix + site_cert_key(site.name), "write", False),
+                                            Grant(prefix + JOBS, "write", True))
 
 
 async def grant_site(store: Store, site: str) -> str:

@@ -13,7 +13,7 @@ import pytest
 
 from mesh.errors import StoreError
 from mesh.etcd.channels import StorePermissionDenied
-from mesh.etcd.keys import EVENTS_PLACEMENT, live_key, placement_key, site_key, tenant_key
+from mesh.etcd.keys import EVENTS_PLACEMENT, claim_key, live_key, placement_key, site_key, tenant_key
 from mesh.etcd.rbac import apply, plan
 from mesh.etcd.server import EmbeddedEtcd, ServerTLS
 from mesh.etcd.store import Store
@@ -116,6 +116,7 @@ async def test_roles_are_enforced(mesh_etcd: tuple[EmbeddedEtcd, LocalPki], tmp_
             await agent.put(placement_key("edge-1"), {"forged": True})
         with pytest.raises(StorePermissionDenied):
             await agent.delete(site_key("edge-1"))
+        await agent.put(claim_key("0" * 32, 0), {"site": "edge-1"}, lease=lease)  # offline jobs: claims, commits
         await lease.revoke()
 
     async with await _connect(srv, pki, "scheduler", "s1") as sched:

@@ -34,6 +34,7 @@ _GROUPS: tuple[str, ...] = (
     "tiermesh.cli.up",
     "tiermesh.cli.pki",
     "tiermesh.cli.console",
+    "tiermesh.cli.jobs",
 )
 # commands whose module is not tiermesh.cli.<command>
 _COMMAND_MODULE = {"etcd-rbac": "tiermesh.cli.etcd", "console-screenshot": "tiermesh.cli.console"}
@@ -43,9 +44,10 @@ _COMMAND_MODULE = {"etcd-rbac": "tiermesh.cli.etcd", "console-screenshot": "tier
 _COMMAND_EXTRAS: dict[str, tuple[str, ...]] = {
     "agent": ("agent",), "scheduler": ("scheduler",), "variants": ("store",), "up": ("all",),
     "etcd": ("etcd",), "etcd-rbac": ("agent", "scheduler", "store"), "topology": ("agent", "scheduler", "store"),
-    "pki": ("agent", "scheduler", "store"), "console": ("all",),
+    "pki": ("agent", "scheduler", "store"), "console": ("all",), "jobs": ("numpy",),
 }
 _EXTRA_PROBES: dict[str, tuple[str, ...]] = {
+    "numpy": ("numpy",),  # the SDK with arrays (tiermesh jobs; its progress bar uses rich when present)
     "agent": ("grpclib", "zmq", "onnxruntime", "numpy", "cryptography", "ruamel"),
     "scheduler": ("grpclib", "numpy", "cryptography", "ruamel", "rich", "prometheus_client"),  # and the console
     "store": ("grpclib", "onnx", "onnxruntime", "sklearn", "numpy", "cryptography", "ruamel",

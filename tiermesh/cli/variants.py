@@ -202,6 +202,7 @@ async def _serve(args: argparse.Namespace) -> int:
 
     from mesh.settings import MeshSettings
     from tiermesh.cli.context import open_store, serve_for, store_args
+    from variant_store.data_area import DataArea
     from variant_store.server import VariantStoreServer
 
     settings = MeshSettings()
@@ -227,7 +228,7 @@ async def _serve(args: argparse.Namespace) -> int:
             await stack.enter_async_context(CrlFollower.for_peers(store, tls))
         server = await stack.enter_async_context(
             VariantStoreServer(BlobStore(blob_root(args)), Catalog(store), bind, args.port, advertise=advertise,
-                               site=args.site, tls=tls))
+                               site=args.site, tls=tls, data=DataArea(blob_root(args).parent / "data")))
         print(f"variant store serving at {server.url}", flush=True)
         await serve_for(args.duration)
     return EXIT_OK

@@ -1,0 +1,205 @@
+"""Offline jobs in etcd: creating a job, reading its progress, claiming and committing chunks, cancelling: every
+state change a compare-and-swap, so two sites never both commit a chunk and a cancelled job stays cancelled.
+
+Keys (``mesh.etcd.keys``): ``jobs/<id>/job`` (a :class:`~mesh.jobspec.JobRecord`), ``jobs/<id>/chunks/<n>`` (a
+:class:`~mesh.jobspec.ChunkRecord`), ``jobs/<id>/claims/<n>`` (``{"site": S}`` under S's lease: a chunk is being
+run while its claim exists; the claim of a site that died vanishes with its lease, and the chunk is claimable
+again).
+
+Rules (the CAS each enforces):
+
+- create: chunks first (each only if absent), then the job record (only if absent): a job is visible only once all
+  its chunks exist;
+- claim chunk n: its chunk record unchanged since read (still queued) and no claim on it;
+- commit chunk n: its chunk record unchanged since read and the claim is ours; the chunk's done record and the
+  claim's removal go in one txn. A second commit of the same chunk loses (the record's revision moved);
+- the job turns ``done`` once every chunk is, ``running`` at its first claim, ``cancelled`` only from a state
+  that is not terminal (``ConflictError`` otherwise, which the API answers 409).
+
+Every value read back is decoded as hostile (``ProtocolError`` from ``mesh.jobspec``); a list skips what it
+cannot read and says so in the log.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+from mesh.errors import ConflictError, ProtocolError, RequestError
+from mesh.etcd.keys import JOBS, chunk_key, claim_key, job_key
+from mesh.etcd.lease import Lease
+from mesh.etcd.ops import CreateRevision, Delete, ModRevision, Put, ValueEquals, chunk_ops
+from mesh.etcd.store import Store
+from mesh.jobspec import ChunkRecord, JobRecord, JobState
+from mesh.log import get_logger, kv
+
+__all__ = ["JobBook", "JobView", "SeenChunk"]
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SeenChunk:
+    """A chunk record as read, with the revision a CAS on it compares, and who claims it now (None: nobody)."""
+
+    chunk: ChunkRecord
+    revision: int
+    claimed_by: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class JobView:
+    """A job with its record's revision and its chunks."""
+
+    job: JobRecord
+    revision: int
+    chunks: tuple[SeenChunk, ...]
+
+    @property
+    def rows_done(self) -> int:
+        return sum(c.chunk.rows for c in self.chunks if c.chunk.state == "done")
+
+    @property
+    def chunks_done(self) -> int:
+        return sum(1 for c in self.chunks if c.chunk.state == "done")
+
+    @property
+    def sites(self) -> list[str]:
+        """Sites that ran or run its chunks."""
+        return sorted({c.chunk.site for c in self.chunks if c.chunk.site} | {c.claimed_by for c in self.chunks
+                                                                             if c.claimed_by})
+
+    def to_json(self) -> dict[str, object]:
+        j = self.job
+        return {"id": j.job_id, "task": j.task, "state": j.state, "rows": j.rows, "rows_done": self.rows_done,
+                "chunks": len(self.chunks), "chunks_done": self.chunks_done,
+                "progress": self.rows_done / j.rows if j.rows else 0.0, "deadline": j.deadline,
+                "min_accuracy": j.min_accuracy, "max_cost": j.max_cost, "variant": j.variant,
+                "created": j.created, "updated": j.updated, "error": j.error, "sites": self.sites,
+                "input_digest": j.input_digest, "input_format": j.input_format}
+
+
+class JobBook:
+    """The job operations over one :class:`Store`."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    async def create(self, job: JobRecord) -> None:
+        chunks = [Put(chunk_key(job.job_id, i), ChunkRecord(i, a, b).to_json()) for i, (a, b) in enumerate(job.chunks)]
+        for run in chunk_ops(chunks):
+            res = await self.store.txn([CreateRevision(op.key, "==", 0) for op in run], list(run))
+            if not res.succeeded:
+                raise ConflictError(f"job {job.job_id} already has chunks", key=job_key(job.job_id))
+        res = await self.store.txn([CreateRevision(job_key(job.job_id), "==", 0)],
+                                   [Put(job_key(job.job_id), job.to_json())])
+        if not res.succeeded:
+            raise ConflictError(f"job {job.job_id} exists already", key=job_key(job.job_id))
+
+    async def record(self, job_id: str) -> tuple[JobRecord, int] | None:
+        kv_ = await self.store.get(job_key(job_id))
+        if kv_ is None:
+            return None
+        return JobRecord.from_json(kv_.value), kv_.mod_revision
+
+    async def view(self, job_id: str) -> JobView | None:
+        """The job and its chunks (``ProtocolError`` when its record or a chunk cannot be read)."""
+        kvs = await self.store.get_prefix(f"{JOBS}{job_id}/")
+        job: tuple[JobRecord, int] | None = None
+        chunks: dict[int, tuple[ChunkRecord, int]] = {}
+        claims: dict[int, str] = {}
+        for item in kvs:
+            tail = item.key[len(JOBS) + len(job_id) + 1:]
+            if tail == "job":
+                job = JobRecord.from_json(item.value), item.mod_revision
+            elif tail.startswith("chunks/"):
+                c = ChunkRecord.from_json(item.value)
+                if chunk_key(job_id, c.index) != item.key:
+                    raise ProtocolError(f"chunk record at {item.key} says it is chunk {c.index}")
+                chunks[c.index] = c, item.mod_revision
+            elif tail.startswith("claims/") and isinstance(item.value, dict) \
+                    and isinstance(item.value.get("site"), str):
+                idx = tail.removeprefix("claims/")
+                if idx.isdigit() and len(idx) == 6:
+                    claims[int(idx)] = item.value["site"][:128]
+        if job is None:
+            return None
+        plan = job[0].chunks
+        if sorted(chunks) != list(range(len(plan))) or any(
+                (c.start, c.stop) != plan[i] for i, (c, _) in chunks.items()):
+            raise ProtocolError(f"job {job_id}: its chunks do not match its plan of {len(plan)} chunks")
+        seen = tuple(SeenChunk(c, rev, claims.get(i)) for i, (c, rev) in sorted(chunks.items()))
+        return JobView(job[0], job[1], seen)
+
+    async def list(self, tenant: str | None = None) -> list[JobRecord]:
+        """Every readable job record (of ``tenant`` when given), newest first."""
+        out = []
+        for item in await self.store.get_prefix(JOBS):
+            if not item.key.endswith("/job"):
+                continue
+            try:
+                rec = JobRecord.from_json(item.value)
+            except ProtocolError as exc:
+                log.warning("unreadable job record %s: %s", item.key, exc, extra=kv(event="job_unreadable"))
+                continue
+            if tenant is None or rec.tenant == tenant:
+                out.append(rec)
+        return sorted(out, key=lambda r: -r.created)
+
+    async def set_state(self, job_id: str, state: JobState, *, error: str = "",
+                        only_from: tuple[str, ...] = ("queued", "running")) -> JobRecord:
+        """Move a job to ``state`` from one of ``only_from`` (CAS on its record); ``ConflictError`` otherwise."""
+        for _ in range(5):  # another writer moved it between our read and write: read again
+            got = await self.record(job_id)
+            if got is None:
+                raise RequestError(f"no job {job_id}")
+            rec, rev = got
+            if rec.state == state:
+                return rec
+            if rec.state not in only_from:
+                raise ConflictError(f"job {job_id} is {rec.state}: it cannot become {state}", state=rec.state)
+            new = rec.with_state(state, time.time(), error)
+            res = await self.store.txn([ModRevision(job_key(job_id), "==", rev)], [Put(job_key(job_id), new.to_json())])
+            if res.succeeded:
+                log.info("job %s -> %s", job_id, state, extra=kv(event="job_state", job=job_id, state=state))
+                return new
+        raise ConflictError(f"job {job_id} kept changing under us")
+
+    async def claim(self, job_id: str, seen: SeenChunk, site: str, lease: Lease) -> bool:
+        """Claim a queued chunk for ``site`` under ``lease``; False when someone else changed or claimed it."""
+        if seen.chunk.state != "queued":
+            return False
+        ck = claim_key(job_id, seen.chunk.index)
+        res = await self.store.txn([ModRevision(chunk_key(job_id, seen.chunk.index), "==", seen.revision),
+                                    CreateRevision(ck, "==", 0)], [Put(ck, {"site": site}, lease=lease)])
+        return res.succeeded
+
+    async def commit(self, job_id: str, seen: SeenChunk, site: str, output_digest: str, variant: str) -> ChunkRecord:
+        """Commit a chunk ``site`` claimed as done with its output (once: ``ConflictError`` for a second commit,
+        a chunk changed since ``seen``, or a claim that is not ``site``'s any more)."""
+        done = replace(seen.chunk, state="done", site=site, output_digest=output_digest, variant=variant)
+        ck, cl = chunk_key(job_id, seen.chunk.index), claim_key(job_id, seen.chunk.index)
+        res = await self.store.txn([ModRevision(ck, "==", seen.revision), ValueEquals(cl, {"site": site})],
+                                   [Put(ck, done.to_json()), Delete(cl)])
+        if not res.succeeded:
+            raise ConflictError(f"chunk {seen.chunk.index} of job {job_id} changed or is not {site}'s to commit",
+                                key=ck)
+        return done
+
+    async def release(self, job_id: str, index: int, site: str) -> None:
+        """Give a claim back (the site is busy with online work again, or stopping), if it is still ours."""
+        cl = claim_key(job_id, index)
+        await self.store.txn([ValueEquals(cl, {"site": site})], [Delete(cl)])
+
+    async def finish_if_done(self, job_id: str) -> bool:
+        """Turn the job ``done`` when every chunk is (idempotent); True if it is done now."""
+        v = await self.view(job_id)
+        if v is None or v.job.state in ("cancelled", "failed"):
+            return False
+        if v.chunks_done < len(v.chunks):
+            return False
+        try:
+            await self.set_state(job_id, "done")
+        except ConflictError:
+            return False
+        return True
