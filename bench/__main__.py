@@ -48,6 +48,7 @@ async def run_decision(ctx: RunContext) -> Path:
 # lacks one scenario's packages (a lent GPU machine has no ZeroMQ) still runs the others
 _TABLE: dict[str, tuple[str, str]] = {
     "mesh_hop": ("bench.floor_hop", "run_mesh_hop"), "http_api": ("bench.floors", "run_http_api"),
+    "grpc_api": ("bench.grpc_api", "run_grpc_api"),
     "sdk_local": ("bench.floors", "run_sdk_local"), "decision": ("bench.__main__", "run_decision"),
     "batching": ("bench.batching", "run_batching"), "geo": ("bench.geo", "run_geo"),
     "geo_hetero": ("bench.geo_hetero", "run_geo_hetero"), "coldstart": ("bench.coldstart", "run_coldstart"),
@@ -67,8 +68,8 @@ def _scenario(name: str) -> Callable[[RunContext], Awaitable[Path]]:
     return fn
 
 
-SCENARIOS = ("mesh_hop", "http_api", "sdk_local", "decision", "batching", "geo", "geo_hetero", "coldstart",
-             "footprint", "shared_backbone", "control_plane", "gpu_routing")
+SCENARIOS = ("mesh_hop", "http_api", "grpc_api", "sdk_local", "decision", "batching", "geo", "geo_hetero",
+             "coldstart", "footprint", "shared_backbone", "control_plane", "gpu_routing")
 # Run only when named (--only gpu_profile): they need a CUDA GPU, which most hosts lack.
 GPU_SCENARIOS = ("gpu_profile", "gpu_geo")
 # Run only when named too: it needs a writable cgroup cpu controller (root), and measures the machine, not tiermesh.

@@ -10,9 +10,10 @@ response ``parameters``. A gRPC deadline (``grpc-timeout``) shorter than the SLO
 budget: routing sees what is left of the shorter one (the SLO itself, and so ``late``, stay the caller's).
 
 Served: ServerLive, ServerReady, ServerMetadata, ModelReady, ModelMetadata, ModelInfer, and Triton's ModelConfig
-(what ``get_model_config`` and ``perf_analyzer`` ask), with Triton's classification extension on requested outputs
-(``class_count``, as REST's); everything else (ModelStreamInfer, ModelStatistics,
-repository and shared-memory calls) answers UNIMPLEMENTED.
+(what ``get_model_config`` and ``perf_analyzer`` ask) and ModelStatistics (``get_inference_statistics``: the
+caller's own queries, as REST's ``/stats``, :func:`edge_agent.v2_extras.model_stats`), with Triton's classification
+extension on requested outputs (``class_count``, as REST's); everything else (ModelStreamInfer, repository and
+shared-memory calls) answers UNIMPLEMENTED.
 
 Who calls, as REST: with ``tls`` (:class:`edge_agent.mtls.EdgeTls`, the same credentials in an ``h2`` context) the
 tenant is the client certificate's, and a ``x-tiermesh-tenant`` metadata naming another is refused; without it
@@ -22,8 +23,10 @@ task that does not exist; over quota: RESOURCE_EXHAUSTED before the message is r
 ``max_body_bytes``: RESOURCE_EXHAUSTED when its length prefix arrives, before its bytes are buffered. Errors carry
 the status of their code (:mod:`mesh.v2.grpc_status`) and the code itself in the ``tiermesh-code`` trailer.
 
-Not here yet: the REST front's connection guard (a bound on connections before their first request); grpclib
-leaves a TLS handshake to asyncio's 60 s timeout.
+Connections pass the REST front's guard (:class:`~edge_agent.conn_guard.ConnectionGuard`, one of its own): at most
+``max_pending`` before their first call, each for at most ``first_request_s``, a TLS handshake for at most
+``handshake_timeout_s``. grpclib alone left a handshake to asyncio's 60 s and an idle connection open for good, so a
+flood of idle sockets could take every descriptor. TLS is started by the guard, not by ``Server.start(ssl=)``.
 """
 
 from __future__ import annotations
@@ -36,8 +39,11 @@ from typing import TYPE_CHECKING, Any
 
 from grpclib.const import Cardinality, Handler, Status
 from grpclib.encoding.proto import ProtoCodec
+from grpclib.protocol import H2Protocol
+from grpclib.server import Handler as ConnectionHandler
 from grpclib.server import Server, Stream
 
+from edge_agent.conn_guard import FIRST_REQUEST_S, HANDSHAKE_TIMEOUT_S, MAX_PENDING, ConnectionGuard
 from edge_agent.dataplane import DataPlane
 from edge_agent.front import (
     Visible,
@@ -48,10 +54,18 @@ from edge_agent.front import (
     traceparent_for,
     unknown_task,
 )
-from edge_agent.v2_extras import task_labels
+from edge_agent.v2_extras import model_stats, task_labels, usable_tasks
 from mesh import clock
 from mesh.addresses import DEFAULT_BIND, advertised_host, normalise_host, tcp_endpoint
-from mesh.errors import MeshError, PayloadTooLarge, QuotaExceeded, RequestError, Unauthenticated, UnknownTask
+from mesh.errors import (
+    EdgeStalled,
+    MeshError,
+    PayloadTooLarge,
+    QuotaExceeded,
+    RequestError,
+    Unauthenticated,
+    UnknownTask,
+)
 from mesh.lifecycle import Service
 from mesh.log import get_logger, kv
 from mesh.tracecontext import trace_id_of
@@ -59,11 +73,18 @@ from mesh.types import DEFAULT_TENANT, InferRequest, TaskSignature
 from mesh.v2 import grpc_messages as oip
 from mesh.v2.body import TENANT_HEADER, tenant_claim
 from mesh.v2.classify import classify
-from mesh.v2.grpc_codec import decode_infer_request, encode_infer_response, model_config, model_metadata
+from mesh.v2.grpc_codec import (
+    decode_infer_request,
+    encode_infer_response,
+    model_config,
+    model_metadata,
+    model_statistics,
+)
 from mesh.v2.grpc_status import status_of
 from mesh.v2.params import parse_slo, response_parameters
 
 if TYPE_CHECKING:
+    from edge_agent.metrics import AgentMetrics
     from edge_agent.mtls import EdgeTls
 
 __all__ = ["CODE_TRAILER", "DEFAULT_MAX_MESSAGE", "EXTENSIONS", "EdgeGrpcServer", "GrpcFront"]
@@ -100,19 +121,24 @@ async def _receive(stream: Stream[Any, Any], cls: type[Any], limit: int) -> Any:
 class GrpcFront:
     """The handlers of ``inference.GRPCInferenceService`` over ``dp`` (grpclib's ``IServable``). ``tls``: identity
     from the client certificate (None: from the tenant metadata); ``visible``, ``quota_check`` and ``rejected`` as
-    for :func:`edge_agent.http_api.make_app`."""
+    for :func:`edge_agent.http_api.make_app`; ``guard`` learns which connections have made a call; ``metrics``:
+    where statistics come from (None: zero counts, as REST's); ``arrival``: when a query handled now is charged from
+    (the agent's :meth:`edge_agent.stall_watch.StallWatch.arrival`, as REST's; None: now)."""
 
     def __init__(self, dp: DataPlane, *, tls: EdgeTls | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE,
                  visible: Visible | None = None, quota_check: Callable[[str], None] | None = None,
-                 rejected: Callable[[str, str, str], None] | None = None) -> None:
+                 rejected: Callable[[str, str, str], None] | None = None,
+                 guard: ConnectionGuard | None = None, metrics: AgentMetrics | None = None,
+                 arrival: Callable[[float], float] | None = None) -> None:
         self.dp, self.tls, self.max_message = dp, tls, max_message_bytes
         self.visible, self.quota_check, self.rejected = visible, quota_check, rejected
+        self.guard, self.metrics, self.arrival = guard, metrics, arrival
 
     def __mapping__(self) -> dict[str, Handler]:
         calls: dict[str, _Call] = {"ServerLive": self.server_live, "ServerReady": self.server_ready,
                                    "ServerMetadata": self.server_metadata, "ModelReady": self.model_ready,
                                    "ModelMetadata": self.model_metadata, "ModelConfig": self.model_config,
-                                   "ModelInfer": self.model_infer}
+                                   "ModelStatistics": self.model_statistics, "ModelInfer": self.model_infer}
         return {f"/{oip.PACKAGE}.{oip.SERVICE}/{name}":
                 Handler(self._answering(name, call), Cardinality.UNARY_UNARY, *oip.METHODS[name])
                 for name, call in calls.items()}
@@ -138,6 +164,9 @@ class GrpcFront:
     # -- errors --------------------------------------------------------------------------------
     def _answering(self, name: str, call: _Call) -> _Call:
         async def answer(stream: Stream[Any, Any]) -> None:
+            guard = self.guard
+            if guard is not None and guard.pending:  # the connection made a call: no longer pending
+                guard.seen(stream.peer._transport.get_protocol())
             try:
                 await call(stream)
             except MeshError as exc:
@@ -192,9 +221,22 @@ class GrpcFront:
         req = await _receive(stream, oip.ModelConfigRequest, self.max_message)
         await stream.send_message(model_config(self.signature(req.name, tenant)))
 
+    async def model_statistics(self, stream: Stream[Any, Any]) -> None:
+        """One task's (``name``; its version's, if given), else every task the caller may use, as Triton's."""
+        tenant = self.tenant(stream)
+        req = await _receive(stream, oip.ModelStatisticsRequest, self.max_message)
+        if req.name:
+            self.signature(req.name, tenant)  # the one NOT_FOUND for a task the tenant may not know of
+            tasks = [req.name]
+        else:
+            tasks = usable_tasks(self.dp, self.visible, tenant)
+        await stream.send_message(model_statistics(model_stats(self.metrics, tenant, tasks, req.version or None)))
+
     # -- inference -----------------------------------------------------------------------------
     async def model_infer(self, stream: Stream[Any, Any]) -> None:
-        started, arrived = time.perf_counter(), clock.monotonic()  # its budget runs from here
+        started, handled = time.perf_counter(), clock.monotonic()  # its budget runs from here ...
+        # ... or from the start of a freeze of this process it may have waited through (StallWatch.arrival)
+        arrived = handled if self.arrival is None else self.arrival(handled)
         task, tenant, req = "?", "?", None
         try:
             tenant = self.tenant(stream)
@@ -212,6 +254,10 @@ class GrpcFront:
             traced = (traceparent_for(header if isinstance(header, str) else None, params.get("trace"))
                       if "trace" in params else None)
             req = InferRequest.entering(task, dec.inputs, slo, tenant, dec.request_id, now=arrived)
+            if arrived < handled and req.deadline <= clock.monotonic():
+                # it waited out a freeze of this process longer than its budget: not run, ask another edge
+                raise EdgeStalled(f"request {req.request_id}: this edge was stopped while the query waited at its "
+                                  "door; not run")
             if stream.deadline is not None:  # the caller's gRPC deadline, if shorter, is the query's
                 req.deadline = min(req.deadline, clock.monotonic() + stream.deadline.time_remaining())
             req.traceparent = traced
@@ -239,21 +285,60 @@ class GrpcFront:
         await stream.send_message(reply)
 
 
+class _Connection(H2Protocol):
+    """grpclib's HTTP/2 protocol, its connection handler tracked by the server only once a connection is handed
+    over: grpclib tracks it at accept, and forgets it only when its connection is lost, which a connection the guard
+    drops before the hand-over never reports (each would stay in ``Server._handlers`` until the server stopped)."""
+
+    def __init__(self, server: _GuardedServer, handler: ConnectionHandler) -> None:
+        super().__init__(handler, server._config, server._h2_config)
+        self._server, self._handler = server, handler
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._server._handlers.add(self._handler)
+        super().connection_made(transport)
+
+
+class _GuardedServer(Server):
+    """grpclib's server, its connections accepted through ``guard`` (TLS, if any, started there: pass no ``ssl``
+    to ``start``). ``_protocol_factory`` is what grpclib's ``start`` hands ``loop.create_server``."""
+
+    def __init__(self, handlers: list[GrpcFront], guard: ConnectionGuard) -> None:
+        # the codec given: grpclib would otherwise look for googleapis' status protos (the protobuf runtime)
+        super().__init__(handlers, codec=ProtoCodec())
+        self._accept = guard.factory(self._connection)
+
+    def _connection(self) -> asyncio.Protocol:
+        self.__gc_step__()
+        return _Connection(self, ConnectionHandler(self._mapping, self._codec, self._status_details_codec,
+                                                   self.__dispatch__))
+
+    def _protocol_factory(self) -> asyncio.Protocol:  # type: ignore[override]  # the guard's, before grpclib's
+        return self._accept()
+
+
 class EdgeGrpcServer(Service):
     """Serves :class:`GrpcFront` over ``dp`` on ``host:port`` (port 0 picks a free one; ``address`` and ``url``
     say which). ``tls``: mutual TLS with the edge's credentials, in a context of its own (ALPN ``h2``, which gRPC
     clients require, where the REST front's offers HTTP/1.1), reloaded with them; its owner (the REST front, in an
-    agent) starts and stops it. Other arguments as :class:`GrpcFront`'s."""
+    agent) starts and stops it. Connections pass a :class:`ConnectionGuard` (``max_pending``,
+    ``handshake_timeout_s``, ``first_request_s``, as the REST front's). Other arguments as :class:`GrpcFront`'s."""
 
     def __init__(self, dp: DataPlane, host: str = DEFAULT_BIND, port: int = 0, *, advertise: str | None = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE, tls: EdgeTls | None = None,
                  visible: Visible | None = None, quota_check: Callable[[str], None] | None = None,
-                 rejected: Callable[[str, str, str], None] | None = None) -> None:
+                 rejected: Callable[[str, str, str], None] | None = None, metrics: AgentMetrics | None = None,
+                 max_pending: int = MAX_PENDING, handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+                 first_request_s: float = FIRST_REQUEST_S, arrival: Callable[[float], float] | None = None) -> None:
         self.host, self.port = normalise_host(host, "bind address"), port
         self.advertise = advertised_host(self.host, advertise)
         self.tls = tls
+        # its TLS context is set at start, once the credentials are loaded
+        self.guard = ConnectionGuard(None, max_pending=max_pending, handshake_timeout_s=handshake_timeout_s,
+                                     first_request_s=first_request_s)
         self.front = GrpcFront(dp, tls=tls, max_message_bytes=max_message_bytes, visible=visible,
-                               quota_check=quota_check, rejected=rejected)
+                               quota_check=quota_check, rejected=rejected, guard=self.guard, metrics=metrics,
+                               arrival=arrival)
         self._ssl: ssl.SSLContext | None = None
         self._server: Server | None = None
 
@@ -275,9 +360,9 @@ class EdgeGrpcServer(Service):
         if self.tls is not None:
             self._ssl = self.tls.credentials.server_context()  # held here: the credentials keep it only weakly
             self._ssl.set_alpn_protocols(["h2"])
-        # the codec given: grpclib would otherwise look for googleapis' status protos (the protobuf runtime)
-        self._server = Server([self.front], codec=ProtoCodec())
-        await self._server.start(self.host, self.port, ssl=self._ssl)
+        self.guard.ssl_context = self._ssl
+        self._server = _GuardedServer([self.front], self.guard)
+        await self._server.start(self.host, self.port)
         listener = self._server._server
         assert isinstance(listener, asyncio.Server)  # what loop.create_server made
         self.port = int(listener.sockets[0].getsockname()[1])
@@ -285,6 +370,7 @@ class EdgeGrpcServer(Service):
                  extra=kv(event="grpc_start"))
 
     async def _stop(self) -> None:
+        await self.guard.close()  # first: a server that stops admits nobody new
         if self._server is not None and self._server._server is not None:  # started (a failed start may not be)
             self._server.close()
             await self._server.wait_closed()

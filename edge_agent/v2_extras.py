@@ -30,7 +30,7 @@ places nothing. It answers 200 when the task can be served now (it has a variant
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
@@ -43,7 +43,7 @@ from mesh.v2.triton import Counts, index_entry, signature_to_config, stats_entry
 if TYPE_CHECKING:
     from edge_agent.metrics import AgentMetrics
 
-__all__ = ["TASK_LABELS", "V2Extras", "task_labels", "tenant_counts"]
+__all__ = ["TASK_LABELS", "V2Extras", "model_stats", "task_labels", "tenant_counts", "usable_tasks"]
 
 # Class names of the tasks whose classes have names. The catalog keeps no class names yet (a task signature has
 # none), so they are written here for the tasks the mesh ships; another task's classes go by index alone, as
@@ -84,6 +84,28 @@ def tenant_counts(metrics: AgentMetrics | None, tenant: str, tasks: set[str]) ->
     return out
 
 
+def usable_tasks(dp: DataPlane, visible: Callable[[str, str], bool] | None, tenant: str) -> list[str]:
+    """The tasks ``tenant`` may use at this door (``visible`` None: every task)."""
+    return [t for t in dp.tasks() if visible is None or visible(t, tenant)]
+
+
+def model_stats(metrics: AgentMetrics | None, tenant: str, tasks: list[str],
+                version: str | None = None) -> list[dict[str, Any]]:
+    """The statistics extension's ``model_stats`` of ``tenant``'s queries of ``tasks`` (checked by the caller: the
+    tenant may use them), as this module's docstring says; ``version``: only its entries (none: ``UnknownTask``).
+    Shared by REST (``/stats``) and gRPC (``ModelStatistics``, :mod:`edge_agent.grpc_api`)."""
+    counts = tenant_counts(metrics, tenant, set(tasks))
+    entries = []
+    for t in tasks:
+        entries.append(stats_entry(t, "", counts.get((t, ""), Counts())))
+        entries += [stats_entry(t, v, c) for (name, v), c in sorted(counts.items()) if name == t and v]
+    if version is not None:
+        entries = [e for e in entries if e["version"] == version]
+        if not entries:
+            raise UnknownTask(f"no statistics of task {', '.join(tasks)!r} version {version!r} here")
+    return entries
+
+
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -108,7 +130,7 @@ class V2Extras:
         return out
 
     def _usable(self, tenant: str) -> list[str]:
-        return [t for t in self.dp.tasks() if self.visible is None or self.visible(t, tenant)]
+        return usable_tasks(self.dp, self.visible, tenant)
 
     async def config(self, request: web.Request) -> web.Response:
         return web.json_response(signature_to_config(self.signature(request.match_info["task"], self.who(request))))
@@ -121,16 +143,7 @@ class V2Extras:
             tasks = [task]
         else:
             tasks = self._usable(tenant)
-        counts = tenant_counts(self.metrics, tenant, set(tasks))
-        entries = []
-        for t in tasks:
-            entries.append(stats_entry(t, "", counts.get((t, ""), Counts())))
-            entries += [stats_entry(t, v, c) for (name, v), c in sorted(counts.items()) if name == t and v]
-        version = request.match_info.get("version")
-        if version is not None:
-            entries = [e for e in entries if e["version"] == version]
-            if not entries:
-                raise UnknownTask(f"no statistics of task {task!r} version {version!r} here")
+        entries = model_stats(self.metrics, tenant, tasks, request.match_info.get("version"))
         return web.json_response({"model_stats": entries})
 
     async def index(self, request: web.Request) -> web.Response:

@@ -26,7 +26,8 @@ from mesh.v2.datatypes import BYTES, datatype_named
 from mesh.v2.tensors import NATIVE, datatype_of, dtype_of, tensor_data
 from mesh.v2.triton import signature_to_config
 
-__all__ = ["CONTENTS_FIELD", "decode_infer_request", "encode_infer_response", "model_config", "model_metadata"]
+__all__ = ["CONTENTS_FIELD", "decode_infer_request", "encode_infer_response", "model_config", "model_metadata",
+           "model_statistics"]
 
 # V2 datatype -> the InferTensorContents field that carries it in typed form (FP16 has none: raw only)
 CONTENTS_FIELD: dict[str, str] = {
@@ -137,3 +138,15 @@ def model_config(sig: TaskSignature) -> oip.ModelConfigResponse:
     return oip.ModelConfigResponse(config=oip.ModelConfig(
         name=cfg["name"], platform=cfg["platform"], backend=cfg["backend"], max_batch_size=cfg["max_batch_size"],
         input=tensors(oip.ModelInput, cfg["input"]), output=tensors(oip.ModelOutput, cfg["output"])))
+
+
+def model_statistics(entries: list[dict[str, Any]]) -> oip.ModelStatisticsResponse:
+    """Triton's statistics of the REST ``model_stats`` items (:func:`mesh.v2.triton.stats_entry`), as their
+    message: the same entries, field for field."""
+    def stats(item: dict[str, Any]) -> oip.ModelStatistics:
+        durations = {k: oip.StatisticDuration(count=d["count"], ns=d["ns"]) for k, d in item["inference_stats"].items()}
+        return oip.ModelStatistics(name=item["name"], version=item["version"], last_inference=item["last_inference"],
+                                   inference_count=item["inference_count"], execution_count=item["execution_count"],
+                                   inference_stats=oip.InferStatistics(**durations))
+
+    return oip.ModelStatisticsResponse(model_stats=[stats(e) for e in entries])

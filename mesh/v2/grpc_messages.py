@@ -2,9 +2,10 @@
 and read by :mod:`mesh.protowire`: no protobuf runtime, no grpcio (the edge's footprint, as for etcd's messages).
 
 The classes are the ones tiermesh answers, with the names, numbers and types of Triton's ``grpc_service.proto``
-and ``model_config.proto``: the KServe V2 calls (server live / ready / metadata, model ready / metadata, infer)
-and ``ModelConfig`` (what ``tritonclient.grpc``'s ``get_model_config`` and ``perf_analyzer`` ask before a query;
-only the fields a task's signature fills). A nested message of the proto is a top-level class here
+and ``model_config.proto``: the KServe V2 calls (server live / ready / metadata, model ready / metadata, infer),
+``ModelConfig`` (what ``tritonclient.grpc``'s ``get_model_config`` and ``perf_analyzer`` ask before a query;
+only the fields a task's signature fills) and ``ModelStatistics`` (``get_inference_statistics``: the fields the
+REST statistics fill). A nested message of the proto is a top-level class here
 (``ModelInferRequest.InferInputTensor`` is :class:`InferInputTensor`); the map fields (``parameters``) are
 repeated :class:`ParametersEntry` on the wire, read and written as dicts of plain values with :func:`params_of`
 and :func:`entries`. The attributes a caller reads are annotated (protowire sets them all at construction).
@@ -243,6 +244,35 @@ class ModelConfigResponse(Message):
     FIELDS = fields((1, "config", "message", False, "ModelConfig"))
 
 
+# ---------------------------------------------------------------- Triton's statistics extension
+
+
+class StatisticDuration(Message):
+    FIELDS = fields((1, "count", "uint64"), (2, "ns", "uint64"))
+
+
+class InferStatistics(Message):
+    FIELDS = fields(*((i, name, "message", False, "StatisticDuration") for i, name in enumerate(
+        ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output", "cache_hit", "cache_miss"),
+        start=1)))
+
+
+class ModelStatistics(Message):  # batch_stats, memory_usage and response_stats: none kept (always empty)
+    FIELDS = fields((1, "name", "string"), (2, "version", "string"), (3, "last_inference", "uint64"),
+                    (4, "inference_count", "uint64"), (5, "execution_count", "uint64"),
+                    (6, "inference_stats", "message", False, "InferStatistics"))
+
+
+class ModelStatisticsRequest(Message):
+    name: str
+    version: str
+    FIELDS = fields((1, "name", "string"), (2, "version", "string"))
+
+
+class ModelStatisticsResponse(Message):
+    FIELDS = fields((1, "model_stats", "message", True, "ModelStatistics"))
+
+
 # model_config.proto's DataType, by the name Triton's JSON config spells (``mesh.v2.triton.config_type``)
 DATA_TYPE: dict[str, int] = {"TYPE_BOOL": 1, "TYPE_UINT8": 2, "TYPE_UINT16": 3, "TYPE_UINT32": 4, "TYPE_UINT64": 5,
                              "TYPE_INT8": 6, "TYPE_INT16": 7, "TYPE_INT32": 8, "TYPE_INT64": 9, "TYPE_FP16": 10,
@@ -258,4 +288,5 @@ METHODS: dict[str, tuple[type[Message], type[Message]]] = {
     "ModelMetadata": (ModelMetadataRequest, ModelMetadataResponse),
     "ModelInfer": (ModelInferRequest, ModelInferResponse),
     "ModelConfig": (ModelConfigRequest, ModelConfigResponse),
+    "ModelStatistics": (ModelStatisticsRequest, ModelStatisticsResponse),
 }

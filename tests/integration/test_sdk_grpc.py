@@ -17,7 +17,7 @@ import pytest
 
 from edge_agent.mtls import EdgeTls
 from mesh.client import AsyncClient, Client, InferResult
-from mesh.errors import DeadlineExceeded, ImpossibleSLO, PeerUnavailable, RequestError, UnknownTask
+from mesh.errors import DeadlineExceeded, EdgeStalled, ImpossibleSLO, PeerUnavailable, RequestError, UnknownTask
 from mesh.grpc_transport import GrpcTransport
 from mesh.pki.identity import Identity
 from mesh.tracecontext import new_traceparent, trace_id_of
@@ -205,3 +205,16 @@ def test_a_plain_grpc_edge_takes_the_tenant_header(dp: ThreeTasks) -> None:
         with Client(server.url, tenant="globex") as c, pytest.raises(UnknownTask):
             c.task_metadata("acme-digits")
 
+
+
+def test_a_grpc_edge_that_was_frozen_refuses_stalled_and_the_client_asks_the_next(edge: Edge, dp: ThreeTasks) -> None:
+    """The gRPC front charges a query from the start of a freeze it may have waited through (as REST's): one whose
+    budget that used up is refused ``stalled``, not run; a client of several edges asks the next one."""
+    with grpc_in_thread(dp, visible=visible, arrival=lambda now: now - 5.0) as thawed:  # "woke from a 5 s freeze"
+        with Client(thawed.url, tenant="acme") as c:
+            with pytest.raises(EdgeStalled):
+                c.infer(TASK, X, latency_ms=1000)
+            assert c.infer(TASK, X, latency_ms=10_000).within_slo  # budget to spare: run, charged the freeze
+        with grpc_in_thread(dp, visible=visible) as healthy, Client([thawed.url, healthy.url], tenant="acme") as c:
+            r = c.infer(TASK, X, latency_ms=1000)
+            assert r.edge == healthy.url

@@ -17,7 +17,9 @@ import tritonclient.grpc.aio as tgrpc_aio
 from tritonclient.utils import InferenceServerException
 
 from edge_agent.grpc_api import EdgeGrpcServer
+from edge_agent.metrics import AgentMetrics
 from edge_agent.mtls import EdgeTls
+from mesh.errors import MeshError
 from mesh.pki.ca import CertificateAuthority
 from mesh.pki.files import cert_pem, key_pem, write_file
 from mesh.pki.identity import Identity
@@ -35,10 +37,13 @@ PRIVATE_OF = {TASK: None, TEXT: None, "acme-digits": "acme"}  # task -> its owne
 
 
 class TwoTasks:
-    """The digits model, and a BYTES task that answers each text's length and its upper case."""
+    """The digits model, and a BYTES task that answers each text's length and its upper case; digits queries counted
+    at the door as a site's data plane counts them (the statistics)."""
 
     def __init__(self, digits: OnnxDataPlane) -> None:
         self.site, self.digits = digits.site, digits
+        self.metrics = AgentMetrics(self.site)
+        self.metrics.known(tasks=[TASK, TEXT], tenants=["acme", "globex"], variants=[digits.variant], sites=[])
         self.budget_ms = 0.0  # what was left of the last query's budget when it reached the data plane
         self.text = TaskSignature(TEXT, (TensorSpec("text", "object", (-1,)),),
                                   (TensorSpec("length", "int64", (-1,)), TensorSpec("upper", "object", (-1,))))
@@ -59,7 +64,13 @@ class TwoTasks:
     async def infer(self, req: InferRequest) -> InferResponse:
         self.budget_ms = req.remaining_ms()
         if req.task != TEXT:
-            return await self.digits.infer(req)
+            try:
+                resp = await self.digits.infer(req)
+            except MeshError as exc:
+                self.metrics.door_error(req.task, req.tenant, exc.code, req.slo)
+                raise
+            self.metrics.door_ok(req.task, req.tenant, req.slo, resp)
+            return resp
         inputs = check_inputs(self.text.inputs, req.inputs)
         items = inputs["text"].tolist()
         upper = np.empty(len(items), dtype=object)
@@ -94,7 +105,7 @@ def edge(dp: TwoTasks, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Edg
     home = tmp_path_factory.mktemp("pki")
     pki = make_pki(home)
     tls = EdgeTls(pki.paths, SITE.name, interval_s=0.2)
-    with grpc_in_thread(dp, tls, visible=visible, max_message_bytes=1 << 20) as server:
+    with grpc_in_thread(dp, tls, visible=visible, max_message_bytes=1 << 20, metrics=dp.metrics) as server:
         yield Edge(server, pki, tls, home)
 
 
@@ -190,6 +201,35 @@ def test_the_aio_client(edge: Edge) -> None:
 
     live, logits = asyncio.run(run())
     assert live and logits.shape == (2, 10)
+
+
+def test_statistics_count_the_callers_own_queries(edge: Edge, dp: TwoTasks) -> None:
+    x = digits_split().x_val[:5].astype(np.float32)
+    with client(edge, GLOBEX) as g:
+        before = g.get_inference_statistics(as_json=True)["model_stats"]
+    with client(edge, ACME) as c:
+        for _ in range(2):
+            c.infer(TASK, [digits_input(x)], parameters=SLO)
+        stats = c.get_inference_statistics(TASK, as_json=True)["model_stats"]
+        only = c.get_inference_statistics(TASK, model_version=dp.digits.variant, as_json=True)["model_stats"]
+        with pytest.raises(InferenceServerException) as missing:
+            c.get_inference_statistics("no-such-task")
+        mine = {s["name"] for s in c.get_inference_statistics(as_json=True)["model_stats"]}
+    whole, by_variant = stats[0], {s["version"]: s for s in stats[1:]}
+    # protobuf's JSON writes uint64 as strings, and leaves out what is empty or zero
+    assert whole["name"] == TASK and "version" not in whole
+    assert int(whole["inference_stats"]["success"]["count"]) >= 2 and int(whole["inference_count"]) >= 10
+    assert int(whole["inference_stats"]["compute_infer"]["ns"]) > 0
+    assert by_variant[dp.digits.variant]["execution_count"] == whole["execution_count"]
+    assert [s["version"] for s in only] == [dp.digits.variant]
+    assert missing.value.status() == "StatusCode.NOT_FOUND"
+    assert mine == {TASK, TEXT, "acme-digits"}
+    with client(edge, GLOBEX) as g:  # globex's own, untouched by acme's queries; acme's private task unseen
+        after = g.get_inference_statistics(as_json=True)["model_stats"]
+        with pytest.raises(InferenceServerException) as private:
+            g.get_inference_statistics("acme-digits")
+    assert after == before and {s["name"] for s in after} == {TASK, TEXT}
+    assert private.value.status() == "StatusCode.NOT_FOUND"
 
 
 # -- refusals -----------------------------------------------------------------------------------------------------

@@ -34,7 +34,8 @@ THEIRS: dict[str, Any] = {
         "InferParameter", "InferTensorContents", "ServerLiveRequest", "ServerLiveResponse", "ServerReadyRequest",
         "ServerReadyResponse", "ModelReadyRequest", "ModelReadyResponse", "ServerMetadataRequest",
         "ServerMetadataResponse", "ModelMetadataRequest", "ModelMetadataResponse", "ModelInferRequest",
-        "ModelInferResponse", "ModelConfigRequest", "ModelConfigResponse")},
+        "ModelInferResponse", "ModelConfigRequest", "ModelConfigResponse", "StatisticDuration", "InferStatistics",
+        "ModelStatistics", "ModelStatisticsRequest", "ModelStatisticsResponse")},
     "ParametersEntry": service_pb2.ModelInferRequest.ParametersEntry,
     "TensorMetadata": service_pb2.ModelMetadataResponse.TensorMetadata,
     "InferInputTensor": service_pb2.ModelInferRequest.InferInputTensor,
@@ -44,7 +45,8 @@ THEIRS: dict[str, Any] = {
     "ModelConfig": model_config_pb2.ModelConfig,
 }
 OURS = sorted(n for n, c in vars(oip).items() if isinstance(c, type) and issubclass(c, Message) and c is not Message)
-PARTIAL = {"ModelInput", "ModelOutput", "ModelConfig"}  # only the fields a task's signature fills
+PARTIAL = {"ModelInput", "ModelOutput", "ModelConfig",  # only the fields a task's signature fills
+           "ModelStatistics"}  # only the fields the REST statistics fill
 
 
 def _repeated(f: Any) -> bool:
