@@ -48,6 +48,57 @@ async def _first_answer(client: AsyncClient, task: str, texts: list[str], slo: d
     pytest.fail(f"{task} not served within 120 s: {last}")
 
 
+def _grpc_bytes(tc_module: Any) -> Any:
+    inp = tc_module.InferInput("text", [2], "BYTES")
+    inp.set_data_from_numpy(np.array([b"Real-time strategy game of ancient warfare", b"IMAP and POP3 mail client"],
+                                     dtype=np.object_))
+    return inp
+
+
+async def _grpc_text(mesh: LocalMesh) -> None:
+    """acme's text query over gRPC with ``tritonclient.grpc`` (sync, in a thread) and ``.aio``; globex is refused
+    acme's private task there, as over REST."""
+    import tritonclient.grpc as tgrpc_sync
+    import tritonclient.grpc.aio as tgrpc
+    from tritonclient.utils import InferenceServerException
+
+    url = mesh.sites[EDGE].grpc
+    assert url is not None and url.startswith("grpcs://")
+    addr = url.removeprefix("grpcs://")
+
+    def files(tenant: str) -> dict[str, str]:
+        f = mesh.tenant_files(tenant)
+        return {"root_certificates": str(f["ca"]), "private_key": str(f["key"]), "certificate_chain": str(f["cert"])}
+
+    def check(reply: Any) -> None:
+        assert reply.parameters["tenant"].string_param == "acme"
+        assert reply.parameters["variant"].string_param == "topic-minilm-l6-int8.onnx.fp32"
+
+    def sync_query() -> list[str]:
+        client = tgrpc_sync.InferenceServerClient(addr, ssl=True, **files("acme"))
+        try:
+            result = client.infer("text-topic", [_grpc_bytes(tgrpc_sync)], parameters=SLO)
+            check(result.get_response())
+            return [SECTIONS[i] for i in result.as_numpy("logits").argmax(axis=1)]
+        finally:
+            client.close()
+
+    assert await asyncio.to_thread(sync_query) == ["games", "mail"]
+    client = tgrpc.InferenceServerClient(addr, ssl=True, **files("acme"))
+    try:
+        result = await client.infer("text-topic", [_grpc_bytes(tgrpc)], parameters=SLO)
+        check(result.get_response())
+        assert [SECTIONS[i] for i in result.as_numpy("logits").argmax(axis=1)] == ["games", "mail"]
+    finally:
+        await client.close()
+    other = tgrpc.InferenceServerClient(addr, ssl=True, **files("globex"))
+    try:
+        with pytest.raises(InferenceServerException, match=r"(?i)not_found|unknown"):
+            await other.infer("text-topic", [_grpc_bytes(tgrpc)], parameters=SLO)
+    finally:
+        await other.close()
+
+
 async def test_text_family_served_to_its_tenants() -> None:
     assert SMALL_TOPOLOGY.exists()
     corpus = load_corpus()
@@ -96,6 +147,9 @@ async def test_text_family_served_to_its_tenants() -> None:
                 assert r.status == 200
             async with s.get(blob, ssl=_context(mesh, "globex")) as r:
                 assert r.status == 403
+
+        # unmodified tritonclient.grpc, sync and aio, BYTES over mutual TLS: the tenant from the certificate
+        await _grpc_text(mesh)
 
         # globex: its own head on the same encoder blob, never acme's
         async with AsyncClient(http, **mesh.tenant_files("globex")) as globex:
