@@ -43,6 +43,9 @@ __all__ = ["SelfProfiler", "sample_inputs", "time_batches"]
 log = get_logger(__name__)
 
 QUIET_S = 1.0  # idle seconds before a variant placement does not ask for is profiled
+DUTY = 0.5  # timing runs take at most this share of the profiler's time (it rests the rest) ...
+YIELD_STEP_S = 0.005  # ... and it waits in steps of this while a query is in flight ...
+MAX_YIELD_S = 2.0  # ... at most this long per batch size (a site never idle is still timed)
 
 # a sentence for text inputs (BYTES): timing depends on its length in tokens, not on its words
 _SAMPLE_TEXT = b"the central bank held interest rates steady as markets waited for new inflation figures"
@@ -66,21 +69,36 @@ def sample_inputs(sig: TaskSignature, batch: int, seed: int = 0) -> dict[str, np
 
 
 def time_batches(infer: InferFn, inputs_for: Callable[[int], dict[str, np.ndarray]], batch_sizes: tuple[int, ...],
-                 *, repeats: int = 20, time_budget_s: float = 0.25) -> dict[int, LatencyStats]:
+                 *, repeats: int = 20, time_budget_s: float = 0.25, busy: Callable[[], bool] | None = None,
+                 duty: float = DUTY, max_yield_s: float = MAX_YIELD_S,
+                 sleep: Callable[[float], None] = time.sleep) -> dict[int, LatencyStats]:
     """Median and p99 ms of ``infer`` at each batch size, after one warm-up run; at most ``repeats`` runs
-    and about ``time_budget_s`` seconds per batch size (at least one run)."""
+    and about ``time_budget_s`` seconds of runs per batch size (at least one run).
+
+    It runs in a thread of the serving process, under the site's CPU cap: so that it never starves the site's
+    traffic (a tenth of a core has no room for both), it waits before each run while ``busy()`` (a query in
+    flight; at most ``max_yield_s`` in all per batch size, so a site never idle is still timed), and rests after
+    each run so that runs take at most ``duty`` of its time."""
     out: dict[int, LatencyStats] = {}
+    rest = max(0.0, 1.0 / duty - 1.0) if duty > 0 else 0.0
     for bs in batch_sizes:
         x = inputs_for(bs)
         infer(x)
         times: list[float] = []
-        deadline = time.perf_counter() + time_budget_s
+        spent, yielded = 0.0, 0.0
         for _ in range(max(1, repeats)):
+            while busy is not None and yielded < max_yield_s and busy():
+                sleep(YIELD_STEP_S)
+                yielded += YIELD_STEP_S
             t0 = time.perf_counter()
             infer(x)
-            times.append((time.perf_counter() - t0) * 1000.0)
-            if time.perf_counter() > deadline:
+            took = time.perf_counter() - t0
+            times.append(took * 1000.0)
+            spent += took
+            if spent > time_budget_s:
                 break
+            if rest:
+                sleep(took * rest)
         arr = np.asarray(times)
         out[bs] = LatencyStats(p50_ms=float(np.percentile(arr, 50)), p99_ms=float(np.percentile(arr, 99)))
     return out
@@ -252,7 +270,7 @@ class SelfProfiler:
             latency = await asyncio.get_running_loop().run_in_executor(
                 self.host.executor,
                 lambda: time_batches(lv.batcher.infer_for(meta.variant_id), lambda bs: sample_inputs(sig, bs), sizes,
-                                     time_budget_s=self.time_budget_s))
+                                     time_budget_s=self.time_budget_s, busy=lambda: self.idle_s() <= 0.0))
             prof = Profile(hardware_class=self.hardware_class, load_ms=lv.load_ms, latency=latency,
                            peak_memory_bytes=lv.runtime.memory_bytes, providers=list(lv.runtime.providers_in_use),
                            measured_at=time.time())

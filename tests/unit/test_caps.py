@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from typing import Any, cast
 
 import numpy as np
@@ -16,7 +17,15 @@ from core_scheduler.policy.snapshot import ESTIMATE_SAFETY, VariantInfo, with_es
 from core_scheduler.state.heartbeat import Heartbeat, MeasuredProfile
 from core_scheduler.state.snapshot import build_snapshot
 from core_scheduler.state.view import MeshView
-from edge_agent.selfprofile import QUIET_S, SelfProfiler, sample_inputs, time_batches
+from edge_agent.selfprofile import (
+    DUTY,
+    MAX_YIELD_S,
+    QUIET_S,
+    YIELD_STEP_S,
+    SelfProfiler,
+    sample_inputs,
+    time_batches,
+)
 from edge_agent.traces import HopTrace
 from mesh.errors import ConfigError
 from mesh.types import TaskSignature, TensorSpec
@@ -200,6 +209,31 @@ def test_sample_inputs_follow_the_signature_and_timing_is_bounded() -> None:
     stats = time_batches(infer, lambda bs: sample_inputs(sig, bs), (1, 8), repeats=5, time_budget_s=1.0)
     assert set(stats) == {1, 8} and all(s.p50_ms >= 0 for s in stats.values())
     assert calls.count(1) == 6 and calls.count(8) == 6      # one warm-up + at most `repeats` each
+
+
+def test_timing_yields_to_traffic_and_rests_between_runs() -> None:
+    """Self-profiling runs in the serving process under its cap: it waits while a query is in flight (bounded, so a
+    site never idle is still timed) and rests as long as each run took (DUTY 0.5), so traffic is never starved."""
+    sig = TaskSignature(task="t", inputs=(TensorSpec("x", "float32", (-1, 64)),),
+                        outputs=(TensorSpec("y", "float32", (-1, 10)),))
+    slept: list[float] = []
+    busy = iter([True, True, True])  # a query in flight for three looks, then quiet
+
+    def infer(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        time.sleep(0.002)
+        return {"y": inputs["x"][:, :10]}
+
+    stats = time_batches(infer, lambda bs: sample_inputs(sig, bs), (1,), repeats=4, time_budget_s=1.0,
+                         busy=lambda: next(busy, False), sleep=slept.append)
+    assert set(stats) == {1} and stats[1].p50_ms >= 2.0
+    assert slept[:3] == [YIELD_STEP_S] * 3  # waited out the query before the first timed run
+    rests = slept[3:]
+    assert len(rests) == 4 and all(r >= 0.002 * (1 / DUTY - 1) * 0.9 for r in rests)  # as long as the run, each
+    # a site that is never idle: it waits at most MAX_YIELD_S per batch size, then times anyway
+    waited: list[float] = []
+    time_batches(infer, lambda bs: sample_inputs(sig, bs), (1, 8), repeats=2, busy=lambda: True,
+                 sleep=waited.append)
+    assert sum(w for w in waited if w == YIELD_STEP_S) <= 2 * (MAX_YIELD_S + 2 * YIELD_STEP_S)
 
 
 async def test_speculative_profiling_waits_for_a_quiet_site() -> None:
