@@ -11,13 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import socket
 import ssl
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -29,70 +24,12 @@ from edge_agent.http_api import EdgeHttpServer
 from edge_agent.mtls import EdgeTls
 from tests.helpers.mtls_edge import ACME, SITE, TASK, infer_body, make_pki, tenant_context
 from tests.helpers_dataplane import OnnxDataPlane, digits_model
+from tests.helpers_flood import descriptors, flood, front_process
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
-REPO = Path(__file__).resolve().parents[2]
 FILES = 512      # the edge's descriptor limit
 FLOOD = 1200     # idle connections, each made and then left alone
-SERVE = """
-import asyncio, resource, sys
-_, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-resource.setrlimit(resource.RLIMIT_NOFILE, ({files}, hard))
-from edge_agent.http_api import EdgeHttpServer
-from edge_agent.mtls import EdgeTls
-from tests.helpers_dataplane import OnnxDataPlane
-
-async def main():
-    dp = OnnxDataPlane({site!r}, {model!r}, accuracy=0.96)
-    tls = EdgeTls.under({home!r}, {site!r}) if {tls!r} else None
-    async with EdgeHttpServer(dp, "127.0.0.1", tls=tls) as srv:
-        print(srv.url, flush=True)
-        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the test closes stdin
-    dp.close()
-
-asyncio.run(main())
-"""
-
-
-@contextlib.contextmanager
-def edge_process(tmp_path: Path, tls: bool) -> Iterator[tuple[str, int]]:
-    """An edge in its own process with ``FILES`` descriptors; yields its URL and pid."""
-    model = digits_model(tmp_path)
-    code = SERVE.format(files=FILES, site=SITE.name, model=str(model), home=str(tmp_path), tls=tls)
-    with (tmp_path / "edge.log").open("wb") as log:
-        proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=log, env={**os.environ, "PYTHONPATH": str(REPO)})
-        try:
-            assert proc.stdout is not None
-            url = proc.stdout.readline().decode().strip()
-            assert url.startswith("http"), (tmp_path / "edge.log").read_text()[-2000:]
-            yield url, proc.pid
-        finally:
-            assert proc.stdin is not None
-            proc.stdin.close()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-
-
-def _flood(port: int, n: int) -> list[socket.socket]:
-    """``n`` TCP connections to the edge that send nothing (connects left to finish in the kernel)."""
-    socks = []
-    for _ in range(n):
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        s.setblocking(False)
-        s.connect_ex(("127.0.0.1", port))
-        socks.append(s)
-    return socks
-
-
-def _descriptors(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
 async def _tenant_served(url: str, ctx: ssl.SSLContext | None) -> float:
     """Seconds until a real tenant's query is answered 200 (at most 20)."""
     t0 = time.monotonic()
@@ -109,16 +46,16 @@ async def _tenant_served(url: str, ctx: ssl.SSLContext | None) -> float:
 async def test_an_idle_connection_flood_does_not_stop_a_tenant(tmp_path: Path, tls: bool) -> None:
     pki = make_pki(tmp_path)
     ctx = tenant_context(pki, ACME) if tls else None
-    with edge_process(tmp_path, tls) as (url, pid):
+    with front_process(tmp_path, tls=tls, grpc=False, files=FILES) as (url, pid):
         port = int(url.rsplit(":", 1)[1])
         await _tenant_served(url, ctx)  # warm: the model answers
-        idle = _descriptors(pid)
-        socks = _flood(port, FLOOD)
+        idle = descriptors(pid)
+        socks = flood(port, FLOOD)
         try:
             await asyncio.sleep(3.0)  # the connects land (a dropped SYN is sent again after 1 s)
             # the edge holds at most its bound of them (within the 5 s a TLS handshake may take): it closed the
             # others, oldest first
-            held = _descriptors(pid) - idle
+            held = descriptors(pid) - idle
             assert held <= MAX_PENDING + 8, held
             took = await _tenant_served(url, ctx)
             assert took < 10.0, took

@@ -8,13 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import socket
 import ssl
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -29,74 +24,12 @@ from mesh.pki.identity import Identity
 from mesh.pki.local import LocalPki
 from tests.helpers.mtls_edge import ACME, SITE, TASK, make_pki, tenant_context
 from tests.helpers_dataplane import OnnxDataPlane, digits_model
+from tests.helpers_flood import descriptors, flood, front_process
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
-REPO = Path(__file__).resolve().parents[2]
 FILES = 512      # the edge's descriptor limit, as a container's
 FLOOD = 1200     # idle connections, each made and then left alone
-SERVE = """
-import asyncio, resource, sys
-_, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-resource.setrlimit(resource.RLIMIT_NOFILE, ({files}, hard))
-from edge_agent.grpc_api import EdgeGrpcServer
-from edge_agent.mtls import EdgeTls
-from tests.helpers_dataplane import OnnxDataPlane
-
-async def main():
-    dp = OnnxDataPlane({site!r}, {model!r}, accuracy=0.96)
-    tls = EdgeTls.under({home!r}, {site!r}) if {tls!r} else None
-    if tls is not None:
-        await tls.start()
-    async with EdgeGrpcServer(dp, "127.0.0.1", tls=tls) as srv:
-        print(srv.address, flush=True)
-        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the test closes stdin
-    if tls is not None:
-        await tls.stop()
-    dp.close()
-
-asyncio.run(main())
-"""
-
-
-@contextlib.contextmanager
-def grpc_edge_process(tmp_path: Path, tls: bool) -> Iterator[tuple[str, int]]:
-    """A gRPC edge in its own process with ``FILES`` descriptors; yields its ``host:port`` and pid."""
-    model = digits_model(tmp_path)
-    code = SERVE.format(files=FILES, site=SITE.name, model=str(model), home=str(tmp_path), tls=tls)
-    with (tmp_path / "edge.log").open("wb") as log:
-        proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=log, env={**os.environ, "PYTHONPATH": str(REPO)})
-        try:
-            assert proc.stdout is not None
-            address = proc.stdout.readline().decode().strip()
-            assert address.startswith("127.0.0.1:"), (tmp_path / "edge.log").read_text()[-2000:]
-            yield address, proc.pid
-        finally:
-            assert proc.stdin is not None
-            proc.stdin.close()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-
-
-def _flood(port: int, n: int) -> list[socket.socket]:
-    """``n`` TCP connections to the edge that send nothing (connects left to finish in the kernel)."""
-    socks = []
-    for _ in range(n):
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        s.setblocking(False)
-        s.connect_ex(("127.0.0.1", port))
-        socks.append(s)
-    return socks
-
-
-def _descriptors(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
 def _client(address: str, pki: LocalPki | None, who: Identity = ACME) -> tgrpc_aio.InferenceServerClient:
     if pki is None:
         return tgrpc_aio.InferenceServerClient(address)
@@ -127,14 +60,14 @@ async def _tenant_served(address: str, pki: LocalPki | None) -> float:
 @pytest.mark.parametrize("tls", [True, False], ids=["tls", "plain"])
 async def test_an_idle_connection_flood_does_not_stop_a_tenant(tmp_path: Path, tls: bool) -> None:
     pki = make_pki(tmp_path)
-    with grpc_edge_process(tmp_path, tls) as (address, pid):
+    with front_process(tmp_path, tls=tls, grpc=True, files=FILES) as (address, pid):
         port = int(address.rsplit(":", 1)[1])
         await _tenant_served(address, pki if tls else None)  # warm: the model answers
-        idle = _descriptors(pid)
-        socks = _flood(port, FLOOD)
+        idle = descriptors(pid)
+        socks = flood(port, FLOOD)
         try:
             await asyncio.sleep(3.0)  # the connects land (a dropped SYN is sent again after 1 s)
-            held = _descriptors(pid) - idle  # at most the bound: the others closed, oldest first
+            held = descriptors(pid) - idle  # at most the bound: the others closed, oldest first
             assert held <= MAX_PENDING + 8, held
             took = await _tenant_served(address, pki if tls else None)
             assert took < 10.0, took
