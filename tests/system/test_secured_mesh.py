@@ -16,6 +16,7 @@ import time
 import aiohttp
 import numpy as np
 import pytest
+import tritonclient.grpc as tgrpc_sync
 import tritonclient.grpc.aio as tgrpc
 from tritonclient.utils import InferenceServerException
 
@@ -77,6 +78,20 @@ async def _grpc_served(mesh: LocalMesh, x: np.ndarray) -> None:
         assert reply.outputs and reply.raw_output_contents
     finally:
         await client.close()
+
+    def sync_query() -> str:  # the sync client too (it blocks its caller: in a thread)
+        sync = tgrpc_sync.InferenceServerClient(url.removeprefix("grpcs://"), ssl=True, root_certificates=files["ca"],
+                                                private_key=files["key"], certificate_chain=files["cert"])
+        try:
+            one = tgrpc_sync.InferInput("x", list(x.shape), "FP32")
+            one.set_data_from_numpy(x.astype(np.float32))
+            got = sync.infer(TASK, [one], parameters={"latency_ms": 400, "min_accuracy": 0.9})
+            assert got.as_numpy("logits").shape == (len(x), 10)
+            return str(got.get_response().parameters["tenant"].string_param)
+        finally:
+            sync.close()
+
+    assert await asyncio.to_thread(sync_query) == "acme"
     anonymous = tgrpc.InferenceServerClient(url.removeprefix("grpcs://"), ssl=True, root_certificates=files["ca"])
     try:
         with pytest.raises(InferenceServerException):
