@@ -8,6 +8,7 @@ behind the admin gate (:mod:`console.auth`):
     GET /api/topology           the applied topology as YAML, and the record of the last apply (its diff)
     GET /api/traces?limit=N     recent trace summaries from every live agent
     GET /api/traces/{id}        one request's decision trace, from the agent that answered it (404 if none has it)
+    GET /api/jobs[?tenant=T]    offline jobs per tenant: counts by state, progress, the sites at work (console.jobs)
     GET /api/whoami             the admin's name
 
 ``extra_routes`` mounts more handlers behind the same gate (the scheduler's ``/metrics``).
@@ -26,8 +27,11 @@ from aiohttp import web
 from ruamel.yaml import YAML
 
 from console.auth import ADMIN, AdminGate
+from console.jobs import summary
 from console.scrape import Scraper
 from console.state import ConsoleState
+from core_scheduler.state.jobs import JobBook
+from mesh.errors import StoreError
 
 __all__ = ["STATIC_DIR", "Route", "make_app"]
 
@@ -132,6 +136,21 @@ async def _trace(request: web.Request) -> web.Response:
     return _json({"answered_by": site, **trace})
 
 
+async def _jobs(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    state.touch()
+    tenant = request.query.get("tenant")
+    try:
+        views = await JobBook(state.store).views(tenant)
+    except StoreError as exc:
+        return _json({"error": f"etcd did not answer: {exc}", "code": exc.code}, 503)
+    known = set(state.view.tenants)
+    if tenant is not None and tenant not in known and not views:
+        return _json({"error": f"no tenant {tenant[:64]!r} in the topology, and no job of one", "code": "not_found"},
+                     404)
+    return _json(summary(views, [tenant] if tenant is not None else known))
+
+
 def make_app(state: ConsoleState, scraper: Scraper, gate: AdminGate, closing: asyncio.Event,
              extra_routes: Sequence[Route] = ()) -> web.Application:
     app = web.Application(middlewares=[gate.middleware])
@@ -144,6 +163,7 @@ def make_app(state: ConsoleState, scraper: Scraper, gate: AdminGate, closing: as
     app.router.add_get("/api/traces", _traces)
     app.router.add_get("/api/traces/{request_id}", _trace)
     app.router.add_get("/api/whoami", _whoami)
+    app.router.add_get("/api/jobs", _jobs)
     for method, path, handler in extra_routes:
         app.router.add_route(method, path, handler)
     return app

@@ -89,6 +89,7 @@ class Agent(AgentTrust, Service):
         self.http: EdgeHttpServer | None = None
         self.grpc: EdgeGrpcServer | None = None  # the Open Inference Protocol over gRPC (cfg.grpc_port None: off)
         self.chunks: ChunkWorker | None = None  # offline jobs' chunks, run on idle capacity (edge_agent.chunks)
+        self.jobs_api: JobsApi | None = None  # the door's job API (its long polls and event streams end first)
         self.liveness: Liveness | None = None
         self.dataplane: SiteDataPlane | None = None
         self.table: Router | None = None
@@ -174,6 +175,7 @@ class Agent(AgentTrust, Service):
         jobs = JobsApi(self.site, self.view, JobBook(self.store), job_data,
                        cfg.home / "sites" / self.site / "jobs-spool", tls.tenant if tls is not None else identify,
                        on_admit=lambda: self.chunks.wake() if self.chunks is not None else None)
+        self.jobs_api = jobs
         self.http = EdgeHttpServer(self.dataplane, host=cfg.bind, port=cfg.http_port,
                                    advertise=self.advertise_host, max_body_bytes=cfg.max_body_bytes,
                                    tls=tls, observe=observe,
@@ -223,6 +225,7 @@ class Agent(AgentTrust, Service):
         steps: list[Any] = [self.chunks.stop if self.chunks else None,
                             self.liveness.stop if self.liveness else None,
                             self.grpc.stop if self.grpc else None,
+                            self.jobs_api.close if self.jobs_api else None,
                             self.http.stop if self.http else None,
                             self.zmq_server.stop if self.zmq_server else None,
                             self.stall_watch.stop,

@@ -1,11 +1,13 @@
 """The edge's offline-job REST API (a door's; the work itself is ``edge_agent.chunks``', whose docstring lists what
 of issue 32 is not built yet):
 
-    POST   /v2/models/{task}/jobs?min_accuracy=&deadline_s=&max_cost=&format=npz|jsonl&chunk_rows=
+    POST   /v2/models/{task}/jobs?min_accuracy=&deadline_s=&max_cost=&format=npz|jsonl&chunk_rows=&fresh=
            the body is the input (NPZ with ``x``, or JSON lines); 202 {"id", ...} once it is stored
     GET    /v2/models/{task}/jobs            the caller's jobs of the task
     GET    /v2/jobs                          the caller's jobs
-    GET    /v2/models/{task}/jobs/{id}       state, progress, rows done, sites
+    GET    /v2/models/{task}/jobs/{id}       state, progress, rows done, sites, the etcd revision read at
+    GET    /v2/models/{task}/jobs/{id}?wait=S&since=R   the same as a long poll (``edge_agent.job_follow``)
+    GET    /v2/models/{task}/jobs/{id}/events           the same as Server-Sent Events until the job ends
     GET    /v2/models/{task}/jobs/{id}/result?format=npz|jsonl   the outputs, rows in input order (409 until done)
     DELETE /v2/models/{task}/jobs/{id}       cancel (409 when it is finished already)
 
@@ -16,6 +18,13 @@ as it arrives, never whole in memory; over ``max_input_bytes``: 413), checked ro
 row), the deadline and cost ceiling against the cheapest live capacity (422 with the reason and the best feasible
 deadline or cost, ``core_scheduler.policy.jobs.estimate``), the input stored in the variant store's data area (its
 quota: 413 naming it), then the job's record and chunks in etcd.
+
+Resubmission: the same input (digest) for the same task, read the same way, with the same ``min_accuracy`` (hence
+the same variant) as a queued, running or done job of the tenant is answered ``200`` with that job and
+``"deduplicated": true``, at the cost of the upload alone: nothing is stored again and no chunk runs again. Its
+deadline and cost ceiling are that job's. ``fresh=1`` asks for a new run regardless; a failed or cancelled job is
+always run afresh. Two identical submissions at once make one job: the record is written only if the index entry
+is still what the lookup saw (``JobBook.create(index_seen=)``), and the door that loses answers with the winner's.
 
 The result is assembled in memory from the chunks' outputs (bounded by ``max_result_bytes``); streaming a large
 result is not built yet.
@@ -43,6 +52,7 @@ from core_scheduler.policy.jobs import capacities, cheapest_variant, estimate, j
 from core_scheduler.state.jobs import JobBook
 from core_scheduler.state.view import MeshView
 from edge_agent.job_data import DataClient
+from edge_agent.job_follow import JobFollow, since_of, status, wait_s_of
 from mesh.errors import (
     ConflictError,
     ImpossibleSLO,
@@ -51,7 +61,8 @@ from mesh.errors import (
     UnknownTask,
     UnknownTenant,
 )
-from mesh.jobspec import FORMATS, InputFormat, JobRecord, chunk_rows_of, is_job_id, plan_chunks
+from mesh.etcd.keys import job_key
+from mesh.jobspec import FORMATS, InputFormat, JobRecord, chunk_rows_of, dedup_fingerprint, is_job_id, plan_chunks
 from mesh.log import get_logger, kv
 from variant_store.jobdata import decode_outputs, encode_outputs, scan_input
 
@@ -92,6 +103,13 @@ def _chunk_rows(raw: str | None, rows: int) -> int:
     return int(raw)
 
 
+def _flag(q: Any, name: str) -> bool:
+    raw = q.get(name, "0").lower()
+    if raw not in ("0", "1", "true", "false"):
+        raise RequestError(f"{name} must be 1 or 0 (true or false), got {raw[:20]!r}")
+    return raw in ("1", "true")
+
+
 def _format(q: Any) -> InputFormat:
     fmt = q.get("format", "npz")
     if fmt not in FORMATS:
@@ -109,11 +127,17 @@ class JobsApi:
         self.on_admit = on_admit  # a job was admitted here: this site's chunk worker looks at once
         self.spool, self.who = spool, who
         self.max_input_bytes, self.max_result_bytes = max_input_bytes, max_result_bytes
+        self.follow = JobFollow(book.store)
+
+    async def close(self) -> None:
+        """End the long polls and event streams now (the door is stopping)."""
+        await self.follow.close()
 
     def routes(self) -> list[Route]:
         base = "/v2/models/{task}/jobs"
         return [("POST", base, self.submit), ("GET", base, self.list_task), ("GET", "/v2/jobs", self.list_all),
                 ("GET", base + "/{job}", self.show), ("GET", base + "/{job}/result", self.result),
+                ("GET", base + "/{job}/events", self.events),
                 ("DELETE", base + "/{job}", self.cancel)]
 
     # -- admission --------------------------------------------------------------------------------------------
@@ -138,6 +162,7 @@ class JobsApi:
         deadline_s = _float(q, "deadline_s", 3600.0, MIN_DEADLINE_S, MAX_DEADLINE_S) or 3600.0
         max_cost = _float(q, "max_cost", None, 0.0, 1e9)
         fmt = _format(q)
+        fresh = _flag(q, "fresh")
         meta = cheapest_variant(metas, min_acc)
         if meta is None:
             best = max(m.accuracy for m in metas)
@@ -150,6 +175,10 @@ class JobsApi:
         now = time.time()
         path, digest, size = await self._spool(request)
         try:
+            fingerprint = dedup_fingerprint(task, fmt, min_acc, meta.variant_id, digest)
+            same, index_seen = (None, None) if fresh else await self.book.duplicate_of(tenant, fingerprint)
+            if same is not None:
+                return self._deduplicated(same, size)
             summary = await asyncio.get_running_loop().run_in_executor(None, scan_input, path, fmt)
             chunk_rows = _chunk_rows(q.get("chunk_rows"), summary.rows)
             try:
@@ -174,15 +203,28 @@ class JobsApi:
         job = JobRecord(job_id=uuid.uuid4().hex, task=task, tenant=tenant, min_accuracy=min_acc,
                         deadline=now + deadline_s, input_digest=digest, rows=summary.rows, input_format=fmt,
                         chunk_rows=chunk_rows, max_cost=max_cost, variant=meta.variant_id, created=now, updated=now)
-        await self.book.create(job)
+        try:
+            await self.book.create(job, index_seen=index_seen)
+        except ConflictError as exc:  # an identical job was admitted at the same moment: answer with that one
+            same, _ = await self.book.duplicate_of(tenant, fingerprint)
+            if same is None or exc.details.get("key") == job_key(job.job_id):
+                raise
+            return self._deduplicated(same, size)
         if self.on_admit is not None:
             self.on_admit()
         log.info("job %s admitted: %d rows, %d chunks", job.job_id, job.rows, len(chunks),
                  extra=kv(tenant=tenant, event="job_admitted", job=job.job_id, task=task, size=size))
         body = {"id": job.job_id, "state": job.state, "rows": job.rows, "chunks": len(chunks),
                 "variant": meta.variant_id, "deadline": job.deadline, "estimate_s": est.seconds if est else None,
-                "estimate_cost": est.cost if est else None}
+                "estimate_cost": est.cost if est else None, "deduplicated": False}
         return web.json_response(body, status=202)
+
+    def _deduplicated(self, same: JobRecord, size: int) -> web.Response:
+        log.info("job %s resubmitted: answered with it", same.job_id,
+                 extra=kv(tenant=same.tenant, event="job_deduplicated", job=same.job_id, task=same.task, size=size))
+        return web.json_response({"id": same.job_id, "state": same.state, "rows": same.rows,
+                                  "chunks": len(same.chunks), "variant": same.variant, "deadline": same.deadline,
+                                  "deduplicated": True})
 
     async def _spool(self, request: web.Request) -> tuple[Path, str, int]:
         """The body on disk (hashed as it arrives; at most ``max_input_bytes``): (path, sha256, size)."""
@@ -220,8 +262,20 @@ class JobsApi:
             raise _NoJob(f"no job {job_id} of task {request.match_info['task']!r}")
         return v
 
+    async def _read(self, request: web.Request) -> tuple[Any, int]:
+        """The caller's job and the etcd revision before the read: a watch from the next one misses nothing."""
+        rev = await self.book.store.revision()
+        return await self._mine(request), rev
+
     async def show(self, request: web.Request) -> web.Response:
-        return web.json_response((await self._mine(request)).to_json())
+        q = request.query
+        if "wait" in q or "since" in q:
+            wait_s, since = wait_s_of(q.get("wait", "0")), since_of(q.get("since"))
+            return await self.follow.long_poll(self._tenant(request), lambda: self._read(request), wait_s, since)
+        return web.json_response(status(*await self._read(request)))
+
+    async def events(self, request: web.Request) -> web.StreamResponse:
+        return await self.follow.stream(request, self._tenant(request), lambda: self._read(request))
 
     async def _list(self, request: web.Request, task: str | None) -> web.Response:
         tenant = self._tenant(request)

@@ -13,11 +13,16 @@ bytes with ``format=``. An error reply becomes the ``MeshError`` its code names 
 ``UnknownTask``, a deadline that cannot be met ``ImpossibleSLO`` (its message says the best feasible one), input
 over quota ``PayloadTooLarge``, cancelling a finished job ``ConflictError``. A job that ends failed or cancelled
 makes ``wait`` raise ``MeshError`` with its state and error.
+
+``wait`` does not poll on a timer: each request is a long poll the edge answers as soon as the job changes (or after
+``poll_s`` seconds, at most ``MAX_HOLD_S``), passing back the etcd revision of the status it last saw so that no
+change between two requests is missed. Submitting an input already submitted (same task, bytes, format and
+``min_accuracy``) while that job is queued, running or done returns that job (``job.deduplicated``) and runs nothing
+again; ``fresh=True`` asks for a new run.
 """
 
 from __future__ import annotations
 
-import asyncio
 import io
 import time
 from collections.abc import Callable, Coroutine
@@ -39,6 +44,7 @@ __all__ = ["AsyncJob", "AsyncJobs", "Job", "Jobs"]
 T = TypeVar("T")
 TENANT_HEADER = "X-Tiermesh-Tenant"
 Progress = Callable[[dict[str, Any]], None]
+MAX_HOLD_S = 55.0  # under the edge's bound on one long poll (60 s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,10 +56,15 @@ class AsyncJob:
     id: str
     admitted: dict[str, Any]
 
+    @property
+    def deduplicated(self) -> bool:
+        """Whether the edge answered the submission with an identical job it had already (nothing ran again)."""
+        return bool(self.admitted.get("deduplicated"))
+
     async def status(self) -> dict[str, Any]:
         return await self.jobs.show(self.task, self.id)
 
-    async def wait(self, *, poll_s: float = 0.5, timeout: float | None = None,  # noqa: ASYNC109
+    async def wait(self, *, poll_s: float = 30.0, timeout: float | None = None,  # noqa: ASYNC109
                    progress: Progress | None = None) -> dict[str, Any]:
         return await self.jobs.wait(self.task, self.id, poll_s=poll_s, timeout=timeout, progress=progress)
 
@@ -124,9 +135,11 @@ class AsyncJobs:
 
     async def submit(self, task: str, data: Any, *, min_accuracy: float = 0.0, deadline_s: float = 3600.0,
                      max_cost: float | None = None, format: str | None = None,
-                     chunk_rows: int | None = None) -> AsyncJob:
+                     chunk_rows: int | None = None, fresh: bool = False) -> AsyncJob:
+        """Submit a job; ``fresh=True``: run it even when an identical one is queued, running or done."""
         body, fmt = _body(data, format)
-        params = {"min_accuracy": str(min_accuracy), "deadline_s": str(deadline_s), "format": fmt}
+        params = {"min_accuracy": str(min_accuracy), "deadline_s": str(deadline_s), "format": fmt,
+                  "fresh": "1" if fresh else "0"}
         if max_cost is not None:
             params["max_cost"] = str(max_cost)
         if chunk_rows is not None:
@@ -137,8 +150,14 @@ class AsyncJobs:
     def job(self, task: str, job_id: str) -> AsyncJob:
         return AsyncJob(self, task, job_id, {})
 
-    async def show(self, task: str, job_id: str) -> dict[str, Any]:
-        out: dict[str, Any] = await self._call("GET", f"/v2/models/{task}/jobs/{job_id}")
+    async def show(self, task: str, job_id: str, *, wait: float | None = None,
+                   since: int | None = None) -> dict[str, Any]:
+        """The job's status; with ``wait``, a long poll: answered when the job changed after revision ``since`` (a
+        status's ``revision``; default: now), or after ``wait`` seconds."""
+        params = {} if wait is None else {"wait": f"{min(wait, MAX_HOLD_S):.3f}"}
+        if since is not None:
+            params["since"] = str(int(since))
+        out: dict[str, Any] = await self._call("GET", f"/v2/models/{task}/jobs/{job_id}", params=params or None)
         return out
 
     async def list(self, task: str | None = None) -> list[dict[str, Any]]:
@@ -160,13 +179,14 @@ class AsyncJobs:
                                       raw=True)
         return out
 
-    async def wait(self, task: str, job_id: str, *, poll_s: float = 0.5, timeout: float | None = None,  # noqa: ASYNC109
+    async def wait(self, task: str, job_id: str, *, poll_s: float = 30.0, timeout: float | None = None,  # noqa: ASYNC109
                    progress: Progress | None = None) -> dict[str, Any]:
-        """Poll until the job is done (its status); ``MeshError`` when it ends failed or cancelled,
+        """Follow the job until it is done (its status), one long poll after another (each held at most ``poll_s``
+        seconds; ``progress`` sees every status); ``MeshError`` when it ends failed or cancelled,
         ``DeadlineExceeded`` after ``timeout`` seconds."""
         end = None if timeout is None else time.monotonic() + timeout
+        st = await self.show(task, job_id)
         while True:
-            st = await self.show(task, job_id)
             if progress is not None:
                 progress(st)
             if st["state"] == "done":
@@ -175,7 +195,9 @@ class AsyncJobs:
                 raise MeshError(f"job {job_id} {st['state']}: {st.get('error') or 'no error given'}", state=st["state"])
             if end is not None and time.monotonic() >= end:
                 raise DeadlineExceeded(f"job {job_id} not done after {timeout} s ({st['rows_done']}/{st['rows']} rows)")
-            await asyncio.sleep(poll_s)
+            hold = max(0.05, poll_s if end is None else min(poll_s, end - time.monotonic()))
+            revision = st.get("revision")
+            st = await self.show(task, job_id, wait=hold, since=revision if isinstance(revision, int) else None)
 
     async def aclose(self) -> None:
         session, self._session = self._session, None
@@ -201,10 +223,14 @@ class Job:
     def id(self) -> str:
         return self.inner.id
 
+    @property
+    def deduplicated(self) -> bool:
+        return self.inner.deduplicated
+
     def status(self) -> dict[str, Any]:
         return self.jobs._run(self.inner.status())
 
-    def wait(self, *, poll_s: float = 0.5, timeout: float | None = None,
+    def wait(self, *, poll_s: float = 30.0, timeout: float | None = None,
              progress: Progress | None = None) -> dict[str, Any]:
         return self.jobs._run(self.inner.wait(poll_s=poll_s, timeout=timeout, progress=progress))
 

@@ -13,6 +13,8 @@ and nothing else whatever the value.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import re
 from dataclasses import asdict, dataclass, replace
@@ -20,8 +22,8 @@ from typing import Any, Literal, get_args
 
 from mesh.errors import ProtocolError
 
-__all__ = ["CHUNK_STATES", "FORMATS", "JOB_STATES", "SCHEMA", "ChunkRecord", "ChunkState", "InputFormat",
-           "JobRecord", "JobState", "chunk_rows_of", "is_job_id", "plan_chunks"]
+__all__ = ["CHUNK_STATES", "FORMATS", "JOB_STATES", "SCHEMA", "TERMINAL", "ChunkRecord", "ChunkState", "InputFormat",
+           "JobRecord", "JobState", "chunk_rows_of", "dedup_fingerprint", "is_job_id", "plan_chunks"]
 
 SCHEMA = 1
 JobState = Literal["queued", "running", "done", "failed", "cancelled"]
@@ -52,6 +54,15 @@ def plan_chunks(rows: int, chunk_rows: int) -> list[tuple[int, int]]:
         raise ValueError(f"{rows} rows in chunks of {chunk_rows} make {n} chunks, over {MAX_CHUNKS}: "
                          f"use chunks of at least {math.ceil(rows / MAX_CHUNKS)} rows")
     return [(i * chunk_rows, min((i + 1) * chunk_rows, rows)) for i in range(n)]
+
+
+def dedup_fingerprint(task: str, input_format: str, min_accuracy: float, variant: str | None,
+                      input_digest: str) -> str:
+    """What makes two submissions of one tenant the same work (the same outputs): the task, the input's bytes and
+    how to read them, the accuracy floor and the variant chosen for it. Deadline, cost ceiling and chunk size change
+    when and where the rows run, not their outputs, so they are not part of it."""
+    text = json.dumps([task, input_format, float(min_accuracy).hex(), variant, input_digest])
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 def chunk_rows_of(rows: int, *, target_chunks: int = 16, lo: int = 256, hi: int = 65_536) -> int:
@@ -144,6 +155,11 @@ class JobRecord:
     @property
     def terminal(self) -> bool:
         return self.state in TERMINAL
+
+    @property
+    def fingerprint(self) -> str:
+        """Its resubmission fingerprint (:func:`dedup_fingerprint`)."""
+        return dedup_fingerprint(self.task, self.input_format, self.min_accuracy, self.variant, self.input_digest)
 
     def with_state(self, state: JobState, now: float, error: str = "") -> JobRecord:
         return replace(self, state=state, updated=now, error=error or self.error)

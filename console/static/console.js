@@ -30,6 +30,7 @@ function showTab(name) {
   for (const sec of document.querySelectorAll(".tab")) sec.hidden = sec.id !== "tab-" + name;
   if (name === "topology") loadTopology();
   if (name === "traces") loadRecentTraces();
+  if (name === "jobs") loadJobs();
   render();
 }
 window.addEventListener("hashchange", () => showTab((location.hash || "#map").slice(1)));
@@ -274,6 +275,28 @@ async function loadRecentTraces() {
     el("td", {}, el("a", { href: "#traces", text: t.request_id, on: { click: () => { $("#trace-id").value = t.request_id; lookupTrace(t.request_id); } } })),
     el("td", { text: t.site }), el("td", { text: t.tenant || "" }), el("td", { text: t.task || "" }), el("td", { text: t.outcome || "" }))));
   if (!tb.children.length) tb.append(el("tr", {}, el("td", { colspan: 5, class: "muted", text: "no data: no agent lists traces" })));
+}
+
+// -- jobs ------------------------------------------------------------------------------------
+const sitesText = (m) => Object.entries(m || {}).map(([s, n]) => `${s} (${n})`).join(", ") || "–";
+
+async function loadJobs() {
+  const resp = await fetch("/api/jobs").catch(() => null);
+  const body = resp && resp.ok ? await resp.json() : { tenants: [] };
+  const tenants = body.tenants || [];
+  $("#job-tenants tbody").replaceChildren(...tenants.map((t) => el("tr", {}, el("td", { text: t.tenant }),
+    ...["queued", "running", "done", "failed", "cancelled"].map((s) => el("td", { text: String(t.counts[s] || 0) })),
+    el("td", { text: `${t.rows_done} / ${t.rows}` }))));
+  const rows = tenants.flatMap((t) => t.jobs.map((j) => el("tr", { class: j.late ? "late" : null },
+    el("td", { text: t.tenant }), el("td", { text: j.id.slice(0, 12), title: j.id }), el("td", { text: j.task }),
+    el("td", { text: j.state + (j.error ? `: ${j.error}` : "") }), el("td", { text: `${j.chunks_done} / ${j.chunks}` }),
+    el("td", { text: `${j.rows_done} / ${j.rows} (${pct(j.progress)})` }), el("td", { text: sitesText(j.working) }),
+    el("td", { text: sitesText(j.ran) }), el("td", { text: when(j.deadline) + (j.late ? " (late)" : "") }))));
+  const tb = $("#job-table tbody");
+  tb.replaceChildren(...rows);
+  if (!tb.children.length) tb.append(el("tr", {}, el("td", { colspan: 9, class: "muted", text: "no jobs" })));
+  clearTimeout(S.jobsTimer);  // one refresh chain, however often the tab is shown
+  if (S.tab === "jobs") S.jobsTimer = setTimeout(() => { if (S.tab === "jobs") loadJobs(); }, 2000);
 }
 
 // -- topology --------------------------------------------------------------------------------

@@ -8,8 +8,8 @@ again).
 
 Rules (the CAS each enforces):
 
-- create: chunks first (each only if absent), then the job record (only if absent): a job is visible only once all
-  its chunks exist;
+- create: chunks first (each only if absent), then the job record (only if absent) with the resubmission index
+  entry ``jobs/dedup/<tenant>/<fingerprint>`` naming it: a job is visible only once all its chunks exist;
 - claim chunk n: its chunk record unchanged since read (still queued) and no claim on it;
 - commit chunk n: its chunk record unchanged since read and the claim is ours; the chunk's done record and the
   claim's removal go in one txn. A second commit of the same chunk loses (the record's revision moved);
@@ -26,11 +26,11 @@ import time
 from dataclasses import dataclass, replace
 
 from mesh.errors import ConflictError, ProtocolError, RequestError
-from mesh.etcd.keys import JOBS, chunk_key, claim_key, job_key
+from mesh.etcd.keys import JOBS, chunk_key, claim_key, job_dedup_key, job_key, job_prefix
 from mesh.etcd.lease import Lease
-from mesh.etcd.ops import CreateRevision, Delete, ModRevision, Put, ValueEquals, chunk_ops
+from mesh.etcd.ops import KV, CreateRevision, Delete, ModRevision, Put, ValueEquals, chunk_ops
 from mesh.etcd.store import Store
-from mesh.jobspec import ChunkRecord, JobRecord, JobState
+from mesh.jobspec import ChunkRecord, JobRecord, JobState, is_job_id
 from mesh.log import get_logger, kv
 
 __all__ = ["JobBook", "JobView", "SeenChunk"]
@@ -85,16 +85,26 @@ class JobBook:
     def __init__(self, store: Store) -> None:
         self.store = store
 
-    async def create(self, job: JobRecord) -> None:
+    async def create(self, job: JobRecord, *, index_seen: int | None = None) -> None:
+        """Write a new job. ``index_seen``: the revision of its resubmission index entry that ``duplicate_of`` saw
+        (0: none); if the entry moved since (an identical job was admitted meanwhile), nothing is left written and
+        ``ConflictError`` names the entry's key (``details["key"]``), so the caller can answer with that job."""
         chunks = [Put(chunk_key(job.job_id, i), ChunkRecord(i, a, b).to_json()) for i, (a, b) in enumerate(job.chunks)]
         for run in chunk_ops(chunks):
             res = await self.store.txn([CreateRevision(op.key, "==", 0) for op in run], list(run))
             if not res.succeeded:
                 raise ConflictError(f"job {job.job_id} already has chunks", key=job_key(job.job_id))
-        res = await self.store.txn([CreateRevision(job_key(job.job_id), "==", 0)],
-                                   [Put(job_key(job.job_id), job.to_json())])
+        # with the record, the resubmission index names it (the newest admitted job of that input and request)
+        index = job_dedup_key(job.tenant, job.fingerprint)
+        guard = [] if index_seen is None else [ModRevision(index, "==", index_seen)]
+        res = await self.store.txn([CreateRevision(job_key(job.job_id), "==", 0), *guard],
+                                   [Put(job_key(job.job_id), job.to_json()),
+                                    Put(index, {"schema": 1, "job": job.job_id})])
         if not res.succeeded:
-            raise ConflictError(f"job {job.job_id} exists already", key=job_key(job.job_id))
+            if await self.store.get(job_key(job.job_id)) is not None:
+                raise ConflictError(f"job {job.job_id} exists already", key=job_key(job.job_id))
+            await self.store.delete_prefix(job_prefix(job.job_id))  # its chunks, which no record will ever name
+            raise ConflictError(f"an identical job was admitted while job {job.job_id} was", key=index)
 
     async def record(self, job_id: str) -> tuple[JobRecord, int] | None:
         kv_ = await self.store.get(job_key(job_id))
@@ -104,32 +114,54 @@ class JobBook:
 
     async def view(self, job_id: str) -> JobView | None:
         """The job and its chunks (``ProtocolError`` when its record or a chunk cannot be read)."""
-        kvs = await self.store.get_prefix(f"{JOBS}{job_id}/")
-        job: tuple[JobRecord, int] | None = None
-        chunks: dict[int, tuple[ChunkRecord, int]] = {}
-        claims: dict[int, str] = {}
-        for item in kvs:
-            tail = item.key[len(JOBS) + len(job_id) + 1:]
-            if tail == "job":
-                job = JobRecord.from_json(item.value), item.mod_revision
-            elif tail.startswith("chunks/"):
-                c = ChunkRecord.from_json(item.value)
-                if chunk_key(job_id, c.index) != item.key:
-                    raise ProtocolError(f"chunk record at {item.key} says it is chunk {c.index}")
-                chunks[c.index] = c, item.mod_revision
-            elif tail.startswith("claims/") and isinstance(item.value, dict) \
-                    and isinstance(item.value.get("site"), str):
-                idx = tail.removeprefix("claims/")
-                if idx.isdigit() and len(idx) == 6:
-                    claims[int(idx)] = item.value["site"][:128]
-        if job is None:
+        return _assemble(job_id, await self.store.get_prefix(job_prefix(job_id)))
+
+    async def views(self, tenant: str | None = None) -> list[JobView]:
+        """Every readable job with its chunks (of ``tenant`` when given), newest first, from one read of ``jobs/``
+        (the console's jobs view); a job that cannot be read is skipped and logged."""
+        by_job: dict[str, list[KV]] = {}
+        for item in await self.store.get_prefix(JOBS):
+            job_id = item.key[len(JOBS):].split("/", 1)[0]
+            if is_job_id(job_id):  # not jobs/dedup/...
+                by_job.setdefault(job_id, []).append(item)
+        out = []
+        for job_id, items in by_job.items():
+            try:
+                v = _assemble(job_id, items)
+            except ProtocolError as exc:
+                log.warning("unreadable job %s: %s", job_id, exc, extra=kv(event="job_unreadable", job=job_id))
+                continue
+            if v is not None and (tenant is None or v.job.tenant == tenant):
+                out.append(v)
+        return sorted(out, key=lambda v: -v.job.created)
+
+    async def duplicate_of(self, tenant: str, fingerprint: str) -> tuple[JobRecord | None, int]:
+        """``tenant``'s live or done job with this resubmission fingerprint (``mesh.jobspec.dedup_fingerprint``), if
+        the index names one and the job's own record agrees (the index is a hint any site may write: the record,
+        its tenant and fingerprint decide); None for a failed or cancelled one, which a resubmission runs again.
+        With it, the index entry's revision (0: no entry), for ``create(index_seen=)``."""
+        got = await self.store.get(job_dedup_key(tenant, fingerprint))
+        if got is None:
+            return None, 0
+        return await self._indexed(tenant, fingerprint, got), got.mod_revision
+
+    async def _indexed(self, tenant: str, fingerprint: str, got: KV) -> JobRecord | None:
+        value = got.value
+        job_id = value.get("job") if isinstance(value, dict) and value.get("schema") == 1 else None
+        if not isinstance(job_id, str) or not is_job_id(job_id):
+            log.warning("unreadable job dedup entry %s", got.key, extra=kv(event="job_unreadable", tenant=tenant))
             return None
-        plan = job[0].chunks
-        if sorted(chunks) != list(range(len(plan))) or any(
-                (c.start, c.stop) != plan[i] for i, (c, _) in chunks.items()):
-            raise ProtocolError(f"job {job_id}: its chunks do not match its plan of {len(plan)} chunks")
-        seen = tuple(SeenChunk(c, rev, claims.get(i)) for i, (c, rev) in sorted(chunks.items()))
-        return JobView(job[0], job[1], seen)
+        try:
+            found = await self.record(job_id)
+        except ProtocolError as exc:
+            log.warning("unreadable job %s: %s", job_id, exc, extra=kv(event="job_unreadable", job=job_id))
+            return None
+        if found is None:
+            return None
+        rec = found[0]
+        if rec.tenant != tenant or rec.fingerprint != fingerprint or rec.state not in ("queued", "running", "done"):
+            return None
+        return rec
 
     async def list(self, tenant: str | None = None) -> list[JobRecord]:
         """Every readable job record (of ``tenant`` when given), newest first."""
@@ -203,3 +235,32 @@ class JobBook:
         except ConflictError:
             return False
         return True
+
+
+def _assemble(job_id: str, kvs: list[KV]) -> JobView | None:
+    """One job's view from the keys under ``jobs/<id>/`` (``ProtocolError`` when a record cannot be read)."""
+    job: tuple[JobRecord, int] | None = None
+    chunks: dict[int, tuple[ChunkRecord, int]] = {}
+    claims: dict[int, str] = {}
+    for item in kvs:
+        tail = item.key[len(JOBS) + len(job_id) + 1:]
+        if tail == "job":
+            job = JobRecord.from_json(item.value), item.mod_revision
+        elif tail.startswith("chunks/"):
+            c = ChunkRecord.from_json(item.value)
+            if chunk_key(job_id, c.index) != item.key:
+                raise ProtocolError(f"chunk record at {item.key} says it is chunk {c.index}")
+            chunks[c.index] = c, item.mod_revision
+        elif tail.startswith("claims/") and isinstance(item.value, dict) \
+                and isinstance(item.value.get("site"), str):
+            idx = tail.removeprefix("claims/")
+            if idx.isdigit() and len(idx) == 6:
+                claims[int(idx)] = item.value["site"][:128]
+    if job is None:
+        return None
+    plan = job[0].chunks
+    if sorted(chunks) != list(range(len(plan))) or any(
+            (c.start, c.stop) != plan[i] for i, (c, _) in chunks.items()):
+        raise ProtocolError(f"job {job_id}: its chunks do not match its plan of {len(plan)} chunks")
+    seen = tuple(SeenChunk(c, rev, claims.get(i)) for i, (c, rev) in sorted(chunks.items()))
+    return JobView(job[0], job[1], seen)

@@ -15,6 +15,7 @@ __all__ = [
     "EVENTS_PLACEMENT",
     "FORECAST_STATE",
     "JOBS",
+    "JOBS_DEDUP",
     "LINKS",
     "LIVE",
     "MODELS",
@@ -33,7 +34,9 @@ __all__ = [
     "catalog_key",
     "chunk_key",
     "claim_key",
+    "job_dedup_key",
     "job_key",
+    "job_prefix",
     "last_segment",
     "link_key",
     "live_key",
@@ -70,6 +73,9 @@ FORECAST_STATE = "events/forecast"
 # offline jobs (edge_agent.jobs_api, edge_agent.chunks): jobs/<id>/job (the record), jobs/<id>/chunks/<n> (each
 # chunk's state and output digest), jobs/<id>/claims/<n> (who works on it, under that site's lease). Never payloads
 JOBS = "jobs/"
+# jobs/dedup/<tenant>/<fingerprint>: the id of the last job admitted for that input and request (a hint a door
+# checks against the job's own record before answering a resubmission with it; mesh.jobspec.dedup_fingerprint)
+JOBS_DEDUP = JOBS + "dedup/"
 TASK_NAME = "_task"  # catalog/<task>/_task holds the task's signature: never a variant id
 _BLOBS = SERVICES + "variant-store"
 
@@ -134,6 +140,16 @@ def blobs_key() -> str:
 def job_key(job_id: str) -> str:
     """An offline job's record."""
     return f"{JOBS}{_segment('job', job_id)}/job"
+
+
+def job_prefix(job_id: str) -> str:
+    """Every key of one job (its record, chunks and claims): what a follower of the job watches."""
+    return f"{JOBS}{_segment('job', job_id)}/"
+
+
+def job_dedup_key(tenant: str, fingerprint: str) -> str:
+    """The resubmission index entry of ``tenant``'s job for one input and request (``dedup_fingerprint``)."""
+    return f"{JOBS_DEDUP}{_segment('tenant', tenant)}/{_segment('fingerprint', fingerprint)}"
 
 
 def chunk_key(job_id: str, index: int) -> str:

@@ -2,12 +2,15 @@
 
     tiermesh jobs submit --edge URL --tenant acme digit-classification rows.npz --min-accuracy 0.95 --wait
     tiermesh jobs list   --edge URL --tenant acme
-    tiermesh jobs show   --edge URL --tenant acme TASK JOB_ID
+    tiermesh jobs show   --edge URL --tenant acme TASK JOB_ID [--follow]
     tiermesh jobs result --edge URL --tenant acme TASK JOB_ID --out result.npz [--format jsonl]
     tiermesh jobs cancel --edge URL --tenant acme TASK JOB_ID
 
 An https:// edge takes ``--cert/--key/--ca`` (the tenant's certificate names the tenant); ``--tenant`` is for an
-``--insecure`` one. ``submit --wait`` shows a progress bar (rich, when installed) until the job is done.
+``--insecure`` one. ``submit --wait`` and ``show --follow`` show a progress bar (rich, when installed) until the job
+is done, following it by long polls (the bar moves when the job does, not on a timer). ``submit`` of an input
+already submitted with the same task and ``--min-accuracy`` answers with that job (``"deduplicated": true``) unless
+``--fresh``.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     s.add_argument("--format", choices=("npz", "jsonl"), default=None, help="default: from the file's suffix")
     s.add_argument("--chunk-rows", type=int, default=None)
     s.add_argument("--wait", action="store_true", help="wait with a progress bar until it is done")
+    s.add_argument("--fresh", action="store_true", help="run it again even if an identical job is live or done")
     s.set_defaults(func=_submit)
     ls = jsub.add_parser("list", help="your jobs")
     _common(ls)
@@ -55,6 +59,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         _common(q)
         q.add_argument("task")
         q.add_argument("job_id")
+        if name == "show":
+            q.add_argument("--follow", action="store_true", help="follow it with a progress bar until it ends")
         q.set_defaults(func=func)
     r = jsub.add_parser("result", help="a done job's outputs")
     _common(r)
@@ -77,11 +83,11 @@ async def _wait_with_bar(jobs: AsyncJobs, task: str, job_id: str, rows: int) -> 
     try:
         from rich.progress import Progress
     except ImportError:  # the SDK install without rich: one line per poll instead of a bar
-        return await jobs.wait(task, job_id, poll_s=1.0, progress=lambda st: print(
+        return await jobs.wait(task, job_id, progress=lambda st: print(
             f"{st['state']}: {st['rows_done']}/{st['rows']} rows", file=sys.stderr))
     with Progress(transient=False) as bar:
         t = bar.add_task(f"job {job_id[:8]}", total=rows)
-        status = await jobs.wait(task, job_id, poll_s=0.5,
+        status = await jobs.wait(task, job_id,
                                  progress=lambda st: bar.update(t, completed=st["rows_done"],
                                                                 description=f"job {job_id[:8]} {st['state']}"))
     return status
@@ -90,7 +96,8 @@ async def _wait_with_bar(jobs: AsyncJobs, task: str, job_id: str, rows: int) -> 
 async def _submit(args: argparse.Namespace) -> int:
     async with _jobs(args) as jobs:
         job = await jobs.submit(args.task, args.input, min_accuracy=args.min_accuracy, deadline_s=args.deadline_s,
-                                max_cost=args.max_cost, format=args.format, chunk_rows=args.chunk_rows)
+                                max_cost=args.max_cost, format=args.format, chunk_rows=args.chunk_rows,
+                                fresh=args.fresh)
         _print(job.admitted)
         if args.wait:
             _print(await _wait_with_bar(jobs, args.task, job.id, int(job.admitted["rows"])))
@@ -105,7 +112,10 @@ async def _list(args: argparse.Namespace) -> int:
 
 async def _show(args: argparse.Namespace) -> int:
     async with _jobs(args) as jobs:
-        _print(await jobs.show(args.task, args.job_id))
+        status = await jobs.show(args.task, args.job_id)
+        if args.follow and status["state"] not in ("done", "failed", "cancelled"):
+            status = await _wait_with_bar(jobs, args.task, args.job_id, int(status["rows"]))
+        _print(status)
     return 0
 
 
