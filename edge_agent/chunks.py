@@ -2,10 +2,10 @@
 
 Not built yet (issue 32): leader-driven cheapest-first assignment (the scheduler splitting jobs and leasing chunks
 to sites; here each site claims for itself by a simple rule, below), spreading the deadline estimate over several
-sites, job notifications (SSE / long poll / webhooks), a console view, resubmit dedup by input digest, the
-``offline`` benchmark, the OIP binary input layout, text rows end to end (parsed and checked, not run), results
-streamed rather than assembled in memory, narrowing which site may write which job's keys (and which site may
-read which tenant's data), acting on a deadline that passes (a late job is neither failed nor hurried), retention
+sites, webhook notifications (long poll and SSE: ``edge_agent.job_follow``; dedup and the console's view are
+built), the OIP binary input layout, text rows end to end (parsed and checked, not run), results streamed
+rather than assembled in memory, narrowing which site may write which job's keys (and which site may read which
+tenant's data), acting on a deadline that passes (a late job is neither failed nor hurried), retention
 of finished jobs' records and data, and reading job records without their chunks (each poll reads ``jobs/``
 whole: fine for a few jobs of a few hundred chunks, not for thousands).
 
@@ -73,6 +73,7 @@ class ChunkWorker(Service):
         self.chunks_done = 0
         self.rows_done = 0
         self.paused_s = 0.0  # time spent waiting for online work to pass
+        self.compute_s = 0.0  # time in the runtime's infer (what a job's cost is priced on: bench.offline)
 
     async def _start(self) -> None:
         self._task = asyncio.create_task(supervise("chunk worker", self._loop, site=self.site),
@@ -158,6 +159,7 @@ class ChunkWorker(Service):
             if job.state == "queued":
                 with contextlib.suppress(ConflictError):
                     await self.book.set_state(job.job_id, "running", only_from=("queued",))
+            compute_before = self.compute_s
             outputs = await self._run(v, seen, meta, lease)
             digest = await self.data.put_bytes(job.tenant, encode_outputs(outputs))
             await self.book.commit(job.job_id, seen, self.site, digest, meta.variant_id)
@@ -175,8 +177,11 @@ class ChunkWorker(Service):
             raise
         self.chunks_done += 1
         self.rows_done += seen.chunk.rows
-        log.info("job %s chunk %d done (%d rows on %s)", job.job_id, seen.chunk.index, seen.chunk.rows,
-                 meta.variant_id, extra=kv(site=self.site, event="chunk_done", job=job.job_id, chunk=seen.chunk.index))
+        compute_ms = round((self.compute_s - compute_before) * 1000.0, 3)
+        log.info("job %s chunk %d done (%d rows on %s, %.1f ms compute)", job.job_id, seen.chunk.index,
+                 seen.chunk.rows, meta.variant_id, compute_ms,
+                 extra=kv(site=self.site, event="chunk_done", job=job.job_id, chunk=seen.chunk.index,
+                          rows=seen.chunk.rows, variant=meta.variant_id, compute_ms=compute_ms))
         await self.book.finish_if_done(job.job_id)
         return True
 
@@ -195,7 +200,9 @@ class ChunkWorker(Service):
                 self.paused_s += time.monotonic() - t0
             if not lease.alive:
                 raise ConflictError(f"lease lost mid-chunk {c.index} of job {job.job_id}: another site may take it")
+            started = time.perf_counter()
             out = await loaded.runtime.infer({name: x[lo:lo + self.batch_rows]})
+            self.compute_s += time.perf_counter() - started
             for k, arr in out.items():
                 parts.setdefault(k, []).append(np.asarray(arr))
         return {k: np.concatenate(arrs) for k, arrs in parts.items()}

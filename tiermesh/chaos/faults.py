@@ -48,6 +48,7 @@ from tiermesh.chaos.cgroup import CpuCap
 from tiermesh.control import terminate
 from tiermesh.harness import LocalMesh
 from tiermesh.mesh_options import logs_dir
+from tiermesh.secure import SCHEDULER
 from topology.store_io import apply as apply_topology
 
 __all__ = ["KINDS", "ChaosMesh", "Fault"]
@@ -101,7 +102,8 @@ class ChaosMesh:
     async def _spawn(self, rep: _Replica) -> None:
         m = self.mesh
         cmd = [sys.executable, "-m", "tiermesh", "scheduler", "--etcd", m.etcd_url, "--prefix", m.opts.prefix,
-               "--home", str(m.opts.home), "--id", rep.candidate_id, "--election-ttl", "3", "--interval", "1"]
+               "--home", str(m.opts.home), "--id", rep.candidate_id, "--election-ttl", "3", "--interval", "1",
+               *(m.creds.etcd_args(SCHEDULER) if m.creds is not None else [])]  # a TLS mesh: etcd as its role
         path = logs_dir(m.opts.home) / f"scheduler-{rep.candidate_id}.log"
         path.parent.mkdir(parents=True, exist_ok=True)
         logf = path.open("ab")
