@@ -34,7 +34,7 @@ from console.digest import SiteMetrics, attainment, rate
 from console.scrape import Scrape, Scraper
 from core_scheduler.state.view import MeshView
 from mesh.errors import PkiError, StoreError
-from mesh.etcd.keys import EVENTS_PLACEMENT, TOPOLOGY_LAST_APPLY
+from mesh.etcd.keys import CATALOG, EVENTS_PLACEMENT, TOPOLOGY_LAST_APPLY
 from mesh.etcd.store import Store
 from mesh.lifecycle import Service, cancel_and_wait
 from mesh.log import get_logger
@@ -205,7 +205,10 @@ class ConsoleState(Service):
                 "metrics": any(s.metrics is not None for s in self._scrapes.values()),
                 "sites": sites_out, "links": self._links(), "tenants": self._tenants(),
                 "events": list(self._events), "last_apply_ts": (self.last_apply or {}).get("ts"),
-                "topology_digest": (self.last_apply or {}).get("digest")}
+                "topology_digest": (self.last_apply or {}).get("digest"),
+                # catalog entries every reader skips (one that does not decode, an id another task holds)
+                "catalog_broken": [{"key": k, "reason": why} for k, why in sorted(view.rejected.items())
+                                   if k.startswith(CATALOG)]}
 
     def _healthy(self, site: str) -> bool:
         scrape = self._scrapes.get(site)

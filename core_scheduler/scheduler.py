@@ -265,7 +265,8 @@ class Scheduler(Service):
         self.metrics.duration.observe(time.perf_counter() - started)
         ops: list[Any] = []
         changed: list[str] = []
-        for site, vids in sorted(per_site.items()):
+        for site, planned in sorted(per_site.items()):
+            vids = tuple(v for v in planned if v in snap.variant_by_id)  # a placer's stale id never ends the round
             variants = [{"task": snap.variant_by_id[v].task, "variant_id": v} for v in vids]
             current = self.view.placement.get(site) or {}
             if current.get("variants") == variants:
@@ -282,7 +283,8 @@ class Scheduler(Service):
                     events.append({"site": site, "variant_id": vid, "action": "load", "reason": "warm floor"})
             for vid in sorted(before - set(vids)):
                 if (site, vid) not in explained:
-                    events.append({"site": site, "variant_id": vid, "action": "evict", "reason": "not planned"})
+                    why = "not planned" if vid in snap.variant_by_id else "not in the catalog"
+                    events.append({"site": site, "variant_id": vid, "action": "evict", "reason": why})
         # a site taken out of the topology is retired: its placement goes (nothing would ever rewrite it)
         topo = self.view.topology
         for site in sorted(set(self.view.placement) - set(topo.sites if topo is not None else self.view.placement)):

@@ -133,10 +133,13 @@ async def register_model(catalog: Catalog, blobs: BlobStore, onnx_path: Path | s
     """Store the parent model and its validation set; record the task's signature on first use.
 
     A task's signature is fixed by its first model: a model with different inputs is refused
-    (callers name the task, not the model, so every variant must accept the same tensors)."""
+    (callers name the task, not the model, so every variant must accept the same tensors). A family another
+    task holds is refused (``CatalogError``, nothing written): variant ids are unique across the mesh."""
     onnx_path, val_npz = Path(onnx_path), Path(val_npz)
     if metric not in ("top1", "cosine"):
         raise CatalogError(f"unknown metric {metric!r}: top1 or cosine")
+    # before anything is stored: a family another task holds would give its variants that task's ids
+    await catalog.check_family_free(task, family)
     sig = signature_from_onnx(task, onnx_path, metric)
     if role == "head":
         # callers of a head's task send what its backbone takes: the task's inputs are the backbone's
@@ -175,6 +178,8 @@ async def build_task(catalog: Catalog, blobs: BlobStore, task: str, *, families:
     if not models:
         within = f" in families {list(families)}" if families else ""
         raise CatalogError(f"no registered models for task {task!r}{within}", task=task)
+    for model in models:  # a registration older than the check: refused before any work
+        await catalog.check_family_free(task, model.family)
     sig = await catalog.get_task(task)
     report = BuildReport(task=task)
     with _progress(progress) as prog, tempfile.TemporaryDirectory(prefix="tiermesh-build-") as tmp:

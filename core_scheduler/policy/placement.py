@@ -106,7 +106,9 @@ class _Planner:
         self.snap, self.now, self.cfg = snap, now, cfg
         self.last_used, self.loaded_since = last_used, loaded_since
         self.alive = [s for s in sorted(snap.sites) if snap.is_alive(s)]
-        self.plan: dict[str, set[str]] = {s: set(snap.placed(s)) for s in sorted(snap.sites)}
+        # a variant taken out of the catalog leaves every plan at once (the last placement still names it)
+        self.plan: dict[str, set[str]] = {s: {v for v in snap.placed(s) if v in snap.variant_by_id}
+                                          for s in sorted(snap.sites)}
         self.pinned = {(s, v) for s, vs in pinned.items() for v in vs}
         self.needed: set[Pair] = set()
         self.events: list[PlacementEvent] = []

@@ -19,7 +19,8 @@ site and has not revoked it).
 Values a reader cannot trust (a site writes its own ``live/<site>`` and ``pki/sites/<site>``, so a compromised one
 anything) pass one decoder, :func:`core_scheduler.state.records.decode_record`, into :class:`ViewState`. A value
 that does not decode changes nothing: the key keeps its last good record, the view counts it (``refused``, and
-``rejected``: key -> why) and says so at most every ``COMPLAIN_EVERY_S`` per key. A full read builds a new state
+``rejected``: key -> why) and says so at most every ``COMPLAIN_EVERY_S`` per key; so does a variant entry whose id
+another task catalogued first (:mod:`core_scheduler.state.view_state`). A full read builds a new state
 aside and swaps it in whole, so a read that fails leaves the last good view in force. The follow and notify loops
 run under :func:`core_scheduler.state.supervise.supervise`: an unexpected error is logged and the loop runs again
 after a jittered back-off; a follow that starts again reads the view afresh first (events of several ranges are not
@@ -199,7 +200,9 @@ class MeshView(Service):
     def _fill(self, state: ViewState, items: list[KV]) -> None:
         for item in items:
             self.load_bytes += len(item.key)
-            self._noted(item.key, state.put(item.key, item.value, item.mod_revision, before=self._held))
+            self._noted(item.key, state.put(item.key, item.value, item.mod_revision, before=self._held,
+                                            created=item.create_revision))
+            self._note_displaced(state)
 
     async def _follow(self) -> None:
         """One run of the watch, from the view's revision until it fails (its supervisor runs it again). A run
@@ -218,6 +221,7 @@ class MeshView(Service):
                 held = self._held  # a put of JSON null is a value (refused), not a delete
                 self._noted(ev.key, held.put(ev.key, ev.value, ev.revision) if ev.kind == "put"
                             else held.delete(ev.key, ev.revision))
+                self._note_displaced(held)
                 self.revision = max(self.revision, ev.revision)
                 self._dirty.set()
         finally:
@@ -255,6 +259,12 @@ class MeshView(Service):
         """One key's new value (``None``: deleted) into the state in force."""
         held = self._held
         self._noted(key, held.delete(key, revision) if value is None else held.put(key, value, revision))
+        self._note_displaced(held)
+
+    def _note_displaced(self, state: ViewState) -> None:
+        """Variant entries a put just pushed aside (an id claimed earlier arrived after them): reported as refused."""
+        for key, exc in state.take_displaced():
+            self._refused(key, exc)
 
     def _noted(self, key: str, outcome: KeyKind | ProtocolError | None) -> None:
         if isinstance(outcome, ProtocolError):

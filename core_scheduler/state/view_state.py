@@ -5,6 +5,12 @@ re-read builds a new one aside and the view swaps it in whole, so readers never 
 that fails leaves the last good one in force. A value that does not decode (:func:`records.decode_record`)
 changes nothing: the key keeps its last good record (a new state takes it from the one it replaces), and the
 refusal is noted in ``rejected`` for the view to report.
+
+Variant ids are unique across tasks (placements and heartbeats name a variant by its id alone:
+:mod:`variant_store.catalog_check`). Every decoded variant entry is held as a claim on its id; ``variants`` holds
+the claim made first (lowest create revision) and the others are skipped, each noted in ``rejected`` with the
+task that holds the id, until that one is removed. So a duplicate written straight into etcd never reaches the
+snapshot builder (it raised ``appears twice`` on every rebuild) and never hides the task that had the id first.
 """
 
 from __future__ import annotations
@@ -15,9 +21,10 @@ from typing import Any
 from core_scheduler.state.heartbeat import Heartbeat
 from core_scheduler.state.records import decode_record
 from mesh.errors import ProtocolError
-from mesh.etcd.keys import KeyKind, parse_key
+from mesh.etcd.keys import KeyKind, catalog_key, parse_key
 from mesh.types import TaskSignature
 from topology.schema import Link, Site, Tenant, Topology
+from variant_store.catalog_check import Claim, shadowed_reason, winners
 from variant_store.meta import VariantMeta
 
 __all__ = ["ViewState"]
@@ -38,7 +45,11 @@ class ViewState:
     revisions: dict[str, int] = field(default_factory=dict)       # kind -> revision of its last change
     live_revision: dict[str, int] = field(default_factory=dict)   # site -> revision of the heartbeat held
     rejected: dict[str, str] = field(default_factory=dict)        # key -> why its value was refused
+    # variant id -> task -> (create revision, record): every decoded variant entry; ``variants`` holds the winners
+    claims: dict[str, dict[str, tuple[int, VariantMeta]]] = field(default_factory=dict)
     _topology: Topology | None = None
+    _shadowed: set[str] = field(default_factory=set)                        # keys skipped as duplicate ids
+    _displaced: list[tuple[str, ProtocolError]] = field(default_factory=list)  # newly skipped other keys
 
     @property
     def crl(self) -> bytes | None:
@@ -54,10 +65,12 @@ class ViewState:
                                                   if lk.a in self.sites and lk.b in self.sites))
         return self._topology
 
-    def put(self, key: str, value: Any, revision: int = 0, *,
-            before: ViewState | None = None) -> KeyKind | ProtocolError | None:
+    def put(self, key: str, value: Any, revision: int = 0, *, before: ViewState | None = None,
+            created: int = 0) -> KeyKind | ProtocolError | None:
         """``key`` now holds ``value``. Returns the kind that changed, the ``ProtocolError`` of a value refused
-        (the key keeps its record, or takes the one ``before`` held), or ``None`` for a key no view follows."""
+        (the key keeps its record, or takes the one ``before`` held) or of a variant skipped as a duplicate id,
+        or ``None`` for a key no view follows. ``created``: the key's create revision, when the reader knows it
+        (a watch event does not say: a new key's first revision is its creation)."""
         parsed = parse_key(key)
         if parsed is None:
             return None
@@ -67,12 +80,56 @@ class ViewState:
         except ProtocolError as exc:
             self.rejected[key] = exc.message
             if before is not None and (kept := before._get(kind, names)) is not None:
-                self._set(kind, names, kept, before.live_revision.get(names[0], 0) if kind == "live" else 0)
+                if kind == "variant":
+                    self._claim(names, kept, before.claims[names[1]][names[0]][0])
+                else:
+                    self._set(kind, names, kept, before.live_revision.get(names[0], 0) if kind == "live" else 0)
             return exc
         self.rejected.pop(key, None)
-        self._set(kind, names, record, revision)
+        if kind == "variant":
+            self._shadowed.discard(key)  # settled again by the claim
+            self._claim(names, record, created or revision)
+        else:
+            self._set(kind, names, record, revision)
         self.revisions[kind] = max(self.revisions.get(kind, 0), revision)
+        if key in self._shadowed:
+            return ProtocolError(self.rejected[key])
         return kind
+
+    def take_displaced(self) -> list[tuple[str, ProtocolError]]:
+        """Keys other than the one just put or deleted that became skipped duplicates (for the view to report)."""
+        out, self._displaced = self._displaced, []
+        return out
+
+    def _claim(self, names: tuple[str, ...], record: VariantMeta | None, created: int) -> None:
+        """Task ``names[0]``'s entry for id ``names[1]`` is now ``record`` (``None``: gone); settle who holds it."""
+        task, vid = names
+        claims = self.claims.setdefault(vid, {})
+        if record is None:
+            claims.pop(task, None)
+            self.variants.get(task, {}).pop(vid, None)
+            self._shadowed.discard(catalog_key(task, vid))
+        else:
+            old = claims.get(task)
+            claims[task] = (old[0] if old is not None else created, record)
+        if not claims:
+            del self.claims[vid]
+            return
+        win = winners(Claim(t, vid, c) for t, (c, _) in claims.items())[vid].task
+        for t, (_, meta) in claims.items():
+            key = catalog_key(t, vid)
+            if t == win:
+                self.variants.setdefault(t, {})[vid] = meta
+                if key in self._shadowed:
+                    self._shadowed.discard(key)
+                    self.rejected.pop(key, None)
+                continue
+            self.variants.get(t, {}).pop(vid, None)
+            if key not in self._shadowed:
+                self._shadowed.add(key)
+                self.rejected[key] = shadowed_reason(vid, win)
+                if t != task:
+                    self._displaced.append((key, ProtocolError(self.rejected[key])))
 
     def delete(self, key: str, revision: int = 0) -> KeyKind | None:
         """``key`` is gone (with whatever it held, good or refused). Returns the kind that changed."""
@@ -81,7 +138,10 @@ class ViewState:
             return None
         kind, names = parsed
         self.rejected.pop(key, None)
-        self._set(kind, names, None, revision)
+        if kind == "variant":
+            self._claim(names, None, 0)
+        else:
+            self._set(kind, names, None, revision)
         self.revisions[kind] = max(self.revisions.get(kind, 0), revision)
         return kind
 
@@ -100,7 +160,8 @@ class ViewState:
 
     def _get(self, kind: KeyKind, names: tuple[str, ...]) -> Any | None:
         if kind == "variant":
-            return self.variants.get(names[0], {}).get(names[1])
+            held = self.claims.get(names[1], {}).get(names[0])
+            return held[1] if held is not None else None
         d, k = self._slot(kind, names)
         return d.get(k)
 

@@ -5,25 +5,29 @@
     build-digits register and build the committed digits family
     build-text   register and build the text family (MiniLM encoders + acme's and globex's heads)
     profile      measure one variant on this machine's hardware class
-    list         the catalog as a table (or JSON)
+    list         the catalog as a table (or JSON), broken entries marked with the reason
     show         one variant's full metadata
+    remove       take a task, a family or one variant out of the catalog
     serve        the blob + catalog HTTP service
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
-from tiermesh.cli.main import EXIT_OK, add_addresses, add_common
+from mesh.errors import CatalogError
+from tiermesh.cli.main import EXIT_BAD_INPUT, EXIT_OK, add_addresses, add_common
 from variant_store.blobs import BlobStore
 from variant_store.catalog import Catalog
+from variant_store.catalog_check import BrokenEntry
 from variant_store.meta import VariantMeta
 
-__all__ = ["blob_root", "register", "variant_row"]
+__all__ = ["blob_root", "broken_row", "register", "variant_row"]
 
 
 def blob_root(args: argparse.Namespace) -> Path:
@@ -41,7 +45,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     r = vs.add_parser("register", help="register an ONNX model and its validation set for a task")
     r.add_argument("--task", required=True)
-    r.add_argument("--family", required=True, help="architecture family name, e.g. cnn-small")
+    r.add_argument("--family", required=True,
+                   help="a family name no other task uses, e.g. my-mlp: variant ids are <family>.<format>."
+                        "<precision> and unique across the mesh, so a name another task holds is refused")
     r.add_argument("--model", required=True, type=Path, metavar="FILE.onnx")
     r.add_argument("--validation", required=True, type=Path, metavar="FILE.npz",
                    help="arrays x, y (labels; optional for cosine) and calib_count (calibration rows)")
@@ -73,8 +79,22 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     ls = vs.add_parser("list", help="list catalogued variants")
     ls.add_argument("--task", default=None)
-    ls.add_argument("--json", action="store_true", help="one JSON object per variant, as a JSON array")
+    ls.add_argument("--json", action="store_true",
+                    help="one JSON object per variant, as a JSON array (broken entries: \"broken\": true, \"reason\")")
     ls.set_defaults(func=_list)
+
+    rm = vs.add_parser("remove", help="take a task, a family or one variant out of the catalog",
+                       description="Deletes the catalog keys in etcd (and, for a task or a family, its registered "
+                                   "models); sites unload the variants when placement next runs. Blobs stay in the "
+                                   "content-addressed blob store (other entries may name the same bytes): the "
+                                   "summary lists those nothing names any more. A broken entry is removable too.")
+    rm.add_argument("--task", required=True)
+    which = rm.add_mutually_exclusive_group()
+    which.add_argument("--family", default=None, help="only this family's registration and variants")
+    which.add_argument("--variant", default=None, help="only this variant id")
+    rm.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    rm.add_argument("--json", action="store_true", help="print what was removed as JSON")
+    rm.set_defaults(func=_remove)
 
     sh = vs.add_parser("show", help="one variant's metadata as JSON")
     sh.add_argument("--task", required=True)
@@ -100,7 +120,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                     help="the store's identity with --pki-dir: spiffe://tiermesh/store/NAME (default variant-store)")
     sv.set_defaults(func=_serve)
 
-    for sp in (r, b, d, t, pr, ls, sh, sv):
+    for sp in (r, b, d, t, pr, ls, sh, sv, rm):
         add_common(sp)
 
 
@@ -109,8 +129,11 @@ async def _register(args: argparse.Namespace) -> int:
     from variant_store.build import register_model
 
     async with open_store(**store_args(args)) as store:
-        m = await register_model(Catalog(store), BlobStore(blob_root(args)), args.model, args.validation,
-                                 args.task, args.family, owner=args.owner, metric=args.metric)
+        try:
+            m = await register_model(Catalog(store), BlobStore(blob_root(args)), args.model, args.validation,
+                                     args.task, args.family, owner=args.owner, metric=args.metric)
+        except CatalogError as exc:  # the owner's input: a family another task holds, another task's inputs
+            return _refused(exc)
     print(f"registered {m.task}/{m.family}: model {m.parent_digest[:12]}, "
           f"validation {m.validation_digest[:12]}")
     return EXIT_OK
@@ -121,12 +144,18 @@ async def _build(args: argparse.Namespace) -> int:
     from variant_store.build import build_task
 
     reports = []
+    refused: list[CatalogError] = []
     async with open_store(**store_args(args)) as store:
         catalog = Catalog(store)
         tasks = [args.task] if args.task else sorted({m.task for m in await catalog.list_models()})
         for task in tasks:
-            reports.append(await build_task(catalog, BlobStore(blob_root(args)), task, families=args.family,
-                                            kinds=args.kinds, progress=not args.json, repeats=args.repeats))
+            try:
+                reports.append(await build_task(catalog, BlobStore(blob_root(args)), task, families=args.family,
+                                                kinds=args.kinds, progress=not args.json, repeats=args.repeats))
+            except CatalogError as exc:  # no such task or family, or ids another task holds: the others still build
+                refused.append(exc)
+    for err in refused:
+        _refused(err)
     if args.json:
         print(json.dumps([r.to_json() for r in reports], indent=2))
     else:
@@ -134,7 +163,7 @@ async def _build(args: argparse.Namespace) -> int:
             _print_variants(rep.built, rep.hardware_class)
             for s in rep.skipped:
                 print(f"skipped {s.family}.{s.kind}: {s.reason}")
-    return EXIT_OK
+    return EXIT_BAD_INPUT if refused else EXIT_OK
 
 
 async def _build_digits(args: argparse.Namespace) -> int:
@@ -180,12 +209,59 @@ async def _list(args: argparse.Namespace) -> int:
     from tiermesh.cli.context import open_store, store_args
 
     async with open_store(**store_args(args)) as store:
-        metas = await Catalog(store).list_variants(args.task)
+        catalog = Catalog(store)
+        reading = await catalog.read(args.task)
+        broken = reading.broken + await catalog.broken_models(args.task)
     if args.json:
-        print(json.dumps([variant_row(m) for m in metas], indent=2))
+        print(json.dumps([variant_row(m) for m in reading.variants] + [broken_row(b) for b in broken], indent=2))
     else:
-        _print_variants(metas, None)
+        _print_variants(reading.variants, None)
+        for b in broken:
+            print(f"BROKEN {b.key}: {b.reason}")
     return EXIT_OK
+
+
+async def _remove(args: argparse.Namespace) -> int:
+    from tiermesh.cli.context import open_store, store_args
+    from variant_store.catalog_remove import apply_removal, plan_removal
+
+    async with open_store(**store_args(args)) as store:
+        catalog = Catalog(store)
+        try:
+            plan = await plan_removal(catalog, args.task, family=args.family, variant=args.variant)
+        except CatalogError as exc:
+            return _refused(exc)
+        if not args.yes:
+            print(f"removing {plan.what}: {len(plan.keys)} keys")
+            for key in plan.keys:
+                print(f"  {key}")
+            if not sys.stdin.isatty():
+                print("error: not confirmed: pass --yes (stdin is no terminal)", file=sys.stderr)
+                return EXIT_BAD_INPUT
+            answer = await asyncio.to_thread(input, "remove? [y/N] ")
+            if answer.strip().lower() not in ("y", "yes"):
+                print("nothing removed")
+                return EXIT_BAD_INPUT
+        deleted = await apply_removal(catalog, plan)
+    if args.json:
+        print(json.dumps({**plan.to_json(), "deleted": deleted}, indent=2))
+        return EXIT_OK
+    print(f"removed {plan.what}: {len(plan.variant_keys)} variant entries, {len(plan.model_keys)} registered "
+          f"models{', the task signature' if plan.other_keys else ''} ({deleted} keys)")
+    if plan.digests:
+        print(f"{len(plan.digests)} blobs no entry names any more stay in the content-addressed blob store "
+              f"(<home>/blobs): {', '.join(d[:12] for d in plan.digests)}")
+    return EXIT_OK
+
+
+def _refused(exc: CatalogError) -> int:
+    print(f"error: {exc}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def broken_row(b: BrokenEntry) -> dict[str, Any]:
+    """The ``list --json`` shape of an entry readers skip."""
+    return {"broken": True, "key": b.key, "task": b.task, "id": b.name, "reason": b.reason}
 
 
 async def _show(args: argparse.Namespace) -> int:
