@@ -175,6 +175,13 @@ function renderPlacements() {
     el("td", { text: s.name }), el("td", {}, el("span", { class: `badge health-${s.health}`, text: s.health })),
     el("td", { text: (s.placement || []).join(", ") || "–" }),
     el("td", { text: (s.variants || []).map((v) => v.id).join(", ") || "–" }))));
+  // catalog entries every reader skips (a duplicate id, a value that does not decode): shown until removed
+  const broken = snap.catalog_broken || [];
+  $("#catalog-broken").hidden = !broken.length;
+  $("#catalog-broken").replaceChildren(...(broken.length ? [
+    el("strong", { text: `${broken.length} broken catalog ${broken.length === 1 ? "entry" : "entries"}, skipped ` +
+                         "(tiermesh variants remove takes them out):" }),
+    el("ul", {}, broken.map((b) => el("li", { text: `${b.key}: ${b.reason}` })))] : []));
   const events = snap.events || [];
   $("#event-table tbody").replaceChildren(...events.slice().reverse().map((e) => el("tr", { class: `ev-${e.action}` },
     el("td", { text: when(e.ts) }), el("td", { text: e.action }), el("td", { text: e.site }),
@@ -327,7 +334,8 @@ function render() {
   renderTenants();
   const snap = S.snap;
   $("#status-text").textContent = `live · etcd rev ${snap.revision}${snap.etcd_connected ? "" : " (etcd lost)"} · ` +
-    `${snap.sites.filter((s) => s.health === "up").length}/${snap.sites.length} sites up` + (snap.metrics ? "" : " · no metrics");
+    `${snap.sites.filter((s) => s.health === "up").length}/${snap.sites.length} sites up` + (snap.metrics ? "" : " · no metrics") +
+    ((snap.catalog_broken || []).length ? ` · ${snap.catalog_broken.length} broken catalog entries` : "");
   if (S.tab === "topology" && snap.topology_digest !== S.topologyDigest) { S.topologyDigest = snap.topology_digest; loadTopology(); }
 }
 
