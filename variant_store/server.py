@@ -266,7 +266,9 @@ class VariantStoreServer(Service):
             if request.method != "HEAD" and length:
                 await self._send(resp, path, start, length)
             await resp.write_eof()
-        except ConnectionResetError:  # the client went away mid-blob (a fetch given up, a site stopped): not an error
+        # the client went away mid-blob (a fetch given up, a site stopped): not an error. aiohttp says so with a
+        # ConnectionResetError from the socket or, when it notices while draining, a bare ConnectionError
+        except ConnectionError:
             log.info("blob %s: the client left after part of it", digest[:12],
                      extra=kv(tenant=request[IDENTITY], event="blob_client_gone"))
         return resp
