@@ -55,6 +55,7 @@ from variant_store.placed import PlacedVariants
 __all__ = ["IDENTITY", "TENANT_HEADER", "Authenticator", "VariantStoreServer", "header_identity"]
 
 log = get_logger(__name__)
+SHUTDOWN_S = 5.0  # how long a stopping store lets requests in flight finish
 TENANT_HEADER = "X-Tiermesh-Tenant"
 Authenticator = Callable[[web.Request], Awaitable[str]]
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -120,7 +121,9 @@ class VariantStoreServer(Service):
         return app
 
     async def _start(self) -> None:
-        self._runner = runner = web.AppRunner(self.app(), access_log=None)
+        # a stop waits at most SHUTDOWN_S for requests in flight (aiohttp's default is 60 s: a Ctrl-C'd store kept
+        # its port and its etcd lease that long whenever one connection lingered)
+        self._runner = runner = web.AppRunner(self.app(), access_log=None, shutdown_timeout=SHUTDOWN_S)
         await runner.setup()
         if self.tls is not None:
             await self.tls.start()

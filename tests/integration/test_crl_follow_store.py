@@ -140,7 +140,12 @@ async def test_the_store_refuses_a_revoked_identity_within_5_s_from_etcd(store: 
                 await asyncio.wait_for(idle_writer.wait_closed(), 5)
         if proc.returncode is None:
             proc.send_signal(2)  # SIGINT: it stops in order (its announcement leaves with its lease)
-        _, err = await asyncio.wait_for(proc.communicate(), 30)
+        try:
+            _, err = await asyncio.wait_for(proc.communicate(), 30)
+        except TimeoutError:  # say why, rather than leave a store running
+            proc.kill()
+            _, err = await proc.communicate()
+            pytest.fail("the store did not stop within 30 s of SIGINT; its log ends:\n" + err.decode()[-3000:])
     assert b"adopted revocation list 3" in err, err.decode()[-3000:]
 
 
