@@ -52,6 +52,7 @@ __all__ = ["ChunkWorker"]
 log = get_logger(__name__)
 MAX_INPUT_BYTES = 4 << 30
 MAX_CHUNK_OUTPUT_BYTES = 256 << 20
+BATCH_ROWS = 256  # rows per runtime call
 IDLE_POLL_S = 2.0  # how often a site that saw no live job at its last look reads etcd for one (sooner if woken)
 
 
@@ -60,7 +61,7 @@ class ChunkWorker(Service):
 
     def __init__(self, site: str, store: Store, view: MeshView, host: VariantHost, data: DataClient, work_dir: Path,
                  online_busy: Callable[[], bool], *, poll_s: float = 1.0, lease_ttl_s: float = 5.0,
-                 batch_rows: int = 256, pause_s: float = 0.005) -> None:
+                 batch_rows: int = BATCH_ROWS, pause_s: float = 0.005) -> None:
         self.site, self.store, self.view, self.host, self.data = site, store, view, host, data
         self.book = JobBook(store)
         self.work_dir = work_dir
