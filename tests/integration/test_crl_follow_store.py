@@ -81,6 +81,9 @@ async def test_the_store_refuses_a_revoked_identity_within_5_s_from_etcd(store: 
         "--prefix", store.prefix, "--pki-dir", str(home / "pki"), "--name", STORE.name, "--bind", "127.0.0.1",
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    assert proc.stderr is not None
+    log = bytearray()  # its stderr, read as it comes (kept whole, whatever happens at its stop)
+    reader = asyncio.create_task(_drain(proc.stderr, log))
     statuses: dict[str, list[tuple[float, int | str]]] = {"acme": [], "edge-1": [], "globex": []}
     revoked: dict[str, float] = {}
     began: dict[str, float] = {}
@@ -140,13 +143,22 @@ async def test_the_store_refuses_a_revoked_identity_within_5_s_from_etcd(store: 
                 await asyncio.wait_for(idle_writer.wait_closed(), 5)
         if proc.returncode is None:
             proc.send_signal(2)  # SIGINT: it stops in order (its announcement leaves with its lease)
+        assert proc.stdout is not None
+        rest = asyncio.create_task(_drain(proc.stdout, bytearray()))  # whatever else it prints
         try:
-            _, err = await asyncio.wait_for(proc.communicate(), 30)
+            await asyncio.wait_for(proc.wait(), 30)
         except TimeoutError:  # say why, rather than leave a store running
             proc.kill()
-            _, err = await proc.communicate()
-            pytest.fail("the store did not stop within 30 s of SIGINT; its log ends:\n" + err.decode()[-3000:])
-    assert b"adopted revocation list 3" in err, err.decode()[-3000:]
+            await proc.wait()
+            await asyncio.wait_for(asyncio.gather(reader, rest, return_exceptions=True), 10)
+            pytest.fail("the store did not stop within 30 s of SIGINT; its log ends:\n" + log.decode()[-3000:])
+        await asyncio.wait_for(asyncio.gather(reader, rest), 10)
+    assert b"adopted revocation list 3" in log, log.decode()[-3000:]
+
+
+async def _drain(stream: asyncio.StreamReader, into: bytearray) -> None:
+    while chunk := await stream.read(65536):
+        into += chunk
 
 
 def _refused_for(statuses: dict[str, list[tuple[float, int | str]]], who: str, seconds: float) -> bool:
