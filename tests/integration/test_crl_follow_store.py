@@ -84,6 +84,7 @@ async def test_the_store_refuses_a_revoked_identity_within_5_s_from_etcd(store: 
     assert proc.stderr is not None
     log = bytearray()  # its stderr, read as it comes (kept whole, whatever happens at its stop)
     reader = asyncio.create_task(_drain(proc.stderr, log))
+    sigs = "signal state unknown"
     statuses: dict[str, list[tuple[float, int | str]]] = {"acme": [], "edge-1": [], "globex": []}
     revoked: dict[str, float] = {}
     began: dict[str, float] = {}
@@ -94,6 +95,7 @@ async def test_the_store_refuses_a_revoked_identity_within_5_s_from_etcd(store: 
         assert "variant store serving at https://" in line, line
         url = f"{line.rsplit(' ', 1)[1].strip()}/blobs/{digest}"
         idle_reader, idle_writer = await _idle(url, _context(pki, ACME))
+        sigs = _signal_state(proc.pid)  # for the message, should it not stop
         stop = time.monotonic() + 40
 
         async def fetch(who: Identity) -> None:
@@ -151,9 +153,18 @@ async def test_the_store_refuses_a_revoked_identity_within_5_s_from_etcd(store: 
             proc.kill()
             await proc.wait()
             await asyncio.wait_for(asyncio.gather(reader, rest, return_exceptions=True), 10)
-            pytest.fail("the store did not stop within 30 s of SIGINT; its log ends:\n" + log.decode()[-3000:])
+            pytest.fail(f"the store did not stop within 30 s of SIGINT ({sigs}); its log ends:\n"
+                        + log.decode()[-3000:])
         await asyncio.wait_for(asyncio.gather(reader, rest), 10)
     assert b"adopted revocation list 3" in log, log.decode()[-3000:]
+
+
+def _signal_state(pid: int) -> str:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return "signal state unknown"
+    return " ".join(x for x in status.splitlines() if x.startswith("Sig"))
 
 
 async def _drain(stream: asyncio.StreamReader, into: bytearray) -> None:

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import importlib
 import inspect
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -194,6 +195,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_BAD_INPUT
+    # Ctrl-C and SIGTERM stop every command in order: a mask that blocks them, inherited from whatever spawned us
+    # (a signal mask survives exec), would make a server deaf to its stop (a store spawned by a long test run
+    # ignored SIGINT for good)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
         return _run(args.func, args)
     except KeyboardInterrupt:
