@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import os
 import re
+import signal
 import ssl
 import sys
 import time
@@ -80,7 +81,7 @@ async def test_the_store_refuses_a_revoked_identity_within_5_s_from_etcd(store: 
         sys.executable, "-m", "tiermesh", "variants", "serve", "--home", str(home), "--etcd", etcd_server.url,
         "--prefix", store.prefix, "--pki-dir", str(home / "pki"), "--name", STORE.name, "--bind", "127.0.0.1",
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, preexec_fn=_default_signals)
     assert proc.stderr is not None
     log = bytearray()  # its stderr, read as it comes (kept whole, whatever happens at its stop)
     reader = asyncio.create_task(_drain(proc.stderr, log))
@@ -157,6 +158,14 @@ async def test_the_store_refuses_a_revoked_identity_within_5_s_from_etcd(store: 
                         + log.decode()[-3000:])
         await asyncio.wait_for(asyncio.gather(reader, rest), 10)
     assert b"adopted revocation list 3" in log, log.decode()[-3000:]
+
+
+def _default_signals() -> None:
+    """In the child before exec: Ctrl-C as a terminal gives it. A signal ignored or blocked in this (long-running
+    test) process would be inherited through exec, and a store started with SIGINT ignored never hears its stop
+    (two full runs here: its log ended at its last request)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
 def _signal_state(pid: int) -> str:
