@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from core_scheduler.job_planner import plan_jobs_once
 from core_scheduler.metrics import SchedulerMetrics
 from core_scheduler.policy.floor import floor_placement
 from core_scheduler.policy.forecast import DemandForecaster
@@ -61,6 +62,8 @@ class SchedulerConfig:
     forecast_persist_s: float = 10.0  # how often the leader saves the forecast state to etcd
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     mode: str = "tiermesh"            # or a baseline's placement (core_scheduler.policy.modes)
+    # how long a finished offline job (done, failed, cancelled) keeps its record and data (core_scheduler.job_sweeper)
+    job_retention_s: float = 7 * 86_400.0
 
 
 class Scheduler(Service):
@@ -142,7 +145,8 @@ class Scheduler(Service):
             await asyncio.sleep(backoff.next())
 
     async def _lead(self, election: Election) -> None:
-        """Placement rounds until leadership is lost (key gone, lease lost, or a refused write)."""
+        """Rounds of placement, each followed by one of job assignment, until leadership is lost (key gone, lease
+        lost, or a refused write)."""
         self._saved_at = time.monotonic()
         if self.cfg.proactive:
             await self.restore_forecast()
@@ -155,6 +159,12 @@ class Scheduler(Service):
                 log.warning("placement round failed: %s", exc, extra=kv(event="round_failed"))
             except Exception:
                 log.exception("placement round error", extra=kv(event="round_failed"))
+            try:  # offline jobs' chunks to sites, cheapest first under their deadlines (core_scheduler.job_planner)
+                await plan_jobs_once(self.store, self.view, election)
+            except StoreError as exc:
+                log.warning("job assignment round failed: %s", exc, extra=kv(event="round_failed"))
+            except Exception:
+                log.exception("job assignment round error", extra=kv(event="round_failed"))
             await self._pause(election)
 
     async def _pause(self, election: Election) -> None:

@@ -1,26 +1,27 @@
 """A site's offline-job chunk worker: harvests the capacity online queries leave idle.
 
-Not built yet (issue 32): leader-driven cheapest-first assignment (the scheduler splitting jobs and leasing chunks
-to sites; here each site claims for itself by a simple rule, below), spreading the deadline estimate over several
-sites, webhook notifications (long poll and SSE: ``edge_agent.job_follow``; dedup and the console's view are
-built), the OIP binary input layout, text rows end to end (parsed and checked, not run), results streamed
-rather than assembled in memory, narrowing which site may write which job's keys (and which site may read which
+Not built yet (issue 32): webhook notifications (long poll and SSE: ``edge_agent.job_follow``; dedup and the
+console's view are built), narrowing which site may write which job's keys (and which site may read which
 tenant's data), acting on a deadline that passes (a late job is neither failed nor hurried), retention
 of finished jobs' records and data, and reading job records without their chunks (each poll reads ``jobs/``
 whole: fine for a few jobs of a few hundred chunks, not for thousands).
 
-How it works now. Every ``poll_s`` the worker reads the jobs in etcd (``core_scheduler.state.jobs``) and, while
-this site is idle and among the cheapest idle sites (``core_scheduler.policy.jobs.may_claim``: price per core from
-the topology; after ``CLAIM_GRACE_S`` any idle site may), claims one queued chunk at a time under its own etcd
-lease, runs it, stores the outputs in the data area and commits the chunk done by compare-and-swap. The claim
-lives under the lease: a site that dies or is cut off loses it a TTL later and the chunk is claimable again;
-a commit by anyone but the claim's holder, or a second commit, fails.
+How it works now. Every ``poll_s`` the worker reads the jobs in etcd (``core_scheduler.state.jobs``) and claims
+one queued chunk at a time under its own etcd lease (``core_scheduler.policy.jobs.claim_choice``): first a chunk
+the scheduler leader assigned to this site (``core_scheduler.job_planner``: cheapest sites first, dearer ones only
+as a job's deadline needs them); in a job the leader leads, nothing else; in a job no live leader leads (none
+yet, or its assignments not renewed for ``ASSIGN_GRACE_S``) the local rule: this site is idle and among the
+cheapest idle sites (price per core from the topology; after ``CLAIM_GRACE_S`` any idle site may). It runs it,
+stores the outputs in the data area and commits the chunk done by compare-and-swap. The claim lives under the
+lease: a site that dies or is cut off loses it a TTL later and the chunk is claimable again; a commit by anyone
+but the claim's holder, or a second commit, fails.
 
-Online always wins: a chunk runs ``batch_rows`` at a time on the variant's runtime directly (not through the
-online batcher), and before each batch the worker waits while online queries are in flight at this site
-(``online_busy()``), so a chunk adds at most one batch's compute (~1-3 ms for the digits family at 256 rows) to
-an arriving query's wait. The job's variant is the cheapest meeting its ``min_accuracy`` chosen at admission
-(or, should the catalog have lost it, the cheapest now).
+Online always wins: a chunk runs ``batch_rows`` at a time (text: fewer) on the variant's runtime directly, a head
+after its shared backbone's session (not through the online batcher: ``edge_agent.chunk_run``), and before each
+batch the worker waits while online queries are in flight at this site (``online_busy()``), so a chunk adds at
+most one batch's compute (~1-3 ms for the digits family at 256 rows) to an arriving query's wait. The job's
+variant is the cheapest meeting its ``min_accuracy`` chosen at admission (or, should the catalog have lost it, the
+cheapest now).
 """
 
 from __future__ import annotations
@@ -33,10 +34,12 @@ from pathlib import Path
 
 import numpy as np
 
-from core_scheduler.policy.jobs import capacities, cheapest_variant, job_candidates, may_claim
+from core_scheduler.policy.jobs import capacities, cheapest_variant, claim_choice, job_candidates
+from core_scheduler.state.job_assign import JobAssignments
 from core_scheduler.state.jobs import JobBook, JobView, SeenChunk
 from core_scheduler.state.supervise import supervise
 from core_scheduler.state.view import MeshView
+from edge_agent.chunk_run import ChunkRun, feed, run_rows
 from edge_agent.host import VariantHost
 from edge_agent.job_data import DataClient
 from mesh.errors import ConflictError, MeshError, RequestError
@@ -118,6 +121,7 @@ class ChunkWorker(Service):
             return False
         jobs = await self.book.list()
         self._live_jobs = any(not job.terminal for job in jobs)
+        fallback: tuple[JobView, SeenChunk] | None = None  # a chunk claimable by the local rule, if none is assigned
         for job in sorted(jobs, key=lambda j: j.created):
             if job.terminal:
                 continue
@@ -128,16 +132,21 @@ class ChunkWorker(Service):
                 continue
             if v is None:
                 continue
-            queued = [c for c in v.chunks if c.chunk.state == "queued" and c.claimed_by is None]
+            queued = {c.chunk.index: c for c in v.chunks if c.chunk.state == "queued" and c.claimed_by is None}
             if not queued:
                 await self.book.finish_if_done(job.job_id)
                 continue
+            assigned = await JobAssignments(self.store).read(job.job_id)
             topo = self.view.topology
             caps = capacities(topo.sites if topo is not None else {}, self.view.live)
-            if not may_claim(self.site, caps, time.time() - job.created):
+            now = time.time()
+            pick = claim_choice(self.site, sorted(queued), assigned, caps, now, now - job.created)
+            if pick is None:
                 continue
-            return await self._take(v, queued[0])
-        return False
+            if (a := assigned.get(pick)) is not None and a.site == self.site:
+                return await self._take(v, queued[pick])  # the leader's choice goes before any other
+            fallback = fallback or (v, queued[pick])
+        return await self._take(*fallback) if fallback is not None else False
 
     def _variant(self, v: JobView) -> VariantMeta | None:
         metas = job_candidates((self.view.variants.get(v.job.task) or {}).values(), v.job.tenant)
@@ -163,7 +172,13 @@ class ChunkWorker(Service):
             compute_before = self.compute_s
             outputs = await self._run(v, seen, meta, lease)
             digest = await self.data.put_bytes(job.tenant, encode_outputs(outputs))
-            await self.book.commit(job.job_id, seen, self.site, digest, meta.variant_id)
+            try:
+                await self.book.commit(job.job_id, seen, self.site, digest, meta.variant_id)
+            except ConflictError as exc:  # the job ended while the chunk ran (its deadline, a cancel): not ours
+                log.info("job %s chunk %d not committed: %s", job.job_id, seen.chunk.index, exc,
+                         extra=kv(site=self.site, event="chunk_dropped", job=job.job_id, chunk=seen.chunk.index))
+                await self.book.release(job.job_id, seen.chunk.index, self.site)
+                return True
         except RequestError as exc:  # the input itself is bad (checked at the door: a store that changed it)
             log.error("job %s chunk %d failed: %s", job.job_id, seen.chunk.index, exc,
                       extra=kv(site=self.site, event="chunk_failed", job=job.job_id))
@@ -191,19 +206,16 @@ class ChunkWorker(Service):
         path = await self.data.get_file(job.tenant, job.input_digest,
                                         self.work_dir / job.tenant / job.input_digest, max_bytes=MAX_INPUT_BYTES)
         x = await asyncio.get_running_loop().run_in_executor(None, read_rows, path, job.input_format, c.start, c.stop)
-        loaded = await self.host.ensure(meta)
-        name = meta.inputs[0]["name"] if meta.inputs else "x"
-        parts: dict[str, list[np.ndarray]] = {}
-        for lo in range(0, len(x), self.batch_rows):
-            while self.online_busy():  # online always wins: wait between batches while it has work here
-                t0 = time.monotonic()
-                await asyncio.sleep(self.pause_s)
-                self.paused_s += time.monotonic() - t0
-            if not lease.alive:
-                raise ConflictError(f"lease lost mid-chunk {c.index} of job {job.job_id}: another site may take it")
-            started = time.perf_counter()
-            out = await loaded.runtime.infer({name: x[lo:lo + self.batch_rows]})
-            self.compute_s += time.perf_counter() - started
-            for k, arr in out.items():
-                parts.setdefault(k, []).append(np.asarray(arr))
-        return {k: np.concatenate(arrs) for k, arrs in parts.items()}
+        topo = self.view.topology
+        tenant = topo.tenants.get(job.tenant) if topo is not None else None
+        loaded = await self.host.ensure(meta, job.tenant if tenant is not None and tenant.isolation == "strict" else "")
+        base = self.host.bases[loaded.base].runtime if loaded.base is not None else None  # a head: its backbone
+        tally = ChunkRun()
+        try:
+            return await run_rows(x, feed(loaded.runtime, meta.inputs[0]["name"] if meta.inputs else "x", base),
+                                  batch_rows=self.batch_rows, online_busy=self.online_busy,
+                                  lease_alive=lambda: lease.alive, pause_s=self.pause_s,
+                                  what=f"chunk {c.index} of job {job.job_id}", tally=tally)
+        finally:
+            self.compute_s += tally.compute_s
+            self.paused_s += tally.paused_s

@@ -4,6 +4,9 @@ outputs, streamed between files and the store, with this site's client certifica
 The store's URL is the one it announced (``BlobCache.store_url``); an error reply becomes the ``MeshError`` its
 code names (a quota's 413 keeps its message, which states the quota). A downloaded object is hashed as it lands
 and kept only when it hashes to its name: the store is trusted for nothing but delivery.
+
+:meth:`DataClient.delete` is the scheduler's (retention: ``core_scheduler.job_sweeper``, which takes any object with
+that method): the store refuses it to a site's or a tenant's certificate.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import os
 import ssl
 import tempfile
@@ -19,7 +23,7 @@ from pathlib import Path
 
 import aiohttp
 
-from mesh.errors import BlobError, PeerUnavailable, error_from_reply
+from mesh.errors import BlobError, ConflictError, PeerUnavailable, error_from_reply
 
 __all__ = ["DataClient"]
 
@@ -120,3 +124,27 @@ class DataClient:
         if len(data) > max_bytes or hashlib.sha256(data).hexdigest() != digest:
             raise BlobError(f"data {digest[:12]} from the store is not what its name says", digest=digest)
         return data
+
+    async def delete(self, tenant: str, digest: str, *, min_age_s: float = 0.0) -> int | None:
+        """Delete ``tenant``'s object ``digest``: the bytes freed, None when the store does not hold it;
+        ``ConflictError`` when it was stored (again) less than ``min_age_s`` seconds ago, ``PermissionDenied`` for
+        a caller that may not delete (anyone but an admin or the scheduler)."""
+        try:
+            async with aiohttp.ClientSession(timeout=_TIMEOUT) as session, \
+                    session.delete(self._url(tenant, digest), params={"min_age_s": repr(float(min_age_s))},
+                                   ssl=self._ssl_arg()) as resp:
+                if resp.status == 404:
+                    return None
+                body = await resp.read()
+        except aiohttp.ClientError as exc:
+            raise PeerUnavailable(f"variant store data area unreachable: {exc}") from exc
+        if resp.status >= 400:
+            err = error_from_reply(resp.status, body)
+            if resp.status == 409 and not isinstance(err, ConflictError):
+                raise ConflictError(str(err)) from err
+            raise err
+        try:
+            freed = json.loads(body).get("freed")
+        except (UnicodeDecodeError, ValueError, AttributeError):
+            freed = None
+        return freed if isinstance(freed, int) and not isinstance(freed, bool) else 0

@@ -1,14 +1,17 @@
 """The edge's offline-job REST API (a door's; the work itself is ``edge_agent.chunks``', whose docstring lists what
 of issue 32 is not built yet):
 
-    POST   /v2/models/{task}/jobs?min_accuracy=&deadline_s=&max_cost=&format=npz|jsonl&chunk_rows=&fresh=
-           the body is the input (NPZ with ``x``, or JSON lines); 202 {"id", ...} once it is stored
+    POST   /v2/models/{task}/jobs?min_accuracy=&deadline_s=&max_cost=&format=npz|jsonl|oip&chunk_rows=&fresh=&notify=
+           the body is the input (NPZ with ``x``, JSON lines, or OIP binary tensors); 202 {"id", ...} once it is
+           stored; ``notify``: an https URL under one the operator allowed the tenant (``mesh.webhooks``; 400
+           otherwise), POSTed once the job ends (``core_scheduler.job_notify``)
     GET    /v2/models/{task}/jobs            the caller's jobs of the task
     GET    /v2/jobs                          the caller's jobs
     GET    /v2/models/{task}/jobs/{id}       state, progress, rows done, sites, the etcd revision read at
     GET    /v2/models/{task}/jobs/{id}?wait=S&since=R   the same as a long poll (``edge_agent.job_follow``)
     GET    /v2/models/{task}/jobs/{id}/events           the same as Server-Sent Events until the job ends
-    GET    /v2/models/{task}/jobs/{id}/result?format=npz|jsonl   the outputs, rows in input order (409 until done)
+    GET    /v2/models/{task}/jobs/{id}/result?format=npz|jsonl   the outputs, rows in input order (409 until done),
+           streamed a chunk's outputs at a time (``edge_agent.job_results``)
     DELETE /v2/models/{task}/jobs/{id}       cancel (409 when it is finished already)
 
 The tenant is the caller's, as for inference (the client certificate's; without TLS the tenant header); a tenant
@@ -26,8 +29,8 @@ deadline and cost ceiling are that job's. ``fresh=1`` asks for a new run regardl
 always run afresh. Two identical submissions at once make one job: the record is written only if the index entry
 is still what the lookup saw (``JobBook.create(index_seen=)``), and the door that loses answers with the winner's.
 
-The result is assembled in memory from the chunks' outputs (bounded by ``max_result_bytes``); streaming a large
-result is not built yet.
+The result is streamed (``edge_agent.job_results``): JSON lines chunk by chunk, an NPZ assembled in the spool
+directory on disk; memory holds one chunk's outputs (``max_result_bytes`` bounds nothing any more).
 """
 
 from __future__ import annotations
@@ -35,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import json
 import math
 import os
 import tempfile
@@ -45,7 +47,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
-import numpy as np
 from aiohttp import web
 
 from core_scheduler.policy.jobs import capacities, cheapest_variant, estimate, job_candidates
@@ -53,6 +54,7 @@ from core_scheduler.state.jobs import JobBook
 from core_scheduler.state.view import MeshView
 from edge_agent.job_data import DataClient
 from edge_agent.job_follow import JobFollow, since_of, status, wait_s_of
+from edge_agent.job_results import RESULT_FORMATS, stream_result
 from mesh.errors import (
     ConflictError,
     ImpossibleSLO,
@@ -64,7 +66,8 @@ from mesh.errors import (
 from mesh.etcd.keys import job_key
 from mesh.jobspec import FORMATS, InputFormat, JobRecord, chunk_rows_of, dedup_fingerprint, is_job_id, plan_chunks
 from mesh.log import get_logger, kv
-from variant_store.jobdata import decode_outputs, encode_outputs, scan_input
+from mesh.webhooks import allowed_target
+from variant_store.jobdata import scan_input
 
 __all__ = ["MAX_INPUT_BYTES", "JobsApi"]
 
@@ -110,11 +113,21 @@ def _flag(q: Any, name: str) -> bool:
     return raw in ("1", "true")
 
 
-def _format(q: Any) -> InputFormat:
+def _format(q: Any, allowed: tuple[str, ...] = FORMATS) -> InputFormat:
     fmt = q.get("format", "npz")
-    if fmt not in FORMATS:
-        raise RequestError(f"format must be one of {', '.join(FORMATS)}, got {fmt[:20]!r}")
+    if fmt not in allowed:
+        raise RequestError(f"format must be one of {', '.join(allowed)}, got {fmt[:20]!r}")
     return cast(InputFormat, fmt)
+
+
+def _oip_header_length(request: web.Request) -> int | None:
+    """OIP's ``Inference-Header-Content-Length`` (``tritonclient.http``'s), when sent: the file must agree."""
+    raw = request.headers.get("Inference-Header-Content-Length")
+    if raw is None:
+        return None
+    if not raw.isdigit() or len(raw) > 12:
+        raise RequestError(f"Inference-Header-Content-Length must be a whole number of bytes, got {raw[:40]!r}")
+    return int(raw)
 
 
 class JobsApi:
@@ -163,6 +176,7 @@ class JobsApi:
         max_cost = _float(q, "max_cost", None, 0.0, 1e9)
         fmt = _format(q)
         fresh = _flag(q, "fresh")
+        notify = self._notify(q.get("notify"), tenant)
         meta = cheapest_variant(metas, min_acc)
         if meta is None:
             best = max(m.accuracy for m in metas)
@@ -179,7 +193,8 @@ class JobsApi:
             same, index_seen = (None, None) if fresh else await self.book.duplicate_of(tenant, fingerprint)
             if same is not None:
                 return self._deduplicated(same, size)
-            summary = await asyncio.get_running_loop().run_in_executor(None, scan_input, path, fmt)
+            summary = await asyncio.get_running_loop().run_in_executor(
+                None, scan_input, path, fmt, _oip_header_length(request) if fmt == "oip" else None)
             chunk_rows = _chunk_rows(q.get("chunk_rows"), summary.rows)
             try:
                 chunks = plan_chunks(summary.rows, chunk_rows)
@@ -202,7 +217,8 @@ class JobsApi:
                 os.unlink(path)
         job = JobRecord(job_id=uuid.uuid4().hex, task=task, tenant=tenant, min_accuracy=min_acc,
                         deadline=now + deadline_s, input_digest=digest, rows=summary.rows, input_format=fmt,
-                        chunk_rows=chunk_rows, max_cost=max_cost, variant=meta.variant_id, created=now, updated=now)
+                        chunk_rows=chunk_rows, max_cost=max_cost, variant=meta.variant_id, created=now, updated=now,
+                        notify=notify)
         try:
             await self.book.create(job, index_seen=index_seen)
         except ConflictError as exc:  # an identical job was admitted at the same moment: answer with that one
@@ -216,15 +232,26 @@ class JobsApi:
                  extra=kv(tenant=tenant, event="job_admitted", job=job.job_id, task=task, size=size))
         body = {"id": job.job_id, "state": job.state, "rows": job.rows, "chunks": len(chunks),
                 "variant": meta.variant_id, "deadline": job.deadline, "estimate_s": est.seconds if est else None,
-                "estimate_cost": est.cost if est else None, "deduplicated": False}
+                "estimate_cost": est.cost if est else None, "deduplicated": False, "notify": notify}
         return web.json_response(body, status=202)
+
+    def _notify(self, raw: str | None, tenant: str) -> str | None:
+        """The ``notify`` URL, canonical, if it is under one of the webhook prefixes the topology allows
+        ``tenant`` (``mesh.webhooks``): 400 otherwise, before any byte of the input is read."""
+        if raw is None:
+            return None
+        t = self.view.tenants.get(tenant)
+        try:
+            return allowed_target(raw, t.webhooks if t is not None else (), tenant).text
+        except ValueError as exc:
+            raise RequestError(str(exc)) from exc  # each reason names the notify URL
 
     def _deduplicated(self, same: JobRecord, size: int) -> web.Response:
         log.info("job %s resubmitted: answered with it", same.job_id,
                  extra=kv(tenant=same.tenant, event="job_deduplicated", job=same.job_id, task=same.task, size=size))
         return web.json_response({"id": same.job_id, "state": same.state, "rows": same.rows,
                                   "chunks": len(same.chunks), "variant": same.variant, "deadline": same.deadline,
-                                  "deduplicated": True})
+                                  "deduplicated": True, "notify": same.notify})
 
     async def _spool(self, request: web.Request) -> tuple[Path, str, int]:
         """The body on disk (hashed as it arrives; at most ``max_input_bytes``): (path, sha256, size)."""
@@ -301,28 +328,8 @@ class JobsApi:
 
     async def result(self, request: web.Request) -> web.StreamResponse:
         v = await self._mine(request)
-        fmt = _format(request.query)
+        fmt = _format(request.query, RESULT_FORMATS)
         if v.job.state != "done":
             raise ConflictError(f"job {v.job.job_id} is {v.job.state} ({v.rows_done}/{v.job.rows} rows done): "
                                 f"its result exists once it is done")
-        parts: dict[str, list[np.ndarray]] = {}
-        budget = self.max_result_bytes
-        for seen in v.chunks:
-            c = seen.chunk
-            assert c.output_digest is not None  # a done chunk names its output (ChunkRecord.from_json)
-            raw = await self.data.get_bytes(v.job.tenant, c.output_digest, max_bytes=budget)
-            budget -= len(raw)
-            for name, arr in decode_outputs(raw).items():
-                if arr.shape[:1] != (c.rows,):
-                    raise ConflictError(f"chunk {c.index}'s output {name!r} has {arr.shape[:1]} rows, not {c.rows}")
-                parts.setdefault(name, []).append(arr)
-        outputs = {name: np.concatenate(arrs) for name, arrs in parts.items()}
-        if fmt == "npz":
-            return web.Response(body=encode_outputs(outputs), content_type="application/octet-stream",
-                                headers={"X-Tiermesh-Rows": str(v.job.rows)})
-        names = sorted(outputs)
-        lines = []
-        for i in range(v.job.rows):
-            row = {n: outputs[n][i].tolist() for n in names}
-            lines.append(json.dumps(row[names[0]] if len(names) == 1 else row))
-        return web.Response(text="\n".join(lines) + "\n", content_type="application/x-ndjson")
+        return await stream_result(request, v, fmt, self.data, self.spool)

@@ -8,8 +8,10 @@
     jobs = Jobs(url, tenant="acme")          # the same, on a private loop thread
     job = jobs.submit(task, Path("rows.jsonl")); job.wait(); job.result()
 
-Inputs: a NumPy array (sent as NPZ ``x``), a path to an ``.npz`` or ``.jsonl`` file (streamed from disk), or
-bytes with ``format=``. An error reply becomes the ``MeshError`` its code names (``mesh.errors``): an unknown task
+Inputs: a NumPy array (sent as NPZ ``x``), a path to an ``.npz``, ``.jsonl`` or ``.oip`` file (the Open Inference
+Protocol's binary tensor layout: its JSON header, then the tensor's bytes; streamed from disk), or bytes with
+``format=``. ``job.result()`` holds the outputs in memory; ``job.result_to(path)`` writes a large one to a file as
+it streams in. An error reply becomes the ``MeshError`` its code names (``mesh.errors``): an unknown task
 ``UnknownTask``, a deadline that cannot be met ``ImpossibleSLO`` (its message says the best feasible one), input
 over quota ``PayloadTooLarge``, cancelling a finished job ``ConflictError``. A job that ends failed or cancelled
 makes ``wait`` raise ``MeshError`` with its state and error.
@@ -71,6 +73,10 @@ class AsyncJob:
     async def result(self) -> dict[str, np.ndarray]:
         return await self.jobs.result(self.task, self.id)
 
+    async def result_to(self, path: str | Path, format: str = "npz") -> int:
+        """Write the result to ``path`` as it arrives (never whole in memory); its size in bytes."""
+        return await self.jobs.result_to(self.task, self.id, path, format)
+
     async def cancel(self) -> dict[str, Any]:
         return await self.jobs.cancel(self.task, self.id)
 
@@ -82,7 +88,7 @@ def _body(data: Any, fmt: str | None) -> tuple[Any, str]:
         return buf.getvalue(), "npz"
     if isinstance(data, Path | str) and not isinstance(data, bytes):
         path = Path(data)
-        guess = {".npz": "npz", ".jsonl": "jsonl", ".ndjson": "jsonl"}.get(path.suffix.lower())
+        guess = {".npz": "npz", ".jsonl": "jsonl", ".ndjson": "jsonl", ".oip": "oip"}.get(path.suffix.lower())
         fmt = fmt or guess
         if fmt not in FORMATS:
             raise ConfigError(f"cannot tell the format of {path} (pass format= one of {', '.join(FORMATS)})")
@@ -135,8 +141,10 @@ class AsyncJobs:
 
     async def submit(self, task: str, data: Any, *, min_accuracy: float = 0.0, deadline_s: float = 3600.0,
                      max_cost: float | None = None, format: str | None = None,
-                     chunk_rows: int | None = None, fresh: bool = False) -> AsyncJob:
-        """Submit a job; ``fresh=True``: run it even when an identical one is queued, running or done."""
+                     chunk_rows: int | None = None, fresh: bool = False, notify: str | None = None) -> AsyncJob:
+        """Submit a job; ``fresh=True``: run it even when an identical one is queued, running or done; ``notify``:
+        an https URL the mesh POSTs the job's outcome to once it ends (under a prefix the operator allowed the
+        tenant in the topology, else ``RequestError``)."""
         body, fmt = _body(data, format)
         params = {"min_accuracy": str(min_accuracy), "deadline_s": str(deadline_s), "format": fmt,
                   "fresh": "1" if fresh else "0"}
@@ -144,6 +152,8 @@ class AsyncJobs:
             params["max_cost"] = str(max_cost)
         if chunk_rows is not None:
             params["chunk_rows"] = str(chunk_rows)
+        if notify is not None:
+            params["notify"] = notify
         admitted = await self._call("POST", f"/v2/models/{task}/jobs", data=body, params=params)
         return AsyncJob(self, task, str(admitted["id"]), admitted)
 
@@ -173,6 +183,35 @@ class AsyncJobs:
         raw = await self._call("GET", f"/v2/models/{task}/jobs/{job_id}/result", params={"format": "npz"}, raw=True)
         with np.load(io.BytesIO(raw), allow_pickle=False) as npz:
             return {k: npz[k] for k in npz.files}
+
+    async def result_to(self, task: str, job_id: str, path: str | Path, format: str = "npz") -> int:
+        """The result written to ``path`` as it streams in (a temp file beside it, renamed once complete: a cut
+        stream leaves no partial file and raises ``PeerUnavailable``); its size in bytes."""
+        dest = Path(path)
+        tmp = dest.with_name(f".{dest.name}.part")
+        ssl = self._ssl_factory() if self._ssl_factory is not None else False
+        url = f"{self.base_url}/v2/models/{task}/jobs/{job_id}/result"
+        size = 0
+        try:
+            # no bound on the whole transfer (a large result takes what it takes), only on silence
+            idle = aiohttp.ClientTimeout(total=None, sock_connect=self._timeout.total, sock_read=self._timeout.total)
+            async with self._open().get(url, params={"format": format}, ssl=ssl, timeout=idle) as resp:
+                if resp.status >= 400:
+                    raise error_from_reply(resp.status, await resp.read())
+                with open(tmp, "wb") as f:  # noqa: ASYNC230  (local writes of the blocks as they arrive)
+                    async for block in resp.content.iter_chunked(1 << 20):
+                        f.write(block)
+                        size += len(block)
+                if resp.content_length is not None and size != resp.content_length:
+                    raise PeerUnavailable(f"result of job {job_id} cut short: {size} of {resp.content_length} bytes")
+            tmp.replace(dest)
+        except aiohttp.ClientError as exc:
+            raise PeerUnavailable(f"edge {self.base_url}: result of job {job_id} not received whole: {exc}") from exc
+        except TimeoutError as exc:
+            raise DeadlineExceeded(f"edge {self.base_url} did not send job {job_id}'s result in time") from exc
+        finally:
+            tmp.unlink(missing_ok=True)
+        return size
 
     async def result_bytes(self, task: str, job_id: str, format: str = "npz") -> bytes:
         out: bytes = await self._call("GET", f"/v2/models/{task}/jobs/{job_id}/result", params={"format": format},
@@ -237,6 +276,9 @@ class Job:
     def result(self) -> dict[str, np.ndarray]:
         return self.jobs._run(self.inner.result())
 
+    def result_to(self, path: str | Path, format: str = "npz") -> int:
+        return self.jobs._run(self.inner.result_to(path, format))
+
     def cancel(self) -> dict[str, Any]:
         return self.jobs._run(self.inner.cancel())
 
@@ -268,6 +310,9 @@ class Jobs:
 
     def result_bytes(self, task: str, job_id: str, format: str = "npz") -> bytes:
         return self._run(self._async.result_bytes(task, job_id, format))
+
+    def result_to(self, task: str, job_id: str, path: str | Path, format: str = "npz") -> int:
+        return self._run(self._async.result_to(task, job_id, path, format))
 
     def close(self) -> None:
         self._runner.close(self._async.aclose)

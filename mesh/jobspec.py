@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal, get_args
 
 from mesh.errors import ProtocolError
+from mesh.webhooks import parse_target
 
 __all__ = ["CHUNK_STATES", "FORMATS", "JOB_STATES", "SCHEMA", "TERMINAL", "ChunkRecord", "ChunkState", "InputFormat",
            "JobRecord", "JobState", "chunk_rows_of", "dedup_fingerprint", "is_job_id", "plan_chunks"]
@@ -28,7 +29,7 @@ __all__ = ["CHUNK_STATES", "FORMATS", "JOB_STATES", "SCHEMA", "TERMINAL", "Chunk
 SCHEMA = 1
 JobState = Literal["queued", "running", "done", "failed", "cancelled"]
 ChunkState = Literal["queued", "done", "failed"]
-InputFormat = Literal["npz", "jsonl"]
+InputFormat = Literal["npz", "jsonl", "oip"]  # oip: the Open Inference Protocol's binary tensor layout
 JOB_STATES: tuple[str, ...] = get_args(JobState)
 CHUNK_STATES: tuple[str, ...] = get_args(ChunkState)
 FORMATS: tuple[str, ...] = get_args(InputFormat)
@@ -147,6 +148,7 @@ class JobRecord:
     created: float = 0.0
     updated: float = 0.0
     error: str = ""
+    notify: str | None = None  # the https URL told when it ends (canonical, under the tenant's allowed webhooks)
 
     @property
     def chunks(self) -> list[tuple[int, int]]:
@@ -179,6 +181,12 @@ class JobRecord:
             variant = d.get("variant")
             if variant is not None and not (isinstance(variant, str) and _NAME.match(variant)):
                 raise ProtocolError(f"{where}: 'variant' is not a valid name")
+            notify = d.get("notify")
+            if notify is not None:
+                try:
+                    notify = parse_target(notify).text
+                except ValueError as exc:
+                    raise ProtocolError(f"{where}: 'notify' {exc}") from exc
             rec = cls(job_id=job_id, task=_name(d, "task", where), tenant=_name(d, "tenant", where),
                       min_accuracy=_num(d, "min_accuracy", where, 0.0, 1.0),
                       deadline=_num(d, "deadline", where, 0.0, 1e11),
@@ -190,7 +198,7 @@ class JobRecord:
                       max_cost=None if max_cost is None else _num(d, "max_cost", where, 0.0, 1e12),
                       variant=variant,
                       created=_num(d, "created", where, 0.0, 1e11), updated=_num(d, "updated", where, 0.0, 1e11),
-                      error=str(_field(d, "error", str, where))[:2000])
+                      error=str(_field(d, "error", str, where))[:2000], notify=notify)
             rec.chunks  # noqa: B018  (a plan over MAX_CHUNKS is refused here, not by every reader later)
         except ValueError as exc:  # plan_chunks
             raise ProtocolError(f"{where}: {exc}") from exc

@@ -18,7 +18,10 @@ Rules beyond types and ranges:
 * every site is reachable from every other (a site that cannot be reached would be placed to
   but never routed to);
 * a GPU names its model and its memory; latitude in [-90, 90], longitude in [-180, 180];
-* a tenant's isolation is ``shared`` or ``strict``; quotas are known keys with values >= 0.
+* a tenant's isolation is ``shared`` or ``strict``; quotas are known keys with values >= 0;
+  ``webhooks`` lists https URL prefixes its jobs may notify (``mesh.webhooks``: no userinfo, query or fragment, no
+  ``..`` or encoded ``/``; at most ``MAX_WEBHOOKS``, no duplicates) and ``webhook_ca`` names a PEM file of the CAs
+  that verify those receivers (relative to the topology file; its certificates are kept in the tenant's record).
   ``shared``: its queries may be batched with other shared tenants' through a backbone the site
   holds once (``edge_agent.backbone``); ``strict``: never a batch, session or backbone instance with
   another tenant (``edge_agent.host`` opens instances of its own, placement charges it a whole
@@ -30,6 +33,7 @@ from __future__ import annotations
 import difflib
 import math
 import re
+import ssl
 from pathlib import Path
 from typing import Any, NoReturn, cast
 
@@ -38,8 +42,11 @@ from ruamel.yaml.error import MarkedYAMLError, YAMLError
 
 from mesh.errors import TopologyError
 from mesh.types import TIERS, Tier
+from mesh.webhooks import parse_prefix
 from topology.schema import (
     ISOLATIONS,
+    MAX_WEBHOOK_CA,
+    MAX_WEBHOOKS,
     QUOTA_KEYS,
     SCHEMA_VERSION,
     Gpu,
@@ -63,7 +70,7 @@ _HW_REQUIRED = ("cpu_cores", "memory_mb", "price_per_hour")
 _GPU_KEYS = ("model", "memory_mb")
 _LINK_KEYS = ("a", "b", "latency_ms", "bandwidth_mbps", "jitter_ms")
 _LINK_REQUIRED = ("a", "b", "latency_ms", "bandwidth_mbps")
-_TENANT_KEYS = ("name", "isolation", "quotas")
+_TENANT_KEYS = ("name", "isolation", "quotas", "webhooks", "webhook_ca")
 
 
 def load_topology_file(path: str | Path) -> Topology:
@@ -306,7 +313,46 @@ class _Loader:
             self.keys(q, QUOTA_KEYS, (), qpath)
             for k in q:
                 quotas[str(k)] = self.number(q, k, qpath, lo=0)
-        return Tenant(name=name, isolation=iso, quotas=quotas)
+        hooks = self.webhooks(m, path) if m.get("webhooks") is not None else ()
+        ca = self.webhook_ca(m, path) if "webhook_ca" in m else None
+        return Tenant(name=name, isolation=iso, quotas=quotas, webhooks=hooks, webhook_ca=ca)
+
+    def webhooks(self, m: Any, path: str) -> tuple[str, ...]:
+        wpath = f"{path}.webhooks"
+        node = self.seq(m["webhooks"], self.val_line(m, "webhooks"), wpath)
+        if len(node) > MAX_WEBHOOKS:
+            self.fail(f"at most {MAX_WEBHOOKS} webhook prefixes per tenant, got {len(node)}",
+                      self.val_line(m, "webhooks"), wpath)
+        out: list[str] = []
+        for j, raw in enumerate(node):
+            line = self.item_line(node, j)
+            try:
+                text = parse_prefix(raw).text
+            except ValueError as exc:
+                self.fail(str(exc), line, f"{wpath}[{j}]")
+            if text in out:
+                self.fail(f"duplicate webhook prefix {text!r}", line, f"{wpath}[{j}]")
+            out.append(text)
+        return tuple(out)
+
+    def webhook_ca(self, m: Any, path: str) -> str:
+        """The PEM of the file ``webhook_ca`` names, checked to hold CA certificates ``ssl`` can load."""
+        raw = self.string(m, "webhook_ca", path)
+        line, where = self.val_line(m, "webhook_ca"), f"{path}.webhook_ca"
+        p = Path(raw)
+        if not p.is_absolute() and self.file != "<string>":
+            p = Path(self.file).parent / p
+        try:
+            pem = p.read_text(encoding="ascii")
+        except (OSError, UnicodeDecodeError) as exc:
+            self.fail(f"cannot read the CA bundle {str(p)!r}: {exc}", line, where)
+        if len(pem) > MAX_WEBHOOK_CA:
+            self.fail(f"the CA bundle {str(p)!r} is over {MAX_WEBHOOK_CA} characters", line, where)
+        try:
+            ssl.create_default_context(cadata=pem)
+        except (ssl.SSLError, ValueError) as exc:
+            self.fail(f"{str(p)!r} holds no usable PEM CA certificate: {exc}", line, where)
+        return pem
 
     def graph_rules(self, sites: dict[str, Site], links: list[Link],
                     site_lines: dict[str, tuple[int, int]]) -> None:

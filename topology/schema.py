@@ -18,9 +18,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 from mesh.types import Tier
+from mesh.webhooks import parse_prefix
 
 __all__ = [
     "ISOLATIONS",
+    "MAX_WEBHOOKS",
+    "MAX_WEBHOOK_CA",
     "QUOTA_KEYS",
     "SCHEMA_VERSION",
     "Gpu",
@@ -37,6 +40,8 @@ Isolation = Literal["shared", "strict"]
 ISOLATIONS: tuple[str, ...] = ("shared", "strict")
 # Quotas the edge enforces; an unknown key is a typo the loader reports rather than ignores.
 QUOTA_KEYS: tuple[str, ...] = ("qps", "max_inflight")
+MAX_WEBHOOKS = 16          # allowed notification prefixes per tenant
+MAX_WEBHOOK_CA = 64 << 10  # PEM characters of a tenant's webhook CA bundle (it lives in the tenant's etcd value)
 
 
 def _dumps(obj: dict[str, Any]) -> str:
@@ -159,21 +164,39 @@ class Link:
 
 @dataclass(frozen=True)
 class Tenant:
+    """``webhooks``: the https URL prefixes its jobs may notify (canonical text, ``mesh.webhooks``); ``webhook_ca``:
+    the PEM of the CAs that verify those receivers (None: the system's trust store)."""
+
     name: str
     isolation: Isolation = "shared"
     quotas: dict[str, float] = field(default_factory=dict)
+    webhooks: tuple[str, ...] = ()
+    webhook_ca: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"schema": SCHEMA_VERSION, "name": self.name, "isolation": self.isolation,
-                "quotas": dict(self.quotas)}
+        out: dict[str, Any] = {"schema": SCHEMA_VERSION, "name": self.name, "isolation": self.isolation,
+                               "quotas": dict(self.quotas)}
+        # only when set: a topology without webhooks keeps the JSON (and the digest) it had before they existed
+        if self.webhooks:
+            out["webhooks"] = list(self.webhooks)
+        if self.webhook_ca is not None:
+            out["webhook_ca"] = self.webhook_ca
+        return out
 
     def to_json(self) -> str:
         return _dumps(self.to_dict())
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Tenant:
+        hooks = d.get("webhooks", [])
+        ca = d.get("webhook_ca")
+        if not isinstance(hooks, list) or len(hooks) > MAX_WEBHOOKS:
+            raise ValueError(f"a tenant's webhooks are a list of at most {MAX_WEBHOOKS} URL prefixes")
+        if ca is not None and not (isinstance(ca, str) and len(ca) <= MAX_WEBHOOK_CA):
+            raise ValueError(f"a tenant's webhook_ca is PEM text of at most {MAX_WEBHOOK_CA} characters")
         return cls(name=str(d["name"]), isolation=cast(Isolation, d.get("isolation", "shared")),
-                   quotas={str(k): float(v) for k, v in d.get("quotas", {}).items()})
+                   quotas={str(k): float(v) for k, v in d.get("quotas", {}).items()},
+                   webhooks=tuple(parse_prefix(h).text for h in hooks), webhook_ca=ca)
 
     @classmethod
     def from_json(cls, text: str | bytes | dict[str, Any]) -> Tenant:

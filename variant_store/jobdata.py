@@ -1,13 +1,16 @@
-"""Offline jobs' input and output files: parsing a tenant's rows (NPZ or JSON lines) and writing a chunk's outputs.
+"""Offline jobs' input and output files: parsing a tenant's rows (NPZ, JSON lines or the OIP binary layout) and
+writing a chunk's outputs.
 
 Input formats (``mesh.jobspec.InputFormat``):
 
 - ``npz``: a NumPy ``.npz`` holding an array ``x`` (rows along axis 0, a numeric dtype; no pickles);
 - ``jsonl``: one row per line, each either a JSON list of numbers (every row the same length) or a JSON string (a
-  text row); an empty last line is allowed, nothing else empty.
+  text row); an empty last line is allowed, nothing else empty;
+- ``oip``: the Open Inference Protocol's binary tensor layout (a JSON header, then the raw tensor bytes), one input
+  whose first dimension is the rows: numeric, or ``BYTES`` for text (``variant_store.jobdata_oip``).
 
-Every error is a ``RequestError`` naming the line (JSON lines) or the array (NPZ): a tenant's file is hostile input.
-The OIP binary layout is not accepted yet.
+Every error is a ``RequestError`` naming the line (JSON lines), the array (NPZ) or the field, byte or row (OIP): a
+tenant's file is hostile input.
 
 Output of a chunk: an NPZ with one array per output tensor (named as the variant names them), rows in input order.
 """
@@ -27,6 +30,7 @@ import numpy as np
 
 from mesh.errors import RequestError
 from mesh.jobspec import InputFormat
+from variant_store.jobdata_oip import oip_rows, oip_scan
 
 __all__ = ["MAX_LINE", "InputSummary", "decode_outputs", "encode_outputs", "read_rows", "scan_input"]
 
@@ -92,8 +96,12 @@ def _npz_x(path: Path) -> np.ndarray:
     return x
 
 
-def scan_input(path: Path, fmt: InputFormat) -> InputSummary:
-    """Check a whole input file and count its rows (JSON lines: streamed, one line in memory at a time)."""
+def scan_input(path: Path, fmt: InputFormat, header_length: int | None = None) -> InputSummary:
+    """Check a whole input file and count its rows (JSON lines and OIP: streamed, one line or block of rows in
+    memory at a time). ``header_length``: OIP's ``Inference-Header-Content-Length``, when the caller sent it."""
+    if fmt == "oip":
+        layout = oip_scan(path, header_length)
+        return InputSummary(layout.rows, "text" if layout.datatype == "BYTES" else "numbers", layout.width)
     if fmt == "npz":
         x = _npz_x(path)
         return InputSummary(int(x.shape[0]), "numbers", int(np.prod(x.shape[1:], dtype=np.int64)))
@@ -122,6 +130,8 @@ def scan_input(path: Path, fmt: InputFormat) -> InputSummary:
 def read_rows(path: Path, fmt: InputFormat, start: int, stop: int) -> np.ndarray:
     """Rows ``[start, stop)`` of a checked input: float32 for numbers (NPZ rows keep their shape), an object array
     of ``str`` for text."""
+    if fmt == "oip":
+        return oip_rows(path, start, stop)
     if fmt == "npz":
         x = _npz_x(path)
         if stop > len(x):

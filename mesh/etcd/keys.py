@@ -15,7 +15,9 @@ __all__ = [
     "EVENTS_PLACEMENT",
     "FORECAST_STATE",
     "JOBS",
+    "JOBS_BY_TENANT",
     "JOBS_DEDUP",
+    "JOBS_LIVE",
     "LINKS",
     "LIVE",
     "MODELS",
@@ -30,13 +32,18 @@ __all__ = [
     "TOPOLOGY_LAST_APPLY",
     "TOPOLOGY_META",
     "KeyKind",
+    "assign_key",
     "blobs_key",
     "catalog_key",
     "chunk_key",
     "claim_key",
     "job_dedup_key",
     "job_key",
+    "job_live_key",
+    "job_notify_key",
     "job_prefix",
+    "job_tenant_key",
+    "job_tenant_prefix",
     "last_segment",
     "link_key",
     "live_key",
@@ -76,6 +83,11 @@ JOBS = "jobs/"
 # jobs/dedup/<tenant>/<fingerprint>: the id of the last job admitted for that input and request (a hint a door
 # checks against the job's own record before answering a resubmission with it; mesh.jobspec.dedup_fingerprint)
 JOBS_DEDUP = JOBS + "dedup/"
+# record copies, written in the same txns as the record (core_scheduler.state.jobs), so a list reads records and never
+# a chunk: jobs/live/<id> while the job is queued or running (what chunk workers poll; a chunk commits only while it
+# exists), jobs/tenant/<tenant>/<id> for every job until retention removes it (what the job API lists)
+JOBS_LIVE = JOBS + "live/"
+JOBS_BY_TENANT = JOBS + "tenant/"
 TASK_NAME = "_task"  # catalog/<task>/_task holds the task's signature: never a variant id
 _BLOBS = SERVICES + "variant-store"
 
@@ -152,6 +164,21 @@ def job_dedup_key(tenant: str, fingerprint: str) -> str:
     return f"{JOBS_DEDUP}{_segment('tenant', tenant)}/{_segment('fingerprint', fingerprint)}"
 
 
+def job_live_key(job_id: str) -> str:
+    """The copy of a job's record that says it is live (queued or running)."""
+    return JOBS_LIVE + _segment("job", job_id)
+
+
+def job_tenant_prefix(tenant: str) -> str:
+    """Every job record copy of ``tenant`` (its job list)."""
+    return f"{JOBS_BY_TENANT}{_segment('tenant', tenant)}/"
+
+
+def job_tenant_key(tenant: str, job_id: str) -> str:
+    """The copy of a job's record in its tenant's list."""
+    return job_tenant_prefix(tenant) + _segment("job", job_id)
+
+
 def chunk_key(job_id: str, index: int) -> str:
     """Chunk ``index`` of a job (zero-padded, so a prefix read returns chunks in order)."""
     if index < 0:
@@ -164,6 +191,22 @@ def claim_key(job_id: str, index: int) -> str:
     if index < 0:
         raise ValueError(f"a chunk index is >= 0, got {index}")
     return f"{JOBS}{_segment('job', job_id)}/claims/{index:06d}"
+
+
+def assign_key(job_id: str, index: int | None = None) -> str:
+    """Which site the scheduler leader handed chunk ``index`` of a job to (``core_scheduler.state.job_assign``);
+    without an index, the prefix of all the job's assignments."""
+    if index is None:
+        return f"{JOBS}{_segment('job', job_id)}/assign/"
+    if index < 0:
+        raise ValueError(f"a chunk index is >= 0, got {index}")
+    return f"{JOBS}{_segment('job', job_id)}/assign/{index:06d}"
+
+
+def job_notify_key(job_id: str, *, claim: bool = False) -> str:
+    """A job's notification: ``jobs/<id>/notified`` (what became of it, created once: a new leader never sends what
+    was delivered), or with ``claim`` ``jobs/<id>/notifying`` (the sender now, under its lease)."""
+    return f"{JOBS}{_segment('job', job_id)}/{'notifying' if claim else 'notified'}"
 
 
 def last_segment(key: str) -> str:

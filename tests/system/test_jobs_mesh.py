@@ -13,9 +13,11 @@ accuracy within binomial 3-sigma, and the online workload's SLO attainment must 
 In this slice sites claim chunks themselves (the leader assigns nothing yet), so the leader's kill tests that a job
 does not depend on it; the leader's role in jobs comes with leader-driven assignment.
 
-Not here: a text job. The slice parses and checks text rows at the door but does not run them
-(``edge_agent.chunks``: "text rows end to end (parsed and checked, not run)"), so that part is skipped with that
-reason rather than faked.
+A text job, on a mesh of its own (the text family: MiniLM encoders with tenant heads, every one a head on a shared
+backbone): acme's held-out package descriptions go in through the SDK as JSON lines of strings; each row must be
+answered once, with the chosen head's own answer (its backbone then its head, recomputed here from the blobs in the
+batches the chunks ran: an INT8-dynamic encoder's answer depends on its batch), and the accuracy on the section
+labels must be the variant's measured one within binomial 3-sigma (measured by the store on the same rows).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import itertools
 import json
 import math
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,12 +36,16 @@ import onnxruntime as ort
 import pytest
 
 from core_scheduler.state.jobs import JobBook, JobView
+from edge_agent.chunk_run import batches
 from edge_agent.chunks import BATCH_ROWS
+from mesh.client import AsyncClient
+from mesh.errors import MeshError
 from mesh.jobs import AsyncJobs
 from tests.system.conftest import TASK, Holdout, catalog_variants, mesh_running, wait_warm
 from tiermesh.chaos.faults import ChaosMesh
 from tiermesh.control import terminate
 from tiermesh.workload import WorkloadResult, run_workload, summarise
+from variant_store.families.text_corpus import CALIB_COUNT, SECTIONS, load_corpus
 
 pytestmark = [pytest.mark.system, pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -167,7 +174,78 @@ async def test_a_100k_row_job_completes_once_per_row_through_a_site_and_a_leader
     assert attainment >= MIN_ATTAINMENT, summary
 
 
-@pytest.mark.skip(reason="text rows are parsed and checked at the door but not run by the chunk worker in this "
-                         "slice (edge_agent.chunks: 'text rows end to end (parsed and checked, not run)')")
-async def test_a_text_job_runs_end_to_end() -> None:
-    raise AssertionError("not built yet: see the skip reason")
+TEXT_BACKBONES = ["minilm-l2-int8", "minilm-l6-int8"]
+TEXT_TASK, TEXT_MIN_ACCURACY, TEXT_CHUNK_ROWS = "text-topic", 0.70, 106  # 848 held-out rows: 8 chunks
+
+
+def _text_reference(base_path: str, head_path: str, texts: list[str], chunk_rows: list[int]) -> np.ndarray:
+    """The backbone then the head over ``texts``, chunk by chunk, in the batches ``edge_agent.chunk_run`` runs."""
+    from variant_store.runtimes import open_runtime
+
+    base = open_runtime("onnx", Path(base_path))
+    base.load_sync()
+    head = ort.InferenceSession(head_path, providers=["CPUExecutionProvider"])
+    try:
+        out, start = [], 0
+        for n in chunk_rows:
+            for lo, hi in batches(n, BATCH_ROWS, text=True):
+                rows = np.array([t.encode() for t in texts[start + lo:start + hi]], dtype=object)
+                feats = base.infer_sync({base.input_specs[0].name: rows})[base.output_specs[0].name]
+                out.append(head.run(None, {head.get_inputs()[0].name: feats})[0])
+            start += n
+        return np.concatenate(out)
+    finally:
+        base.unload_sync()
+
+
+async def test_a_text_job_runs_end_to_end(tmp_path: Path) -> None:
+    corpus = load_corpus()
+    texts = list(corpus.val_text[CALIB_COUNT:])
+    labels = corpus.val_y[CALIB_COUNT:]
+    rows = tmp_path / "texts.jsonl"
+    rows.write_text("".join(json.dumps(t) + "\n" for t in texts), encoding="utf-8")
+    async with mesh_running(tls=True, text_backbones=TEXT_BACKBONES) as mesh:
+        assert mesh.store is not None and mesh.blobs is not None and mesh.catalog is not None
+        acme = mesh.tenant_files("acme")
+        edge = mesh.edge_urls()["edge-fra-1"]
+        # A site may fetch a tenant's private variant (every text head is one) only while placement asks it for one
+        # of the tenant's variants (variant_store.access); chunk claims do not count (see the report of issue 32's
+        # text slice). Online demand for the task gets the head placed first, as a tenant using its head would.
+        async with AsyncClient(edge, cert=acme["cert"], key=acme["key"], ca=acme["ca"]) as online:
+            warm_until = time.monotonic() + 120
+            while True:
+                try:
+                    await online.infer(TEXT_TASK, texts[:2], latency_ms=3000, min_accuracy=TEXT_MIN_ACCURACY)
+                    break
+                except MeshError:
+                    assert time.monotonic() < warm_until, "acme's text head was never served online"
+                    await asyncio.sleep(0.5)
+        t0 = time.monotonic()
+        async with AsyncJobs(edge, cert=acme["cert"], key=acme["key"], ca=acme["ca"]) as jobs:
+            job = await jobs.submit(TEXT_TASK, rows, min_accuracy=TEXT_MIN_ACCURACY, deadline_s=1800,
+                                    chunk_rows=TEXT_CHUNK_ROWS)
+            variant = str(job.admitted["variant"])
+            status = await job.wait(poll_s=0.5, timeout=JOB_TIMEOUT_S * 2)
+            job_s = time.monotonic() - t0
+            out = (await job.result())["logits"]
+        v = await JobBook(mesh.store).view(job.id)
+        meta = await mesh.catalog.get_variant(TEXT_TASK, variant)
+        assert v is not None and meta.shared_base_digest is not None
+        chunk_rows = [c.chunk.rows for c in sorted(v.chunks, key=lambda c: c.chunk.index)]
+        want = await asyncio.to_thread(_text_reference, str(mesh.blobs.path(meta.shared_base_digest)),
+                                       str(mesh.blobs.path(meta.blob_digest)), texts, chunk_rows)
+    acc = float((out.argmax(1) == labels).mean())
+    sigma = math.sqrt(meta.accuracy * (1 - meta.accuracy) / len(texts))
+    print(json.dumps({"rows": len(texts), "variant": variant, "variant_accuracy": meta.accuracy,
+                      "job_accuracy": acc, "sigma": sigma, "job_s": round(job_s, 2),
+                      "rows_by_site": {s: sum(c.chunk.rows for c in v.chunks if c.chunk.site == s)
+                                       for s in {str(c.chunk.site) for c in v.chunks}}}, indent=1))
+    # a head on a shared backbone, meeting the floor, chosen at admission
+    assert meta.accuracy >= TEXT_MIN_ACCURACY and meta.owner == "acme"
+    # every row answered exactly once, in order, with the variant's own answer
+    assert status["state"] == "done" and status["rows_done"] == len(texts), status
+    assert all(c.chunk.state == "done" and c.chunk.variant == variant for c in v.chunks) and _tiles(v)
+    assert out.shape == want.shape == (len(texts), len(SECTIONS))
+    np.testing.assert_allclose(out, want, rtol=1e-3, atol=1e-3)
+    # the accuracy the variant promises, within sampling error
+    assert abs(acc - meta.accuracy) <= 3 * sigma, (acc, meta.accuracy, sigma)

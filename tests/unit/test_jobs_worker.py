@@ -30,11 +30,17 @@ class _Runtime:
 
 
 class _Host:
+    base = None  # a plain variant: no backbone
+
     def __init__(self) -> None:
         self.runtime = _Runtime()
 
-    async def ensure(self, meta: VariantMeta) -> Any:
+    async def ensure(self, meta: VariantMeta, isolated_for: str = "") -> Any:
         return self
+
+
+class _View:
+    topology = None
 
 
 class _Data:
@@ -53,8 +59,8 @@ def _setup(tmp: Path, busy: list[bool]) -> tuple[ChunkWorker, JobView, SeenChunk
     x = np.arange(40, dtype=np.float32).reshape(10, 4)
     np.savez(tmp / "in.npz", x=x)
     host = _Host()
-    worker = ChunkWorker("edge-1", cast(Any, None), cast(Any, None), cast(Any, host), cast(Any, _Data(tmp / "in.npz")),
-                         tmp, lambda: busy[0], batch_rows=3, pause_s=0.001)
+    worker = ChunkWorker("edge-1", cast(Any, None), cast(Any, _View()), cast(Any, host),
+                         cast(Any, _Data(tmp / "in.npz")), tmp, lambda: busy[0], batch_rows=3, pause_s=0.001)
     job = JobRecord(job_id="a" * 32, task="t", tenant="acme", min_accuracy=0.0, deadline=2e9, input_digest="b" * 64,
                     rows=10, input_format="npz", chunk_rows=10)
     seen = SeenChunk(ChunkRecord(0, 0, 10), 5, None)

@@ -1,6 +1,7 @@
 """``tiermesh jobs submit | list | show | result | cancel``: offline jobs at an edge (the SDK's ``mesh.jobs``).
 
     tiermesh jobs submit --edge URL --tenant acme digit-classification rows.npz --min-accuracy 0.95 --wait
+    tiermesh jobs submit ... --notify https://hooks.acme.example/tiermesh/done   (a URL the operator allowed)
     tiermesh jobs list   --edge URL --tenant acme
     tiermesh jobs show   --edge URL --tenant acme TASK JOB_ID [--follow]
     tiermesh jobs result --edge URL --tenant acme TASK JOB_ID --out result.npz [--format jsonl]
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from mesh.jobs import AsyncJobs
+from mesh.jobspec import FORMATS
 
 __all__ = ["register"]
 
@@ -38,17 +40,21 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("jobs", help="offline jobs: submit, list, show, result, cancel", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     jsub = p.add_subparsers(dest="jobs_command", metavar="ACTION", required=True)
-    s = jsub.add_parser("submit", help="submit a job (an .npz with 'x' or a .jsonl file)")
+    s = jsub.add_parser("submit", help="submit a job (an .npz with 'x', a .jsonl file or OIP binary tensors)")
     _common(s)
     s.add_argument("task")
     s.add_argument("input", type=Path)
     s.add_argument("--min-accuracy", type=float, default=0.0)
     s.add_argument("--deadline-s", type=float, default=3600.0, help="seconds from now (default %(default)s)")
     s.add_argument("--max-cost", type=float, default=None, help="USD ceiling")
-    s.add_argument("--format", choices=("npz", "jsonl"), default=None, help="default: from the file's suffix")
+    s.add_argument("--format", choices=FORMATS, default=None,
+                   help="default: from the file's suffix (.npz, .jsonl, .oip: the Open Inference Protocol's binary "
+                        "tensor layout)")
     s.add_argument("--chunk-rows", type=int, default=None)
     s.add_argument("--wait", action="store_true", help="wait with a progress bar until it is done")
     s.add_argument("--fresh", action="store_true", help="run it again even if an identical job is live or done")
+    s.add_argument("--notify", default=None, metavar="URL",
+                   help="https URL to POST the outcome to when the job ends (under a prefix the operator allowed)")
     s.set_defaults(func=_submit)
     ls = jsub.add_parser("list", help="your jobs")
     _common(ls)
@@ -97,7 +103,7 @@ async def _submit(args: argparse.Namespace) -> int:
     async with _jobs(args) as jobs:
         job = await jobs.submit(args.task, args.input, min_accuracy=args.min_accuracy, deadline_s=args.deadline_s,
                                 max_cost=args.max_cost, format=args.format, chunk_rows=args.chunk_rows,
-                                fresh=args.fresh)
+                                fresh=args.fresh, notify=args.notify)
         _print(job.admitted)
         if args.wait:
             _print(await _wait_with_bar(jobs, args.task, job.id, int(job.admitted["rows"])))
@@ -126,8 +132,7 @@ async def _cancel(args: argparse.Namespace) -> int:
 
 
 async def _result(args: argparse.Namespace) -> int:
-    async with _jobs(args) as jobs:
-        data = await jobs.result_bytes(args.task, args.job_id, args.format)
-    args.out.write_bytes(data)
-    print(f"wrote {len(data)} bytes to {args.out}", file=sys.stderr)
+    async with _jobs(args) as jobs:  # streamed to the file: a result larger than memory is fine
+        size = await jobs.result_to(args.task, args.job_id, args.out, args.format)
+    print(f"wrote {size} bytes to {args.out}", file=sys.stderr)
     return 0
