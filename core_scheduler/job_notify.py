@@ -48,12 +48,12 @@ from yarl import URL
 
 from core_scheduler.state.jobs import JobBook, JobView
 from mesh.backoff import Backoff
-from mesh.errors import ProtocolError, StoreError
-from mesh.etcd.keys import JOBS, job_notify_key
+from mesh.errors import StoreError
+from mesh.etcd.keys import job_notify_key
 from mesh.etcd.lease import Lease
-from mesh.etcd.ops import KV, CreateRevision, Delete, Put, ValueEquals
+from mesh.etcd.ops import CreateRevision, Delete, Put, ValueEquals
 from mesh.etcd.store import Store
-from mesh.jobspec import JobRecord, is_job_id
+from mesh.jobspec import JobRecord
 from mesh.lifecycle import Service, cancel_and_wait
 from mesh.log import get_logger, kv
 from mesh.webhooks import NotifyOutcome, WebhookUrl, allowed_target
@@ -63,6 +63,7 @@ __all__ = ["DELIVERY_HEADER", "JobNotifier", "NotifyConfig", "due", "payload", "
 
 log = get_logger(__name__)
 DELIVERY_HEADER = "X-Tiermesh-Delivery"
+MAX_REMEMBERED = 100_000  # settled job ids kept in memory between rounds
 Tenants = Callable[[], Mapping[str, Tenant]]
 
 
@@ -102,28 +103,6 @@ def payload(view: JobView) -> dict[str, Any]:
             "result": f"/v2/models/{j.task}/jobs/{j.job_id}/result" if j.state == "done" else None}
 
 
-def scan(items: Iterable[KV]) -> tuple[list[JobRecord], set[str], set[str]]:
-    """From one read of ``jobs/``: the readable job records, the ids with a ``notified`` record, and the ids with a
-    ``notifying`` claim. An unreadable record is skipped (and logged): a job nobody can read is notified by nobody."""
-    records: list[JobRecord] = []
-    settled: set[str] = set()
-    claimed: set[str] = set()
-    for item in items:
-        job_id, _, tail = item.key[len(JOBS):].partition("/")
-        if not is_job_id(job_id):
-            continue
-        if tail == "job":
-            try:
-                records.append(JobRecord.from_json(item.value))
-            except ProtocolError as exc:
-                log.warning("unreadable job record %s: %s", item.key, exc, extra=kv(event="job_unreadable"))
-        elif tail == "notified":
-            settled.add(job_id)
-        elif tail == "notifying":
-            claimed.add(job_id)
-    return records, settled, claimed
-
-
 # -- the sender ------------------------------------------------------------------------------------------------
 class JobNotifier(Service):
     """Sends the notifications of ended jobs. ``tenants()``: the tenants as the leader sees them now (its
@@ -140,6 +119,7 @@ class JobNotifier(Service):
         self._lease: Lease | None = None
         self._session: aiohttp.ClientSession | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._settled: set[str] = set()  # jobs whose notification is recorded (delivered or failed): final
 
     async def _start(self) -> None:
         self._session = aiohttp.ClientSession(trust_env=False)  # no proxy from the environment: the URL is the URL
@@ -170,7 +150,7 @@ class JobNotifier(Service):
         room = self.cfg.max_in_flight - len(self._tasks)
         if room <= 0:
             return 0
-        records, settled, claimed = scan(await self.store.get_prefix(JOBS))
+        records, settled, claimed = await self._read()
         start = due(records, settled, claimed | set(self._tasks))[:room]
         if not start:
             return 0
@@ -180,6 +160,24 @@ class JobNotifier(Service):
             self._tasks[job.job_id] = task
             task.add_done_callback(functools.partial(self._done, job.job_id))
         return len(start)
+
+    async def _read(self) -> tuple[list[JobRecord], set[str], set[str]]:
+        """The ended jobs that asked for a notification, from the record copies (never a chunk: ``JobBook.records``),
+        and which of them are settled or claimed (two small reads per job not known settled; a settled job stays
+        settled, so it is remembered and not read again)."""
+        records = [r for r in await self.book.records()
+                   if r.terminal and r.notify and r.job_id not in self._settled]
+        settled: set[str] = set()
+        claimed: set[str] = set()
+        for rec in records:
+            if await self.store.get(job_notify_key(rec.job_id)) is not None:
+                settled.add(rec.job_id)
+            elif await self.store.get(job_notify_key(rec.job_id, claim=True)) is not None:
+                claimed.add(rec.job_id)
+        self._settled |= settled
+        if len(self._settled) > MAX_REMEMBERED:  # bounded: forgetting one costs two reads, never a resend
+            self._settled.clear()
+        return records, settled, claimed
 
     def _done(self, job_id: str, _task: asyncio.Task[None]) -> None:
         self._tasks.pop(job_id, None)

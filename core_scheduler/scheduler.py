@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from core_scheduler.job_planner import plan_jobs_once
+from core_scheduler.job_rounds import JobRounds
 from core_scheduler.metrics import SchedulerMetrics
 from core_scheduler.policy.floor import floor_placement
 from core_scheduler.policy.forecast import DemandForecaster
@@ -67,10 +69,14 @@ class SchedulerConfig:
 
 
 class Scheduler(Service):
-    def __init__(self, store: Store, cfg: SchedulerConfig) -> None:
+    def __init__(self, store: Store, cfg: SchedulerConfig, *,
+                 data_ssl: Callable[[], ssl.SSLContext | None] = lambda: None) -> None:
+        """``data_ssl``: the client TLS context the leader's retention sweep reaches the variant store's data area
+        with (this scheduler's certificate; None for an ``--insecure`` mesh)."""
         self.store = store
         self.cfg = cfg
         self.view = MeshView(store, f"scheduler:{cfg.candidate_id}")
+        self.jobs = JobRounds(store, self.view, cfg.candidate_id, retention_s=cfg.job_retention_s, data_ssl=data_ssl)
         self.snapshots = SnapshotBuilder(self.view)
         self.election: Election | None = None
         self._task: asyncio.Task[None] | None = None
@@ -110,11 +116,13 @@ class Scheduler(Service):
 
     async def _start(self) -> None:
         await self.view.start()
+        await self.jobs.start()
         self._task = asyncio.create_task(self._run(), name=f"scheduler:{self.cfg.candidate_id}")
 
     async def _stop(self) -> None:
         task, self._task = self._task, None
         await cancel_and_wait(task)
+        await self.jobs.stop()
         if self.election is not None:
             with contextlib.suppress(Exception):
                 await self.election.resign()
@@ -159,12 +167,8 @@ class Scheduler(Service):
                 log.warning("placement round failed: %s", exc, extra=kv(event="round_failed"))
             except Exception:
                 log.exception("placement round error", extra=kv(event="round_failed"))
-            try:  # offline jobs' chunks to sites, cheapest first under their deadlines (core_scheduler.job_planner)
-                await plan_jobs_once(self.store, self.view, election)
-            except StoreError as exc:
-                log.warning("job assignment round failed: %s", exc, extra=kv(event="round_failed"))
-            except Exception:
-                log.exception("job assignment round error", extra=kv(event="round_failed"))
+            # offline jobs: chunks assigned, deadlines and retention, webhooks (core_scheduler.job_rounds; never raises)
+            await self.jobs.round(election)
             await self._pause(election)
 
     async def _pause(self, election: Election) -> None:

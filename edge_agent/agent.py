@@ -32,7 +32,7 @@ from edge_agent.demand import DemandMeter
 from edge_agent.grpc_api import EdgeGrpcServer
 from edge_agent.host import VariantHost
 from edge_agent.http_api import EdgeHttpServer, identify
-from edge_agent.job_data import DataClient
+from variant_store.data_client import DataClient
 from edge_agent.jobs_api import JobsApi
 from edge_agent.liveness import Liveness
 from edge_agent.metrics import AgentMetrics, Gauges

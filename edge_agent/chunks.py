@@ -41,7 +41,7 @@ from core_scheduler.state.supervise import supervise
 from core_scheduler.state.view import MeshView
 from edge_agent.chunk_run import ChunkRun, feed, run_rows
 from edge_agent.host import VariantHost
-from edge_agent.job_data import DataClient
+from variant_store.data_client import DataClient
 from mesh.errors import ConflictError, MeshError, RequestError
 from mesh.etcd.lease import Lease
 from mesh.etcd.store import Store

@@ -27,7 +27,7 @@ import numpy as np
 from aiohttp import web
 
 from core_scheduler.state.jobs import JobView
-from edge_agent.job_data import DataClient
+from variant_store.data_client import DataClient
 from mesh.errors import ConflictError
 from variant_store.jobdata import decode_outputs
 

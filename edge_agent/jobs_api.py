@@ -52,7 +52,7 @@ from aiohttp import web
 from core_scheduler.policy.jobs import capacities, cheapest_variant, estimate, job_candidates
 from core_scheduler.state.jobs import JobBook
 from core_scheduler.state.view import MeshView
-from edge_agent.job_data import DataClient
+from variant_store.data_client import DataClient
 from edge_agent.job_follow import JobFollow, since_of, status, wait_s_of
 from edge_agent.job_results import RESULT_FORMATS, stream_result
 from mesh.errors import (

@@ -49,6 +49,7 @@ from mesh.lifecycle import Service, cancel_and_wait
 from mesh.log import get_logger, kv
 from mesh.pki.identity import Identity
 from mesh.pki.local import LocalPki
+from mesh.pki.reload import ReloadingCredentials
 from tiermesh.caps import CpuCgroups, SiteCaps, machine_memory_mb, plan_caps
 from tiermesh.control import ControlCommand, ControlOptions, ControlProcesses, PrefixedEtcd, terminate
 from tiermesh.delayproxy import ProxyPool
@@ -170,7 +171,12 @@ class LocalMesh(Readiness, MeshIdentities, HostHomes, Membership, WanLinks, Serv
                 sched_store = self.store
                 if self.creds is not None:  # as its own etcd identity, so RBAC holds it to its role
                     sched_store = self._sched_store = await self._connect_as(SCHEDULER)
-                self.scheduler = Scheduler(sched_store, self.opts.scheduler_config(f"up-{os.getpid()}"))
+                data_ssl = None  # the leader's retention sweep reaches the data area as the scheduler
+                if self.creds is not None:
+                    f = self.creds.files(SCHEDULER)
+                    data_ssl = ReloadingCredentials(Path(f["cert"]), Path(f["key"]), Path(f["ca"])).client_context()
+                self.scheduler = Scheduler(sched_store, self.opts.scheduler_config(f"up-{os.getpid()}"),
+                                           data_ssl=lambda: data_ssl)
                 await self.scheduler.start()
         await self.start_crl_follow()
         if self.opts.console:

@@ -22,7 +22,7 @@ from aiohttp import web
 from core_scheduler.state.job_watch import JobWatch
 from core_scheduler.state.jobs import JobBook
 from core_scheduler.state.view import MeshView
-from edge_agent.job_data import DataClient
+from variant_store.data_client import DataClient
 from edge_agent.jobs_api import JobsApi
 from mesh.errors import MeshError, QuotaExceeded
 from mesh.etcd.server import EmbeddedEtcd

@@ -19,7 +19,7 @@ import pytest
 
 from core_scheduler.job_sweeper import sweep_once
 from core_scheduler.state.jobs import JobBook
-from edge_agent.job_data import DataClient
+from variant_store.data_client import DataClient
 from mesh.errors import ConflictError, PermissionDenied
 from mesh.etcd.keys import (
     JOBS_BY_TENANT,

@@ -9,11 +9,9 @@ from typing import Any
 
 import pytest
 
-from core_scheduler.job_notify import due, payload, retryable, scan
+from core_scheduler.job_notify import due, payload, retryable
 from core_scheduler.state.jobs import JobView, SeenChunk
 from mesh.errors import ProtocolError
-from mesh.etcd.keys import job_key, job_notify_key
-from mesh.etcd.ops import KV
 from mesh.jobspec import ChunkRecord, JobRecord
 from mesh.webhooks import NotifyOutcome, allowed_target, parse_prefix, parse_target
 
@@ -157,17 +155,6 @@ def test_due_is_every_ended_job_with_a_url_not_settled_nor_busy_oldest_first() -
                                                (408, True), (425, True), (429, True), (500, True), (503, True)])
 def test_which_statuses_are_tried_again(status: int, again: bool) -> None:
     assert retryable(status) is again
-
-
-def test_scan_sorts_one_read_into_records_settled_and_claimed() -> None:
-    other = f"{9:032x}"
-    items = [KV(job_key(JOB.job_id), JOB.to_json(), 1, 1, 0),
-             KV(job_notify_key(JOB.job_id), {"schema": 1}, 2, 2, 0),
-             KV(job_key(other), {"schema": 1, "job_id": "garbage"}, 3, 3, 0),  # unreadable: skipped
-             KV(job_notify_key(other, claim=True), {"by": "x"}, 4, 4, 7),
-             KV("jobs/dedup/acme/" + "f" * 32, {"schema": 1, "job": JOB.job_id}, 5, 5, 0)]
-    records, settled, claimed = scan(items)
-    assert records == [JOB] and settled == {JOB.job_id} and claimed == {other}
 
 
 def test_the_body_says_what_the_job_became_and_where_its_result_is() -> None:

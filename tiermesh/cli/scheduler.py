@@ -8,7 +8,9 @@ import asyncio
 import os
 import signal
 import socket
+import ssl
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from console import ConsoleConfig, ConsoleServer
@@ -16,6 +18,7 @@ from console.app import Route
 from core_scheduler.scheduler import Scheduler, SchedulerConfig
 from mesh.errors import ConfigError
 from mesh.log import get_logger, kv
+from mesh.pki.reload import ReloadingCredentials
 from mesh.settings import MeshSettings
 from tiermesh.cli.context import open_store, store_args
 
@@ -75,6 +78,18 @@ def _console_config(args: argparse.Namespace, settings: MeshSettings) -> Console
                          scrape_admin=args.console_admin)
 
 
+def _data_ssl(args: argparse.Namespace, settings: MeshSettings) -> Callable[[], ssl.SSLContext | None]:
+    """The client context of the leader's retention sweep on the variant store's data area: the scheduler's etcd
+    client certificate (the mesh CA's ``scheduler:<N>``, which the store accepts) when one is given."""
+    cert = getattr(args, "etcd_cert", None) or settings.etcd_cert
+    key = getattr(args, "etcd_key", None) or settings.etcd_key
+    ca = getattr(args, "etcd_ca", None) or settings.etcd_ca
+    if not (cert and key and ca):
+        return lambda: None
+    ctx = ReloadingCredentials(Path(cert), Path(key), Path(ca)).client_context()
+    return lambda: ctx
+
+
 async def _run(args: argparse.Namespace) -> int:
     settings = MeshSettings()
     # checked now (a wildcard without --advertise is refused) so the console inherits valid values
@@ -88,7 +103,7 @@ async def _run(args: argparse.Namespace) -> int:
     async with open_store(**store_args(args)) as store:
         sched = Scheduler(store, SchedulerConfig(candidate_id=args.id, interval_s=args.interval,
                                                  election_ttl_s=args.election_ttl, mode=args.mode,
-                                                 proactive=not args.reactive))
+                                                 proactive=not args.reactive), data_ssl=_data_ssl(args, settings))
         console = ConsoleServer(store, console_cfg, extra_routes=scheduler_routes(sched)) if console_cfg else None
         await sched.start()
         try:
