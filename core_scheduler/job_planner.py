@@ -4,7 +4,10 @@ deadline (``core_scheduler.policy.jobs.assign``), and keep those assignments in 
 
 Each round reads the live jobs with their chunks and assignments, plans, and writes only what changed: new
 assignments, renewals of standing ones (every ``RENEW_S``, so sites can tell a leader that leads from one that
-died), and removals (a chunk claimed or done, a site that left or held a chunk without taking it). Every write is
+died), and removals (a chunk claimed or done, a site that left or held a chunk without taking it). Each
+assignment names the job's tenant, task and variant: while it stands (and a grace after) the variant store lets
+its site fetch that variant, private or not (``variant_store.job_grants``), so a chunk can run where placement put
+none of the tenant's variants. Every write is
 fenced by the leader's election key: a deposed leader's round changes nothing, and says so by setting
 ``election.lost``. Sites act on assignments (``edge_agent.chunks``); should the leader die, its assignments go
 stale within ``ASSIGN_GRACE_S`` and sites fall back to claiming by the local rule.
@@ -26,6 +29,7 @@ from mesh.etcd.election import Election
 from mesh.etcd.ops import Compare, CreateRevision
 from mesh.etcd.store import Store
 from mesh.log import get_logger, kv
+from variant_store.access import Granted
 
 __all__ = ["plan_jobs_once"]
 
@@ -47,6 +51,7 @@ async def plan_jobs_once(store: Store, view: MeshView, election: Election, *, no
         return 0
     book, book_of = JobBook(store), JobAssignments(store)
     works: list[JobWork] = []
+    variants: dict[str, Granted] = {}  # job -> what its assignments let their sites fetch (variant_store.job_grants)
     current: dict[tuple[str, int], Assigned] = {}
     running: dict[str, int] = {}
     for rec in await book.list():
@@ -62,7 +67,11 @@ async def plan_jobs_once(store: Store, view: MeshView, election: Election, *, no
         for c in v.chunks:
             if c.claimed_by is not None and c.chunk.state == "queued":
                 running[c.claimed_by] = running.get(c.claimed_by, 0) + 1
-        works.append(_work(v, view))
+        work = _work(v, view)
+        works.append(work)
+        chosen = work.meta.variant_id if work.meta is not None else v.job.variant
+        if chosen is not None:  # none known: its sites could load nothing anyway
+            variants[rec.job_id] = (v.job.tenant, v.job.task, chosen)
         current.update({(rec.job_id, idx): a for idx, a in (await book_of.read(rec.job_id)).items()})
     if not works and not current:
         return 0
@@ -74,7 +83,7 @@ async def plan_jobs_once(store: Store, view: MeshView, election: Election, *, no
     if not puts and not drops:
         return 0
     fence: list[Compare] = [CreateRevision(election.key, "==", election.leader_revision)]
-    if not await book_of.write(puts, drops, fence, election.leader_revision):
+    if not await book_of.write(puts, drops, fence, election.leader_revision, variants):
         log.warning("job assignment refused: no longer leader", extra=kv(event="stale_leader"))
         election.lost.set()
         return 0

@@ -32,7 +32,6 @@ from edge_agent.demand import DemandMeter
 from edge_agent.grpc_api import EdgeGrpcServer
 from edge_agent.host import VariantHost
 from edge_agent.http_api import EdgeHttpServer, identify
-from variant_store.data_client import DataClient
 from edge_agent.jobs_api import JobsApi
 from edge_agent.liveness import Liveness
 from edge_agent.metrics import AgentMetrics, Gauges
@@ -55,6 +54,7 @@ from mesh.pki.site_names import server_site
 from mesh.zmq.client import ZmqClient
 from mesh.zmq.server import ZmqServer
 from topology.paths import topology_paths
+from variant_store.data_client import DataClient
 from variant_store.hardware import cpu_cap_cores, gpu_available, local_hardware_class, torch_serving
 
 if TYPE_CHECKING:  # CURVE and mutual TLS load cryptography: imported where a secured agent builds them, so an

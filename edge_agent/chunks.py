@@ -41,12 +41,12 @@ from core_scheduler.state.supervise import supervise
 from core_scheduler.state.view import MeshView
 from edge_agent.chunk_run import ChunkRun, feed, run_rows
 from edge_agent.host import VariantHost
-from variant_store.data_client import DataClient
-from mesh.errors import ConflictError, MeshError, RequestError
+from mesh.errors import ConflictError, MeshError, PermissionDenied, RequestError, Unauthenticated
 from mesh.etcd.lease import Lease
 from mesh.etcd.store import Store
 from mesh.lifecycle import Service, cancel_and_wait
 from mesh.log import get_logger, kv
+from variant_store.data_client import DataClient
 from variant_store.jobdata import encode_outputs, read_rows
 from variant_store.meta import VariantMeta
 
@@ -57,6 +57,9 @@ MAX_INPUT_BYTES = 4 << 30
 MAX_CHUNK_OUTPUT_BYTES = 256 << 20
 BATCH_ROWS = 256  # rows per runtime call
 IDLE_POLL_S = 2.0  # how often a site that saw no live job at its last look reads etcd for one (sooner if woken)
+# a job whose variant the store refused this site (403/401: no assignment or placement grants it) is skipped this
+# long: without it the site claimed the chunk, was refused and released it at every poll
+REFUSED_BACKOFF_S = 30.0
 
 
 class ChunkWorker(Service):
@@ -74,6 +77,7 @@ class ChunkWorker(Service):
         self._woken = asyncio.Event()
         self._lease: Lease | None = None
         self._task: asyncio.Task[None] | None = None
+        self._refused: dict[str, float] = {}  # job -> time.monotonic() until which this site leaves it alone
         self.chunks_done = 0
         self.rows_done = 0
         self.paused_s = 0.0  # time spent waiting for online work to pass
@@ -122,8 +126,10 @@ class ChunkWorker(Service):
         jobs = await self.book.list()
         self._live_jobs = any(not job.terminal for job in jobs)
         fallback: tuple[JobView, SeenChunk] | None = None  # a chunk claimable by the local rule, if none is assigned
+        mono = time.monotonic()
+        self._refused = {j: until for j, until in self._refused.items() if until > mono}  # bounded: live ones only
         for job in sorted(jobs, key=lambda j: j.created):
-            if job.terminal:
+            if job.terminal or job.job_id in self._refused:
                 continue
             try:
                 v = await self.book.view(job.job_id)
@@ -170,7 +176,17 @@ class ChunkWorker(Service):
                 with contextlib.suppress(ConflictError):
                     await self.book.set_state(job.job_id, "running", only_from=("queued",))
             compute_before = self.compute_s
-            outputs = await self._run(v, seen, meta, lease)
+            try:
+                outputs = await self._run(v, seen, meta, lease)
+            except (PermissionDenied, Unauthenticated) as exc:  # the store will not give us its variant (or input)
+                self._refused[job.job_id] = time.monotonic() + REFUSED_BACKOFF_S
+                log.warning("job %s: the store refused this site variant %s or the input (%s); leaving the job "
+                            "for %.0f s",
+                            job.job_id, meta.variant_id, exc, REFUSED_BACKOFF_S,
+                            extra=kv(site=self.site, event="chunk_variant_refused", job=job.job_id,
+                                     chunk=seen.chunk.index))
+                await self.book.release(job.job_id, seen.chunk.index, self.site)
+                return False
             digest = await self.data.put_bytes(job.tenant, encode_outputs(outputs))
             try:
                 await self.book.commit(job.job_id, seen, self.site, digest, meta.variant_id)

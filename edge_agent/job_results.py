@@ -27,8 +27,8 @@ import numpy as np
 from aiohttp import web
 
 from core_scheduler.state.jobs import JobView
-from variant_store.data_client import DataClient
 from mesh.errors import ConflictError
+from variant_store.data_client import DataClient
 from variant_store.jobdata import decode_outputs
 
 __all__ = ["MAX_CHUNK_OUTPUT_BYTES", "RESULT_FORMATS", "stream_result"]

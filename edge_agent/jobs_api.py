@@ -52,7 +52,6 @@ from aiohttp import web
 from core_scheduler.policy.jobs import capacities, cheapest_variant, estimate, job_candidates
 from core_scheduler.state.jobs import JobBook
 from core_scheduler.state.view import MeshView
-from variant_store.data_client import DataClient
 from edge_agent.job_follow import JobFollow, since_of, status, wait_s_of
 from edge_agent.job_results import RESULT_FORMATS, stream_result
 from mesh.errors import (
@@ -67,6 +66,7 @@ from mesh.etcd.keys import job_key
 from mesh.jobspec import FORMATS, InputFormat, JobRecord, chunk_rows_of, dedup_fingerprint, is_job_id, plan_chunks
 from mesh.log import get_logger, kv
 from mesh.webhooks import allowed_target
+from variant_store.data_client import DataClient
 from variant_store.jobdata import scan_input
 
 __all__ = ["MAX_INPUT_BYTES", "JobsApi"]

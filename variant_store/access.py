@@ -7,6 +7,10 @@ etcd's own certificate, which no tiermesh server admits); what it may read from 
     tenant T's private variant's, or the      T; a site that serves T (``serves(site, T)``: placement asks that site
       parent model T registered                 for one of T's variants, now or within a grace, see
                                                 :mod:`variant_store.placed`); admins; variant stores
+    tenant T's private variant V's            also a site the scheduler leader assigned a chunk of a job of T on V
+      (its ONNX and shared backbone)            (``granted`` holds (T, task, V): an assignment names it, now or
+                                                within a grace, see :mod:`variant_store.job_grants`). That variant
+                                                only, not T's others, and only while the catalog says V is T's
     a model's labelled validation set         the model's owner tenant (a private model's); admins; variant stores.
                                                 Never a site or a scheduler: no site runs it, and labels are the
                                                 owner's data
@@ -19,7 +23,7 @@ admits the caller. Catalog entries (``GET /catalog``) follow the variant rule.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 
 from aiohttp import web
@@ -31,9 +35,10 @@ from mesh.pki.peers import TlsPeers
 from variant_store.catalog import RegisteredModel
 from variant_store.meta import PUBLIC, VariantMeta
 
-__all__ = ["Serves", "StoreTls", "blob_readable", "may_read", "no_site", "site_tenants"]
+__all__ = ["Granted", "Serves", "StoreTls", "blob_readable", "job_granted", "may_read", "no_site", "site_tenants"]
 
 Serves = Callable[[str, str], bool]  # (site, tenant) -> does that site serve that tenant
+Granted = tuple[str, str, str]  # (tenant, task, variant id) a site's job assignments let it fetch
 _OPERATORS = ("admin", "store")  # read everything: they wrote it, or mirror it
 
 
@@ -62,6 +67,11 @@ def may_read(identity: Identity, owner: str, serves: Serves = no_site) -> bool:
     return False
 
 
+def job_granted(identity: Identity, meta: VariantMeta, granted: Collection[Granted]) -> bool:
+    """Whether ``identity`` is a site whose job assignments (``granted``) name variant ``meta``, of its owner."""
+    return identity.kind == "site" and (meta.owner, meta.task, meta.variant_id) in granted
+
+
 def _may_read_validation(identity: Identity, model: RegisteredModel) -> bool:
     if identity.kind in _OPERATORS:
         return True
@@ -69,13 +79,17 @@ def _may_read_validation(identity: Identity, model: RegisteredModel) -> bool:
 
 
 def blob_readable(identity: Identity, digest: str, metas: Iterable[VariantMeta],
-                  models: Iterable[RegisteredModel] = (), serves: Serves = no_site) -> bool:
+                  models: Iterable[RegisteredModel] = (), serves: Serves = no_site,
+                  granted: Collection[Granted] = ()) -> bool:
     """Whether ``identity`` may read blob ``digest``, by what names it: ``metas`` (the variants) and ``models`` (the
     registered models: their parent ONNX and validation set)."""
     if identity.kind not in CALLER_KINDS:
         return False
     models = list(models)
-    owners = {m.owner for m in metas if digest in (m.blob_digest, m.shared_base_digest)}
+    naming = [m for m in metas if digest in (m.blob_digest, m.shared_base_digest)]
+    if granted and any(job_granted(identity, m, granted) for m in naming):
+        return True
+    owners = {m.owner for m in naming}
     owners |= {m.owner for m in models if m.parent_digest == digest}
     if any(may_read(identity, o, serves) for o in owners):
         return True

@@ -17,7 +17,9 @@ mesh CA: the caller's identity is its certificate's (401 when it proves none; 40
 tenant-private variant's catalog entry and blob, and a model's labelled validation set, are served only to the
 identities :mod:`variant_store.access` admits (403 for a blob, left out of ``/catalog``): a site only the private
 variants of tenants placement asks it to serve, read from etcd ``placement/<site>`` at the request
-(:class:`~variant_store.placed.PlacedVariants`, which the server runs unless given one). A revoked caller is
+(:class:`~variant_store.placed.PlacedVariants`, which the server runs unless given one), and the variants of
+the offline-job chunks the scheduler leader assigned it, from etcd ``jobassign/``
+(:class:`~variant_store.job_grants.JobGrants`, likewise). A revoked caller is
 refused on its next request and its open keep-alive connections are closed once ``tls`` holds a list naming it:
 from its ``crl.pem``, or from etcd ``pki/crl``
 through ``tls.load_crl`` (``tiermesh variants serve`` runs a :mod:`tiermesh.crl_follow` follower for that: the
@@ -44,10 +46,11 @@ from mesh.etcd.lease import Lease
 from mesh.lifecycle import Service, cancel_and_wait
 from mesh.log import get_logger, kv
 from mesh.pki.identity import Identity
-from variant_store.access import Serves, StoreTls, blob_readable, may_read, no_site, site_tenants
+from variant_store.access import Granted, Serves, StoreTls, blob_readable, job_granted, may_read, no_site, site_tenants
 from variant_store.blobs import CHUNK, BlobStore, is_digest
 from variant_store.catalog import Catalog
 from variant_store.data_area import DataArea, data_routes
+from variant_store.job_grants import JobGrants
 from variant_store.meta import VariantMeta
 from variant_store.metrics import CONTENT_TYPE, StoreMetrics
 from variant_store.placed import PlacedVariants
@@ -78,13 +81,14 @@ class VariantStoreServer(Service):
     topology ``site`` it runs at when given (routing then charges cold starts elsewhere the fetch).
     ``advertise``: the host peers dial, in ``url`` and the announcement (default ``host``; a
     wildcard ``host`` needs one). ``placement``: which variants each site may fetch (with ``tls``; default: one
-    following ``catalog``'s etcd, started and stopped with the server)."""
+    following ``catalog``'s etcd, started and stopped with the server); ``job_grants``: which each may fetch for
+    the job chunks assigned to it (the same way)."""
 
     def __init__(self, blob_store: BlobStore, catalog: Catalog, host: str = DEFAULT_BIND, port: int = 0, *,
                  advertise: str | None = None, authenticate: Authenticator = header_identity,
                  announce: bool = True, lease_ttl: int = 10, site: str | None = None,
                  tls: StoreTls | None = None, placement: PlacedVariants | None = None,
-                 data: DataArea | None = None) -> None:
+                 data: DataArea | None = None, job_grants: JobGrants | None = None) -> None:
         self.blobs = blob_store
         self.data = data
         self.site = site
@@ -95,6 +99,8 @@ class VariantStoreServer(Service):
         self.tls = tls
         self._own_placement = placement is None and tls is not None
         self.placement = PlacedVariants(catalog.store) if self._own_placement else placement
+        self._own_grants = job_grants is None and tls is not None
+        self.job_grants = JobGrants(catalog.store) if self._own_grants else job_grants
         self.announce = announce
         self.lease_ttl = lease_ttl
         self._runner: web.AppRunner | None = None
@@ -129,6 +135,8 @@ class VariantStoreServer(Service):
             await self.tls.start()
         if self._own_placement and self.placement is not None:
             await self.placement.start()
+        if self._own_grants and self.job_grants is not None:
+            await self.job_grants.start()
         await web.TCPSite(runner, self.host, self.port,
                           ssl_context=self.tls.ssl_context if self.tls else None).start()
         self.port = int(runner.addresses[0][1])
@@ -150,6 +158,8 @@ class VariantStoreServer(Service):
                 await lease.revoke()  # drop the announcement now rather than at lease expiry
         if runner is not None:
             await runner.cleanup()
+        if self._own_grants and self.job_grants is not None:
+            await self.job_grants.stop()
         if self._own_placement and self.placement is not None:
             await self.placement.stop()
         if self.tls is not None:
@@ -218,7 +228,8 @@ class VariantStoreServer(Service):
         peer = request.get(PEER)
         if peer is not None:
             serves = await self._serves(peer, metas if task is None else await self.catalog.list_variants())
-            metas = [m for m in metas if may_read(peer, m.owner, serves)]
+            granted = await self._granted(peer)
+            metas = [m for m in metas if may_read(peer, m.owner, serves) or job_granted(peer, m, granted)]
         return web.json_response({"variants": [m.to_json() for m in metas]})
 
     async def _serves(self, peer: Identity, metas: list[VariantMeta]) -> Serves:
@@ -228,6 +239,12 @@ class VariantStoreServer(Service):
         tenants = site_tenants(await self.placement.placed(peer.name), metas)
         return lambda site, tenant: site == peer.name and tenant in tenants
 
+    async def _granted(self, peer: Identity) -> frozenset[Granted]:
+        """The variants a site caller's job assignments let it fetch (a read of etcd) or did until recently."""
+        if peer.kind != "site" or self.job_grants is None:
+            return frozenset()
+        return await self.job_grants.granted(peer.name)
+
     async def _blob(self, request: web.Request) -> web.StreamResponse:
         digest = request.match_info["digest"]
         if not is_digest(digest):
@@ -236,7 +253,7 @@ class VariantStoreServer(Service):
         if peer is not None:
             metas = await self.catalog.list_variants()
             readable = blob_readable(peer, digest, metas, await self.catalog.list_models(),
-                                     await self._serves(peer, metas))
+                                     await self._serves(peer, metas), await self._granted(peer))
             if not readable:
                 raise PermissionDenied(f"{peer} may not read blob {digest}", reason="private_variant")
         if not self.blobs.has(digest):

@@ -225,7 +225,7 @@ def capacities(sites: Mapping[str, Site], live: Mapping[str, Beat]) -> list[Capa
 
 @dataclass(frozen=True, slots=True)
 class Assigned:
-    """A chunk's standing assignment (``jobs/<id>/assign/<n>``): to ``site``, first handed out at ``since``, last
+    """A chunk's standing assignment (``jobassign/<id>/<n>``): to ``site``, first handed out at ``since``, last
     renewed at ``at`` (the leader's wall clock, epoch seconds)."""
 
     site: str

@@ -41,6 +41,7 @@ from mesh.etcd.keys import (
     JOBS,
     JOBS_BY_TENANT,
     JOBS_LIVE,
+    assign_key,
     chunk_key,
     claim_key,
     job_dedup_key,
@@ -315,14 +316,16 @@ class JobBook:
         return new
 
     async def remove(self, rec: JobRecord) -> bool:
-        """Remove a terminal job's keys (record, chunks, claims, notifications, copies, and the resubmission index
-        entry if it still names the job); False (nothing removed) when its record says it is not terminal. Its
-        keys go first, in one range delete, and the copies after: should this stop between the two, the tenant
-        copy still names the job and the next sweep finishes the removal."""
+        """Remove a terminal job's keys (record, chunks, claims, notifications, its assignments under
+        ``jobassign/``, copies, and the resubmission index entry if it still names the job); False (nothing
+        removed) when its record says it is not terminal. Its keys go first, in range deletes, and the copies
+        after: should this stop between the two, the tenant copy still names the job and the next sweep finishes
+        the removal."""
         got = await self.record(rec.job_id)
         if got is not None and not got[0].terminal:
             return False
         await self.store.delete_prefix(job_prefix(rec.job_id))
+        await self.store.delete_prefix(assign_key(rec.job_id))  # the scheduler's (retention runs there): RBAC
         index = job_dedup_key(rec.tenant, rec.fingerprint)
         await self.store.txn([ValueEquals(index, {"schema": 1, "job": rec.job_id})], [Delete(index)])
         await self.store.txn([], [Delete(job_tenant_key(rec.tenant, rec.job_id)), Delete(job_live_key(rec.job_id))])

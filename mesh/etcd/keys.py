@@ -18,6 +18,7 @@ __all__ = [
     "JOBS_BY_TENANT",
     "JOBS_DEDUP",
     "JOBS_LIVE",
+    "JOB_ASSIGN",
     "LINKS",
     "LIVE",
     "MODELS",
@@ -88,6 +89,10 @@ JOBS_DEDUP = JOBS + "dedup/"
 # exists), jobs/tenant/<tenant>/<id> for every job until retention removes it (what the job API lists)
 JOBS_LIVE = JOBS + "live/"
 JOBS_BY_TENANT = JOBS + "tenant/"
+# jobassign/<id>/<n>: the scheduler leader's assignment of chunk n of a job to a site, which also lets that site
+# fetch the job's variant from the variant store (variant_store.job_grants). Outside jobs/ on purpose: sites write
+# jobs/, and only the scheduler may write this (mesh.etcd.rbac), so a site cannot assign itself another's variant
+JOB_ASSIGN = "jobassign/"
 TASK_NAME = "_task"  # catalog/<task>/_task holds the task's signature: never a variant id
 _BLOBS = SERVICES + "variant-store"
 
@@ -194,13 +199,13 @@ def claim_key(job_id: str, index: int) -> str:
 
 
 def assign_key(job_id: str, index: int | None = None) -> str:
-    """Which site the scheduler leader handed chunk ``index`` of a job to (``core_scheduler.state.job_assign``);
-    without an index, the prefix of all the job's assignments."""
+    """Which site the scheduler leader handed chunk ``index`` of a job to (``core_scheduler.state.job_assign``),
+    under :data:`JOB_ASSIGN`; without an index, the prefix of all the job's assignments."""
     if index is None:
-        return f"{JOBS}{_segment('job', job_id)}/assign/"
+        return f"{JOB_ASSIGN}{_segment('job', job_id)}/"
     if index < 0:
         raise ValueError(f"a chunk index is >= 0, got {index}")
-    return f"{JOBS}{_segment('job', job_id)}/assign/{index:06d}"
+    return f"{JOB_ASSIGN}{_segment('job', job_id)}/{index:06d}"
 
 
 def job_notify_key(job_id: str, *, claim: bool = False) -> str:

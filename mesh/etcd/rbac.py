@@ -8,8 +8,11 @@ named after identities and have no password. Roles (all relative to the store pr
 - ``site:<S>`` (an agent): read everything under ``P``; write only ``P live/<S>`` (its heartbeat),
   ``P pki/sites/<S>`` (its own certificate, public: peers believe it only if the CA signed it) and ``P jobs/``
   (offline jobs: a door writes the records of the jobs it admitted, every site claims and commits chunks. Any site
-  may write any job's keys: narrowing that to a job's door and a chunk's lease holder is not built yet).
-- ``scheduler:<N>``: read everything under ``P``; write ``placement/``, ``events/``, ``election/`` and ``jobs/``.
+  may write any job's keys: narrowing that to a job's door and a chunk's lease holder is not built yet). Never
+  ``P jobassign/``: a chunk's assignment there lets its site fetch the job's private variant from the variant
+  store (:mod:`variant_store.job_grants`), so a site that could write it could grant itself any tenant's variant.
+- ``scheduler:<N>``: read everything under ``P``; write ``placement/``, ``events/``, ``election/``, ``jobs/`` and
+  ``jobassign/`` (the leader's chunk assignments).
 - ``store:<N>`` (the variant store): read everything under ``P``; write ``catalog/``, ``models/`` (what it
   builds) and ``services/`` (its announcement).
 - ``admin:<N>`` (operators): read everything under ``P``; write ``topology/``, ``tenants/``, ``catalog/``,
@@ -46,6 +49,7 @@ from mesh.etcd.keys import (
     CATALOG,
     ELECTION_SCHEDULER,
     EVENTS_PLACEMENT,
+    JOB_ASSIGN,
     JOBS,
     MODELS,
     PKI,
@@ -70,7 +74,8 @@ Access = Literal["read", "write", "readwrite"]
 _PERM = {"read": rpc.Permission.READ, "write": rpc.Permission.WRITE, "readwrite": rpc.Permission.READWRITE}
 OPERATOR_WRITES = ("topology/", TENANTS, CATALOG, MODELS, PKI, SERVICES)
 STORE_WRITES = (CATALOG, MODELS, SERVICES)
-SCHEDULER_WRITES = (PLACEMENT, EVENTS_PLACEMENT.split("/")[0] + "/", ELECTION_SCHEDULER.split("/")[0] + "/", JOBS)
+SCHEDULER_WRITES = (PLACEMENT, EVENTS_PLACEMENT.split("/")[0] + "/", ELECTION_SCHEDULER.split("/")[0] + "/", JOBS,
+                    JOB_ASSIGN)
 
 
 @dataclass(frozen=True, slots=True, order=True)

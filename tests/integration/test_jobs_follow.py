@@ -22,7 +22,6 @@ from aiohttp import web
 from core_scheduler.state.job_watch import JobWatch
 from core_scheduler.state.jobs import JobBook
 from core_scheduler.state.view import MeshView
-from variant_store.data_client import DataClient
 from edge_agent.jobs_api import JobsApi
 from mesh.errors import MeshError, QuotaExceeded
 from mesh.etcd.server import EmbeddedEtcd
@@ -31,6 +30,7 @@ from mesh.jobspec import JobRecord
 from mesh.v2.body import TENANT_HEADER
 from topology.loader import load_topology_file
 from topology.store_io import apply as apply_topology
+from variant_store.data_client import DataClient
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 

@@ -19,7 +19,6 @@ import pytest
 
 from core_scheduler.job_sweeper import sweep_once
 from core_scheduler.state.jobs import JobBook
-from variant_store.data_client import DataClient
 from mesh.errors import ConflictError, PermissionDenied
 from mesh.etcd.keys import (
     JOBS_BY_TENANT,
@@ -43,6 +42,7 @@ from variant_store.access import StoreTls
 from variant_store.blobs import BlobStore
 from variant_store.catalog import Catalog
 from variant_store.data_area import DataArea
+from variant_store.data_client import DataClient
 from variant_store.server import VariantStoreServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
