@@ -29,7 +29,7 @@ from mesh.etcd.election import Election
 from mesh.etcd.ops import Compare, CreateRevision
 from mesh.etcd.store import Store
 from mesh.log import get_logger, kv
-from variant_store.access import Granted
+from variant_store.job_grants import Granted
 
 __all__ = ["plan_jobs_once"]
 

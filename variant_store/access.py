@@ -33,12 +33,12 @@ from mesh.pki.files import PkiPaths
 from mesh.pki.identity import CALLER_KINDS, Identity
 from mesh.pki.peers import TlsPeers
 from variant_store.catalog import RegisteredModel
+from variant_store.job_grants import Granted
 from variant_store.meta import PUBLIC, VariantMeta
 
-__all__ = ["Granted", "Serves", "StoreTls", "blob_readable", "job_granted", "may_read", "no_site", "site_tenants"]
+__all__ = ["Serves", "StoreTls", "blob_readable", "job_granted", "may_read", "no_site", "site_tenants"]
 
 Serves = Callable[[str, str], bool]  # (site, tenant) -> does that site serve that tenant
-Granted = tuple[str, str, str]  # (tenant, task, variant id) a site's job assignments let it fetch
 _OPERATORS = ("admin", "store")  # read everything: they wrote it, or mirror it
 
 

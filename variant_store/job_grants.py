@@ -41,11 +41,11 @@ from mesh.etcd.store import Store
 from mesh.etcd.watch import KeyRange
 from mesh.lifecycle import Service, cancel_and_wait
 from mesh.log import get_logger, kv
-from variant_store.access import Granted
 
-__all__ = ["GRACE_S", "SCHEMA", "AssignRecord", "JobGrants", "decode_record", "split_key"]
+__all__ = ["GRACE_S", "SCHEMA", "AssignRecord", "Granted", "JobGrants", "decode_record", "split_key"]
 
 log = get_logger(__name__)
+Granted = tuple[str, str, str]  # (tenant, task, variant id) a site's job assignments let it fetch
 GRACE_S = 300.0  # as placement's: a large blob's fetch right after the claim, resumed, fits
 SCHEMA = 1
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # a site, tenant, task or variant name (as mesh.jobspec)

@@ -46,11 +46,11 @@ from mesh.etcd.lease import Lease
 from mesh.lifecycle import Service, cancel_and_wait
 from mesh.log import get_logger, kv
 from mesh.pki.identity import Identity
-from variant_store.access import Granted, Serves, StoreTls, blob_readable, job_granted, may_read, no_site, site_tenants
+from variant_store.access import Serves, StoreTls, blob_readable, job_granted, may_read, no_site, site_tenants
 from variant_store.blobs import CHUNK, BlobStore, is_digest
 from variant_store.catalog import Catalog
 from variant_store.data_area import DataArea, data_routes
-from variant_store.job_grants import JobGrants
+from variant_store.job_grants import Granted, JobGrants
 from variant_store.meta import VariantMeta
 from variant_store.metrics import CONTENT_TYPE, StoreMetrics
 from variant_store.placed import PlacedVariants

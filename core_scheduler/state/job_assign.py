@@ -23,8 +23,7 @@ from mesh.etcd.keys import assign_key
 from mesh.etcd.ops import KV, Compare, Delete, Op, Put, chunk_ops
 from mesh.etcd.store import Store
 from mesh.log import get_logger, kv
-from variant_store.access import Granted
-from variant_store.job_grants import SCHEMA, decode_record, split_key
+from variant_store.job_grants import SCHEMA, Granted, decode_record, split_key
 
 __all__ = ["JobAssignments", "decode_assignment"]
 

@@ -1,5 +1,5 @@
 """A site the scheduler leader assigned a chunk of tenant T's job may fetch the job's variant (the rule and the
-follower's memory; HTTPS and etcd in tests/integration/test_job_grants.py)."""
+follower's memory; HTTPS and etcd in tests/integration/test_job_grants_store.py)."""
 
 from __future__ import annotations
 
