@@ -16,7 +16,8 @@
     │   ├── UnknownTenant           unknown_tenant  403    tenant not in the topology
     │   ├── BadTensor               bad_tensor      400    wrong shape / dtype / size
     │   ├── PayloadTooLarge         too_large       413    body or tensor over the limit
-    │   └── ImpossibleSLO           impossible_slo  422    no variant anywhere can meet the SLO and prefer=refuse
+    │   ├── ImpossibleSLO           impossible_slo  422    no variant anywhere can meet the SLO and prefer=refuse
+    │   └── ModelRejected           bad_model       422    an uploaded model failed a check (``reason`` says which)
     ├── DeadlineExceeded            deadline        504    the request's absolute deadline passed (also a
     │                                                      ``TimeoutError``: ``except TimeoutError`` catches it)
     ├── Overloaded                  overloaded      503    queue would hold the request past its deadline
@@ -51,6 +52,7 @@ __all__ = [
     "EtcdServerError",
     "ImpossibleSLO",
     "MeshError",
+    "ModelRejected",
     "NoRoute",
     "Overloaded",
     "PayloadTooLarge",
@@ -182,6 +184,19 @@ class PayloadTooLarge(RequestError):
 class ImpossibleSLO(RequestError):
     code = "impossible_slo"
     http_status = 422
+
+
+class ModelRejected(RequestError):
+    """An uploaded model failed a check before anything ran it (``variant_store.model_check``). ``reason``
+    is a short stable word (``too_large``, ``bad_protobuf``, ``opset``, ``custom_domain``, ``external_data``,
+    ``initializer_bytes``, ``graph``, ``checker``, ...); the message names the node, tensor or number."""
+
+    code = "bad_model"
+    http_status = 422
+
+    def __init__(self, message: str, *, reason: str = "bad_model", **details: Any) -> None:
+        super().__init__(message, reason=reason, **details)
+        self.reason = reason
 
 
 class DeadlineExceeded(MeshError, TimeoutError):

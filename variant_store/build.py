@@ -28,8 +28,10 @@ from mesh.types import TaskSignature, TensorSpec
 from variant_store.blobs import BlobStore
 from variant_store.catalog import Catalog, RegisteredModel
 from variant_store.meta import Format, Precision, Profile, VariantMeta
+from variant_store.model_check import ModelLimits, check_upload
 from variant_store.profiler import add_base_latency, run_first_output
 from variant_store.runtimes.text import TEXT_SPEC, TOKENIZER_KEY
+from variant_store.sandbox import SandboxLimits, run_sandboxed_async
 
 __all__ = [
     "BATCH_SIZES",
@@ -129,8 +131,10 @@ async def _off_loop(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 
 async def register_model(catalog: Catalog, blobs: BlobStore, onnx_path: Path | str, val_npz: Path | str,
                          task: str, family: str, owner: str = "public", metric: str = "top1", *,
-                         role: str = "model", base_digest: str | None = None) -> RegisteredModel:
-    """Store the parent model and its validation set; record the task's signature on first use.
+                         role: str = "model", base_digest: str | None = None,
+                         limits: ModelLimits | None = None) -> RegisteredModel:
+    """Check the parent model (``variant_store.model_check``: ``ModelRejected``, nothing stored), store it and
+    its validation set; record the task's signature on first use.
 
     A task's signature is fixed by its first model: a model with different inputs is refused
     (callers name the task, not the model, so every variant must accept the same tensors). A family another
@@ -138,6 +142,7 @@ async def register_model(catalog: Catalog, blobs: BlobStore, onnx_path: Path | s
     onnx_path, val_npz = Path(onnx_path), Path(val_npz)
     if metric not in ("top1", "cosine"):
         raise CatalogError(f"unknown metric {metric!r}: top1 or cosine")
+    await check_upload(onnx_path, limits)  # hostile bytes are refused before anything else parses them
     # before anything is stored: a family another task holds would give its variants that task's ids
     await catalog.check_family_free(task, family)
     sig = signature_from_onnx(task, onnx_path, metric)
@@ -172,8 +177,11 @@ async def register_model(catalog: Catalog, blobs: BlobStore, onnx_path: Path | s
 
 async def build_task(catalog: Catalog, blobs: BlobStore, task: str, *, families: Sequence[str] | None = None,
                      kinds: Sequence[str] | None = None, progress: bool = True,
-                     repeats: int = 50, batch_sizes: Sequence[int] = BATCH_SIZES) -> BuildReport:
-    """Generate, measure and catalog the variants of every registered model of ``task``."""
+                     repeats: int = 50, batch_sizes: Sequence[int] = BATCH_SIZES,
+                     sandbox: SandboxLimits | None = None) -> BuildReport:
+    """Generate, measure and catalog the variants of every registered model of ``task``. Each model is
+    generated and measured in a limited child process (``sandbox``; ``variant_store.sandbox``): one that
+    crashes, hangs or exhausts memory there is reported skipped (kind ``*``) and the others still build."""
     models = [m for m in await catalog.list_models(task) if families is None or m.family in families]
     if not models:
         within = f" in families {list(families)}" if families else ""
@@ -187,55 +195,44 @@ async def build_task(catalog: Catalog, blobs: BlobStore, task: str, *, families:
             work = Path(tmp) / model.family
             work.mkdir()
             await _build_model(catalog, blobs, model, sig, work, kinds, repeats,
-                               tuple(batch_sizes), report, prog)
+                               tuple(batch_sizes), report, prog, sandbox)
     return report
 
 
 async def _build_model(catalog: Catalog, blobs: BlobStore, model: RegisteredModel, sig: TaskSignature,
-                       work: Path, kinds: Sequence[str] | None,
-                       repeats: int, batch_sizes: tuple[int, ...], report: BuildReport, prog: Any) -> None:
-    from variant_store.generate import GeneratedVariant, generate_variants
+                       work: Path, kinds: Sequence[str] | None, repeats: int, batch_sizes: tuple[int, ...],
+                       report: BuildReport, prog: Any, sandbox: SandboxLimits | None) -> None:
+    from variant_store.measure import measure_model
 
     await _off_loop(blobs.verify, model.parent_digest)
     await _off_loop(blobs.verify, model.validation_digest)
-    parent_path = blobs.path(model.parent_digest)
     x, y, calib = load_validation(blobs.path(model.validation_digest))
-    x_hold, y_hold = x[calib:], (y[calib:] if y is not None else None)
     parent_id = f"{model.family}.onnx.fp32"
     base_digest = model.base_digest if model.role == "head" else None
     if base_digest:
-        # a head eats backbone features: measure it on the backbone's output for the same rows
         await _off_loop(blobs.verify, base_digest)
-        feats = await _off_loop(run_first_output, blobs.path(base_digest), x)
-        x_calib, x_hold = feats[:calib], feats[calib:]
-    else:
-        x_calib = x[:calib]
-    reference = None
-    if model.metric == "cosine":
-        reference = await _off_loop(run_first_output, parent_path, x_hold)
-    if model.role == "model":
-        generated, skipped = await _off_loop(generate_variants, parent_path, x_calib, work,
-                                                 kinds=list(kinds) if kinds is not None else None)
-    else:
-        # backbones and heads are served as registered: one FP32 ONNX variant, no generation
-        generated, skipped = [GeneratedVariant("onnx.fp32", "onnx", "fp32", parent_path, "onnxruntime")], []
+    try:  # the owner's bytes are parsed and run only in a child with memory, CPU and time limits
+        measured, skipped = await run_sandboxed_async(
+            measure_model,
+            (blobs.path(model.parent_digest), model.role, model.metric, x, y, calib, work,
+             list(kinds) if kinds is not None else None, batch_sizes, repeats,
+             blobs.path(base_digest) if base_digest else None),
+            limits=sandbox, label=f"building {model.task}/{model.family}")
+    except MeshError as exc:  # whatever the model did to the child, it fails this model's build only
+        report.skipped.append(Skipped(model.task, model.family, "*", str(exc)))
+        log.warning("building %s/%s failed: %s", model.task, model.family, exc,
+                    extra=kv(task=model.task, event="build_failed", reason=exc.details.get("limit")))
+        return
     for s in skipped:
         report.skipped.append(Skipped(model.task, model.family, s.kind, s.reason))
         log.info("skipped %s.%s: %s", model.family, s.kind, s.reason,
                  extra=kv(task=model.task, reason=s.reason))
-    task_id = prog.add_task(f"{model.task}/{model.family}", total=len(generated)) if prog else None
-    for gen in generated:
+    task_id = prog.add_task(f"{model.task}/{model.family}", total=len(measured)) if prog else None
+    for gen, result in measured:
         variant_id = f"{model.family}.{gen.kind}"
-        try:
-            result = await _off_loop(_profile, gen, x_hold, y_hold, model.metric, batch_sizes, repeats,
-                                     reference)
-            if base_digest:  # a head is served behind its backbone: its latency is both together
-                result = await _off_loop(add_base_latency, result, blobs.path(base_digest),
-                                         x[calib:], batch_sizes, repeats)
-        except MeshError as exc:
-            report.skipped.append(Skipped(model.task, model.family, gen.kind, f"profiling failed: {exc}"))
-            log.warning("profiling %s failed: %s", variant_id, exc,
-                        extra=kv(task=model.task, variant=variant_id))
+        if isinstance(result, str):  # profiling failed in the child: the reason, not the variant
+            report.skipped.append(Skipped(model.task, model.family, gen.kind, result))
+            log.warning("%s: %s", variant_id, result, extra=kv(task=model.task, variant=variant_id))
             if prog:
                 prog.advance(task_id)
             continue
