@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Literal
 
 __all__ = [
+    "CASCADES",
     "CATALOG",
     "ELECTION_SCHEDULER",
     "EVENTS_PLACEMENT",
@@ -35,6 +36,7 @@ __all__ = [
     "KeyKind",
     "assign_key",
     "blobs_key",
+    "cascade_key",
     "catalog_key",
     "chunk_key",
     "claim_key",
@@ -61,6 +63,8 @@ SITES = "topology/sites/"
 LINKS = "topology/links/"
 TENANTS = "tenants/"
 CATALOG = "catalog/"
+# cascades/<task>/<cascade id>: a task's calibrated cascades (variant_store.cascade_meta), written where the catalog is
+CASCADES = "cascades/"
 LIVE = "live/"
 PLACEMENT = "placement/"
 MODELS = "models/"
@@ -123,6 +127,13 @@ def tenant_key(name: str) -> str:
 
 def catalog_key(task: str, variant: str) -> str:
     return f"{CATALOG}{_segment('task', task)}/{_segment('variant', variant)}"
+
+
+def cascade_key(task: str, cascade_id: str | None = None) -> str:
+    """A calibrated cascade of ``task``'s variants (``variant_store.cascade_meta``); without an id, the task's
+    cascades' prefix."""
+    base = f"{CASCADES}{_segment('task', task)}/"
+    return base if cascade_id is None else base + _segment("cascade", cascade_id)
 
 
 def task_key(task: str) -> str:

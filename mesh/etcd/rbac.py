@@ -13,9 +13,9 @@ named after identities and have no password. Roles (all relative to the store pr
   store (:mod:`variant_store.job_grants`), so a site that could write it could grant itself any tenant's variant.
 - ``scheduler:<N>``: read everything under ``P``; write ``placement/``, ``events/``, ``election/``, ``jobs/`` and
   ``jobassign/`` (the leader's chunk assignments).
-- ``store:<N>`` (the variant store): read everything under ``P``; write ``catalog/``, ``models/`` (what it
+- ``store:<N>`` (the variant store): read everything under ``P``; write ``catalog/``, ``cascades/``, ``models/`` (what it
   builds) and ``services/`` (its announcement).
-- ``admin:<N>`` (operators): read everything under ``P``; write ``topology/``, ``tenants/``, ``catalog/``,
+- ``admin:<N>`` (operators): read everything under ``P``; write ``topology/``, ``tenants/``, ``catalog/``, ``cascades/``,
   ``models/``, ``pki/`` and ``services/``.
 - ``root_admins`` (the admin identities that apply this plan; at least one): etcd's ``root`` role, which
   user and role management, ``auth enable`` and compaction need.
@@ -46,6 +46,7 @@ from mesh.errors import ConfigError, StoreError
 from mesh.etcd import messages as rpc
 from mesh.etcd.channels import StorePermissionDenied
 from mesh.etcd.keys import (
+    CASCADES,
     CATALOG,
     ELECTION_SCHEDULER,
     EVENTS_PLACEMENT,
@@ -72,8 +73,8 @@ ROOT_USER = "root"  # etcd refuses `auth enable` unless a user named root with t
 CRL_FOLLOWER_ROLE = "tiermesh-crl-follower"
 Access = Literal["read", "write", "readwrite"]
 _PERM = {"read": rpc.Permission.READ, "write": rpc.Permission.WRITE, "readwrite": rpc.Permission.READWRITE}
-OPERATOR_WRITES = ("topology/", TENANTS, CATALOG, MODELS, PKI, SERVICES)
-STORE_WRITES = (CATALOG, MODELS, SERVICES)
+OPERATOR_WRITES = ("topology/", TENANTS, CATALOG, CASCADES, MODELS, PKI, SERVICES)
+STORE_WRITES = (CATALOG, CASCADES, MODELS, SERVICES)
 SCHEDULER_WRITES = (PLACEMENT, EVENTS_PLACEMENT.split("/")[0] + "/", ELECTION_SCHEDULER.split("/")[0] + "/", JOBS,
                     JOB_ASSIGN)
 
