@@ -13,10 +13,10 @@ named after identities and have no password. Roles (all relative to the store pr
   store (:mod:`variant_store.job_grants`), so a site that could write it could grant itself any tenant's variant.
 - ``scheduler:<N>``: read everything under ``P``; write ``placement/``, ``events/``, ``election/``, ``jobs/`` and
   ``jobassign/`` (the leader's chunk assignments).
-- ``store:<N>`` (the variant store): read everything under ``P``; write ``catalog/``, ``cascades/``, ``models/`` (what it
-  builds) and ``services/`` (its announcement).
-- ``admin:<N>`` (operators): read everything under ``P``; write ``topology/``, ``tenants/``, ``catalog/``, ``cascades/``,
-  ``models/``, ``pki/`` and ``services/``.
+- ``store:<N>`` (the variant store): read everything under ``P``; write ``catalog/``, ``cascades/``, ``models/``
+  (what it builds) and ``services/`` (its announcement).
+- ``admin:<N>`` (operators): read everything under ``P``; write ``topology/``, ``tenants/``, ``catalog/``,
+  ``cascades/``, ``models/``, ``pki/`` and ``services/``.
 - ``root_admins`` (the admin identities that apply this plan; at least one): etcd's ``root`` role, which
   user and role management, ``auth enable`` and compaction need.
 - ``crl_followers`` (any identity, usually etcd's own certificate ``etcd:etcd``): read ``P pki/crl``
