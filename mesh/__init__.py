@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from mesh.errors import (
     BadTensor,
+    CascadeRefused,
     DeadlineExceeded,
     EdgeStalled,
     ImpossibleSLO,
@@ -49,6 +50,7 @@ __all__ = [
     "SLO",
     "AsyncClient",
     "BadTensor",
+    "CascadeRefused",
     "Client",
     "DeadlineExceeded",
     "EdgeStalled",

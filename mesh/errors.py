@@ -17,7 +17,8 @@
     │   ├── BadTensor               bad_tensor      400    wrong shape / dtype / size
     │   ├── PayloadTooLarge         too_large       413    body or tensor over the limit
     │   ├── ImpossibleSLO           impossible_slo  422    no variant anywhere can meet the SLO and prefer=refuse
-    │   └── ModelRejected           bad_model       422    an uploaded model failed a check (``reason`` says which)
+    │   ├── ModelRejected           bad_model       422    an uploaded model failed a check (``reason`` says which)
+    │   └── CascadeRefused          bad_cascade     422    a cascade cannot be calibrated or registered (``reason``)
     ├── DeadlineExceeded            deadline        504    the request's absolute deadline passed (also a
     │                                                      ``TimeoutError``: ``except TimeoutError`` catches it)
     ├── Overloaded                  overloaded      503    queue would hold the request past its deadline
@@ -44,6 +45,7 @@ from typing import Any, ClassVar
 __all__ = [
     "BadTensor",
     "BlobError",
+    "CascadeRefused",
     "CatalogError",
     "ConfigError",
     "ConflictError",
@@ -195,6 +197,19 @@ class ModelRejected(RequestError):
     http_status = 422
 
     def __init__(self, message: str, *, reason: str = "bad_model", **details: Any) -> None:
+        super().__init__(message, reason=reason, **details)
+        self.reason = reason
+
+
+class CascadeRefused(RequestError):
+    """A cascade (issue 33) the variant store will not calibrate or register. ``reason``: ``unreachable`` (no
+    threshold meets the target accuracy on the calibration half), ``stages`` (not variants of the task, or
+    outputs of different classes), ``metric`` (not top-1), ``owner`` (stages of two tenants), ``rows``."""
+
+    code = "bad_cascade"
+    http_status = 422
+
+    def __init__(self, message: str, *, reason: str = "bad_cascade", **details: Any) -> None:
         super().__init__(message, reason=reason, **details)
         self.reason = reason
 

@@ -378,6 +378,11 @@ async def ensure_digits_family(catalog: Catalog, blobs: BlobStore, *, directory:
         for task, fams in todo.items():
             reports.append(await build_task(catalog, blobs, task, families=fams, kinds=kinds,
                                             progress=progress, repeats=repeats))
+    from variant_store.cascade import digits_default_stages, ensure_cascade  # the built-in cascade (issue 33)
+
+    task = "digit-classification"
+    await ensure_cascade(catalog, blobs, task, digits_default_stages(await catalog.list_variants(task)),
+                         rebuilt=task in todo, load_rows=load_validation)
     return reports
 
 

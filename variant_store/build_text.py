@@ -21,12 +21,14 @@ from typing import Any
 from mesh.errors import VariantBuildError
 from mesh.log import get_logger
 from variant_store.blobs import BlobStore
-from variant_store.build import BuildReport, _off_loop, _sha256, build_task, register_model
+from variant_store.build import BuildReport, _off_loop, _sha256, build_task, load_validation, register_model
 from variant_store.catalog import Catalog
 
-__all__ = ["default_cache_dir", "ensure_text_family", "text_family_dir"]
+__all__ = ["TOPIC_CASCADE", "default_cache_dir", "ensure_text_family", "text_family_dir"]
 
 log = get_logger(__name__)
+# task -> the stages of its built-in cascade (variant_store.cascade), registered when both are built
+TOPIC_CASCADE = ("text-topic", ("topic-minilm-l2-int8.onnx.fp32", "topic-minilm-l6.onnx.fp32"))
 
 
 def default_cache_dir() -> Path:
@@ -119,7 +121,8 @@ async def ensure_text_family(catalog: Catalog, blobs: BlobStore, *, backbones: S
                              progress: bool = True) -> list[BuildReport]:
     """Register and build the text family's heads (tasks ``text-topic`` and ``text-group``), each with its
     backbone as ``shared_base_digest``; ``backbones`` limits it to some encoders. Families that already
-    have variants are left alone unless ``force``. Returns one report per task built."""
+    have variants are left alone unless ``force``. The topic task's built-in cascade (``TOPIC_CASCADE``) is
+    calibrated when its heads were built or it has none. Returns one report per task built."""
     root = await _off_loop(text_family_dir, cache_dir)
     manifest = await _off_loop(_verified, root)  # stamped by text_family_dir's check: not hashed again
     if manifest is None:
@@ -135,5 +138,13 @@ async def ensure_text_family(catalog: Catalog, blobs: BlobStore, *, backbones: S
         await register_model(catalog, blobs, root / e["file"], root / e["validation"], e["task"], e["family"],
                              owner=e["owner"], metric="top1", role="head", base_digest=base)
         todo.setdefault(e["task"], []).append(e["family"])
-    return [await build_task(catalog, blobs, task, families=fams, progress=progress, repeats=repeats)
-            for task, fams in todo.items()]
+    reports = [await build_task(catalog, blobs, task, families=fams, progress=progress, repeats=repeats)
+               for task, fams in todo.items()]
+    # the built-in cascade (issue 33): the L2 INT8 encoder's topic head at the edge, the 6-layer one's at the core
+    from variant_store.cascade import ensure_cascade
+
+    ids = {v.variant_id for v in await catalog.list_variants(TOPIC_CASCADE[0])}
+    stages = TOPIC_CASCADE[1] if set(TOPIC_CASCADE[1]) <= ids else None
+    await ensure_cascade(catalog, blobs, TOPIC_CASCADE[0], stages, rebuilt=TOPIC_CASCADE[0] in todo,
+                         load_rows=load_validation)
+    return reports

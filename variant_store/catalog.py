@@ -4,6 +4,7 @@ Key space (relative to the store's prefix):
 
     catalog/<task>/<variant_id>   VariantMeta JSON (schema 1)
     catalog/<task>/_task          the task's signature (inputs, outputs, metric)
+    cascades/<task>/<cascade_id>  a calibrated cascade of the task's variants (variant_store.cascade_catalog)
     models/<task>/<family>        a registered parent model: its ONNX and validation-set digests
 
 Model bytes never go to etcd: entries carry blob digests and the blob store holds the bytes.
@@ -29,6 +30,8 @@ from mesh.etcd.store import Store
 from mesh.log import get_logger, kv
 from mesh.types import TaskSignature, TensorSpec
 from mesh.v2.datatypes import NAME_TO_V2
+from variant_store.cascade_catalog import CascadeReading, put_cascade, read_cascades, remove_cascade
+from variant_store.cascade_meta import CascadeMeta
 from variant_store.catalog_check import BrokenEntry, Claim, family_conflict, id_conflict, shadowed_reason, winners
 from variant_store.meta import SCHEMA_VERSION, VariantMeta
 
@@ -257,6 +260,25 @@ class Catalog:
         if await self.store.get(_key(task, variant_id)) is None:
             raise CatalogError(f"no variant {variant_id!r} of task {task!r}", task=task, variant=variant_id)
         await self.store.delete(_key(task, variant_id))
+
+    # cascades (issue 33: variant_store.cascade_catalog) -------------------------------------
+    async def put_cascade(self, meta: CascadeMeta) -> None:
+        """Catalog a calibrated cascade; ``CascadeRefused`` (nothing written) when its stages are not served
+        variants of its task, differ in outputs or metric, or belong to another owner."""
+        await put_cascade(self.store, meta, (await self.read(meta.task)).variants)
+
+    async def read_cascades(self, task: str | None = None) -> CascadeReading:
+        """Every cascade (of ``task``, or all) and every entry skipped as malformed (logged as variants' are)."""
+        reading = await read_cascades(self.store, task)
+        for b in reading.broken:
+            self._complain(b)
+        return reading
+
+    async def cascades(self, task: str | None = None) -> list[CascadeMeta]:
+        return (await self.read_cascades(task)).cascades
+
+    async def remove_cascade(self, task: str, cascade_id: str) -> None:
+        await remove_cascade(self.store, task, cascade_id)
 
     # tasks --------------------------------------------------------------------------------
     async def put_task(self, sig: TaskSignature) -> None:

@@ -41,6 +41,7 @@ from topology.paths import PathTables, shortest_paths
 from variant_store.hardware import split_cap
 
 if TYPE_CHECKING:
+    from variant_store.cascade_meta import CascadeMeta
     from variant_store.meta import VariantMeta
 
 __all__ = ["ESTIMATE_SAFETY", "MIB", "Link", "MeshSnapshot", "SiteInfo", "SiteLoad", "VariantInfo",
@@ -177,6 +178,9 @@ class MeshSnapshot:
     placement: Mapping[str, frozenset[str]]
     margin_ms: NDArray[np.float64] | None = None
     store_site: str | None = None
+    # task -> cascade id -> calibrated cascade (issue 33), only those whose every stage is in ``variants``
+    # (core_scheduler.state.snapshot filters); routing weighs one as a candidate of its task
+    cascades: Mapping[str, Mapping[str, CascadeMeta]] = field(default_factory=dict)
     variant_by_id: Mapping[str, VariantInfo] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -243,6 +247,7 @@ class MeshSnapshot:
                    placement: Mapping[str, Iterable[str]] | None = None,
                    margin_ms: NDArray[np.float64] | None = None,
                    store_site: str | None = None,
+                   cascades: Mapping[str, Mapping[str, CascadeMeta]] | None = None,
                    version: int = 0) -> MeshSnapshot:
         """Assemble a snapshot; sites are indexed in name order. Path tables come from ``links``
         (one-way latencies) unless given. A site without a load gets an idle heartbeat holding
@@ -272,7 +277,7 @@ class MeshSnapshot:
                    bandwidth_mbps=np.asarray(bandwidth_mbps, dtype=np.float64), site_index=index,
                    placement=place,
                    margin_ms=None if margin_ms is None else np.asarray(margin_ms, dtype=np.float64),
-                   store_site=store_site if store_site in index else None)
+                   store_site=store_site if store_site in index else None, cascades=cascades or {})
 
 
 def _in_index_order(index: Mapping[str, int], links: Iterable[tuple[str, str, float, float, float]],

@@ -4,8 +4,8 @@ An agent routes each query to itself or to a site whose path round trip leaves r
 budget; a site a thousand kilometres away never wins a decision an edge makes, yet following its
 heartbeat costs this agent an event every time it changes. So an agent follows:
 
-* the mesh's shared configuration (``topology/``, ``tenants/``, ``catalog/``, ``services/``, ``pki/crl``, the sites'
-  certificates ``pki/sites/``),
+* the mesh's shared configuration (``topology/``, ``tenants/``, ``catalog/``, ``cascades/``, ``services/``,
+  ``pki/crl``, the sites' certificates ``pki/sites/``),
   whose size grows with the mesh but which changes only when an operator acts;
 * its own ``placement/<site>``;
 * the ``live/<site>`` records of its **route set**: the ``peers`` nearest sites by path round trip (ties
@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass
 
 from mesh.etcd.keys import (
+    CASCADES,
     CATALOG,
     LIVE,
     PKI_CRL,
@@ -100,9 +101,13 @@ def live_ranges(route: frozenset[str], all_sites: list[str] | tuple[str, ...]) -
     return out
 
 
+# cascades/ sorts just before catalog/ and no key lies between: one range for both ("0" follows "/")
+_CATALOG_AND_CASCADES = KeyRange(CASCADES, CATALOG[:-1] + "0")
+
+
 def view_ranges(topology: Topology | None, scope: Scope) -> tuple[KeyRange, ...]:
     """Every key range an agent's view follows; before a topology is known, every live record."""
-    fixed = (KeyRange.under(TOPOLOGY_META.split("/")[0] + "/"), KeyRange.under(TENANTS), KeyRange.under(CATALOG),
+    fixed = (KeyRange.under(TOPOLOGY_META.split("/")[0] + "/"), KeyRange.under(TENANTS), _CATALOG_AND_CASCADES,
              KeyRange.under(SERVICES), KeyRange.key(PKI_CRL), KeyRange.under(PKI_SITES),
              KeyRange.key(placement_key(scope.here)))
     if topology is None:

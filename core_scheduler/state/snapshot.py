@@ -29,6 +29,7 @@ from core_scheduler.state.heartbeat import Heartbeat
 from core_scheduler.state.view import MeshView
 from topology.paths import PathTables, topology_paths
 from topology.schema import Topology
+from variant_store.cascade_meta import CascadeMeta
 
 __all__ = ["SnapshotBuilder", "build_snapshot", "site_load_from_record"]
 
@@ -80,6 +81,8 @@ class SnapshotBuilder:
         self._variants: dict[str, tuple[VariantInfo, ...]] = {}
         self._placement_key: tuple[int, int] | None = None
         self._placement: dict[str, frozenset[str]] = {}
+        self._cascades_key: tuple[int, int, int] | None = None
+        self._cascades: dict[str, dict[str, CascadeMeta]] = {}
         self._rtt_key: tuple[int, tuple[tuple[str, float], ...]] | None = None
         self._rtt: NDArray[np.float64] | None = None
         self.path_lookups = 0   # path tables looked up (topology changes), and per-site updates
@@ -165,6 +168,12 @@ class SnapshotBuilder:
             for v in sorted(infos, key=lambda v: (v.task, v.variant_id)):
                 by_task.setdefault(v.task, []).append(v)
             self._variants = {t: tuple(vs) for t, vs in by_task.items()}
+        ckey = (view.generation, view.revisions.get("cascade", 0), view.revisions.get("variant", 0))
+        if ckey != self._cascades_key:  # a cascade is kept only while every stage is a variant of its task
+            self._cascades_key = ckey
+            served = {t: {v.variant_id for v in vs} for t, vs in self._variants.items()}
+            self._cascades = {t: kept for t, cs in view.cascades.items()
+                              if (kept := {i: c for i, c in cs.items() if set(c.stages) <= served.get(t, set())})}
         key = (view.generation, view.revisions.get("placement", 0))
         if key != self._placement_key:
             self._placement_key = key
@@ -197,7 +206,7 @@ class SnapshotBuilder:
         return MeshSnapshot(version=view.revision, sites=dict(self._sites),
                             variants=self._variants, loads=dict(self._loads),
                             rtt_ms=rtt, bandwidth_mbps=paths.bandwidth_mbps, site_index=index,
-                            placement=placement, margin_ms=self._margin,
+                            placement=placement, margin_ms=self._margin, cascades=self._cascades,
                             store_site=store_site if isinstance(store_site, str) and store_site in index else None)
 
 

@@ -38,9 +38,8 @@ from typing import Any
 from core_scheduler.state.heartbeat import Heartbeat
 from core_scheduler.state.scope import Scope, view_ranges
 from core_scheduler.state.supervise import supervise
-from core_scheduler.state.view_state import ViewState
+from core_scheduler.state.view_state import ViewKind, ViewState
 from mesh.errors import ProtocolError
-from mesh.etcd.keys import KeyKind
 from mesh.etcd.ops import KV
 from mesh.etcd.store import Store
 from mesh.etcd.watch import KeyRange
@@ -48,6 +47,7 @@ from mesh.lifecycle import Service, cancel_and_wait
 from mesh.log import get_logger, kv
 from mesh.types import TaskSignature
 from topology.schema import Link, Site, Tenant, Topology
+from variant_store.cascade_meta import CascadeMeta
 from variant_store.meta import VariantMeta
 
 __all__ = ["COMPLAIN_EVERY_S", "MeshView"]
@@ -115,6 +115,12 @@ class MeshView(Service):
     @property
     def variants(self) -> dict[str, dict[str, VariantMeta]]:
         return self._held.variants
+
+    @property
+    def cascades(self) -> dict[str, dict[str, CascadeMeta]]:
+        """task -> cascade id -> its calibrated entry (``cascades/<task>/<id>``, issue 33), as etcd holds it: a
+        stage may have been removed since (the snapshot builder keeps only cascades whose stages it serves)."""
+        return self._held.cascades
 
     @property
     def signatures(self) -> dict[str, TaskSignature]:
@@ -266,7 +272,7 @@ class MeshView(Service):
         for key, exc in state.take_displaced():
             self._refused(key, exc)
 
-    def _noted(self, key: str, outcome: KeyKind | ProtocolError | None) -> None:
+    def _noted(self, key: str, outcome: ViewKind | ProtocolError | None) -> None:
         if isinstance(outcome, ProtocolError):
             self._refused(key, outcome)
         elif outcome is not None:

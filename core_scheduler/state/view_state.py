@@ -11,23 +11,32 @@ Variant ids are unique across tasks (placements and heartbeats name a variant by
 the claim made first (lowest create revision) and the others are skipped, each noted in ``rejected`` with the
 task that holds the id, until that one is removed. So a duplicate written straight into etcd never reaches the
 snapshot builder (it raised ``appears twice`` on every rebuild) and never hides the task that had the id first.
+
+Calibrated cascades (``cascades/<task>/<id>``, issue 33) are held in ``cascades`` (task -> id -> ``CascadeMeta``),
+decoded by :func:`variant_store.cascade_catalog.decode_cascade` as hostile input: one that does not decode keeps the
+key's last good entry and is noted in ``rejected``; their changes count under the kind ``"cascade"`` in ``revisions``.
+Whether a cascade's stages are still catalogued is the reader's check (the snapshot builder's).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from core_scheduler.state.heartbeat import Heartbeat
 from core_scheduler.state.records import decode_record
 from mesh.errors import ProtocolError
-from mesh.etcd.keys import KeyKind, catalog_key, parse_key
+from mesh.etcd.keys import CASCADES, KeyKind, catalog_key, parse_key
 from mesh.types import TaskSignature
 from topology.schema import Link, Site, Tenant, Topology
+from variant_store.cascade_catalog import decode_cascade
+from variant_store.cascade_meta import CascadeMeta
 from variant_store.catalog_check import Claim, shadowed_reason, winners
 from variant_store.meta import VariantMeta
 
-__all__ = ["ViewState"]
+__all__ = ["ViewKind", "ViewState"]
+
+ViewKind = KeyKind | Literal["cascade"]  # what a put or delete changed
 
 
 @dataclass(eq=False)
@@ -36,6 +45,7 @@ class ViewState:
     links: dict[tuple[str, str], Link] = field(default_factory=dict)
     tenants: dict[str, Tenant] = field(default_factory=dict)
     variants: dict[str, dict[str, VariantMeta]] = field(default_factory=dict)
+    cascades: dict[str, dict[str, CascadeMeta]] = field(default_factory=dict)  # task -> cascade id -> entry
     signatures: dict[str, TaskSignature] = field(default_factory=dict)
     live: dict[str, Heartbeat] = field(default_factory=dict)
     placement: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -66,11 +76,13 @@ class ViewState:
         return self._topology
 
     def put(self, key: str, value: Any, revision: int = 0, *, before: ViewState | None = None,
-            created: int = 0) -> KeyKind | ProtocolError | None:
+            created: int = 0) -> ViewKind | ProtocolError | None:
         """``key`` now holds ``value``. Returns the kind that changed, the ``ProtocolError`` of a value refused
         (the key keeps its record, or takes the one ``before`` held) or of a variant skipped as a duplicate id,
         or ``None`` for a key no view follows. ``created``: the key's create revision, when the reader knows it
         (a watch event does not say: a new key's first revision is its creation)."""
+        if key.startswith(CASCADES):
+            return self._put_cascade(key, value, revision, before)
         parsed = parse_key(key)
         if parsed is None:
             return None
@@ -95,6 +107,24 @@ class ViewState:
         if key in self._shadowed:
             return ProtocolError(self.rejected[key])
         return kind
+
+    def _put_cascade(self, key: str, value: Any, revision: int, before: ViewState | None) -> ViewKind | ProtocolError:
+        cnames = _cascade_names(key)
+        try:
+            if cnames is None:
+                raise ValueError("a cascade's key is cascades/<task>/<id>")
+            meta = decode_cascade(key, value)
+        except Exception as exc:  # hostile: whatever the value raises, the key keeps its last good entry
+            err = ProtocolError(f"bad cascade value: {type(exc).__name__}: {str(exc)[:200]}")
+            self.rejected[key] = err.message
+            kept = before.cascades.get(cnames[0], {}).get(cnames[1]) if before is not None and cnames else None
+            if kept is not None and cnames is not None:
+                self.cascades.setdefault(cnames[0], {})[cnames[1]] = kept
+            return err
+        self.rejected.pop(key, None)
+        self.cascades.setdefault(meta.task, {})[meta.cascade_id] = meta
+        self.revisions["cascade"] = max(self.revisions.get("cascade", 0), revision)
+        return "cascade"
 
     def take_displaced(self) -> list[tuple[str, ProtocolError]]:
         """Keys other than the one just put or deleted that became skipped duplicates (for the view to report)."""
@@ -131,8 +161,16 @@ class ViewState:
                 if t != task:
                     self._displaced.append((key, ProtocolError(self.rejected[key])))
 
-    def delete(self, key: str, revision: int = 0) -> KeyKind | None:
+    def delete(self, key: str, revision: int = 0) -> ViewKind | None:
         """``key`` is gone (with whatever it held, good or refused). Returns the kind that changed."""
+        if key.startswith(CASCADES):
+            self.rejected.pop(key, None)
+            cnames = _cascade_names(key)
+            if cnames is not None and self.cascades.get(cnames[0], {}).pop(cnames[1], None) is not None \
+                    and not self.cascades[cnames[0]]:
+                del self.cascades[cnames[0]]
+            self.revisions["cascade"] = max(self.revisions.get("cascade", 0), revision)
+            return "cascade"
         parsed = parse_key(key)
         if parsed is None:
             return None
@@ -177,3 +215,8 @@ class ViewState:
             self.live_revision.pop(names[0], None)
             if record is not None:
                 self.live_revision[names[0]] = revision
+
+
+def _cascade_names(key: str) -> tuple[str, str] | None:
+    parts = key[len(CASCADES):].split("/")
+    return (parts[0], parts[1]) if len(parts) == 2 and all(parts) else None

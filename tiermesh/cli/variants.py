@@ -7,7 +7,9 @@
     profile      measure one variant on this machine's hardware class
     list         the catalog as a table (or JSON), broken entries marked with the reason
     show         one variant's full metadata
-    remove       take a task, a family or one variant out of the catalog
+    remove       take a task, a family, one variant or one cascade out of the catalog
+    cascade      calibrate a cascade of a task's variants and catalog it (tiermesh.cli.cascades)
+    cascades     list catalogued cascades
     serve        the blob + catalog HTTP service
 """
 
@@ -91,7 +93,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     rm.add_argument("--task", required=True)
     which = rm.add_mutually_exclusive_group()
     which.add_argument("--family", default=None, help="only this family's registration and variants")
-    which.add_argument("--variant", default=None, help="only this variant id")
+    which.add_argument("--variant", default=None, help="only this variant id (and the cascades chaining it)")
+    which.add_argument("--cascade", default=None, help="only this cascade id (its variants stay)")
     rm.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     rm.add_argument("--json", action="store_true", help="print what was removed as JSON")
     rm.set_defaults(func=_remove)
@@ -122,6 +125,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     for sp in (r, b, d, t, pr, ls, sh, sv, rm):
         add_common(sp)
+    from tiermesh.cli.cascades import add_commands
+
+    add_commands(vs, add_common, blob_root)
 
 
 async def _register(args: argparse.Namespace) -> int:
@@ -175,7 +181,9 @@ async def _build_digits(args: argparse.Namespace) -> int:
         reports = await ensure_digits_family(catalog, BlobStore(blob_root(args)), repeats=args.repeats,
                                              force=True)
         metas = await catalog.list_variants()
+        cascades = await catalog.cascades()
     _print_variants(metas, reports[0].hardware_class if reports else None)
+    _print_cascades(cascades)
     for rep in reports:
         for s in rep.skipped:
             print(f"skipped {s.family}.{s.kind}: {s.reason}")
@@ -190,7 +198,9 @@ async def _build_text(args: argparse.Namespace) -> int:
         catalog = Catalog(store)
         reports = await ensure_text_family(catalog, BlobStore(blob_root(args)), repeats=args.repeats, force=True)
         metas = [m for task in ("text-topic", "text-group") for m in await catalog.list_variants(task)]
+        cascades = [c for task in ("text-topic", "text-group") for c in await catalog.cascades(task)]
     _print_variants(metas, reports[0].hardware_class if reports else None)
+    _print_cascades(cascades)
     return EXIT_OK
 
 
@@ -228,7 +238,8 @@ async def _remove(args: argparse.Namespace) -> int:
     async with open_store(**store_args(args)) as store:
         catalog = Catalog(store)
         try:
-            plan = await plan_removal(catalog, args.task, family=args.family, variant=args.variant)
+            plan = await plan_removal(catalog, args.task, family=args.family, variant=args.variant,
+                                      cascade=args.cascade)
         except CatalogError as exc:
             return _refused(exc)
         if not args.yes:
@@ -247,11 +258,19 @@ async def _remove(args: argparse.Namespace) -> int:
         print(json.dumps({**plan.to_json(), "deleted": deleted}, indent=2))
         return EXIT_OK
     print(f"removed {plan.what}: {len(plan.variant_keys)} variant entries, {len(plan.model_keys)} registered "
-          f"models{', the task signature' if plan.other_keys else ''} ({deleted} keys)")
+          f"models{', the task signature' if plan.other_keys else ''}, {len(plan.cascade_keys)} cascades "
+          f"({deleted} keys)")
     if plan.digests:
         print(f"{len(plan.digests)} blobs no entry names any more stay in the content-addressed blob store "
               f"(<home>/blobs): {', '.join(d[:12] for d in plan.digests)}")
     return EXIT_OK
+
+
+def _print_cascades(cascades: list[Any]) -> None:
+    from tiermesh.cli.cascades import print_cascades
+
+    if cascades:
+        print_cascades(cascades, {})
 
 
 def _refused(exc: CatalogError) -> int:
