@@ -27,8 +27,10 @@ from variant_store.catalog import Catalog
 __all__ = ["TOPIC_CASCADE", "default_cache_dir", "ensure_text_family", "text_family_dir"]
 
 log = get_logger(__name__)
-# task -> the stages of its built-in cascade (variant_store.cascade), registered when both are built
-TOPIC_CASCADE = ("text-topic", ("topic-minilm-l2-int8.onnx.fp32", "topic-minilm-l6.onnx.fp32"))
+# the built-in cascade (variant_store.cascade): the task, its first stage, and its last stage's candidates, best
+# first (the 6-layer encoder's head, FP32 where that encoder is built, else its INT8 one's)
+TOPIC_CASCADE = ("text-topic", "topic-minilm-l2-int8.onnx.fp32",
+                 ("topic-minilm-l6.onnx.fp32", "topic-minilm-l6-int8.onnx.fp32"))
 
 
 def default_cache_dir() -> Path:
@@ -143,8 +145,9 @@ async def ensure_text_family(catalog: Catalog, blobs: BlobStore, *, backbones: S
     # the built-in cascade (issue 33): the L2 INT8 encoder's topic head at the edge, the 6-layer one's at the core
     from variant_store.cascade import ensure_cascade
 
-    ids = {v.variant_id for v in await catalog.list_variants(TOPIC_CASCADE[0])}
-    stages = TOPIC_CASCADE[1] if set(TOPIC_CASCADE[1]) <= ids else None
-    await ensure_cascade(catalog, blobs, TOPIC_CASCADE[0], stages, rebuilt=TOPIC_CASCADE[0] in todo,
-                         load_rows=load_validation)
+    task, first, lasts = TOPIC_CASCADE
+    ids = {v.variant_id for v in await catalog.list_variants(task)}
+    last = next((v for v in lasts if v in ids), None)
+    stages = (first, last) if first in ids and last is not None else None
+    await ensure_cascade(catalog, blobs, task, stages, rebuilt=task in todo, load_rows=load_validation)
     return reports

@@ -102,6 +102,16 @@ async def test_registered_heads_share_backbones_with_measured_accuracy(store: St
     assert 0.70 <= topic["topic-minilm-l6-int8"].accuracy <= 0.85
     assert 0.55 <= topic["topic-minilm-l2-int8"].accuracy < topic["topic-minilm-l6-int8"].accuracy
     assert group["group-minilm-l6-int8"].accuracy >= 0.80
+    # the built-in topic cascade (issue 33): the L2 head first, the L6 head for what it is unsure of, calibrated
+    cascades = await catalog.cascades("text-topic")
+    print("\ntext-topic cascades:", [c.to_json() for c in cascades])
+    assert len(cascades) == 1
+    c = cascades[0]
+    assert c.stages == (topic["topic-minilm-l2-int8"].variant_id, topic["topic-minilm-l6-int8"].variant_id)
+    assert 0.0 < c.escalation[0] < 1.0
+    # measured on ~420 held-out rows (one standard error is ~2 points): consistent with the L6 head's within 3 of them
+    big = topic["topic-minilm-l6-int8"].accuracy
+    assert c.accuracy >= big - 3.0 * (big * (1.0 - big) / c.heldout_rows) ** 0.5
     # a head's latency includes its encoder's: milliseconds, not a linear layer's microseconds
     prof = next(iter(topic["topic-minilm-l6-int8"].profiles.values()))
     assert prof.latency[8].p50_ms > prof.latency[1].p50_ms > 0.2
