@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from core_scheduler.policy.modes import Router, make_router
+from core_scheduler.state.builds import BuildBook
 from core_scheduler.state.heartbeat import Heartbeat, LoadedVariant
 from core_scheduler.state.jobs import JobBook
 from core_scheduler.state.scope import Scope
@@ -35,6 +36,7 @@ from edge_agent.http_api import EdgeHttpServer, identify
 from edge_agent.jobs_api import JobsApi
 from edge_agent.liveness import Liveness
 from edge_agent.metrics import AgentMetrics, Gauges
+from edge_agent.models_api import ModelsApi
 from edge_agent.observe import Observe
 from edge_agent.peer_keys import PeerAddresses, PeerKeys
 from edge_agent.quota import DoorQuotas, PeerQuotas, limits_from_view
@@ -54,6 +56,7 @@ from mesh.pki.site_names import server_site
 from mesh.zmq.client import ZmqClient
 from mesh.zmq.server import ZmqServer
 from topology.paths import topology_paths
+from variant_store.catalog import Catalog
 from variant_store.data_client import DataClient
 from variant_store.hardware import cpu_cap_cores, gpu_available, local_hardware_class, torch_serving
 
@@ -90,6 +93,7 @@ class Agent(AgentTrust, Service):
         self.grpc: EdgeGrpcServer | None = None  # the Open Inference Protocol over gRPC (cfg.grpc_port None: off)
         self.chunks: ChunkWorker | None = None  # offline jobs' chunks, run on idle capacity (edge_agent.chunks)
         self.jobs_api: JobsApi | None = None  # the door's job API (its long polls and event streams end first)
+        self.models_api: ModelsApi | None = None  # tenants register their own models here (issue 34)
         self.liveness: Liveness | None = None
         self.dataplane: SiteDataPlane | None = None
         self.table: Router | None = None
@@ -176,12 +180,16 @@ class Agent(AgentTrust, Service):
                        cfg.home / "sites" / self.site / "jobs-spool", tls.tenant if tls is not None else identify,
                        on_admit=lambda: self.chunks.wake() if self.chunks is not None else None)
         self.jobs_api = jobs
+        self.models_api = models = ModelsApi(
+            self.site, self.view, BuildBook(self.store), Catalog(self.store), job_data,
+            cfg.home / "sites" / self.site / "models-spool", tls.tenant if tls is not None else identify)
         self.http = EdgeHttpServer(self.dataplane, host=cfg.bind, port=cfg.http_port,
                                    advertise=self.advertise_host, max_body_bytes=cfg.max_body_bytes,
                                    tls=tls, observe=observe,
                                    routes=tuple(blob_routes(cache, tls, self._public_blob)),
                                    visible=self.dataplane.visible, quota_check=self.quota.check,
-                                   stall_watch=self.stall_watch, tenant_routes=tuple(jobs.routes()))
+                                   stall_watch=self.stall_watch,
+                                   tenant_routes=(*jobs.routes(), *models.routes()))
         await self.http.start()
         if cfg.grpc_port is not None:  # after the HTTP front: it starts the TLS side both share
             self.grpc = EdgeGrpcServer(self.dataplane, host=cfg.bind, port=cfg.grpc_port, advertise=self.advertise_host,
@@ -226,6 +234,7 @@ class Agent(AgentTrust, Service):
                             self.liveness.stop if self.liveness else None,
                             self.grpc.stop if self.grpc else None,
                             self.jobs_api.close if self.jobs_api else None,
+                            self.models_api.close if self.models_api else None,
                             self.http.stop if self.http else None,
                             self.zmq_server.stop if self.zmq_server else None,
                             self.stall_watch.stop,

@@ -6,6 +6,9 @@
     GET      /metrics          Prometheus text (``variant_store.metrics``); with TLS only for admin or scheduler
     PUT|GET  /data/...         tenants' offline-job data, when given a ``data`` area (``variant_store.data_area``)
 
+With a ``data`` area it also runs tenants' model builds (``variant_store.tenant_builds``: the inputs doors stored
+there, the build requests in etcd), unless ``builds`` is False; ``build_options`` says how it builds.
+
 A blob whose bytes no longer hash to its name is never served (502 with a JSON error body). Each
 blob is verified on its first serve and the verdict cached by the file's (inode, mtime, size), so
 a rewritten file is checked again while an untouched one is hashed only once.
@@ -54,6 +57,7 @@ from variant_store.job_grants import Granted, JobGrants
 from variant_store.meta import VariantMeta
 from variant_store.metrics import CONTENT_TYPE, StoreMetrics
 from variant_store.placed import PlacedVariants
+from variant_store.tenant_builds import BuildOptions, TenantBuilder
 
 __all__ = ["IDENTITY", "TENANT_HEADER", "Authenticator", "VariantStoreServer", "header_identity"]
 
@@ -88,7 +92,8 @@ class VariantStoreServer(Service):
                  advertise: str | None = None, authenticate: Authenticator = header_identity,
                  announce: bool = True, lease_ttl: int = 10, site: str | None = None,
                  tls: StoreTls | None = None, placement: PlacedVariants | None = None,
-                 data: DataArea | None = None, job_grants: JobGrants | None = None) -> None:
+                 data: DataArea | None = None, job_grants: JobGrants | None = None, builds: bool = True,
+                 build_options: BuildOptions | None = None) -> None:
         self.blobs = blob_store
         self.data = data
         self.site = site
@@ -101,6 +106,8 @@ class VariantStoreServer(Service):
         self.placement = PlacedVariants(catalog.store) if self._own_placement else placement
         self._own_grants = job_grants is None and tls is not None
         self.job_grants = JobGrants(catalog.store) if self._own_grants else job_grants
+        self.builder = TenantBuilder(catalog, blob_store, data, options=build_options) \
+            if data is not None and builds else None
         self.announce = announce
         self.lease_ttl = lease_ttl
         self._runner: web.AppRunner | None = None
@@ -146,9 +153,13 @@ class VariantStoreServer(Service):
             await self._announce()
             self._announcer = asyncio.get_running_loop().create_task(
                 self._keep_announced(), name="variant-store-announce")
+        if self.builder is not None:
+            await self.builder.start()
         log.info("variant store serving at %s", self._url, extra=kv(event="blob_server_up"))
 
     async def _stop(self) -> None:
+        if self.builder is not None:
+            await self.builder.stop()
         runner, self._runner = self._runner, None
         task, self._announcer = self._announcer, None
         await cancel_and_wait(task)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from typing import Literal
 
 __all__ = [
+    "BUILDS",
+    "BUILD_STATE",
     "CASCADES",
     "CATALOG",
     "ELECTION_SCHEDULER",
@@ -36,6 +38,9 @@ __all__ = [
     "KeyKind",
     "assign_key",
     "blobs_key",
+    "build_key",
+    "build_state_key",
+    "build_tenant_prefix",
     "cascade_key",
     "catalog_key",
     "chunk_key",
@@ -97,6 +102,11 @@ JOBS_BY_TENANT = JOBS + "tenant/"
 # fetch the job's variant from the variant store (variant_store.job_grants). Outside jobs/ on purpose: sites write
 # jobs/, and only the scheduler may write this (mesh.etcd.rbac), so a site cannot assign itself another's variant
 JOB_ASSIGN = "jobassign/"
+# tenants' model builds (issue 34; edge_agent.models_api, variant_store.tenant_builds), split by writer so that a site
+# cannot forge a finished build: builds/<tenant>/<id> is the request a door wrote (sites write builds/), and
+# buildstate/<id> its state, progress and results, which only the variant store writes (mesh.etcd.rbac)
+BUILDS = "builds/"
+BUILD_STATE = "buildstate/"
 TASK_NAME = "_task"  # catalog/<task>/_task holds the task's signature: never a variant id
 _BLOBS = SERVICES + "variant-store"
 
@@ -223,6 +233,21 @@ def job_notify_key(job_id: str, *, claim: bool = False) -> str:
     """A job's notification: ``jobs/<id>/notified`` (what became of it, created once: a new leader never sends what
     was delivered), or with ``claim`` ``jobs/<id>/notifying`` (the sender now, under its lease)."""
     return f"{JOBS}{_segment('job', job_id)}/{'notifying' if claim else 'notified'}"
+
+
+def build_tenant_prefix(tenant: str) -> str:
+    """Every build request of ``tenant`` (its build list)."""
+    return f"{BUILDS}{_segment('tenant', tenant)}/"
+
+
+def build_key(tenant: str, build_id: str) -> str:
+    """A tenant's build request, written once by the door that admitted it."""
+    return build_tenant_prefix(tenant) + _segment("build", build_id)
+
+
+def build_state_key(build_id: str) -> str:
+    """A build's state, progress and results: the variant store's alone to write."""
+    return BUILD_STATE + _segment("build", build_id)
 
 
 def last_segment(key: str) -> str:

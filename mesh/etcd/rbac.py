@@ -8,13 +8,15 @@ named after identities and have no password. Roles (all relative to the store pr
 - ``site:<S>`` (an agent): read everything under ``P``; write only ``P live/<S>`` (its heartbeat),
   ``P pki/sites/<S>`` (its own certificate, public: peers believe it only if the CA signed it) and ``P jobs/``
   (offline jobs: a door writes the records of the jobs it admitted, every site claims and commits chunks. Any site
-  may write any job's keys: narrowing that to a job's door and a chunk's lease holder is not built yet). Never
+  may write any job's keys: narrowing that to a job's door and a chunk's lease holder is not built yet), and
+  ``P builds/`` (a door writes the model build requests it admitted; never ``P buildstate/``). Never
   ``P jobassign/``: a chunk's assignment there lets its site fetch the job's private variant from the variant
   store (:mod:`variant_store.job_grants`), so a site that could write it could grant itself any tenant's variant.
 - ``scheduler:<N>``: read everything under ``P``; write ``placement/``, ``events/``, ``election/``, ``jobs/`` and
   ``jobassign/`` (the leader's chunk assignments).
 - ``store:<N>`` (the variant store): read everything under ``P``; write ``catalog/``, ``cascades/``, ``models/``
-  (what it builds) and ``services/`` (its announcement).
+  (what it builds), ``services/`` (its announcement) and ``buildstate/`` (tenants' model builds it runs: a
+  site that could write there could mark a build done with results nobody measured).
 - ``admin:<N>`` (operators): read everything under ``P``; write ``topology/``, ``tenants/``, ``catalog/``,
   ``cascades/``, ``models/``, ``pki/`` and ``services/``.
 - ``root_admins`` (the admin identities that apply this plan; at least one): etcd's ``root`` role, which
@@ -46,6 +48,8 @@ from mesh.errors import ConfigError, StoreError
 from mesh.etcd import messages as rpc
 from mesh.etcd.channels import StorePermissionDenied
 from mesh.etcd.keys import (
+    BUILD_STATE,
+    BUILDS,
     CASCADES,
     CATALOG,
     ELECTION_SCHEDULER,
@@ -74,7 +78,7 @@ CRL_FOLLOWER_ROLE = "tiermesh-crl-follower"
 Access = Literal["read", "write", "readwrite"]
 _PERM = {"read": rpc.Permission.READ, "write": rpc.Permission.WRITE, "readwrite": rpc.Permission.READWRITE}
 OPERATOR_WRITES = ("topology/", TENANTS, CATALOG, CASCADES, MODELS, PKI, SERVICES)
-STORE_WRITES = (CATALOG, CASCADES, MODELS, SERVICES)
+STORE_WRITES = (CATALOG, CASCADES, MODELS, SERVICES, BUILD_STATE)
 SCHEDULER_WRITES = (PLACEMENT, EVENTS_PLACEMENT.split("/")[0] + "/", ELECTION_SCHEDULER.split("/")[0] + "/", JOBS,
                     JOB_ASSIGN)
 
@@ -116,7 +120,8 @@ def site_role(prefix: str, site: Identity) -> tuple[str, tuple[Grant, ...]]:
     return f"tiermesh-{site.common_name}", (Grant(prefix, "read", True),
                                             Grant(prefix + live_key(site.name), "write", False),
                                             Grant(prefix + site_cert_key(site.name), "write", False),
-                                            Grant(prefix + JOBS, "write", True))
+                                            Grant(prefix + JOBS, "write", True),
+                                            Grant(prefix + BUILDS, "write", True))
 
 
 async def grant_site(store: Store, site: str) -> str:

@@ -8,6 +8,9 @@ transport reads back, with the code itself in the ``tiermesh-code`` trailer), be
     protocol         INVALID_ARGUMENT (3)
     bad_config       INVALID_ARGUMENT (3)
     bad_topology     INVALID_ARGUMENT (3)
+    bad_model        INVALID_ARGUMENT (3)     an uploaded model a check refused (``reason`` says which)
+    bad_cascade      FAILED_PRECONDITION (9)  no threshold reaches the target on the validation rows, as
+                                              impossible_slo: well formed, refused by what the data says
     unknown_task     NOT_FOUND (5)            also another tenant's private task: the same answer
     catalog          NOT_FOUND (5)
     impossible_slo   FAILED_PRECONDITION (9)  the request is well formed; the mesh's state (no variant reaches the
@@ -40,9 +43,9 @@ INTERNAL: Final = 13
 CODE_TRAILER: Final = "tiermesh-code"  # the error's tiermesh code, beside its status
 RETRY_TRAILER: Final = "retry-after"  # quota_exceeded: when to come back, whole seconds (REST's Retry-After)
 STATUS_OF_CODE: Final[dict[str, int]] = {
-    "bad_request": 3, "bad_tensor": 3, "protocol": 3, "bad_config": 3, "bad_topology": 3,
+    "bad_request": 3, "bad_tensor": 3, "protocol": 3, "bad_config": 3, "bad_topology": 3, "bad_model": 3,
     "unknown_task": 5, "catalog": 5,
-    "impossible_slo": 9,
+    "impossible_slo": 9, "bad_cascade": 9,
     "deadline": 4,
     "too_large": 8, "overloaded": 8, "quota_exceeded": 8,
     "unauthenticated": 16,

@@ -36,6 +36,7 @@ _GROUPS: tuple[str, ...] = (
     "tiermesh.cli.pki",
     "tiermesh.cli.console",
     "tiermesh.cli.jobs",
+    "tiermesh.cli.models",
 )
 # commands whose module is not tiermesh.cli.<command>
 _COMMAND_MODULE = {"etcd-rbac": "tiermesh.cli.etcd", "console-screenshot": "tiermesh.cli.console"}
@@ -46,6 +47,7 @@ _COMMAND_EXTRAS: dict[str, tuple[str, ...]] = {
     "agent": ("agent",), "scheduler": ("scheduler",), "variants": ("store",), "up": ("all",),
     "etcd": ("etcd",), "etcd-rbac": ("agent", "scheduler", "store"), "topology": ("agent", "scheduler", "store"),
     "pki": ("agent", "scheduler", "store"), "console": ("all",), "jobs": ("numpy",),
+    "models": ("numpy",),
 }
 _EXTRA_PROBES: dict[str, tuple[str, ...]] = {
     "numpy": ("numpy",),  # the SDK with arrays (tiermesh jobs; its progress bar uses rich when present)

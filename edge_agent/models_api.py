@@ -1,0 +1,310 @@
+"""The edge's model registration REST API (issue 34 item 1): a tenant registers its own model over its own identity
+(the client certificate's, as for inference; without TLS the tenant header), and the variant store builds it as
+tracked work (``variant_store.tenant_builds``).
+
+    POST /v2/models/{task}/versions?family=F
+         multipart/form-data with two parts, each a file: ``model`` (the parent ONNX model) and ``validation`` (an
+         NPZ with ``x``, one row per example, and ``y``, integer labels; optional ``calib_count``: rows before it
+         calibrate INT8 and are never scored); 202 {"id", "state": "queued", ...} once both are stored
+    GET  /v2/models/{task}/builds                   the caller's builds of the task
+    GET  /v2/builds                                 the caller's builds
+    GET  /v2/models/{task}/builds/{id}              state, stage, progress, each variant's accuracy, size and p50
+                                                    latency per batch size per hardware class (the store's at first,
+                                                    every class that profiled it once sites have), error and reason
+    GET  /v2/models/{task}/builds/{id}?wait=S&since=R   the same as a long poll: answered once the build changed
+                                                    after revision R (a status's ``revision``; default now), or after
+                                                    S seconds (at most 60), or at once when it is finished
+
+A tenant sees only its own builds (another's id is a 404, as an unknown one). Admission, in order, before a byte of
+the body is read: an unknown tenant (403), a task or family name that is not ``[A-Za-z0-9][A-Za-z0-9_-]*`` (400), a
+task holding another owner's variants or models (public or another tenant's: 403, a tenant adds only to its own
+private tasks, new or existing), a task another tenant is registering now (409), a family used by another task, or
+registered already, or being built (409); then each part is streamed to a spool file (hashed as it arrives, never
+whole in memory; over ``max_model_bytes`` / ``max_validation_bytes``: 413), the model checked in a sandboxed child
+(``variant_store.model_check.check_upload``: 422 with its ``reason``; the store checks it again before building),
+the validation set scanned without trusting it (``mesh.buildspec.scan_validation``: 400), both stored in the tenant's
+data area (content-addressed; over the tenant's quota: 413 naming it), then the build request in etcd
+(``core_scheduler.state.builds``). Two registrations racing for one new task or family both pass the door; the
+store builds one at a time and refuses the second (``task_owned`` / ``family_used``).
+
+An input stored before a later refusal (the validation set over quota after the model was stored) stays in the data
+area until retention collects it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import math
+import os
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import BodyPartReader, web
+
+from core_scheduler.state.builds import BuildBook, BuildView
+from core_scheduler.state.view import MeshView
+from mesh.buildspec import BuildRequest, is_build_id, is_name, scan_validation
+from mesh.errors import (
+    CatalogError,
+    ConflictError,
+    ModelRejected,
+    PayloadTooLarge,
+    PermissionDenied,
+    QuotaExceeded,
+    RequestError,
+    UnknownTenant,
+)
+from mesh.log import get_logger, kv
+from variant_store.catalog import Catalog
+from variant_store.data_client import DataClient
+from variant_store.meta import PUBLIC
+from variant_store.sandbox import SandboxLimits
+
+if TYPE_CHECKING:
+    from variant_store.model_check import ModelLimits
+
+__all__ = ["MAX_WAIT_S", "ModelsApi"]
+
+log = get_logger(__name__)
+MAX_WAIT_S = 60.0
+MAX_MODEL_BYTES = 256 << 20  # ModelLimits' default (variant_store.model_check, imported at the first upload: onnx)
+PARTS = ("model", "validation")
+Route = tuple[str, str, Callable[[web.Request], Any]]
+
+
+class _NoBuild(RequestError):
+    """An unknown build, or another tenant's: 404 either way (the code stays ``bad_request``)."""
+
+    http_status = 404
+
+
+def _wait_s(raw: str) -> float:
+    try:
+        v = float(raw)
+    except ValueError as exc:
+        raise RequestError(f"wait must be a number of seconds, got {raw[:40]!r}") from exc
+    if not (math.isfinite(v) and 0.0 <= v <= MAX_WAIT_S):
+        raise RequestError(f"wait must be in [0, {MAX_WAIT_S:.0f}] seconds, got {raw[:40]}")
+    return v
+
+
+def _since(raw: str | None) -> int | None:
+    if raw is None:
+        return None
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 19:
+        raise RequestError(f"since must be a revision (a whole number >= 0), got {raw[:40]!r}")
+    return int(raw)
+
+
+class ModelsApi:
+    """The model routes of the door at ``site``. ``who(request)``: the caller's tenant (as inference's)."""
+
+    def __init__(self, site: str, view: MeshView, builds: BuildBook, catalog: Catalog, data: DataClient,
+                 spool: Path, who: Callable[[web.Request], str], *, model_limits: ModelLimits | None = None,
+                 max_validation_bytes: int = 256 << 20, check_sandbox: SandboxLimits | None = None,
+                 checks: int = 2, waits_per_tenant: int = 8) -> None:
+        self.site, self.view, self.builds, self.catalog, self.data = site, view, builds, catalog, data
+        self.spool, self.who = spool, who
+        self.model_limits = model_limits  # None: the check's defaults
+        self.max_model_bytes = model_limits.max_file_bytes if model_limits is not None else MAX_MODEL_BYTES
+        self.max_validation_bytes = max_validation_bytes
+        self.check_sandbox = check_sandbox or SandboxLimits(cpu_seconds=60, wall_seconds=90)
+        self._checks = asyncio.Semaphore(checks)  # sandboxed checks at once: each is a child process
+        self.waits_per_tenant = waits_per_tenant
+        self._waiting: dict[str, int] = {}
+        self._closing = asyncio.Event()
+
+    async def close(self) -> None:
+        """End the long polls now (the door is stopping)."""
+        self._closing.set()
+
+    def routes(self) -> list[Route]:
+        return [("POST", "/v2/models/{task}/versions", self.register),
+                ("GET", "/v2/models/{task}/builds", self.list_task), ("GET", "/v2/builds", self.list_all),
+                ("GET", "/v2/models/{task}/builds/{build}", self.show)]
+
+    # -- admission --------------------------------------------------------------------------------------------
+    def _tenant(self, request: web.Request) -> str:
+        tenant = self.who(request)
+        if tenant not in self.view.tenants:
+            raise UnknownTenant(f"tenant {tenant!r} is not in the topology")
+        return tenant
+
+    async def _admissible(self, tenant: str, task: str, family: str) -> None:
+        if tenant == PUBLIC:  # its variants would be everyone's: the public catalog is the operators'
+            raise PermissionDenied("the public catalog is registered by operators (tiermesh variants register), "
+                                   "not through the edge", reason="public")
+        owners = {m.owner for m in (self.view.variants.get(task) or {}).values()}
+        owners |= {m.owner for m in await self.catalog.list_models(task)}
+        if owners - {tenant}:
+            raise PermissionDenied(f"task {task!r} is not yours: a tenant may add models only to its own private "
+                                   f"tasks (new or existing); pick another task name", reason="task_owned")
+        live = [v.request for v in await self.builds.views() if v.live]
+        if any(r.task == task and r.tenant != tenant for r in live):
+            raise ConflictError(f"task {task!r} is being registered by another tenant: pick another task name")
+        try:
+            await self.catalog.check_family_free(task, family)
+        except CatalogError as exc:
+            raise ConflictError(str(exc), family=family) from exc
+        if any(m.family == family for m in await self.catalog.list_models(task)):
+            raise ConflictError(f"family {family!r} is already registered for task {task!r}: register the model "
+                                f"under a new family name", family=family)
+        if any(r.family == family for r in live):
+            raise ConflictError(f"family {family!r} is being built already: wait for that build, or pick another "
+                                f"family name", family=family)
+
+    async def register(self, request: web.Request) -> web.Response:
+        tenant = self._tenant(request)
+        task, family = request.match_info["task"], request.query.get("family", "")
+        for what, name in (("task", task), ("family", family)):
+            if not is_name(name):
+                raise RequestError(f"{what} name {name[:60]!r} must be 1-128 of letters, digits, '_' and '-', "
+                                   f"starting with a letter or digit (pass ?family=NAME)")
+        await self._admissible(tenant, task, family)
+        limit = self.max_model_bytes + self.max_validation_bytes + (1 << 20)
+        if request.content_length is not None and request.content_length > limit:
+            raise PayloadTooLarge(f"a registration of {request.content_length} bytes is over this door's {limit}",
+                                  limit=limit)
+        if not request.content_type.startswith("multipart/"):
+            raise RequestError("send multipart/form-data with two file parts, 'model' (ONNX) and 'validation' (NPZ)")
+        spooled: dict[str, tuple[Path, str, int]] = {}
+        try:
+            reader = await request.multipart()
+            while (part := await reader.next()) is not None:
+                name = str(getattr(part, "name", None))
+                if not isinstance(part, BodyPartReader) or name not in PARTS or name in spooled:
+                    raise RequestError(f"unexpected part {name[:40]!r}: send exactly one 'model' and one "
+                                       f"'validation'")
+                cap = self.max_model_bytes if name == "model" else self.max_validation_bytes
+                spooled[name] = await self._spool(part, name, cap)
+            missing = [p for p in PARTS if p not in spooled]
+            if missing:
+                raise RequestError(f"missing part(s) {missing}: send 'model' (ONNX) and 'validation' (NPZ)")
+            (model, model_digest, model_size), (val, val_digest, val_size) = spooled["model"], spooled["validation"]
+            # imported here, not at the top: an agent that never sees an upload does not load onnx (its start is
+            # measured: tests/unit/test_extras.py)
+            from variant_store.model_check import check_upload
+
+            async with self._checks:
+                try:
+                    summary = await check_upload(model, self.model_limits, sandbox=self.check_sandbox)
+                except ModelRejected as exc:  # the reason word in the text too: a client may show only that
+                    reason = str(exc.details.get("reason") or "bad_model")
+                    raise ModelRejected(f"the model is refused ({reason}): {exc.message}", **exc.details) from exc
+            rows = (await asyncio.get_running_loop().run_in_executor(
+                None, scan_validation, val, self.max_validation_bytes)).rows
+            await self.data.put_file(tenant, model_digest, model)
+            await self.data.put_file(tenant, val_digest, val)
+        finally:
+            for path, _, _ in spooled.values():
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+        req = BuildRequest(build_id=uuid.uuid4().hex, tenant=tenant, task=task, family=family,
+                           model_digest=model_digest, model_bytes=model_size, validation_digest=val_digest,
+                           validation_bytes=val_size, rows=rows, door=self.site, created=time.time())
+        await self.builds.create(req)
+        log.info("build %s admitted: %s/%s", req.build_id, task, family,
+                 extra=kv(tenant=tenant, event="build_admitted", task=task, build=req.build_id, size=model_size))
+        return web.json_response({"id": req.build_id, "task": task, "family": family, "state": "queued",
+                                  "rows": rows, "model": {"nodes": summary.nodes, "opset": summary.opset,
+                                                          "bytes": summary.file_bytes}}, status=202)
+
+    async def _spool(self, part: BodyPartReader, name: str, cap: int) -> tuple[Path, str, int]:
+        """One part on disk (hashed as it arrives; at most ``cap`` bytes): (path, sha256, size)."""
+        self.spool.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f"{name}-", dir=self.spool)
+        h, size = hashlib.sha256(), 0
+        loop = asyncio.get_running_loop()
+        try:
+            with os.fdopen(fd, "wb") as f:
+                while chunk := await part.read_chunk(1 << 16):
+                    size += len(chunk)
+                    if size > cap:
+                        raise PayloadTooLarge(f"the {name} is over this door's {cap} bytes", limit=cap, part=name)
+                    h.update(chunk)
+                    await loop.run_in_executor(None, f.write, chunk)
+            if size == 0:
+                raise RequestError(f"the {name} part is empty")
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        return Path(tmp), h.hexdigest(), size
+
+    # -- reading ----------------------------------------------------------------------------------------------
+    async def _mine(self, request: web.Request, tenant: str) -> BuildView:
+        build_id, task = request.match_info["build"], request.match_info["task"]
+        v = await self.builds.view(tenant, build_id) if is_build_id(build_id) else None
+        if v is None or v.request.task != task:
+            raise _NoBuild(f"no build {build_id[:40]!r} of task {task!r}")
+        return v
+
+    def _status(self, v: BuildView, revision: int) -> dict[str, Any]:
+        """The build's status, each variant's latency taken from the catalog now (sites add their classes)."""
+        out = v.to_json()
+        catalogued = self.view.variants.get(v.request.task) or {}
+        for r in out["variants"]:
+            meta = catalogued.get(r["variant"])
+            r["catalogued"] = meta is not None
+            if meta is not None:
+                r["latency_ms"] = {hw: {str(b): s.p50_ms for b, s in sorted(p.latency.items())}
+                                   for hw, p in sorted(meta.profiles.items())}
+        out["revision"] = revision
+        return out
+
+    async def show(self, request: web.Request) -> web.Response:
+        tenant = self._tenant(request)
+        q = request.query
+        wait_s, since = _wait_s(q.get("wait", "0")), _since(q.get("since"))
+        rev = await self.builds.store.revision()  # before the read: a watch from the next one misses nothing
+        v = await self._mine(request, tenant)
+        if wait_s > 0 and not v.terminal:
+            with self._slot(tenant):
+                if await self._wait(v.request.build_id, rev if since is None else min(since, rev), wait_s):
+                    rev = await self.builds.store.revision()
+                    v = await self._mine(request, tenant)
+        return web.json_response(self._status(v, rev))
+
+    @contextlib.contextmanager
+    def _slot(self, tenant: str) -> Iterator[None]:
+        if self._closing.is_set() or self._waiting.get(tenant, 0) >= self.waits_per_tenant:
+            raise QuotaExceeded(f"tenant {tenant!r} holds {self._waiting.get(tenant, 0)} build long polls at this "
+                                f"door (at most {self.waits_per_tenant}), or the door is stopping: poll",
+                                retry_after_s=1)
+        self._waiting[tenant] = self._waiting.get(tenant, 0) + 1
+        try:
+            yield
+        finally:
+            self._waiting[tenant] -= 1
+            if not self._waiting[tenant]:
+                del self._waiting[tenant]
+
+    async def _wait(self, build_id: str, after: int, wait_s: float) -> bool:
+        changed = asyncio.ensure_future(self.builds.wait_change(build_id, after, wait_s))
+        closing = asyncio.ensure_future(self._closing.wait())
+        try:
+            await asyncio.wait({changed, closing}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for f in (changed, closing):
+                f.cancel()
+            await asyncio.gather(changed, closing, return_exceptions=True)
+        return changed.done() and not changed.cancelled() and changed.exception() is None and changed.result()
+
+    async def _list(self, request: web.Request, task: str | None) -> web.Response:
+        tenant = self._tenant(request)
+        views = [v for v in await self.builds.views(tenant) if task is None or v.request.task == task]
+        return web.json_response({"builds": [
+            {k: s[k] for k in ("id", "task", "family", "state", "stage", "progress", "created", "updated", "error",
+                               "reason")} for s in (v.to_json() for v in views)]})
+
+    async def list_task(self, request: web.Request) -> web.Response:
+        return await self._list(request, request.match_info["task"])
+
+    async def list_all(self, request: web.Request) -> web.Response:
+        return await self._list(request, None)

@@ -1,0 +1,111 @@
+"""``tiermesh models register | builds | show``: a tenant registers its own models at an edge, over its own
+certificate (the SDK's ``mesh.models``; the edge's ``edge_agent.models_api``).
+
+    tiermesh models register --edge URL --tenant acme my-digits logreg model.onnx val.npz --wait
+    tiermesh models builds   --edge URL --tenant acme [TASK]
+    tiermesh models show     --edge URL --tenant acme BUILD_ID [--task TASK] [--follow]
+
+An https:// edge takes ``--cert/--key/--ca`` (the tenant's certificate names the tenant); ``--tenant`` is for an
+``--insecure`` one. ``val.npz`` holds ``x`` (one row per example) and ``y`` (integer labels). ``--wait`` and
+``--follow`` follow the build by long polls until it ends, one line per change on stderr; the final status (each
+variant's accuracy, size and latency per hardware class) is printed as JSON. A refusal or a failed build exits 1
+with its reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from mesh.errors import ConfigError, MeshError
+from mesh.models import AsyncModels
+
+__all__ = ["register"]
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--edge", required=True, metavar="URL", help="the edge agent's HTTP(S) URL")
+    p.add_argument("--tenant", default=None, help="tenant header, for an --insecure edge")
+    p.add_argument("--cert", type=Path, default=None, help="the tenant's certificate (PEM), for https")
+    p.add_argument("--key", type=Path, default=None, help="its private key (PEM)")
+    p.add_argument("--ca", type=Path, default=None, help="the mesh CA certificate (PEM), for https")
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("models", help="tenants' own models: register, builds, show", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    msub = p.add_subparsers(dest="models_command", metavar="ACTION", required=True)
+    r = msub.add_parser("register", help="upload a parent ONNX model and its labelled validation set")
+    _common(r)
+    r.add_argument("task", help="your private task (new, or one of yours)")
+    r.add_argument("family", help="a family name no task uses yet (letters, digits, '_', '-')")
+    r.add_argument("model", type=Path, help="the parent model (.onnx)")
+    r.add_argument("validation", type=Path, help="the validation set (.npz with x and y)")
+    r.add_argument("--wait", action="store_true", help="follow the build until it ends")
+    r.set_defaults(func=_register)
+    b = msub.add_parser("builds", help="your builds")
+    _common(b)
+    b.add_argument("task", nargs="?", default=None)
+    b.set_defaults(func=_builds)
+    s = msub.add_parser("show", help="a build's state, progress and variants")
+    _common(s)
+    s.add_argument("build_id")
+    s.add_argument("--task", default=None, help="the build's task (default: looked up in your builds)")
+    s.add_argument("--follow", action="store_true", help="follow it until it ends")
+    s.set_defaults(func=_show)
+
+
+def _models(args: argparse.Namespace) -> AsyncModels:
+    return AsyncModels(args.edge, tenant=args.tenant, cert=args.cert, key=args.key, ca=args.ca)
+
+
+def _print(value: Any) -> None:
+    print(json.dumps(value, indent=2, sort_keys=True))
+
+
+def _line(st: dict[str, Any]) -> None:
+    print(f"{st['state']}: {st.get('stage') or '-'} {float(st.get('progress') or 0):.0%}", file=sys.stderr)
+
+
+async def _follow(models: AsyncModels, task: str, build_id: str) -> int:
+    try:
+        _print(await models.wait(task, build_id, progress=_line))
+    except MeshError as exc:
+        _print(await models.show(task, build_id))
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+async def _register(args: argparse.Namespace) -> int:
+    for what, path in (("model", args.model), ("validation set", args.validation)):
+        if not path.is_file():
+            raise ConfigError(f"the {what} {path} is not a file")
+    async with _models(args) as models:
+        build = await models.register(args.task, args.family, model=args.model, validation=args.validation)
+        _print(build.admitted)
+        if args.wait:
+            return await _follow(models, args.task, build.id)
+    return 0
+
+
+async def _builds(args: argparse.Namespace) -> int:
+    async with _models(args) as models:
+        _print(await models.list(args.task))
+    return 0
+
+
+async def _show(args: argparse.Namespace) -> int:
+    async with _models(args) as models:
+        task = args.task
+        if task is None:
+            task = next((b["task"] for b in await models.list() if b["id"] == args.build_id), None)
+            if task is None:
+                raise ConfigError(f"no build {args.build_id!r} among yours")
+        if args.follow:
+            return await _follow(models, task, args.build_id)
+        _print(await models.show(task, args.build_id))
+    return 0
