@@ -15,7 +15,9 @@ to its first routing decision (a busy loop, a capped CPU), which is not the path
 Counted where a query runs (its door or the
 site it was forwarded to): ``tiermesh_served_total{task,tenant,site,variant,role}`` and the
 Triton-compatible ``nv_inference_*`` counters (model = variant, version ``1``), written as Triton writes
-them (no ``_total`` suffix), so existing dashboards work.
+them (no ``_total`` suffix), so existing dashboards work. Cascades (issue 33), at the door that ran one:
+``tiermesh_cascade_queries_total{task,site,answered}`` (``local``: stage 1 answered every row; ``escalated``)
+and ``tiermesh_cascade_rows_total{task,site,stage}`` (rows answered by each stage): the escalation rate per site.
 
 Cardinality is bounded: tasks, tenants, sites and variants are those of the mesh's view (anything else
 is ``other``), outcomes are error codes, reasons routing's codes; no request ids.
@@ -28,6 +30,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from core_scheduler.policy.routing import REASONS
+from edge_agent.cascade_exec import ESCALATED
+from edge_agent.cascade_exec import REASONS as CASCADE_REASONS
 from edge_agent.demand import slo_class
 from edge_agent.exposition import counter, escape, gauge, histogram
 from mesh.cache import BoundedCache
@@ -57,7 +61,7 @@ _CODES = error_codes()
 # errors that mean the mesh failed the query's SLO (the caller's own mistakes do not count)
 _SLO_FAILURES = frozenset({"deadline", "overloaded", "no_route", "peer_down", "impossible_slo", "internal",
                            "runtime_load", "blob", "protocol"})
-_REASONS = frozenset({*REASONS, *(r + "+retried" for r in REASONS), "forwarded", "none"})
+_REASONS = frozenset({*REASONS, *(r + "+retried" for r in REASONS), *CASCADE_REASONS, "forwarded", "none"})
 
 
 class _Hist:
@@ -132,6 +136,8 @@ class AgentMetrics:
         self.forwards: dict[str, int] = {}
         self.quota_rejections: dict[str, int] = {}
         self.door_delays: dict[str, _Hist] = {}  # task -> entry to first routing decision (seconds)
+        self.cascades: dict[tuple[str, str], int] = {}       # (task, "local" | "escalated") -> queries
+        self.cascade_rows: dict[tuple[str, str], int] = {}   # (task, stage) -> rows it answered
         # (task, tenant, variant) -> the rows and times of the queries answered at this door: Triton's statistics
         # extension per tenant (edge_agent.v2_extras; the counts are those of requests): 0.25-0.35 us a query here
         self.door_time: dict[tuple[str, str, str], DoorTime] = {}
@@ -191,6 +197,15 @@ class AgentMetrics:
             v = ms / 1000.0
             h.counts[bisect_left(LATENCY_BOUNDS_S, v)] += 1
             h.sum += v
+
+    def cascade(self, task: str, resp: InferResponse) -> None:
+        """A query this door answered by a cascade: locally (stage 1 alone) or escalated, and each stage's rows."""
+        task = task if task in self.tasks else OTHER
+        key = (task, "escalated" if resp.reason.startswith(ESCALATED) else "local")
+        self.cascades[key] = self.cascades.get(key, 0) + 1
+        for st in resp.stages:
+            rkey = (task, str(st.stage))
+            self.cascade_rows[rkey] = self.cascade_rows.get(rkey, 0) + st.answered
 
     def door_delay(self, task: str, ms: float) -> None:
         """The door's own delay of a query: from its entry to its first routing decision."""
@@ -273,6 +288,12 @@ class AgentMetrics:
                       ("task", "tenant", "site", "variant", "role"),
                       (((task, tenant, site, variant, role), n)
                        for (task, tenant, variant, role), n in sorted(self.served.items())))
+        yield counter("tiermesh_cascade_queries", "Queries this door answered by a cascade: by stage 1 alone "
+                      "(local) or escalated", ("task", "site", "answered"),
+                      (((task, site, answered), n) for (task, answered), n in sorted(self.cascades.items())))
+        yield counter("tiermesh_cascade_rows", "Rows of cascade queries answered by each stage",
+                      ("task", "site", "stage"),
+                      (((task, site, stage), n) for (task, stage), n in sorted(self.cascade_rows.items())))
         yield histogram("tiermesh_batch_size", "Rows per executed batch", ("variant",),
                         (((variant,), h.buckets(), h.sum) for variant, h in sorted(self.batch.items())))
         for name, doc, counts, label in (

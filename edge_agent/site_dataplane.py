@@ -31,6 +31,10 @@ no late answer passes for a met one. A traced
 query (``traceparent`` set, by the caller's request or the door's sample) records each decision with
 its candidates (``edge_agent.traces``) and returns each hop's records with the reply; the door keeps
 the whole trace. Nothing of this is built for an untraced query.
+
+Cascades. A decision for a cascade (``routing.CascadeDecision``) is run by :mod:`edge_agent.cascade_exec`: each
+stage as a query this door serves or forwards pinned to the stage's (site, variant), as any decision; a traced
+query records each stage as an event of the door's hop. A failed stage fails the query, named (no retry).
 """
 
 from __future__ import annotations
@@ -40,8 +44,10 @@ import time
 from collections.abc import Callable
 
 from core_scheduler.policy.modes import Router
-from core_scheduler.policy.routing import Decision, Query
+from core_scheduler.policy.routing import CascadeDecision, Decision, Query
+from core_scheduler.policy.routing_cascade import CascadePlan
 from core_scheduler.state.view import MeshView
+from edge_agent.cascade_exec import door_runner, run_cascade
 from edge_agent.dataplane import task_visible
 from edge_agent.demand import DemandMeter
 from edge_agent.host import VariantHost
@@ -320,6 +326,8 @@ class SiteDataPlane:
                 remaining += BEST_EFFORT_GRACE_MS
             if hop is not None:
                 hop.decided(table, query, decision)
+            if isinstance(decision, CascadeDecision) and decision.plan is not None:
+                return await self._cascade(req, decision.plan, hop)
             try:
                 if decision.site == self.site:
                     resp = await self._serve_local(req, decision.variant_id, decision.reason,
@@ -343,6 +351,17 @@ class SiteDataPlane:
         if last_error is not None:
             raise last_error
         raise DeadlineExceeded(f"request {req.request_id}: deadline passed while routing")
+
+    async def _cascade(self, req: InferRequest, plan: CascadePlan, hop: HopTrace | None) -> InferResponse:
+        """Serve ``req`` by the cascade ``plan`` (:mod:`edge_agent.cascade_exec`), each stage run here or forwarded
+        pinned to its (site, variant) as any decision is."""
+        run = door_runner(self.site, req, hop,
+                          local=lambda sub, variant: self._serve_local(sub, variant, "local", False, time.monotonic()),
+                          forward=lambda sub, d: self._forward(sub, d, time.monotonic(), sub.remaining_ms()))
+        resp = await run_cascade(plan, req.inputs, self.task_signature(req.task).outputs[0].name, run,
+                                 request_id=req.request_id, tenant=req.tenant, hop=hop)
+        self.metrics.cascade(req.task, resp)
+        return resp
 
     def rtt_correction(self, now: float | None = None) -> dict[str, float]:
         return self.paths.correction(time.monotonic() if now is None else now)

@@ -53,10 +53,10 @@ from mesh.failover import FAILOVER_SHARE, EdgeHealthBook, first_answer, retry_bu
 from mesh.pki.reload import client_tls
 from mesh.sdk_loop import LoopThread
 from mesh.sdk_transport import Response, Transport, open_edges
-from mesh.types import DEFAULT_PREFER, DEFAULT_TENANT, TaskSignature, Timing, new_request_id
+from mesh.types import DEFAULT_PREFER, DEFAULT_TENANT, StageInfo, TaskSignature, Timing, new_request_id
 from mesh.v2 import sdk as wire
 from mesh.v2.body import HEADER_LENGTH, TENANT_HEADER
-from mesh.v2.params import backbone_tenants, metadata_to_signature, result_values
+from mesh.v2.params import backbone_tenants, cascade_stages, metadata_to_signature, result_values
 
 __all__ = ["AsyncClient", "Client", "InferResult"]
 
@@ -92,10 +92,9 @@ class InferResult:
     # answered past the latency asked (measured by the edge from the query's entry: ``timing.total_ms``), best
     # effort or not: a late answer is an answer, never a met SLO
     late: bool = False
-    # answered within the latency asked and at the accuracy asked (not late, accuracy >= min_accuracy)
-    within_slo: bool = True
-    # the URL of the edge that answered (a client of several edges: the one its failover reached)
-    edge: str = ""
+    within_slo: bool = True  # answered within the latency and at the accuracy asked (not late, accuracy >= min)
+    edge: str = ""  # the URL of the edge that answered (a client of several edges: the one its failover reached)
+    stages: tuple[StageInfo, ...] = ()  # answered by a cascade (reason cascade_*): each stage that ran, in order
 
     def output(self, name: str | None = None) -> Any:
         """The output called ``name``; with no name, the only output (``KeyError`` if several)."""
@@ -329,7 +328,8 @@ class AsyncClient:
         res = InferResult(dec.outputs, *result_values(params), request_id=dec.request_id,
                           trace_id=trace_id if type(trace_id) is str else "",
                           backbone_tenants=backbone_tenants(params) if "backbone_batch_tenants" in params else 0,
-                          late=params.get("late") is True, edge=self._edges[i].url)
+                          late=params.get("late") is True, edge=self._edges[i].url,
+                          stages=cascade_stages(params) if "cascade_stages" in params else ())
         res.within_slo = not res.late and res.accuracy >= min_accuracy
         return res
 

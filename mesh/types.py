@@ -47,6 +47,7 @@ __all__ = [
     "InferRequest",
     "InferResponse",
     "Prefer",
+    "StageInfo",
     "TaskSignature",
     "TensorSpec",
     "Tier",
@@ -369,6 +370,22 @@ class Timing:
     total_ms: float = 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class StageInfo:
+    """One stage of a cascade as it ran for a query (issue 33, ``edge_agent.cascade_exec``): ``stage`` counts
+    from 1; ``rows`` it ran, ``answered`` of them; ``confidence`` per row it ran (``()`` for the last stage,
+    which answers every row it gets); ``total_ms`` from the door's send to its answer."""
+
+    stage: int
+    site: str
+    variant: str
+    rows: int
+    answered: int
+    confidence: tuple[float, ...] = ()
+    total_ms: float = 0.0
+    compute_ms: float = 0.0
+
+
 @dataclass(slots=True)
 class InferResponse:
     request_id: str
@@ -390,3 +407,6 @@ class InferResponse:
     # answered past its budget (the SLO's latency_ms from the query's entry), best effort or not: set by the door,
     # which measured the whole time (``edge_agent.site_dataplane``); a late answer is never reported as met
     late: bool = False
+    # answered by a cascade (reason cascade_local / cascade_escalated): its id and each stage that ran, in order
+    cascade: str = ""
+    stages: tuple[StageInfo, ...] = ()

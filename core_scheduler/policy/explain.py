@@ -15,6 +15,11 @@ routing table's candidate arrays (:mod:`core_scheduler.policy.routing_candidates
     cost           above the query's cost ceiling
     latency        the expected latency exceeds the budget left
 
+A decision for a cascade (issue 33) adds the chosen cascade as a candidate of its own, after the plain ones: its
+``site`` stage 1's, its ``variant`` ``cascade:<id>:<stage 1>><last stage>@<last stage's site>``, its
+``latency_ms`` and ``cost`` the expected ones it was ranked by (``compute_ms``: its escalated path's whole latency,
+the one judged against the budget; the other terms 0).
+
 Candidates of variants the tenant may not use are left out altogether: a trace never names another
 tenant's private variant. A non-finite term (an unreachable site's round trip) is written as -1.
 """
@@ -24,7 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from core_scheduler.policy.routing import Decision, Query, RoutingTable
+from core_scheduler.policy.routing import CascadeDecision, Decision, Query, RoutingTable
 
 __all__ = ["MAX_CANDIDATES", "Candidate", "explain"]
 
@@ -106,4 +111,8 @@ def explain(router: object, q: Query, chosen: Decision | None = None,
             if pick is not None:
                 keep[-1] = pick
         out = keep
+    if isinstance(chosen, CascadeDecision) and chosen.plan is not None:
+        p = chosen.plan
+        name = f"cascade:{p.cascade_id}:{p.variants[0]}>{p.variants[-1]}@{p.sites[-1]}"
+        out.append(Candidate(p.sites[0], name[:128], 0.0, 0.0, p.escalated_ms, 0.0, p.expected_ms, p.cost, True, None))
     return out

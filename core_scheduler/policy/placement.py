@@ -26,6 +26,13 @@ Steps, following INFaaS (prefer what is loaded; scale a variant out before buyin
    before ``min_residency_s`` after it was loaded, never while its heartbeat shows a queue for it,
    never when it is pinned (e.g. the warm floor).
 
+Cascades (issue 33): a demand a calibrated cascade of its task can meet (the cascade's measured accuracy >= the
+floor, stage 1 + path + last stage within the budget, from the demand's site) keeps that cascade placed besides
+its plain cover, so routing can choose it: stage 1 as near the demand as it fits (its own edge first), the last
+stage where one is placed (else loaded where the escalated path fits), assigned the escalation share of the
+demand for replication. Middle stages of a cascade of more than two are not placed here (routing then finds them
+only where something else placed them).
+
 Forecasts: ``Demand.forecast_qps`` (see ``forecast.with_forecast``) raises a demand to
 ``max(qps, forecast_qps)``; a load that only the forecast needs is a ``prewarm`` event, its
 reason naming the forecast (``Demand.forecast_why``). A variant a forecast still needs is kept (it is
@@ -40,7 +47,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from core_scheduler.policy.snapshot import MeshSnapshot, SiteInfo, VariantInfo
@@ -253,6 +260,35 @@ class _Planner:
             self.needed.add(pair)
             assigned.setdefault(pair, []).append(d)
 
+    def cover_cascades(self, d: Demand, assigned: dict[Pair, list[Demand]]) -> None:
+        """Keep placed the first cascade of ``d``'s task that can meet it (module docstring, Cascades)."""
+        cascades = self.snap.cascades  # task -> cascade id -> calibrated cascade (core_scheduler.state.snapshot)
+        by_id = cascades.get(d.task) or {}
+        action: Action = "load" if d.qps > 0 else "prewarm"
+        for cid in sorted(by_id):
+            c = by_id[cid]
+            first, last = self.variant(c.stages[0]), self.variant(c.stages[-1])
+            if first is None or last is None or c.owner not in ("public", d.tenant) or c.accuracy < d.min_accuracy:
+                continue
+            ones = sorted((s for s in self.alive if math.isfinite(self.latency(d, s, first))),
+                          key=lambda s: (s != d.site, first.variant_id not in self.plan[s],
+                                         self.snap.rtt(d.site, s), s))
+            for s1 in ones:
+                left = d.budget_ms - self.latency(d, s1, first)
+                twos = [s for s in self.site_order(d) if self.latency(d, s, last) <= left]
+                twos.sort(key=lambda s: last.variant_id not in self.plan[s])  # stable: placed ones first
+                why = f"cascade {cid} for {d.task}/{d.slo_class} from {d.site}"
+                s2 = next((s for s in twos if last.variant_id in self.plan[s]
+                           or self.try_load(s, last, action, f"last stage of {why}")), None)
+                if s2 is None:
+                    continue
+                if first.variant_id in self.plan[s1] or self.try_load(s1, first, action, f"stage 1 of {why}"):
+                    self.needed.update(((s1, first.variant_id), (s2, last.variant_id)))
+                    share = c.escalation[-1]
+                    assigned.setdefault((s2, last.variant_id), []).append(
+                        replace(d, qps=d.qps * share, forecast_qps=d.forecast_qps * share, min_accuracy=0.0))
+                    return
+
     def fallback(self, d: Demand, action: Action, what: str) -> Pair | None:
         """No site meets the SLO: keep (or load) the lowest-latency server of the task."""
         opts: list[tuple[bool, float, str, str]] = []
@@ -345,6 +381,7 @@ def plan_placement(snap: MeshSnapshot, demand: Iterable[Demand], now: float,
     assigned: dict[Pair, list[Demand]] = {}
     for d in order:
         p.cover(d, assigned)
+        p.cover_cascades(d, assigned)
     for pair in sorted(assigned):
         p.replicate(pair, assigned[pair])
     p.evict_idle()

@@ -47,6 +47,9 @@ Reason codes (``Decision.reason``):
     cold_start            feasible, but the chosen variant must be loaded first (anywhere)
     best_effort_latency   nothing feasible; lowest latency chosen (prefer="latency")
     best_effort_accuracy  nothing feasible; highest accuracy chosen (prefer="accuracy")
+    cascade               a calibrated cascade (:mod:`core_scheduler.policy.routing_cascade`) is the cheapest
+                          feasible candidate, or the only one: a :class:`CascadeDecision` (the door answers
+                          ``cascade_local`` or ``cascade_escalated``, ``edge_agent.cascade_exec``)
 """
 
 from __future__ import annotations
@@ -63,13 +66,15 @@ from core_scheduler.policy.routing_candidates import (
     any_true,
     build_candidates,
 )
+from core_scheduler.policy.routing_cascade import CascadeEntry, CascadePlan, cascade_entries, plan_for
 from core_scheduler.policy.snapshot import MeshSnapshot
 from mesh.errors import ConfigError, DeadlineExceeded, ImpossibleSLO, MeshError, NoRoute, Overloaded, UnknownTask
 from mesh.types import DEFAULT_PREFER, DEFAULT_TENANT, SLO, Prefer
+from variant_store.cascade_meta import CascadeMeta
 
-__all__ = ["REASONS", "Decision", "Query", "RoutingTable"]
+__all__ = ["REASONS", "CascadeDecision", "Decision", "Query", "RoutingTable"]
 
-REASONS = ("local", "forward", "cold_start", "best_effort_latency", "best_effort_accuracy")
+REASONS = ("local", "forward", "cold_start", "best_effort_latency", "best_effort_accuracy", "cascade")
 _INF = np.inf
 
 
@@ -117,25 +122,39 @@ class Decision:
     estimated: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class CascadeDecision(Decision):
+    """A decision to serve by a cascade: ``site`` and ``variant_id`` are stage 1's, ``plan`` every stage's."""
+
+    plan: CascadePlan | None = None
+
+
 class RoutingTable:
     """Routing decisions at site ``here`` over one snapshot. Cheap to query, rebuilt on change."""
 
-    __slots__ = ("_site_pos", "_tasks", "here", "version")
+    __slots__ = ("_cascades", "_site_pos", "_tasks", "here", "version")
 
     def __init__(self, here: str, version: int, tasks: Mapping[str, TaskTable],
-                 site_pos: Mapping[str, int]) -> None:
+                 site_pos: Mapping[str, int], cascades: Mapping[str, tuple[CascadeEntry, ...]] | None = None) -> None:
         self.here = here
         self.version = version
         self._tasks = dict(tasks)
         self._site_pos = dict(site_pos)
+        self._cascades = {task: c for task, c in (cascades or {}).items() if c and task in self._tasks}
 
     @classmethod
-    def build(cls, snap: MeshSnapshot, here: str) -> RoutingTable:
+    def build(cls, snap: MeshSnapshot, here: str, cascades: Mapping[str, Mapping[str, CascadeMeta]] | None = None
+              ) -> RoutingTable:
+        """``cascades``: task -> cascade id -> catalog entry; None: the snapshot's (its ``cascades`` field, read
+        with getattr until the store's half of issue 33 adds it to ``MeshSnapshot``)."""
         if here not in snap.site_index:
             raise ConfigError(f"routing site {here!r} is not in the topology")
         tasks = {task: TaskTable(build_candidates(snap, here, vs), here)
                  for task, vs in snap.variants.items() if vs}
-        return cls(here, snap.version, tasks, snap.site_index)
+        found = snap.cascades if cascades is None else cascades
+        entries = {task: cascade_entries(by_id, tasks[task].arr.variant_id)
+                   for task, by_id in (found or {}).items() if task in tasks}
+        return cls(here, snap.version, tasks, snap.site_index, entries)
 
     def tasks(self) -> tuple[str, ...]:
         return tuple(sorted(self._tasks))
@@ -150,6 +169,35 @@ class RoutingTable:
         return t
 
     def decide(self, q: Query) -> Decision:
+        if self._cascades and q.task in self._cascades:
+            return self._decide_cascades(q, self._cascades[q.task])
+        return self._decide_plain(q)
+
+    def _decide_cascades(self, q: Query, entries: tuple[CascadeEntry, ...]) -> Decision:
+        """``decide()`` for a task with cascades: the cheapest feasible of the plain decision and the task's
+        cascades (the plain one on a tie: a cascade must be cheaper to be worth its escalations)."""
+        try:
+            plain: Decision | None = self._decide_plain(q)
+            error: MeshError | None = None
+        except MeshError as exc:  # nothing plain at all (refused, or no route): a cascade may still serve it
+            plain, error = None, exc
+        t = self._tasks[q.task]
+        if not t.tenant_access(q.tenant)[1]:  # decide() refused it as an unknown task: so is every cascade
+            assert error is not None
+            raise error
+        plan = plan_for(t, entries, tenant=q.tenant, min_accuracy=q.min_accuracy, budget_ms=q.budget_ms,
+                        max_cost=q.max_cost, nbytes=q.nbytes, rows=q.rows,
+                        excluded=[self._site_pos[s] for s in q.exclude_sites if s in self._site_pos])
+        if plan is None or (plain is not None and not plain.best_effort and plain.cost <= plan.cost):
+            if error is not None:
+                raise error
+            assert plain is not None
+            return plain
+        count = (plain.feasible_count if plain is not None and not plain.best_effort else 0) + 1
+        return CascadeDecision(plan.sites[0], plan.variants[0], "cascade", plan.expected_ms, plan.cost,
+                               plan.accuracy, False, count, False, plan)
+
+    def _decide_plain(self, q: Query) -> Decision:
         t = self._tasks.get(q.task)
         if t is None:
             raise UnknownTask(f"no variant of task {q.task!r} is registered", task=q.task)

@@ -10,16 +10,18 @@ Pure functions, no I/O, no numpy (the SDK's base install reads replies with them
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
 from mesh.errors import RequestError
-from mesh.types import DEFAULT_PREFER, SLO, InferResponse, TaskSignature, TensorSpec, Timing
+from mesh.types import DEFAULT_PREFER, SLO, InferResponse, StageInfo, TaskSignature, TensorSpec, Timing
 from mesh.v2.datatypes import V2_TO_NAME, check_datatype, datatype_named
 
 __all__ = [
     "DEFAULT_LATENCY_MS",
     "backbone_tenants",
+    "cascade_stages",
     "metadata_to_signature",
     "parse_slo",
     "response_parameters",
@@ -61,7 +63,34 @@ def response_parameters(resp: InferResponse) -> dict[str, Any]:
         # run through a backbone shared across tenants; how many tenants its batch held
         out["shared_backbone"] = True
         out["backbone_batch_tenants"] = resp.backbone_tenants
+    if resp.stages:
+        # answered by a cascade: its id, stage 1's least confidence (a one-row query's confidence), and every stage
+        # as JSON (V2 parameters are scalars; cascade_stages() reads it back)
+        out["cascade"] = resp.cascade
+        out["cascade_confidence"] = min(resp.stages[0].confidence, default=0.0)
+        out["cascade_stages"] = json.dumps([
+            {"stage": st.stage, "site": st.site, "variant": st.variant, "rows": st.rows, "answered": st.answered,
+             "confidence": [round(c, 6) for c in st.confidence], "total_ms": round(st.total_ms, 3),
+             "compute_ms": round(st.compute_ms, 3)} for st in resp.stages], separators=(",", ":"))
     return out
+
+
+_MAX_STAGES_TEXT = 1 << 20  # a reply's stage list is a few hundred bytes a stage and a number per row
+
+
+def cascade_stages(params: Mapping[str, Any]) -> tuple[StageInfo, ...]:
+    """The stages of a reply answered by a cascade (``cascade_stages`` in its parameters); ``()`` when it has none
+    or they are malformed (a reply is the edge's word, but a bad one must not fail a query it answered)."""
+    text = params.get("cascade_stages")
+    if type(text) is not str or len(text) > _MAX_STAGES_TEXT:
+        return ()
+    try:
+        items = json.loads(text)
+        return tuple(StageInfo(int(d["stage"]), str(d["site"]), str(d["variant"]), int(d["rows"]),
+                               int(d["answered"]), tuple(float(c) for c in d["confidence"]), float(d["total_ms"]),
+                               float(d["compute_ms"])) for d in items)
+    except (ValueError, TypeError, KeyError, AttributeError, OverflowError, RecursionError):
+        return ()
 
 
 def _num(v: object) -> float:
