@@ -16,37 +16,28 @@ it streams in. An error reply becomes the ``MeshError`` its code names (``mesh.e
 over quota ``PayloadTooLarge``, cancelling a finished job ``ConflictError``. A job that ends failed or cancelled
 makes ``wait`` raise ``MeshError`` with its state and error.
 
-``wait`` does not poll on a timer: each request is a long poll the edge answers as soon as the job changes (or after
-``poll_s`` seconds, at most ``MAX_HOLD_S``), passing back the etcd revision of the status it last saw so that no
-change between two requests is missed. Submitting an input already submitted (same task, bytes, format and
-``min_accuracy``) while that job is queued, running or done returns that job (``job.deduplicated``) and runs nothing
-again; ``fresh=True`` asks for a new run.
+``wait`` does not poll on a timer: each request is a long poll the edge answers as soon as the job changes
+(``mesh.edge_api.EdgeApi.follow``), so no change between two requests is missed. Submitting an input already
+submitted (same task, bytes, format and ``min_accuracy``) while that job is queued, running or done returns that job
+(``job.deduplicated``) and runs nothing again; ``fresh=True`` asks for a new run.
 """
 
 from __future__ import annotations
 
 import io
-import time
-from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any
 
 import aiohttp
 import numpy as np
 
-from mesh.errors import ConfigError, DeadlineExceeded, MeshError, PeerUnavailable, error_from_reply
+from mesh.edge_api import EdgeApi, Progress, SyncEdgeApi, error_with_details, wait_params
+from mesh.errors import ConfigError, DeadlineExceeded, MeshError, PeerUnavailable
 from mesh.jobspec import FORMATS
-from mesh.pki.reload import client_tls
-from mesh.sdk_loop import LoopThread
 
 __all__ = ["AsyncJob", "AsyncJobs", "Job", "Jobs"]
 
-T = TypeVar("T")
-TENANT_HEADER = "X-Tiermesh-Tenant"
-Progress = Callable[[dict[str, Any]], None]
-MAX_HOLD_S = 55.0  # under the edge's bound on one long poll (60 s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,44 +91,8 @@ def _body(data: Any, fmt: str | None) -> tuple[Any, str]:
     raise ConfigError(f"a job's input is an array, a path or bytes, not {type(data).__name__}")
 
 
-class AsyncJobs:
-    """The job API of the edge at ``base_url``; ``cert``/``key``/``ca`` for an https edge (the certificate names
-    the tenant), ``tenant`` for an ``--insecure`` one."""
-
-    def __init__(self, base_url: str, *, tenant: str | None = None, cert: str | Path | None = None,
-                 key: str | Path | None = None, ca: str | Path | None = None, check_hostname: bool = True,
-                 timeout: float = 300.0) -> None:
-        self.base_url = base_url.rstrip("/")
-        self._ssl_factory, _ = client_tls(base_url, cert, key, ca, check_hostname)
-        self._headers = {TENANT_HEADER: tenant} if tenant is not None and cert is None else {}
-        self._timeout = aiohttp.ClientTimeout(total=timeout)
-        self._session: aiohttp.ClientSession | None = None
-
-    def _open(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self._timeout, headers=self._headers)
-        return self._session
-
-    async def _call(self, method: str, path: str, *, data: Any = None, params: dict[str, str] | None = None,
-                    raw: bool = False) -> Any:
-        ssl = self._ssl_factory() if self._ssl_factory is not None else False
-        try:
-            if isinstance(data, Path):
-                with open(data, "rb") as f:  # noqa: ASYNC230  (aiohttp streams the file from its executor)
-                    return await self._send(method, path, f, params, ssl, raw)
-            return await self._send(method, path, data, params, ssl, raw)
-        except aiohttp.ClientError as exc:
-            raise PeerUnavailable(f"edge {self.base_url} unreachable: {exc}") from exc
-        except TimeoutError as exc:
-            raise DeadlineExceeded(f"edge {self.base_url} did not answer {method} {path} in time") from exc
-
-    async def _send(self, method: str, path: str, data: Any, params: dict[str, str] | None, ssl: Any,
-                    raw: bool) -> Any:
-        async with self._open().request(method, self.base_url + path, data=data, params=params, ssl=ssl) as resp:
-            body = await resp.read()
-            if resp.status >= 400:
-                raise error_from_reply(resp.status, body)
-            return body if raw else await resp.json(content_type=None)
+class AsyncJobs(EdgeApi):
+    """The job API of the edge at ``base_url`` (``mesh.edge_api.EdgeApi``'s arguments)."""
 
     async def submit(self, task: str, data: Any, *, min_accuracy: float = 0.0, deadline_s: float = 3600.0,
                      max_cost: float | None = None, format: str | None = None,
@@ -164,10 +119,8 @@ class AsyncJobs:
                    since: int | None = None) -> dict[str, Any]:
         """The job's status; with ``wait``, a long poll: answered when the job changed after revision ``since`` (a
         status's ``revision``; default: now), or after ``wait`` seconds."""
-        params = {} if wait is None else {"wait": f"{min(wait, MAX_HOLD_S):.3f}"}
-        if since is not None:
-            params["since"] = str(int(since))
-        out: dict[str, Any] = await self._call("GET", f"/v2/models/{task}/jobs/{job_id}", params=params or None)
+        out: dict[str, Any] = await self._call("GET", f"/v2/models/{task}/jobs/{job_id}",
+                                               params=wait_params(wait, since) or None)
         return out
 
     async def list(self, task: str | None = None) -> list[dict[str, Any]]:
@@ -189,15 +142,14 @@ class AsyncJobs:
         stream leaves no partial file and raises ``PeerUnavailable``); its size in bytes."""
         dest = Path(path)
         tmp = dest.with_name(f".{dest.name}.part")
-        ssl = self._ssl_factory() if self._ssl_factory is not None else False
         url = f"{self.base_url}/v2/models/{task}/jobs/{job_id}/result"
         size = 0
         try:
             # no bound on the whole transfer (a large result takes what it takes), only on silence
             idle = aiohttp.ClientTimeout(total=None, sock_connect=self._timeout.total, sock_read=self._timeout.total)
-            async with self._open().get(url, params={"format": format}, ssl=ssl, timeout=idle) as resp:
+            async with self._open().get(url, params={"format": format}, ssl=self._ssl(), timeout=idle) as resp:
                 if resp.status >= 400:
-                    raise error_from_reply(resp.status, await resp.read())
+                    raise error_with_details(resp.status, await resp.read())
                 with open(tmp, "wb") as f:  # noqa: ASYNC230  (local writes of the blocks as they arrive)
                     async for block in resp.content.iter_chunked(1 << 20):
                         f.write(block)
@@ -223,32 +175,16 @@ class AsyncJobs:
         """Follow the job until it is done (its status), one long poll after another (each held at most ``poll_s``
         seconds; ``progress`` sees every status); ``MeshError`` when it ends failed or cancelled,
         ``DeadlineExceeded`` after ``timeout`` seconds."""
-        end = None if timeout is None else time.monotonic() + timeout
-        st = await self.show(task, job_id)
-        while True:
-            if progress is not None:
-                progress(st)
-            if st["state"] == "done":
-                return st
+        def failed(st: dict[str, Any]) -> MeshError | None:
             if st["state"] in ("failed", "cancelled"):
-                raise MeshError(f"job {job_id} {st['state']}: {st.get('error') or 'no error given'}", state=st["state"])
-            if end is not None and time.monotonic() >= end:
-                raise DeadlineExceeded(f"job {job_id} not done after {timeout} s ({st['rows_done']}/{st['rows']} rows)")
-            hold = max(0.05, poll_s if end is None else min(poll_s, end - time.monotonic()))
-            revision = st.get("revision")
-            st = await self.show(task, job_id, wait=hold, since=revision if isinstance(revision, int) else None)
+                return MeshError(f"job {job_id} {st['state']}: {st.get('error') or 'no error given'}",
+                                 state=st["state"])
+            return None
 
-    async def aclose(self) -> None:
-        session, self._session = self._session, None
-        if session is not None:
-            await session.close()
-
-    async def __aenter__(self) -> AsyncJobs:
-        return self
-
-    async def __aexit__(self, et: type[BaseException] | None, ev: BaseException | None,
-                        tb: TracebackType | None) -> None:
-        await self.aclose()
+        return await self.follow(lambda wait, since: self.show(task, job_id, wait=wait, since=since),
+                                 what=f"job {job_id}", done=lambda st: st["state"] == "done", failed=failed,
+                                 describe=lambda st: f"{st['rows_done']}/{st['rows']} rows", poll_s=poll_s,
+                                 timeout=timeout, progress=progress)
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,15 +219,13 @@ class Job:
         return self.jobs._run(self.inner.cancel())
 
 
-class Jobs:
+class Jobs(SyncEdgeApi):
     """Synchronous :class:`AsyncJobs` (same arguments), on a private loop thread; ``close()`` ends it."""
 
-    def __init__(self, base_url: str, **kwargs: Any) -> None:
-        self._async = AsyncJobs(base_url, **kwargs)
-        self._runner = LoopThread("tiermesh-jobs", "jobs client")
+    _async: AsyncJobs
 
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return self._runner.call(coro)
+    def __init__(self, base_url: str, **kwargs: Any) -> None:
+        super().__init__(AsyncJobs(base_url, **kwargs), "jobs")
 
     def submit(self, task: str, data: Any, **kwargs: Any) -> Job:
         return Job(self, self._run(self._async.submit(task, data, **kwargs)))
@@ -313,12 +247,3 @@ class Jobs:
 
     def result_to(self, task: str, job_id: str, path: str | Path, format: str = "npz") -> int:
         return self._run(self._async.result_to(task, job_id, path, format))
-
-    def close(self) -> None:
-        self._runner.close(self._async.aclose)
-
-    def __enter__(self) -> Jobs:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

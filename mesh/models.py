@@ -20,29 +20,19 @@ after ``poll_s`` seconds), passing back the etcd revision of the status it last 
 
 from __future__ import annotations
 
-import contextlib
 import io
-import json
-import time
-from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any
 
 import aiohttp
 import numpy as np
 
-from mesh.errors import ConfigError, DeadlineExceeded, MeshError, PeerUnavailable, error_from_reply
-from mesh.pki.reload import client_tls
-from mesh.sdk_loop import LoopThread
+from mesh.edge_api import EdgeApi, Progress, SyncEdgeApi, wait_params
+from mesh.errors import ConfigError, MeshError
 
 __all__ = ["AsyncBuild", "AsyncModels", "Build", "Models"]
 
-T = TypeVar("T")
-TENANT_HEADER = "X-Tiermesh-Tenant"
-MAX_HOLD_S = 55.0  # under the edge's bound on one long poll (60 s)
-Progress = Callable[[dict[str, Any]], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,48 +66,12 @@ def _part(value: Any, what: str) -> Any:
                       f"not {type(value).__name__}")
 
 
-def _error(status: int, body: bytes) -> MeshError:
-    """The reply's error with its ``details`` kept (a refused model's ``reason`` is one)."""
-    err = error_from_reply(status, body)
-    with contextlib.suppress(ValueError, AttributeError, TypeError):
-        details = json.loads(body).get("details")
-        if isinstance(details, dict):
-            err.details.update({str(k): v for k, v in details.items()})  # the edge's word over the defaults
-    return err
+class AsyncModels(EdgeApi):
+    """The model API of the edge at ``base_url`` (``mesh.edge_api.EdgeApi``'s arguments; ``timeout`` 600 s by
+    default: an upload of a large model takes a while)."""
 
-
-class AsyncModels:
-    """The model API of the edge at ``base_url``; ``cert``/``key``/``ca`` for an https edge (the certificate names
-    the tenant), ``tenant`` for an ``--insecure`` one."""
-
-    def __init__(self, base_url: str, *, tenant: str | None = None, cert: str | Path | None = None,
-                 key: str | Path | None = None, ca: str | Path | None = None, check_hostname: bool = True,
-                 timeout: float = 600.0) -> None:
-        self.base_url = base_url.rstrip("/")
-        self._ssl_factory, _ = client_tls(base_url, cert, key, ca, check_hostname)
-        self._headers = {TENANT_HEADER: tenant} if tenant is not None and cert is None else {}
-        self._timeout = aiohttp.ClientTimeout(total=timeout)
-        self._session: aiohttp.ClientSession | None = None
-
-    def _open(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self._timeout, headers=self._headers)
-        return self._session
-
-    async def _call(self, method: str, path: str, *, data: Any = None,
-                    params: dict[str, str] | None = None) -> Any:
-        ssl = self._ssl_factory() if self._ssl_factory is not None else False
-        try:
-            async with self._open().request(method, self.base_url + path, data=data, params=params,
-                                            ssl=ssl) as resp:
-                body = await resp.read()
-                if resp.status >= 400:
-                    raise _error(resp.status, body)
-                return await resp.json(content_type=None)
-        except aiohttp.ClientError as exc:
-            raise PeerUnavailable(f"edge {self.base_url} unreachable: {exc}") from exc
-        except TimeoutError as exc:
-            raise DeadlineExceeded(f"edge {self.base_url} did not answer {method} {path} in time") from exc
+    def __init__(self, base_url: str, *, timeout: float = 600.0, **kwargs: Any) -> None:
+        super().__init__(base_url, timeout=timeout, **kwargs)
 
     async def register(self, task: str, family: str, *, model: Any, validation: Any) -> AsyncBuild:
         """Upload the parent ``model`` and its labelled ``validation`` set as ``family`` of the caller's private
@@ -145,10 +99,8 @@ class AsyncModels:
     async def show(self, task: str, build_id: str, *, wait: float | None = None,
                    since: int | None = None) -> dict[str, Any]:
         """The build's status; with ``wait``, a long poll (answered once it changed after revision ``since``)."""
-        params = {} if wait is None else {"wait": f"{min(wait, MAX_HOLD_S):.3f}"}
-        if since is not None:
-            params["since"] = str(int(since))
-        out: dict[str, Any] = await self._call("GET", f"/v2/models/{task}/builds/{build_id}", params=params or None)
+        out: dict[str, Any] = await self._call("GET", f"/v2/models/{task}/builds/{build_id}",
+                                               params=wait_params(wait, since) or None)
         return out
 
     async def list(self, task: str | None = None) -> list[dict[str, Any]]:
@@ -161,34 +113,16 @@ class AsyncModels:
                    progress: Progress | None = None) -> dict[str, Any]:
         """Follow the build until it is done (its status); ``MeshError`` when it failed, ``DeadlineExceeded`` after
         ``timeout`` seconds."""
-        end = None if timeout is None else time.monotonic() + timeout
-        st = await self.show(task, build_id)
-        while True:
-            if progress is not None:
-                progress(st)
-            if st["state"] == "done":
-                return st
+        def failed(st: dict[str, Any]) -> MeshError | None:
             if st["state"] == "failed":
-                raise MeshError(f"build {build_id} failed ({st.get('reason') or 'no reason'}): "
-                                f"{st.get('error') or 'no error given'}", state="failed", reason=st.get("reason"))
-            if end is not None and time.monotonic() >= end:
-                raise DeadlineExceeded(f"build {build_id} not done after {timeout} s ({st['state']}, "
-                                       f"{st.get('stage')}, {st.get('progress', 0):.0%})")
-            hold = max(0.05, poll_s if end is None else min(poll_s, end - time.monotonic()))
-            revision = st.get("revision")
-            st = await self.show(task, build_id, wait=hold, since=revision if isinstance(revision, int) else None)
+                return MeshError(f"build {build_id} failed ({st.get('reason') or 'no reason'}): "
+                                 f"{st.get('error') or 'no error given'}", state="failed", reason=st.get("reason"))
+            return None
 
-    async def aclose(self) -> None:
-        session, self._session = self._session, None
-        if session is not None:
-            await session.close()
-
-    async def __aenter__(self) -> AsyncModels:
-        return self
-
-    async def __aexit__(self, et: type[BaseException] | None, ev: BaseException | None,
-                        tb: TracebackType | None) -> None:
-        await self.aclose()
+        return await self.follow(lambda wait, since: self.show(task, build_id, wait=wait, since=since),
+                                 what=f"build {build_id}", done=lambda st: st["state"] == "done", failed=failed,
+                                 describe=lambda st: f"{st['state']}, {st.get('stage')}, {st.get('progress', 0):.0%}",
+                                 poll_s=poll_s, timeout=timeout, progress=progress)
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,15 +144,13 @@ class Build:
         return self.models._run(self.inner.wait(poll_s=poll_s, timeout=timeout, progress=progress))
 
 
-class Models:
+class Models(SyncEdgeApi):
     """Synchronous :class:`AsyncModels` (same arguments), on a private loop thread; ``close()`` ends it."""
 
-    def __init__(self, base_url: str, **kwargs: Any) -> None:
-        self._async = AsyncModels(base_url, **kwargs)
-        self._runner = LoopThread("tiermesh-models", "models client")
+    _async: AsyncModels
 
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return self._runner.call(coro)
+    def __init__(self, base_url: str, **kwargs: Any) -> None:
+        super().__init__(AsyncModels(base_url, **kwargs), "models")
 
     def register(self, task: str, family: str, *, model: Any, validation: Any) -> Build:
         return Build(self, self._run(self._async.register(task, family, model=model, validation=validation)))
@@ -231,12 +163,3 @@ class Models:
 
     def list(self, task: str | None = None) -> list[dict[str, Any]]:
         return self._run(self._async.list(task))
-
-    def close(self) -> None:
-        self._runner.close(self._async.aclose)
-
-    def __enter__(self) -> Models:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
