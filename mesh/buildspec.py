@@ -30,6 +30,9 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from mesh.errors import ProtocolError, RequestError
+from mesh.fields import field as _get
+from mesh.fields import integer as _int
+from mesh.fields import number as _num
 
 __all__ = ["BUILD_STATES", "SCHEMA", "BuildRequest", "BuildState", "BuildStateName", "ValidationSummary",
            "VariantResult", "build_status", "claimable", "is_build_id", "is_name", "scan_validation", "transition_ok"]
@@ -59,27 +62,6 @@ def is_name(text: str) -> bool:
 
 
 # -- decoding helpers (each raises ProtocolError) ------------------------------------------------------------------
-
-def _get(d: dict[str, Any], name: str, kind: type | tuple[type, ...], where: str) -> Any:
-    v = d.get(name)
-    if (isinstance(v, bool) and kind is not bool) or not isinstance(v, kind):
-        raise ProtocolError(f"{where}: {name!r} is missing or of the wrong type ({type(v).__name__})")
-    return v
-
-
-def _num(d: dict[str, Any], name: str, where: str, lo: float, hi: float) -> float:
-    v = float(_get(d, name, (int, float), where))
-    if not (math.isfinite(v) and lo <= v <= hi):
-        raise ProtocolError(f"{where}: {name!r} = {v} is outside [{lo}, {hi}]")
-    return v
-
-
-def _int(d: dict[str, Any], name: str, where: str, lo: int, hi: int) -> int:
-    v = _get(d, name, int, where)
-    if not lo <= v <= hi:
-        raise ProtocolError(f"{where}: {name!r} = {v} is outside [{lo}, {hi}]")
-    return int(v)
-
 
 def _match(d: dict[str, Any], name: str, where: str, pattern: re.Pattern[str]) -> str:
     v = _get(d, name, str, where)

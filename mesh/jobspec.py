@@ -21,6 +21,9 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal, get_args
 
 from mesh.errors import ProtocolError
+from mesh.fields import field as _field
+from mesh.fields import integer as _int
+from mesh.fields import number as _num
 from mesh.webhooks import parse_target
 
 __all__ = ["CHUNK_STATES", "FORMATS", "JOB_STATES", "SCHEMA", "TERMINAL", "ChunkRecord", "ChunkState", "InputFormat",
@@ -71,31 +74,6 @@ def chunk_rows_of(rows: int, *, target_chunks: int = 16, lo: int = 256, hi: int 
     (a chunk is one claim and one commit in etcd and one output blob: too small costs bookkeeping, too large
     loses more work when its site dies)."""
     return max(lo, min(hi, math.ceil(rows / target_chunks)))
-
-
-def _field(d: dict[str, Any], name: str, kind: type | tuple[type, ...], where: str) -> Any:
-    if name not in d:
-        raise ProtocolError(f"{where}: missing {name!r}")
-    v = d[name]
-    if isinstance(v, bool) and kind is not bool:
-        raise ProtocolError(f"{where}: {name!r} must not be a boolean")
-    if not isinstance(v, kind):
-        raise ProtocolError(f"{where}: {name!r} has the wrong type ({type(v).__name__})")
-    return v
-
-
-def _num(d: dict[str, Any], name: str, where: str, lo: float, hi: float) -> float:
-    v = float(_field(d, name, (int, float), where))
-    if not (math.isfinite(v) and lo <= v <= hi):
-        raise ProtocolError(f"{where}: {name!r} = {v} is outside [{lo}, {hi}]")
-    return v
-
-
-def _int(d: dict[str, Any], name: str, where: str, lo: int, hi: int) -> int:
-    v = _field(d, name, int, where)
-    if not lo <= v <= hi:
-        raise ProtocolError(f"{where}: {name!r} = {v} is outside [{lo}, {hi}]")
-    return int(v)
 
 
 def _choice(d: dict[str, Any], name: str, where: str, allowed: tuple[str, ...]) -> str:
