@@ -36,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import math
 import os
 import tempfile
 import time
@@ -49,6 +48,7 @@ from aiohttp import BodyPartReader, web
 
 from core_scheduler.state.builds import BuildBook, BuildView
 from core_scheduler.state.view import MeshView
+from edge_agent.job_follow import since_of, wait_s_of
 from mesh.buildspec import BuildRequest, is_build_id, is_name, scan_validation
 from mesh.errors import (
     CatalogError,
@@ -69,10 +69,9 @@ from variant_store.sandbox import SandboxLimits
 if TYPE_CHECKING:
     from variant_store.model_check import ModelLimits
 
-__all__ = ["MAX_WAIT_S", "ModelsApi"]
+__all__ = ["ModelsApi"]
 
 log = get_logger(__name__)
-MAX_WAIT_S = 60.0
 MAX_MODEL_BYTES = 256 << 20  # ModelLimits' default (variant_store.model_check, imported at the first upload: onnx)
 PARTS = ("model", "validation")
 Route = tuple[str, str, Callable[[web.Request], Any]]
@@ -82,24 +81,6 @@ class _NoBuild(RequestError):
     """An unknown build, or another tenant's: 404 either way (the code stays ``bad_request``)."""
 
     http_status = 404
-
-
-def _wait_s(raw: str) -> float:
-    try:
-        v = float(raw)
-    except ValueError as exc:
-        raise RequestError(f"wait must be a number of seconds, got {raw[:40]!r}") from exc
-    if not (math.isfinite(v) and 0.0 <= v <= MAX_WAIT_S):
-        raise RequestError(f"wait must be in [0, {MAX_WAIT_S:.0f}] seconds, got {raw[:40]}")
-    return v
-
-
-def _since(raw: str | None) -> int | None:
-    if raw is None:
-        return None
-    if not (raw.isascii() and raw.isdigit()) or len(raw) > 19:
-        raise RequestError(f"since must be a revision (a whole number >= 0), got {raw[:40]!r}")
-    return int(raw)
 
 
 class ModelsApi:
@@ -261,7 +242,7 @@ class ModelsApi:
     async def show(self, request: web.Request) -> web.Response:
         tenant = self._tenant(request)
         q = request.query
-        wait_s, since = _wait_s(q.get("wait", "0")), _since(q.get("since"))
+        wait_s, since = wait_s_of(q.get("wait", "0")), since_of(q.get("since"))
         rev = await self.builds.store.revision()  # before the read: a watch from the next one misses nothing
         v = await self._mine(request, tenant)
         if wait_s > 0 and not v.terminal:
