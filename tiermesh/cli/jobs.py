@@ -24,16 +24,9 @@ from typing import Any
 
 from mesh.jobs import AsyncJobs
 from mesh.jobspec import FORMATS
+from tiermesh.cli.edge_options import add_edge_options, edge_client_args
 
 __all__ = ["register"]
-
-
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--edge", required=True, metavar="URL", help="the edge agent's HTTP(S) URL")
-    p.add_argument("--tenant", default=None, help="tenant header, for an --insecure edge")
-    p.add_argument("--cert", type=Path, default=None, help="the tenant's certificate (PEM), for https")
-    p.add_argument("--key", type=Path, default=None, help="its private key (PEM)")
-    p.add_argument("--ca", type=Path, default=None, help="the mesh CA certificate (PEM), for https")
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -41,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     jsub = p.add_subparsers(dest="jobs_command", metavar="ACTION", required=True)
     s = jsub.add_parser("submit", help="submit a job (an .npz with 'x', a .jsonl file or OIP binary tensors)")
-    _common(s)
+    add_edge_options(s)
     s.add_argument("task")
     s.add_argument("input", type=Path)
     s.add_argument("--min-accuracy", type=float, default=0.0)
@@ -57,19 +50,19 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="https URL to POST the outcome to when the job ends (under a prefix the operator allowed)")
     s.set_defaults(func=_submit)
     ls = jsub.add_parser("list", help="your jobs")
-    _common(ls)
+    add_edge_options(ls)
     ls.add_argument("task", nargs="?", default=None)
     ls.set_defaults(func=_list)
     for name, func, what in (("show", _show, "a job's state and progress"), ("cancel", _cancel, "cancel a job")):
         q = jsub.add_parser(name, help=what)
-        _common(q)
+        add_edge_options(q)
         q.add_argument("task")
         q.add_argument("job_id")
         if name == "show":
             q.add_argument("--follow", action="store_true", help="follow it with a progress bar until it ends")
         q.set_defaults(func=func)
     r = jsub.add_parser("result", help="a done job's outputs")
-    _common(r)
+    add_edge_options(r)
     r.add_argument("task")
     r.add_argument("job_id")
     r.add_argument("--out", type=Path, required=True, help="file to write")
@@ -78,7 +71,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def _jobs(args: argparse.Namespace) -> AsyncJobs:
-    return AsyncJobs(args.edge, tenant=args.tenant, cert=args.cert, key=args.key, ca=args.ca)
+    return AsyncJobs(args.edge, **edge_client_args(args))
 
 
 def _print(value: Any) -> None:

@@ -22,16 +22,9 @@ from typing import Any
 
 from mesh.errors import ConfigError, MeshError
 from mesh.models import AsyncModels
+from tiermesh.cli.edge_options import add_edge_options, edge_client_args
 
 __all__ = ["register"]
-
-
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--edge", required=True, metavar="URL", help="the edge agent's HTTP(S) URL")
-    p.add_argument("--tenant", default=None, help="tenant header, for an --insecure edge")
-    p.add_argument("--cert", type=Path, default=None, help="the tenant's certificate (PEM), for https")
-    p.add_argument("--key", type=Path, default=None, help="its private key (PEM)")
-    p.add_argument("--ca", type=Path, default=None, help="the mesh CA certificate (PEM), for https")
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -39,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     msub = p.add_subparsers(dest="models_command", metavar="ACTION", required=True)
     r = msub.add_parser("register", help="upload a parent ONNX model and its labelled validation set")
-    _common(r)
+    add_edge_options(r)
     r.add_argument("task", help="your private task (new, or one of yours)")
     r.add_argument("family", help="a family name no task uses yet (letters, digits, '_', '-')")
     r.add_argument("model", type=Path, help="the parent model (.onnx)")
@@ -47,11 +40,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     r.add_argument("--wait", action="store_true", help="follow the build until it ends")
     r.set_defaults(func=_register)
     b = msub.add_parser("builds", help="your builds")
-    _common(b)
+    add_edge_options(b)
     b.add_argument("task", nargs="?", default=None)
     b.set_defaults(func=_builds)
     s = msub.add_parser("show", help="a build's state, progress and variants")
-    _common(s)
+    add_edge_options(s)
     s.add_argument("build_id")
     s.add_argument("--task", default=None, help="the build's task (default: looked up in your builds)")
     s.add_argument("--follow", action="store_true", help="follow it until it ends")
@@ -59,7 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def _models(args: argparse.Namespace) -> AsyncModels:
-    return AsyncModels(args.edge, tenant=args.tenant, cert=args.cert, key=args.key, ca=args.ca)
+    return AsyncModels(args.edge, **edge_client_args(args))
 
 
 def _print(value: Any) -> None:
