@@ -379,3 +379,35 @@ async def test_a_decoder_bug_on_hostile_input_is_answered_as_garbage_not_logged_
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
     resp = await client.request(server.endpoint, make_req(5.0))
     assert resp.outputs["x"][0] == 5.0
+
+
+def test_the_sync_client_cuts_a_reply_of_endless_frames() -> None:
+    """A peer answering with a million empty frames (the async client's bound, ``mesh.zmq.bounded``): the blocking
+    client keeps at most MAX_FRAMES of them and refuses the reply as garbage, not a million Frame objects."""
+    import threading
+
+    import zmq
+
+    from mesh.zmq.protocol_check import DECODE_ERRORS, MAX_FRAMES
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+
+    def answer() -> None:
+        if router.poll(10_000):
+            ident = router.recv_multipart()[0]
+            router.send_multipart([ident, *([b""] * 1_000_000)])
+
+    t = threading.Thread(target=answer, daemon=True)
+    t.start()
+    try:
+        with SyncZmqClient(f"tcp://127.0.0.1:{port}", ctx=ctx) as c:
+            with pytest.raises(DECODE_ERRORS, match="cut short"):
+                c.request(make_req(1.0, deadline_s=20.0))
+            assert MAX_FRAMES < 1_000_000
+    finally:
+        t.join(timeout=15)
+        router.close(linger=0)
+        ctx.term()
