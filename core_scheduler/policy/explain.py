@@ -20,6 +20,9 @@ A decision for a cascade (issue 33) adds the chosen cascade as a candidate of it
 ``latency_ms`` and ``cost`` the expected ones it was ranked by (``compute_ms``: its escalated path's whole latency,
 the one judged against the budget; the other terms 0).
 
+``estimated``: the candidate's compute and load come from another hardware class's profile scaled to this one
+(``core_scheduler.policy.snapshot.with_estimates``: the site has not measured the variant yet), not a measurement.
+
 Candidates of variants the tenant may not use are left out altogether: a trace never names another
 tenant's private variant. A non-finite term (an unreachable site's round trip) is written as -1.
 """
@@ -48,12 +51,13 @@ class Candidate:
     cost: float         # dollars per query (routing_candidates): millionths of a dollar on a CPU site
     feasible: bool
     why_not: str | None
+    estimated: bool = False  # the variant's timings on the site's class are an estimate, not a measurement
 
     def to_json(self) -> dict[str, object]:
         return {"site": self.site, "variant": self.variant, "network_ms": _ms(self.network_ms),
                 "queue_ms": _ms(self.queue_ms), "compute_ms": _ms(self.compute_ms), "load_ms": _ms(self.load_ms),
                 "latency_ms": _ms(self.latency_ms), "cost": _dollars(self.cost), "feasible": self.feasible,
-                "why_not": self.why_not}
+                "why_not": self.why_not, "estimated": self.estimated}
 
 
 def _ms(x: float) -> float:
@@ -103,7 +107,8 @@ def explain(router: object, q: Query, chosen: Decision | None = None,
             why = "cost"
         elif not latency <= budget:
             why = "latency"
-        out.append(Candidate(site, variant, network, queue, compute, load, latency, cost, why is None, why))
+        est = bool(a.estimated[i]) if len(a.estimated) > i else False
+        out.append(Candidate(site, variant, network, queue, compute, load, latency, cost, why is None, why, est))
     if len(out) > limit:
         keep = out[:limit]
         if chosen is not None and not any(c.site == chosen.site and c.variant == chosen.variant_id for c in keep):

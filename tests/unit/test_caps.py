@@ -168,6 +168,9 @@ def test_a_variant_not_measured_on_a_class_is_routable_and_the_decision_says_est
     hop = HopTrace("edge-a", "edge")
     hop.decided(table, q, d)
     assert hop.records[0]["choice"]["estimated"] is True
+    # and every candidate in the trace says whether its timings are measured or estimated
+    cands = {(c["site"], c["variant"]): c["estimated"] for c in hop.records[0]["candidates"]}
+    assert cands[("edge-a", "mlp")] is True and cands[("core", "mlp")] is False
     # measured at last: the same decision, no longer an estimate
     measured = build_snapshot(_view({"mlp": {"load_ms": 9.0, "p50_ms": {"1": 7.5, "8": 30.0}}}), here="edge-a")
     assert measured is not None
