@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -68,12 +69,15 @@ async def open_store(etcd: str | Sequence[str] | None = None, home: Path | str |
 
     how = await asyncio.to_thread(home_etcd, home_dir)
     server = EmbeddedEtcd(home_dir / "etcd", tls=how.tls)
+    # a command's own etcd is plumbing: its start and stop are not news on the terminal (``--log-level DEBUG``)
+    quiet = _Quiet(logging.getLogger(EmbeddedEtcd.__module__))
     try:
         await server.start()
     except EtcdServerError as exc:
+        quiet.restore()
         raise StoreUnavailable(f"no mesh runs for {home_dir} and its etcd (data {server.data_dir}) did not start: "
                                f"{exc}; is another etcd using that data directory? (see {server.log_path})") from exc
-    log.info("started a temporary embedded etcd", extra=kv(event="etcd_temp", reason=server.url))
+    log.debug("started a temporary embedded etcd", extra=kv(event="etcd_temp", reason=server.url))
     try:
         hint = (f"the etcd of {home_dir}, started for this command "
                 + ("as its operator" if how.tls else "without TLS: if a secured mesh ran on this home, its PKI "
@@ -81,7 +85,22 @@ async def open_store(etcd: str | Sequence[str] | None = None, home: Path | str |
         async with await _connect(server.url, key_prefix, hint, **how.client) as store:
             yield store
     finally:
-        await server.stop()
+        try:
+            await server.stop()
+        finally:
+            quiet.restore()
+
+
+class _Quiet:
+    """A logger's INFO lines held back (made DEBUG-only) until :meth:`restore`, unless it already logs DEBUG."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.logger, self.level = logger, logger.level
+        if not logger.isEnabledFor(logging.DEBUG):
+            logger.setLevel(logging.WARNING)
+
+    def restore(self) -> None:
+        self.logger.setLevel(self.level)
 
 
 async def _connect(target: EtcdEndpoints | str, prefix: str, advice: str, *, ca: Path | None = None,
