@@ -9,6 +9,8 @@ behind the admin gate (:mod:`console.auth`):
     GET /api/traces?limit=N     recent trace summaries from every live agent
     GET /api/traces/{id}        one request's decision trace, from the agent that answered it (404 if none has it)
     GET /api/jobs[?tenant=T]    offline jobs per tenant: counts by state, progress, the sites at work (console.jobs)
+    GET /api/builds[?tenant=T]  tenants' model builds: state, stage, progress, each variant's results (console.builds)
+    GET /api/cascades           calibrated cascades per task, broken entries, escalation per site (console.cascades)
     GET /api/whoami             the admin's name
 
 ``extra_routes`` mounts more handlers behind the same gate (the scheduler's ``/metrics``).
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,12 +29,16 @@ import orjson
 from aiohttp import web
 from ruamel.yaml import YAML
 
+from console import builds as builds_view
+from console import cascades as cascades_view
 from console.auth import ADMIN, AdminGate
 from console.jobs import summary
 from console.scrape import Scraper
 from console.state import ConsoleState
+from core_scheduler.state.builds import BuildBook
 from core_scheduler.state.jobs import JobBook
 from mesh.errors import StoreError
+from variant_store.cascade_catalog import read_cascades
 
 __all__ = ["STATIC_DIR", "Route", "make_app"]
 
@@ -151,6 +158,32 @@ async def _jobs(request: web.Request) -> web.Response:
     return _json(summary(views, [tenant] if tenant is not None else known))
 
 
+async def _builds(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    state.touch()
+    tenant = request.query.get("tenant")
+    try:
+        views = await BuildBook(state.store).views(tenant)
+    except StoreError as exc:
+        return _json({"error": f"etcd did not answer: {exc}", "code": exc.code}, 503)
+    known = set(state.view.tenants)
+    if tenant is not None and tenant not in known and not views:
+        return _json({"error": f"no tenant {tenant[:64]!r} in the topology, and no build of one",
+                      "code": "not_found"}, 404)
+    return _json(builds_view.summary(views, [tenant] if tenant is not None else known))
+
+
+async def _cascades(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    state.touch()
+    try:
+        reading = await read_cascades(state.store)
+    except StoreError as exc:
+        return _json({"error": f"etcd did not answer: {exc}", "code": exc.code}, 503)
+    sites, errors = await cascades_view.scrape(request.app[SCRAPER], state.live_urls())
+    return _json(cascades_view.summary(reading.cascades, reading.broken, sites, errors, time.time()))
+
+
 def make_app(state: ConsoleState, scraper: Scraper, gate: AdminGate, closing: asyncio.Event,
              extra_routes: Sequence[Route] = ()) -> web.Application:
     app = web.Application(middlewares=[gate.middleware])
@@ -164,6 +197,8 @@ def make_app(state: ConsoleState, scraper: Scraper, gate: AdminGate, closing: as
     app.router.add_get("/api/traces/{request_id}", _trace)
     app.router.add_get("/api/whoami", _whoami)
     app.router.add_get("/api/jobs", _jobs)
+    app.router.add_get("/api/builds", _builds)
+    app.router.add_get("/api/cascades", _cascades)
     for method, path, handler in extra_routes:
         app.router.add_route(method, path, handler)
     return app

@@ -136,18 +136,26 @@ class Scraper(Service):
             raise RuntimeError("Scraper is not started")
         return self._session
 
-    async def metrics(self, site: str, base_url: str) -> Scrape:
-        now = time.monotonic()
+    async def metrics_text(self, site: str, base_url: str) -> tuple[str | None, str | None]:
+        """``site``'s ``/metrics`` text as it sent it (checked to come from that site), or None and why not. For
+        views that read families the digest leaves out (``console.cascades``)."""
         try:
             async with self.session.get(f"{base_url.rstrip('/')}/metrics", allow_redirects=False) as resp:
                 self._check_server(resp, site)
                 body = await resp.text()
                 if resp.status != 200:
-                    return Scrape(site, now, True, error=f"HTTP {resp.status}")
+                    return None, f"HTTP {resp.status}"
         except _NotThatSite as exc:
-            return Scrape(site, now, False, error=f"not {site}: {exc}"[:200])
+            return None, f"not {site}: {exc}"[:200]
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            return Scrape(site, now, False, error=f"{type(exc).__name__}: {exc}"[:200])
+            return None, f"{type(exc).__name__}: {exc}"[:200]
+        return body, None
+
+    async def metrics(self, site: str, base_url: str) -> Scrape:
+        now = time.monotonic()
+        body, error = await self.metrics_text(site, base_url)
+        if body is None:
+            return Scrape(site, now, error is not None and error.startswith("HTTP "), error=error)
         try:
             return Scrape(site, now, True, metrics=digest(parse_samples(body)))
         except ValueError as exc:

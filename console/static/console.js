@@ -31,6 +31,8 @@ function showTab(name) {
   if (name === "topology") loadTopology();
   if (name === "traces") loadRecentTraces();
   if (name === "jobs") loadJobs();
+  if (name === "builds") loadBuilds();
+  if (name === "cascades") loadCascades();
   render();
 }
 window.addEventListener("hashchange", () => showTab((location.hash || "#map").slice(1)));

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import ssl
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +19,13 @@ import aiohttp
 import numpy as np
 import pytest
 
+from mesh.buildspec import BuildRequest, BuildState, VariantResult
+from mesh.etcd.keys import build_key, build_state_key, cascade_key
 from mesh.pki.identity import Identity
 from tests.browser.conftest import context_for
 from tests.system.conftest import TASK
 from tiermesh.harness import LocalMesh
+from variant_store.cascade_meta import CascadeMeta
 from variant_store.families.datasets import load_validation_npz
 
 pytestmark = [pytest.mark.browser, pytest.mark.asyncio(loop_scope="module")]
@@ -122,6 +126,46 @@ async def test_traced_request_shows_hops_and_rejected_candidates(console_mesh: L
         await page.screenshot(path=str(tmp_path / "trace.png"), full_page=True)
     finally:
         await ctx.close()
+
+
+async def test_builds_and_cascades_tabs_render_rows_from_the_api(console_mesh: LocalMesh, browser: Any,
+                                                                  tmp_path: Path) -> None:
+    """Issues 34 and 33 in the page: a tenant's build with its measured variant, a catalogued cascade and a
+    broken cascade entry (under a task nothing serves, so routing never sees them); the keys go afterwards."""
+    store = console_mesh.store
+    assert store is not None
+    bid, now = uuid.uuid4().hex, time.time()
+    req = BuildRequest(build_id=bid, tenant="acme", task="console-check", family="console-fam", model_digest="a" * 64,
+                       model_bytes=100, validation_digest="b" * 64, validation_bytes=100, rows=10, door="browser",
+                       created=now)
+    res = VariantResult("console-fam.onnx.int8", "onnx", "int8", 0.9, 2048, {"cpu": {1: 1.25}})
+    cascade = CascadeMeta(task="console-check", cascade_id="cc-1", stages=("a.onnx.int8", "b.onnx.fp32"),
+                          rule="margin", thresholds=(0.5,), accuracy=0.95, escalation=(0.3,), target_accuracy=0.94,
+                          calibration_rows=10, heldout_rows=10)
+    keys = [build_key("acme", bid), build_state_key(bid), cascade_key("console-check", "cc-1"),
+            cascade_key("console-check", "cc-bad")]
+    await store.put(keys[0], req.to_json())
+    await store.put(keys[1], BuildState(bid, "acme", "done", stage="done", progress=1.0, variants=(res,),
+                                        updated=now).to_json())
+    await store.put(keys[2], cascade.to_json())
+    await store.put(keys[3], {"schema": 1, "task": "console-check"})
+    ctx, page = await _admin_page(browser, console_mesh, "#builds")
+    try:
+        row = f"#tab-builds:not([hidden]) #build-table tr[data-build='{bid}']"
+        await page.wait_for_selector(f"{row} li[data-variant='console-fam.onnx.int8']", timeout=15_000)
+        assert "done" in await page.inner_text(f"{row} td:nth-child(5)")
+        assert "1.25 ms" in await page.inner_text(f"{row} li[data-variant]")
+        await page.screenshot(path=str(tmp_path / "builds.png"), full_page=True)
+        await page.click("#tabs a[data-tab='cascades']")
+        await page.wait_for_selector("#tab-cascades:not([hidden]) #cascade-table tr[data-cascade='cc-1']",
+                                     timeout=15_000)
+        await page.wait_for_selector("#cascade-broken:not([hidden]) li[data-key$='cascades/console-check/cc-bad']",
+                                     timeout=5_000)
+        await page.screenshot(path=str(tmp_path / "cascades.png"), full_page=True)
+    finally:
+        await ctx.close()
+        for key in keys:
+            await store.delete(key)
 
 
 async def test_non_admin_is_refused(console_mesh: LocalMesh, browser: Any, tmp_path: Path) -> None:

@@ -1,0 +1,64 @@
+// tiermesh console: the Builds and Cascades tabs (issues 34 and 33). Loaded before console.js; uses its helpers
+// ($, el, S, fmt, pct, when) only when a tab is shown, so the order of definition does not matter.
+"use strict";
+
+// -- builds ----------------------------------------------------------------------------------
+const kib = (b) => (b === null || b === undefined) ? "–" : (b / 1024).toFixed(1) + " KiB";
+const p50Text = (m) => Object.entries(m || {}).map(([hw, ms]) => `${hw} ${fmt(ms, 2)} ms`).join(", ") || "no latency yet";
+
+function buildVariants(b) {
+  if (!b.variants.length) return el("span", { class: "muted", text: b.state === "done" ? "none built" : "–" });
+  return el("ul", {}, b.variants.map((v) => el("li", { "data-variant": v.variant,
+    text: `${v.variant}: ${pct(v.accuracy)} · ${kib(v.size_bytes)} · ${p50Text(v.p50_ms)}` })),
+    b.skipped.map((k) => el("li", { class: "muted", text: `${k.kind} skipped: ${k.reason}` })));
+}
+
+async function loadBuilds() {
+  const resp = await fetch("/api/builds").catch(() => null);
+  const body = resp && resp.ok ? await resp.json() : { tenants: [] };
+  const tenants = body.tenants || [];
+  $("#build-tenants tbody").replaceChildren(...tenants.map((t) => el("tr", { "data-tenant": t.tenant }, el("td", { text: t.tenant }),
+    ...["queued", "running", "done", "failed"].map((s) => el("td", { text: String(t.counts[s] || 0) })))));
+  const rows = tenants.flatMap((t) => t.builds.map((b) => el("tr", { "data-build": b.id, class: `build-${b.state}` },
+    el("td", { text: t.tenant }), el("td", { text: b.id.slice(0, 12), title: b.id }), el("td", { text: b.task }),
+    el("td", { text: b.family }),
+    el("td", { text: b.state + (b.stage && b.state === "running" ? ` (${b.stage})` : "") +
+      (b.error ? `: ${b.error}` : "") + (b.reason ? ` [${b.reason}]` : "") }),
+    el("td", { text: pct(b.progress) }), el("td", {}, buildVariants(b)), el("td", { text: when(b.updated) }))));
+  const tb = $("#build-table tbody");
+  tb.replaceChildren(...rows);
+  if (!tb.children.length) tb.append(el("tr", {}, el("td", { colspan: 8, class: "muted", text: "no builds" })));
+  clearTimeout(S.buildsTimer);  // one refresh chain, however often the tab is shown
+  if (S.tab === "builds") S.buildsTimer = setTimeout(() => { if (S.tab === "builds") loadBuilds(); }, 2000);
+}
+
+// -- cascades --------------------------------------------------------------------------------
+async function loadCascades() {
+  const resp = await fetch("/api/cascades").catch(() => null);
+  const body = resp && resp.ok ? await resp.json() : { tasks: [], broken: [], scrape_errors: {} };
+  const tasks = body.tasks || [];
+  const broken = body.broken || [];
+  $("#cascade-broken").hidden = !broken.length;
+  $("#cascade-broken").replaceChildren(...(broken.length ? [el("b", { text: `${broken.length} broken cascade entries (skipped by every reader)` }),
+    el("ul", {}, broken.map((b) => el("li", { "data-key": b.key, text: `${b.key}: ${b.reason}` })))] : []));
+  const errs = Object.entries(body.scrape_errors || {});
+  $("#cascade-errors").hidden = !errs.length;
+  $("#cascade-errors").textContent = errs.length ? "no counters from: " + errs.map(([s, e]) => `${s} (${e})`).join(", ") : "";
+  const crow = tasks.flatMap((t) => t.cascades.map((c) => el("tr", { "data-cascade": c.id, "data-task": t.task },
+    el("td", { text: t.task }), el("td", { text: c.id }), el("td", { text: c.stages.join(" → ") }),
+    el("td", { text: `${c.rule} ≥ ${c.thresholds.map((x) => fmt(x, 3)).join(", ")}` }),
+    el("td", { text: `${pct(c.accuracy)} (${pct(c.target_accuracy)}) on ${c.heldout_rows} rows` }),
+    el("td", { text: c.escalation.map(pct).join(", ") }))));
+  const tb = $("#cascade-table tbody");
+  tb.replaceChildren(...crow);
+  if (!tb.children.length) tb.append(el("tr", {}, el("td", { colspan: 6, class: "muted", text: "no cascades catalogued" })));
+  const srow = tasks.flatMap((t) => t.sites.map((s) => el("tr", { "data-site": s.site, "data-task": t.task },
+    el("td", { text: t.task }), el("td", { text: s.site }), el("td", { text: String(s.local) }), el("td", { text: String(s.escalated) }),
+    el("td", { text: pct(s.escalation_rate), "data-rate": s.escalation_rate === null ? "" : String(s.escalation_rate) }),
+    el("td", { text: Object.entries(s.rows || {}).map(([st, n]) => `stage ${st}: ${n}`).join(", ") || "–" }))));
+  const sb = $("#cascade-sites tbody");
+  sb.replaceChildren(...srow);
+  if (!sb.children.length) sb.append(el("tr", {}, el("td", { colspan: 6, class: "muted", text: "no data: no door has answered by a cascade yet" })));
+  clearTimeout(S.cascadesTimer);  // one refresh chain, however often the tab is shown
+  if (S.tab === "cascades") S.cascadesTimer = setTimeout(() => { if (S.tab === "cascades") loadCascades(); }, 2000);
+}
