@@ -35,6 +35,10 @@ the whole trace. Nothing of this is built for an untraced query.
 Cascades. A decision for a cascade (``routing.CascadeDecision``) is run by :mod:`edge_agent.cascade_exec`: each
 stage as a query this door serves or forwards pinned to the stage's (site, variant), as any decision; a traced
 query records each stage as an event of the door's hop. A failed stage fails the query, named (no retry).
+
+Pipelines. A query of a task declared as a graph of tasks (``view.pipelines``) is run at its door by
+:mod:`edge_agent.pipeline_exec`: each stage sent back through :meth:`SiteDataPlane.infer` as an ordinary query of
+its own task (admitted, routed and placed as any), fed by name; a failed stage fails the query, named.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from edge_agent.demand import DemandMeter
 from edge_agent.host import VariantHost
 from edge_agent.metrics import AgentMetrics
 from edge_agent.paths import PathEstimates, attempt_ms
+from edge_agent.pipeline_exec import run_pipeline, stage_latency_ms
 from edge_agent.quota import DoorQuotas, PeerLoads, PeerQuotas
 from edge_agent.traces import HopTrace, TraceStore, clean_hops, sampled
 from mesh.errors import (
@@ -163,23 +168,29 @@ class SiteDataPlane:
         return self._table() is not None and bool(self.view.signatures)
 
     def tasks(self) -> list[str]:
-        return sorted(t for t in self.view.signatures if self.view.variants.get(t))
+        return sorted({*(t for t in self.view.signatures if self.view.variants.get(t)), *self.view.pipelines})
 
     def task_signature(self, task: str) -> TaskSignature:
         sig = self.view.signatures.get(task)
+        if sig is None and task in self.view.pipelines:
+            return self.view.pipelines[task].signature
         if sig is None:  # no list of the tasks there are: it would name other tenants' private ones
             raise UnknownTask(f"unknown task {task!r}")
         return sig
 
     def visible(self, task: str, tenant: str) -> bool:
         """Whether ``tenant`` may know of ``task`` (:func:`edge_agent.dataplane.task_visible` over its variants'
-        owners)."""
+        owners; a pipeline's own owner)."""
+        if task not in self.view.signatures and task in self.view.pipelines:
+            return self.view.pipelines[task].owner in (DEFAULT_TENANT, tenant)
         return task_visible((m.owner for m in (self.view.variants.get(task) or {}).values()), tenant)
 
     async def infer(self, req: InferRequest) -> InferResponse:
         """The data plane's door. ``req`` comes with its id and deadline, set where it entered the
         mesh (``InferRequest.entering``) and checked on arrival by its transport; its SLO checked
         itself. Its inputs are checked here, once per hop: later stages trust them."""
+        if not req.hops and req.task not in self.view.signatures and req.task in self.view.pipelines:
+            return await self._pipeline(req)
         received = time.monotonic()
         door = not req.hops
         budget_end = req.deadline  # before a best-effort grace: a reply after it is late (door_late)
@@ -361,6 +372,29 @@ class SiteDataPlane:
         resp = await run_cascade(plan, req.inputs, self.task_signature(req.task).outputs[0].name, run,
                                  request_id=req.request_id, tenant=req.tenant, hop=hop)
         self.metrics.cascade(req.task, resp)
+        return resp
+
+    async def _pipeline(self, req: InferRequest) -> InferResponse:
+        """A query of a pipeline task at its door (:mod:`edge_agent.pipeline_exec`): each stage sent through
+        :meth:`infer` as an ordinary query of its task; the pipeline counted and traced as one query besides."""
+        budget_end = req.deadline
+        meta = self.view.pipelines[req.task]
+        try:
+            self._check_tenant(req.tenant)
+            if meta.owner not in (DEFAULT_TENANT, req.tenant):
+                raise UnknownTask(f"unknown task {req.task!r}")  # another tenant's private pipeline: as if none
+            req.inputs = check_inputs(meta.signature.inputs, req.inputs)
+            req.hops = [self.site]
+            resp = await run_pipeline(meta, req, self.infer, lambda task, rows: stage_latency_ms(
+                self.view.variants.get(task), rows, meta.floor(task)))
+        except Exception as exc:
+            self._door_failed(req, exc, None)
+            raise
+        self._door_late(req, resp, budget_end)
+        self.metrics.door_ok(req.task, req.tenant, req.slo, resp)
+        if resp.trace is not None:
+            self.traces.add(req.request_id, trace_id_of(req.traceparent or ""), req.tenant, req.task, "ok",
+                            resp.trace)
         return resp
 
     def rtt_correction(self, now: float | None = None) -> dict[str, float]:

@@ -18,7 +18,8 @@
     │   ├── PayloadTooLarge         too_large       413    body or tensor over the limit
     │   ├── ImpossibleSLO           impossible_slo  422    no variant anywhere can meet the SLO and prefer=refuse
     │   ├── ModelRejected           bad_model       422    an uploaded model failed a check (``reason`` says which)
-    │   └── CascadeRefused          bad_cascade     422    a cascade cannot be calibrated or registered (``reason``)
+    │   ├── CascadeRefused          bad_cascade     422    a cascade cannot be calibrated or registered (``reason``)
+    │   └── PipelineRefused         bad_pipeline    422    a pipeline graph cannot be registered (``reason``)
     ├── DeadlineExceeded            deadline        504    the request's absolute deadline passed (also a
     │                                                      ``TimeoutError``: ``except TimeoutError`` catches it)
     ├── Overloaded                  overloaded      503    queue would hold the request past its deadline
@@ -210,6 +211,20 @@ class CascadeRefused(RequestError):
     http_status = 422
 
     def __init__(self, message: str, *, reason: str = "bad_cascade", **details: Any) -> None:
+        super().__init__(message, reason=reason, **details)
+        self.reason = reason
+
+
+class PipelineRefused(RequestError):
+    """A pipeline (a task declared as a graph of other tasks, issue 33) the catalog will not register. ``reason``:
+    ``unknown_task`` (a stage names no catalogued task), ``cycle`` (a stage is, through pipelines, the pipeline
+    itself), ``signature`` (an output does not match the input it feeds: name, dtype or shape), ``table`` (a
+    Switch's class table), ``graph`` (malformed), ``name`` (the task already has variants)."""
+
+    code = "bad_pipeline"
+    http_status = 422
+
+    def __init__(self, message: str, *, reason: str = "graph", **details: Any) -> None:
         super().__init__(message, reason=reason, **details)
         self.reason = reason
 

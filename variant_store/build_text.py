@@ -124,7 +124,8 @@ async def ensure_text_family(catalog: Catalog, blobs: BlobStore, *, backbones: S
     """Register and build the text family's heads (tasks ``text-topic`` and ``text-group``), each with its
     backbone as ``shared_base_digest``; ``backbones`` limits it to some encoders. Families that already
     have variants are left alone unless ``force``. The topic task's built-in cascade (``TOPIC_CASCADE``) is
-    calibrated when its heads were built or it has none. Returns one report per task built."""
+    calibrated when its heads were built or it has none, and the two-stage pipeline ``text-section``
+    (:mod:`variant_store.text_pipeline`) registered when it is not. Returns one report per task built."""
     root = await _off_loop(text_family_dir, cache_dir)
     manifest = await _off_loop(_verified, root)  # stamped by text_family_dir's check: not hashed again
     if manifest is None:
@@ -150,4 +151,11 @@ async def ensure_text_family(catalog: Catalog, blobs: BlobStore, *, backbones: S
     last = next((v for v in lasts if v in ids), None)
     stages = (first, last) if first in ids and last is not None else None
     await ensure_cascade(catalog, blobs, task, stages, rebuilt=task in todo, load_rows=load_validation)
+    # the two-stage pipeline (issue 33): text-group, then a per-group head on the same embedding
+    from variant_store.text_pipeline import ensure_text_pipeline
+
+    built = {e["family"] for e in manifest["models"] if e["role"] == "backbone"
+             and (backbones is None or e["family"] in backbones)}
+    await ensure_text_pipeline(catalog, blobs, root, manifest, cache_dir=cache_dir or default_cache_dir(), built=built,
+                               force=force, progress=progress, repeats=min(repeats, 5))
     return reports

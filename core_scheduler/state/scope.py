@@ -4,7 +4,8 @@ An agent routes each query to itself or to a site whose path round trip leaves r
 budget; a site a thousand kilometres away never wins a decision an edge makes, yet following its
 heartbeat costs this agent an event every time it changes. So an agent follows:
 
-* the mesh's shared configuration (``topology/``, ``tenants/``, ``catalog/``, ``cascades/``, ``services/``,
+* the mesh's shared configuration (``topology/``, ``tenants/``, ``catalog/``, ``cascades/``, ``pipelines/``,
+  ``services/``,
   ``pki/crl``, the sites' certificates ``pki/sites/``),
   whose size grows with the mesh but which changes only when an operator acts;
 * its own ``placement/<site>``;
@@ -30,6 +31,7 @@ from mesh.etcd.keys import (
     CASCADES,
     CATALOG,
     LIVE,
+    PIPELINES,
     PKI_CRL,
     PKI_SITES,
     SERVICES,
@@ -108,7 +110,7 @@ _CATALOG_AND_CASCADES = KeyRange(CASCADES, CATALOG[:-1] + "0")
 def view_ranges(topology: Topology | None, scope: Scope) -> tuple[KeyRange, ...]:
     """Every key range an agent's view follows; before a topology is known, every live record."""
     fixed = (KeyRange.under(TOPOLOGY_META.split("/")[0] + "/"), KeyRange.under(TENANTS), _CATALOG_AND_CASCADES,
-             KeyRange.under(SERVICES), KeyRange.key(PKI_CRL), KeyRange.under(PKI_SITES),
+             KeyRange.under(PIPELINES), KeyRange.under(SERVICES), KeyRange.key(PKI_CRL), KeyRange.under(PKI_SITES),
              KeyRange.key(placement_key(scope.here)))
     if topology is None:
         return (*fixed, KeyRange.under(LIVE))

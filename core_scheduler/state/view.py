@@ -49,6 +49,7 @@ from mesh.types import TaskSignature
 from topology.schema import Link, Site, Tenant, Topology
 from variant_store.cascade_meta import CascadeMeta
 from variant_store.meta import VariantMeta
+from variant_store.pipeline_meta import PipelineMeta
 
 __all__ = ["COMPLAIN_EVERY_S", "MeshView"]
 
@@ -121,6 +122,12 @@ class MeshView(Service):
         """task -> cascade id -> its calibrated entry (``cascades/<task>/<id>``, issue 33), as etcd holds it: a
         stage may have been removed since (the snapshot builder keeps only cascades whose stages it serves)."""
         return self._held.cascades
+
+    @property
+    def pipelines(self) -> dict[str, PipelineMeta]:
+        """task -> its graph of other tasks (``pipelines/<task>``, issue 33), as etcd holds it: a stage task may have
+        gone since (the door fails such a stage's query, naming it)."""
+        return self._held.pipelines
 
     @property
     def signatures(self) -> dict[str, TaskSignature]:

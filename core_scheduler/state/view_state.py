@@ -15,7 +15,9 @@ snapshot builder (it raised ``appears twice`` on every rebuild) and never hides 
 Calibrated cascades (``cascades/<task>/<id>``, issue 33) are held in ``cascades`` (task -> id -> ``CascadeMeta``),
 decoded by :func:`variant_store.cascade_catalog.decode_cascade` as hostile input: one that does not decode keeps the
 key's last good entry and is noted in ``rejected``; their changes count under the kind ``"cascade"`` in ``revisions``.
-Whether a cascade's stages are still catalogued is the reader's check (the snapshot builder's).
+Whether a cascade's stages are still catalogued is the reader's check (the snapshot builder's). Pipelines
+(``pipelines/<task>``, issue 33) are held in ``pipelines`` (task -> ``PipelineMeta``) the same way, decoded by
+:func:`variant_store.pipeline_catalog.decode_pipeline`, their changes counted under the kind ``"pipeline"``.
 """
 
 from __future__ import annotations
@@ -26,17 +28,19 @@ from typing import Any, Literal
 from core_scheduler.state.heartbeat import Heartbeat
 from core_scheduler.state.records import decode_record
 from mesh.errors import ProtocolError
-from mesh.etcd.keys import CASCADES, KeyKind, catalog_key, parse_key
+from mesh.etcd.keys import CASCADES, PIPELINES, KeyKind, catalog_key, parse_key
 from mesh.types import TaskSignature
 from topology.schema import Link, Site, Tenant, Topology
 from variant_store.cascade_catalog import decode_cascade
 from variant_store.cascade_meta import CascadeMeta
 from variant_store.catalog_check import Claim, shadowed_reason, winners
 from variant_store.meta import VariantMeta
+from variant_store.pipeline_catalog import decode_pipeline
+from variant_store.pipeline_meta import PipelineMeta
 
 __all__ = ["ViewKind", "ViewState"]
 
-ViewKind = KeyKind | Literal["cascade"]  # what a put or delete changed
+ViewKind = KeyKind | Literal["cascade", "pipeline"]  # what a put or delete changed
 
 
 @dataclass(eq=False)
@@ -46,6 +50,7 @@ class ViewState:
     tenants: dict[str, Tenant] = field(default_factory=dict)
     variants: dict[str, dict[str, VariantMeta]] = field(default_factory=dict)
     cascades: dict[str, dict[str, CascadeMeta]] = field(default_factory=dict)  # task -> cascade id -> entry
+    pipelines: dict[str, PipelineMeta] = field(default_factory=dict)  # task -> its graph (a task of tasks)
     signatures: dict[str, TaskSignature] = field(default_factory=dict)
     live: dict[str, Heartbeat] = field(default_factory=dict)
     placement: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -83,6 +88,8 @@ class ViewState:
         (a watch event does not say: a new key's first revision is its creation)."""
         if key.startswith(CASCADES):
             return self._put_cascade(key, value, revision, before)
+        if key.startswith(PIPELINES):
+            return self._put_pipeline(key, value, revision, before)
         parsed = parse_key(key)
         if parsed is None:
             return None
@@ -125,6 +132,22 @@ class ViewState:
         self.cascades.setdefault(meta.task, {})[meta.cascade_id] = meta
         self.revisions["cascade"] = max(self.revisions.get("cascade", 0), revision)
         return "cascade"
+
+    def _put_pipeline(self, key: str, value: Any, revision: int, before: ViewState | None) -> ViewKind | ProtocolError:
+        task = key[len(PIPELINES):]
+        try:
+            meta = decode_pipeline(key, value)
+        except Exception as exc:  # hostile: whatever the value raises, the key keeps its last good entry
+            err = ProtocolError(f"bad pipeline value: {type(exc).__name__}: {str(exc)[:200]}")
+            self.rejected[key] = err.message
+            kept = before.pipelines.get(task) if before is not None else None
+            if kept is not None:
+                self.pipelines[task] = kept
+            return err
+        self.rejected.pop(key, None)
+        self.pipelines[meta.task] = meta
+        self.revisions["pipeline"] = max(self.revisions.get("pipeline", 0), revision)
+        return "pipeline"
 
     def take_displaced(self) -> list[tuple[str, ProtocolError]]:
         """Keys other than the one just put or deleted that became skipped duplicates (for the view to report)."""
@@ -171,6 +194,11 @@ class ViewState:
                 del self.cascades[cnames[0]]
             self.revisions["cascade"] = max(self.revisions.get("cascade", 0), revision)
             return "cascade"
+        if key.startswith(PIPELINES):
+            self.rejected.pop(key, None)
+            self.pipelines.pop(key[len(PIPELINES):], None)
+            self.revisions["pipeline"] = max(self.revisions.get("pipeline", 0), revision)
+            return "pipeline"
         parsed = parse_key(key)
         if parsed is None:
             return None

@@ -25,6 +25,8 @@ __all__ = [
     "LINKS",
     "LIVE",
     "MODELS",
+    "MODEL_OPS",
+    "PIPELINES",
     "PKI",
     "PKI_CRL",
     "PKI_SITES",
@@ -35,6 +37,7 @@ __all__ = [
     "TENANTS",
     "TOPOLOGY_LAST_APPLY",
     "TOPOLOGY_META",
+    "VERSIONS",
     "KeyKind",
     "assign_key",
     "blobs_key",
@@ -56,12 +59,15 @@ __all__ = [
     "link_key",
     "live_key",
     "model_key",
+    "model_op_key",
     "parse_key",
+    "pipeline_key",
     "placement_key",
     "site_cert_key",
     "site_key",
     "task_key",
     "tenant_key",
+    "version_key",
 ]
 
 SITES = "topology/sites/"
@@ -70,6 +76,8 @@ TENANTS = "tenants/"
 CATALOG = "catalog/"
 # cascades/<task>/<cascade id>: a task's calibrated cascades (variant_store.cascade_meta), written where the catalog is
 CASCADES = "cascades/"
+# pipelines/<task>: a task declared as a graph of other tasks (variant_store.pipeline_meta), written as cascades are
+PIPELINES = "pipelines/"
 LIVE = "live/"
 PLACEMENT = "placement/"
 MODELS = "models/"
@@ -107,6 +115,10 @@ JOB_ASSIGN = "jobassign/"
 # buildstate/<id> its state, progress and results, which only the variant store writes (mesh.etcd.rbac)
 BUILDS = "builds/"
 BUILD_STATE = "buildstate/"
+# versions/<task>: a tenant task's versions, the active one and the traffic split (variant_store.versions): the store's
+VERSIONS = "versions/"
+# modelops/<tenant>/<id>: a door's request to the store to split a task's traffic or delete it, and the store's answer
+MODEL_OPS = "modelops/"
 TASK_NAME = "_task"  # catalog/<task>/_task holds the task's signature: never a variant id
 _BLOBS = SERVICES + "variant-store"
 
@@ -144,6 +156,11 @@ def cascade_key(task: str, cascade_id: str | None = None) -> str:
     cascades' prefix."""
     base = f"{CASCADES}{_segment('task', task)}/"
     return base if cascade_id is None else base + _segment("cascade", cascade_id)
+
+
+def pipeline_key(task: str | None = None) -> str:
+    """A task declared as a graph of other tasks (``variant_store.pipeline_meta``); without a task, the prefix."""
+    return PIPELINES if task is None else PIPELINES + _segment("task", task)
 
 
 def task_key(task: str) -> str:
@@ -248,6 +265,17 @@ def build_key(tenant: str, build_id: str) -> str:
 def build_state_key(build_id: str) -> str:
     """A build's state, progress and results: the variant store's alone to write."""
     return BUILD_STATE + _segment("build", build_id)
+
+
+def version_key(task: str) -> str:
+    """A tenant task's version record (``variant_store.versions``): the variant store's alone to write."""
+    return VERSIONS + _segment("task", task)
+
+
+def model_op_key(tenant: str, op_id: str | None = None) -> str:
+    """A door's traffic or delete request for ``tenant`` (``variant_store.versions``); without an id, the prefix."""
+    base = MODEL_OPS + _segment("tenant", tenant) + "/"
+    return base if op_id is None else base + _segment("op", op_id)
 
 
 def last_segment(key: str) -> str:

@@ -9,16 +9,19 @@ named after identities and have no password. Roles (all relative to the store pr
   ``P pki/sites/<S>`` (its own certificate, public: peers believe it only if the CA signed it) and ``P jobs/``
   (offline jobs: a door writes the records of the jobs it admitted, every site claims and commits chunks. Any site
   may write any job's keys: narrowing that to a job's door and a chunk's lease holder is not built yet), and
-  ``P builds/`` (a door writes the model build requests it admitted; never ``P buildstate/``). Never
+  ``P builds/`` (a door writes the model build requests it admitted; never ``P buildstate/``) and ``P modelops/``
+  (a door's traffic split or delete of a tenant's task, which the store checks and applies). Never
   ``P jobassign/``: a chunk's assignment there lets its site fetch the job's private variant from the variant
   store (:mod:`variant_store.job_grants`), so a site that could write it could grant itself any tenant's variant.
 - ``scheduler:<N>``: read everything under ``P``; write ``placement/``, ``events/``, ``election/``, ``jobs/`` and
   ``jobassign/`` (the leader's chunk assignments).
-- ``store:<N>`` (the variant store): read everything under ``P``; write ``catalog/``, ``cascades/``, ``models/``
-  (what it builds), ``services/`` (its announcement) and ``buildstate/`` (tenants' model builds it runs: a
-  site that could write there could mark a build done with results nobody measured).
+- ``store:<N>`` (the variant store): read everything under ``P``; write ``catalog/``, ``cascades/``,
+  ``pipelines/``, ``models/``
+  (what it builds), ``services/`` (its announcement), ``buildstate/`` (tenants' model builds it runs: a
+  site that could write there could mark a build done with results nobody measured), ``versions/`` (tenants'
+  active versions and splits) and ``modelops/`` (its answers to doors' requests).
 - ``admin:<N>`` (operators): read everything under ``P``; write ``topology/``, ``tenants/``, ``catalog/``,
-  ``cascades/``, ``models/``, ``pki/`` and ``services/``.
+  ``cascades/``, ``pipelines/``, ``models/``, ``pki/`` and ``services/``.
 - ``root_admins`` (the admin identities that apply this plan; at least one): etcd's ``root`` role, which
   user and role management, ``auth enable`` and compaction need.
 - ``crl_followers`` (any identity, usually etcd's own certificate ``etcd:etcd``): read ``P pki/crl``
@@ -56,12 +59,15 @@ from mesh.etcd.keys import (
     EVENTS_PLACEMENT,
     JOB_ASSIGN,
     JOBS,
+    MODEL_OPS,
     MODELS,
+    PIPELINES,
     PKI,
     PKI_CRL,
     PLACEMENT,
     SERVICES,
     TENANTS,
+    VERSIONS,
     live_key,
     site_cert_key,
 )
@@ -77,8 +83,8 @@ ROOT_USER = "root"  # etcd refuses `auth enable` unless a user named root with t
 CRL_FOLLOWER_ROLE = "tiermesh-crl-follower"
 Access = Literal["read", "write", "readwrite"]
 _PERM = {"read": rpc.Permission.READ, "write": rpc.Permission.WRITE, "readwrite": rpc.Permission.READWRITE}
-OPERATOR_WRITES = ("topology/", TENANTS, CATALOG, CASCADES, MODELS, PKI, SERVICES)
-STORE_WRITES = (CATALOG, CASCADES, MODELS, SERVICES, BUILD_STATE)
+OPERATOR_WRITES = ("topology/", TENANTS, CATALOG, CASCADES, PIPELINES, MODELS, PKI, SERVICES)
+STORE_WRITES = (CATALOG, CASCADES, PIPELINES, MODELS, SERVICES, BUILD_STATE, VERSIONS, MODEL_OPS)
 SCHEDULER_WRITES = (PLACEMENT, EVENTS_PLACEMENT.split("/")[0] + "/", ELECTION_SCHEDULER.split("/")[0] + "/", JOBS,
                     JOB_ASSIGN)
 
@@ -121,7 +127,8 @@ def site_role(prefix: str, site: Identity) -> tuple[str, tuple[Grant, ...]]:
                                             Grant(prefix + live_key(site.name), "write", False),
                                             Grant(prefix + site_cert_key(site.name), "write", False),
                                             Grant(prefix + JOBS, "write", True),
-                                            Grant(prefix + BUILDS, "write", True))
+                                            Grant(prefix + BUILDS, "write", True),
+                                            Grant(prefix + MODEL_OPS, "write", True))
 
 
 async def grant_site(store: Store, site: str) -> str:

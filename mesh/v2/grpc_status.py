@@ -11,6 +11,7 @@ transport reads back, with the code itself in the ``tiermesh-code`` trailer), be
     bad_model        INVALID_ARGUMENT (3)     an uploaded model a check refused (``reason`` says which)
     bad_cascade      FAILED_PRECONDITION (9)  no threshold reaches the target on the validation rows, as
                                               impossible_slo: well formed, refused by what the data says
+    bad_pipeline     INVALID_ARGUMENT (3)     a pipeline graph refused at registration (cycle, signature, ...)
     unknown_task     NOT_FOUND (5)            also another tenant's private task: the same answer
     catalog          NOT_FOUND (5)
     impossible_slo   FAILED_PRECONDITION (9)  the request is well formed; the mesh's state (no variant reaches the
@@ -44,6 +45,7 @@ CODE_TRAILER: Final = "tiermesh-code"  # the error's tiermesh code, beside its s
 RETRY_TRAILER: Final = "retry-after"  # quota_exceeded: when to come back, whole seconds (REST's Retry-After)
 STATUS_OF_CODE: Final[dict[str, int]] = {
     "bad_request": 3, "bad_tensor": 3, "protocol": 3, "bad_config": 3, "bad_topology": 3, "bad_model": 3,
+    "bad_pipeline": 3,
     "unknown_task": 5, "catalog": 5,
     "impossible_slo": 9, "bad_cascade": 9,
     "deadline": 4,

@@ -10,6 +10,8 @@
     remove       take a task, a family, one variant or one cascade out of the catalog
     cascade      calibrate a cascade of a task's variants and catalog it (tiermesh.cli.cascades)
     cascades     list catalogued cascades
+    pipeline     register (or --remove) a task made of other tasks (tiermesh.cli.pipelines)
+    pipelines    list catalogued pipelines
     serve        the blob + catalog HTTP service
 """
 
@@ -128,6 +130,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from tiermesh.cli.cascades import add_commands
 
     add_commands(vs, add_common, blob_root)
+    from tiermesh.cli.pipelines import add_commands as add_pipeline_commands
+
+    add_pipeline_commands(vs, add_common)
 
 
 async def _register(args: argparse.Namespace) -> int:
