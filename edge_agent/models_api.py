@@ -11,6 +11,8 @@ tracked work (``variant_store.tenant_builds``).
     GET  /v2/models/{task}/builds/{id}              state, stage, progress, each variant's accuracy, size and p50
                                                     latency per batch size per hardware class (the store's at first,
                                                     every class that profiled it once sites have), error and reason
+    GET|PUT|DELETE  /v2/models/{task}/versions, /v2/models/{task}/traffic, /v2/models/{task}: a task's versions,
+                                                    its traffic split, deleting it (``edge_agent.model_versions``)
     GET  /v2/models/{task}/builds/{id}?wait=S&since=R   the same as a long poll: answered once the build changed
                                                     after revision R (a status's ``revision``; default now), or after
                                                     S seconds (at most 60), or at once when it is finished
@@ -49,6 +51,7 @@ from aiohttp import BodyPartReader, web
 from core_scheduler.state.builds import BuildBook, BuildView
 from core_scheduler.state.view import MeshView
 from edge_agent.job_follow import since_of, wait_s_of
+from edge_agent.model_versions import ModelVersions
 from mesh.buildspec import BuildRequest, is_build_id, is_name, scan_validation
 from mesh.errors import (
     CatalogError,
@@ -100,6 +103,8 @@ class ModelsApi:
         self.waits_per_tenant = waits_per_tenant
         self._waiting: dict[str, int] = {}
         self._closing = asyncio.Event()
+        # a task's versions, traffic split and delete (issue 34 item 3)
+        self.versions = ModelVersions(builds.store, self._tenant)
 
     async def close(self) -> None:
         """End the long polls now (the door is stopping)."""
@@ -108,7 +113,7 @@ class ModelsApi:
     def routes(self) -> list[Route]:
         return [("POST", "/v2/models/{task}/versions", self.register),
                 ("GET", "/v2/models/{task}/builds", self.list_task), ("GET", "/v2/builds", self.list_all),
-                ("GET", "/v2/models/{task}/builds/{build}", self.show)]
+                ("GET", "/v2/models/{task}/builds/{build}", self.show), *self.versions.routes()]
 
     # -- admission --------------------------------------------------------------------------------------------
     def _tenant(self, request: web.Request) -> str:

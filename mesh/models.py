@@ -21,6 +21,7 @@ after ``poll_s`` seconds), passing back the etcd revision of the status it last 
 from __future__ import annotations
 
 import io
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,24 @@ class AsyncModels(EdgeApi):
                                      )["builds"]
         return out
 
+    # versions (issue 34 item 3: edge_agent.model_versions) ---------------------------------------------------
+    async def versions(self, task: str) -> dict[str, Any]:
+        """The task's versions: each one's family, state, accuracy and traffic share; the active one."""
+        out: dict[str, Any] = await self._call("GET", f"/v2/models/{task}/versions")
+        return out
+
+    async def traffic(self, task: str, weights: dict[int | str, float]) -> dict[str, Any]:
+        """Split the task's traffic by weight between its versions (``{2: 0.1, 1: 0.9}``); one version alone makes it
+        the active one. The versions as they are after it."""
+        body = json.dumps({str(v): float(w) for v, w in weights.items()}).encode()
+        out: dict[str, Any] = await self._call("PUT", f"/v2/models/{task}/traffic", data=body)
+        return out
+
+    async def delete(self, task: str) -> dict[str, Any]:
+        """Delete the caller's task everywhere and collect its blobs: what was removed."""
+        out: dict[str, Any] = await self._call("DELETE", f"/v2/models/{task}")
+        return out
+
     async def wait(self, task: str, build_id: str, *, poll_s: float = 30.0, timeout: float | None = None,  # noqa: ASYNC109
                    progress: Progress | None = None) -> dict[str, Any]:
         """Follow the build until it is done (its status); ``MeshError`` when it failed, ``DeadlineExceeded`` after
@@ -163,3 +182,12 @@ class Models(SyncEdgeApi):
 
     def list(self, task: str | None = None) -> list[dict[str, Any]]:
         return self._run(self._async.list(task))
+
+    def versions(self, task: str) -> dict[str, Any]:
+        return self._run(self._async.versions(task))
+
+    def traffic(self, task: str, weights: dict[int | str, float]) -> dict[str, Any]:
+        return self._run(self._async.traffic(task, weights))
+
+    def delete(self, task: str) -> dict[str, Any]:
+        return self._run(self._async.delete(task))

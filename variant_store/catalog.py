@@ -62,6 +62,7 @@ class RegisteredModel:
     role: str = "model"       # "model" | "backbone" | "head"
     base_digest: str | None = None  # for a head: the blob of the backbone whose features it eats
     schema: int = SCHEMA_VERSION
+    version: int = 1          # which registration of its task it is (variant_store.versions)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -77,13 +78,15 @@ class RegisteredModel:
         for name, value in data.items():
             if name not in known:
                 continue
-            want = int if name == "schema" else str
+            want = int if name in ("schema", "version") else str
             if not (isinstance(value, want) and not isinstance(value, bool)) and not (
                     name == "base_digest" and value is None):
                 raise ValueError(f"a registered model's {name} is a {want.__name__}")
             if isinstance(value, str) and len(value) > 4096:
                 raise ValueError(f"a registered model's {name} is at most 4096 characters")
             out[name] = value
+        if not 1 <= out.get("version", 1) <= 2**31:
+            raise ValueError("a registered model's version is in [1, 2**31]")
         missing = [n for n in ("task", "family", "parent_digest", "validation_digest") if n not in out]
         if missing:
             raise ValueError(f"a registered model needs {missing}")

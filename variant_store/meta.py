@@ -78,6 +78,11 @@ class VariantMeta:
     owner: str = PUBLIC              # PUBLIC or a tenant name
     profiles: dict[str, Profile] = field(default_factory=dict)
     schema: int = SCHEMA_VERSION
+    # issue 34 item 3 (variant_store.versions): which registration of its task made it (1, 2, ...), and the share
+    # of the task's traffic its version draws (mirrored from versions/<task> so routing needs no other watch):
+    # 0 while its version builds or retires, 1 when it alone is active
+    version: int = 1
+    share: float = 1.0
 
     def names(self, digest: str) -> bool:
         """Whether this variant is built on blob ``digest`` (its own model bytes or its shared backbone)."""
@@ -187,4 +192,5 @@ _FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "size_bytes": _count, "accuracy": lambda v, n: _number(v, n, 1.0),
     "batch_sizes": _list(lambda v, n: _count(v, n, lo=1)), "inputs": _list(_tensor), "outputs": _list(_tensor),
     "schema": lambda v, n: _count(v, n, lo=1),
+    "version": lambda v, n: _count(v, n, lo=1), "share": lambda v, n: _number(v, n, 1.0),
 }

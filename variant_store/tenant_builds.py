@@ -62,6 +62,7 @@ from variant_store.data_area import DataArea
 from variant_store.meta import PUBLIC, VariantMeta
 from variant_store.model_check import ModelLimits
 from variant_store.sandbox import SandboxLimits
+from variant_store.version_keeper import VersionKeeper
 
 __all__ = ["BuildOptions", "TenantBuilder"]
 
@@ -81,6 +82,7 @@ class BuildOptions:
     max_validation_bytes: int = 256 << 20
     poll_s: float = 1.0
     stale_s: float = 600.0
+    retire_grace_s: float = 60.0  # an old version leaves the catalog this long after traffic moved off it
 
 
 class _Lost(Exception):
@@ -131,14 +133,34 @@ class TenantBuilder(Service):
         self.worker = f"{name}:{uuid.uuid4().hex[:8]}"
         self.builds_run = 0
         self._task: asyncio.Task[None] | None = None
+        self._versions_task: asyncio.Task[None] | None = None
         self._reported: set[str] = set()  # unreadable keys already logged
+        # versions of tenants' tasks (issue 34 item 3): its own loop, so a long build never holds up a door's
+        # traffic split or delete, nor a retirement
+        self.versions = VersionKeeper(catalog, blobs, grace_s=self.options.retire_grace_s)
 
     async def _start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop(), name="tenant-builds")
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._loop(), name="tenant-builds")
+        self._versions_task = loop.create_task(self._versions_loop(), name="tenant-versions")
 
     async def _stop(self) -> None:
         task, self._task = self._task, None
+        versions, self._versions_task = self._versions_task, None
         await cancel_and_wait(task)
+        await cancel_and_wait(versions)
+
+    async def _versions_loop(self) -> None:
+        backoff = Backoff(self.options.poll_s, 30.0)
+        while True:
+            try:
+                await self.versions.run_ops()
+                await self.versions.retire_due()
+                backoff.reset()
+                await asyncio.sleep(min(self.options.poll_s, 0.5))
+            except Exception:  # the loop never dies: log, back off, go on
+                log.exception("tenant versions round failed", extra=kv(event="versions_round_failed"))
+                await asyncio.sleep(backoff.next())
 
     async def _loop(self) -> None:
         backoff = Backoff(self.options.poll_s, 30.0)
@@ -265,34 +287,44 @@ class TenantBuilder(Service):
             await self.catalog.get_model(req.task, req.family)
             raise _Failed("family_used", f"family {req.family!r} is already registered for task {req.task!r}: "
                           f"register the model under a new family name")
+        stamped = await self.versions.begin(req.tenant, req.task, req.family)  # version N+1, share 0 while N serves
         try:
-            await register_model(self.catalog, self.blobs, model_path, val_path, req.task, req.family,
-                                 owner=req.tenant, limits=opts.model_limits)
-        except ModelRejected as exc:
-            raise _Failed(str(exc.details.get("reason") or "bad_model"), str(exc)) from exc
-        except CatalogError as exc:
-            used = "family" in str(exc) and ("holds" in str(exc) or "used" in str(exc) or "registered" in str(exc))
-            raise _Failed("family_used" if used else "catalog", str(exc)) from exc
-        except VariantBuildError as exc:
-            raise _Failed("bad_validation", str(exc)) from exc
-        try:
-            await record.write(stage="building", progress=0.3)
-            report = await build_task(self.catalog, self.blobs, req.task, families=[req.family],
-                                      kinds=list(opts.kinds) if opts.kinds is not None else None, progress=False,
-                                      repeats=opts.repeats, batch_sizes=opts.batch_sizes, sandbox=opts.sandbox)
-            skipped = tuple((s.kind, s.reason[:1000]) for s in report.skipped)
-            if not report.built:
-                sandbox = any(k == "*" for k, _ in skipped)
-                raise _Failed("sandbox" if sandbox else "no_variant",
-                              "; ".join(f"{k}: {r}" for k, r in skipped)[:3000] or "no variant could be built")
-            await record.write(state="done", stage="done", progress=1.0, variants=_results(report.built),
-                               skipped=skipped)
+            try:
+                await register_model(stamped, self.blobs, model_path, val_path, req.task, req.family,
+                                     owner=req.tenant, limits=opts.model_limits)
+            except ModelRejected as exc:
+                raise _Failed(str(exc.details.get("reason") or "bad_model"), str(exc)) from exc
+            except CatalogError as exc:
+                used = "family" in str(exc) and ("holds" in str(exc) or "used" in str(exc) or
+                                                 "registered" in str(exc))
+                raise _Failed("family_used" if used else "catalog", str(exc)) from exc
+            except VariantBuildError as exc:
+                raise _Failed("bad_validation", str(exc)) from exc
+            try:
+                await record.write(stage="building", progress=0.3)
+                report = await build_task(stamped, self.blobs, req.task, families=[req.family],
+                                          kinds=list(opts.kinds) if opts.kinds is not None else None, progress=False,
+                                          repeats=opts.repeats, batch_sizes=opts.batch_sizes, sandbox=opts.sandbox)
+                skipped = tuple((s.kind, s.reason[:1000]) for s in report.skipped)
+                if not report.built:
+                    sandbox = any(k == "*" for k, _ in skipped)
+                    raise _Failed("sandbox" if sandbox else "no_variant",
+                                  "; ".join(f"{k}: {r}" for k, r in skipped)[:3000] or "no variant could be built")
+                await record.write(state="done", stage="done", progress=1.0, variants=_results(report.built),
+                                   skipped=skipped)
+            except BaseException:
+                with contextlib.suppress(Exception):  # the family is free again for the next try
+                    await self._unregister(req, task_was_new)
+                raise
         except BaseException:
-            with contextlib.suppress(Exception):  # the family is free again for the next try
-                await self._unregister(req, task_was_new)
+            with contextlib.suppress(Exception):  # version N stays active
+                await self.versions.failed(req.task, stamped.version)
             raise
-        log.info("build %s done: %d variants of %s/%s for %s", req.build_id, len(report.built), req.task, req.family,
-                 req.tenant, extra=kv(event="build_done", tenant=req.tenant, task=req.task, build=req.build_id))
+        # traffic moves to it when it meets the task's accuracy (variant_store.version_keeper)
+        await self.versions.finish(req.task, stamped.version, report.built)
+        log.info("build %s done: %d variants of %s/%s for %s (version %d)", req.build_id, len(report.built), req.task,
+                 req.family, req.tenant, stamped.version,
+                 extra=kv(event="build_done", tenant=req.tenant, task=req.task, build=req.build_id))
 
     async def _unregister(self, req: BuildRequest, task_was_new: bool) -> None:
         await apply_removal(self.catalog, await plan_removal(self.catalog, req.task, family=req.family))

@@ -54,6 +54,7 @@ Reason codes (``Decision.reason``):
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 
@@ -68,6 +69,7 @@ from core_scheduler.policy.routing_candidates import (
 )
 from core_scheduler.policy.routing_cascade import CascadeEntry, CascadePlan, cascade_entries, plan_for
 from core_scheduler.policy.snapshot import MeshSnapshot
+from core_scheduler.policy.versions import VersionTables, pick_version, version_tables
 from mesh.errors import ConfigError, DeadlineExceeded, ImpossibleSLO, MeshError, NoRoute, Overloaded, UnknownTask
 from mesh.types import DEFAULT_PREFER, DEFAULT_TENANT, SLO, Prefer
 from variant_store.cascade_meta import CascadeMeta
@@ -92,6 +94,7 @@ class Query:
     # the whole budget the caller asked for (the SLO's latency_ms), by which an SLO is judged impossible;
     # None: ``budget_ms`` (a query that has lost none of it)
     slo_ms: float | None = None
+    version: int | None = None  # a pinned version of the task (issue 34 item 3); None: drawn by the split
 
     @classmethod
     def from_slo(cls, task: str, tenant: str, slo: SLO, remaining_ms: float, nbytes: int = 0,
@@ -132,19 +135,24 @@ class CascadeDecision(Decision):
 class RoutingTable:
     """Routing decisions at site ``here`` over one snapshot. Cheap to query, rebuilt on change."""
 
-    __slots__ = ("_cascades", "_site_pos", "_tasks", "here", "version")
+    __slots__ = ("_cascades", "_rng", "_site_pos", "_tasks", "_versions", "here", "version")
 
     def __init__(self, here: str, version: int, tasks: Mapping[str, TaskTable],
-                 site_pos: Mapping[str, int], cascades: Mapping[str, tuple[CascadeEntry, ...]] | None = None) -> None:
+                 site_pos: Mapping[str, int], cascades: Mapping[str, tuple[CascadeEntry, ...]] | None = None,
+                 versions: VersionTables | None = None,
+                 seed: int | None = None) -> None:
         self.here = here
         self.version = version
         self._tasks = dict(tasks)
         self._site_pos = dict(site_pos)
         self._cascades = {task: c for task, c in (cascades or {}).items() if c and task in self._tasks}
+        # task -> (each version's share, its candidates alone): only tasks with more than one version catalogued
+        self._versions = dict(versions or {})
+        self._rng = random.Random(seed)
 
     @classmethod
-    def build(cls, snap: MeshSnapshot, here: str, cascades: Mapping[str, Mapping[str, CascadeMeta]] | None = None
-              ) -> RoutingTable:
+    def build(cls, snap: MeshSnapshot, here: str, cascades: Mapping[str, Mapping[str, CascadeMeta]] | None = None,
+              seed: int | None = None) -> RoutingTable:
         """``cascades``: task -> cascade id -> catalog entry; None: the snapshot's (its ``cascades`` field, read
         with getattr until the store's half of issue 33 adds it to ``MeshSnapshot``)."""
         if here not in snap.site_index:
@@ -154,7 +162,7 @@ class RoutingTable:
         found = snap.cascades if cascades is None else cascades
         entries = {task: cascade_entries(by_id, tasks[task].arr.variant_id)
                    for task, by_id in (found or {}).items() if task in tasks}
-        return cls(here, snap.version, tasks, snap.site_index, entries)
+        return cls(here, snap.version, tasks, snap.site_index, entries, version_tables(snap, here, tasks), seed)
 
     def tasks(self) -> tuple[str, ...]:
         return tuple(sorted(self._tasks))
@@ -169,9 +177,21 @@ class RoutingTable:
         return t
 
     def decide(self, q: Query) -> Decision:
+        if (self._versions or q.version is not None) and (q.task in self._versions or q.version is not None):
+            return self._decide_version(q)
         if self._cascades and q.task in self._cascades:
             return self._decide_cascades(q, self._cascades[q.task])
         return self._decide_plain(q)
+
+    def _decide_version(self, q: Query) -> Decision:
+        """``decide()`` among the candidates of one version of the task: the pinned one, else one drawn by share
+        (``core_scheduler.policy.versions``). A task with one version (1) answers a pin of 1 as it always did."""
+        t = self._table(q.task)
+        if not t.tenant_access(q.tenant)[1]:  # another tenant's task: unknown, whatever the pin
+            return self._decide_plain(q)
+        shares, tables = self._versions.get(q.task) or ({1: 1.0}, {1: t})
+        pick = pick_version(q.task, shares, q.version, self._rng.random())
+        return self._decide_plain(q, tables[pick])
 
     def _decide_cascades(self, q: Query, entries: tuple[CascadeEntry, ...]) -> Decision:
         """``decide()`` for a task with cascades: the cheapest feasible of the plain decision and the task's
@@ -197,8 +217,8 @@ class RoutingTable:
         return CascadeDecision(plan.sites[0], plan.variants[0], "cascade", plan.expected_ms, plan.cost,
                                plan.accuracy, False, count, False, plan)
 
-    def _decide_plain(self, q: Query) -> Decision:
-        t = self._tasks.get(q.task)
+    def _decide_plain(self, q: Query, table: TaskTable | None = None) -> Decision:
+        t = table if table is not None else self._tasks.get(q.task)
         if t is None:
             raise UnknownTask(f"no variant of task {q.task!r} is registered", task=q.task)
         # a cached masked base implies the tenant was visible when it was made, and visibility

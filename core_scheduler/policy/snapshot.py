@@ -100,6 +100,10 @@ class VariantInfo:
     base_bytes: int = 0
     # hardware classes whose timings above are estimates (:func:`with_estimates`), not measurements
     estimated: frozenset[str] = frozenset()
+    # the registration of its task it belongs to, and the share of the task's traffic that version draws
+    # (VariantMeta's, issue 34 item 3: routing's version filter, core_scheduler.policy.versions)
+    version: int = 1
+    share: float = 1.0
 
     def usable_by(self, tenant: str) -> bool:
         return self.owner == "public" or self.owner == tenant
@@ -146,7 +150,8 @@ class VariantInfo:
                    precision=meta.precision, compute_ms=compute, load_ms=loads,
                    memory_bytes=max(peak, meta.size_bytes) + (base_bytes if meta.shared_base_digest else 0),
                    max_batch=max(meta.batch_sizes or [1]), base=base,
-                   base_bytes=base_bytes if meta.shared_base_digest else 0)
+                   base_bytes=base_bytes if meta.shared_base_digest else 0,
+                   version=meta.version, share=meta.share)
 
 
 @dataclass(frozen=True, slots=True)

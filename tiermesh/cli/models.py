@@ -4,6 +4,9 @@ certificate (the SDK's ``mesh.models``; the edge's ``edge_agent.models_api``).
     tiermesh models register --edge URL --tenant acme my-digits logreg model.onnx val.npz --wait
     tiermesh models builds   --edge URL --tenant acme [TASK]
     tiermesh models show     --edge URL --tenant acme BUILD_ID [--task TASK] [--follow]
+    tiermesh models versions --edge URL --tenant acme TASK
+    tiermesh models traffic  --edge URL --tenant acme TASK 2=0.1 1=0.9
+    tiermesh models delete   --edge URL --tenant acme TASK
 
 An https:// edge takes ``--cert/--key/--ca`` (the tenant's certificate names the tenant); ``--tenant`` is for an
 ``--insecure`` one. ``val.npz`` holds ``x`` (one row per example) and ``y`` (integer labels). ``--wait`` and
@@ -49,6 +52,19 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     s.add_argument("--task", default=None, help="the build's task (default: looked up in your builds)")
     s.add_argument("--follow", action="store_true", help="follow it until it ends")
     s.set_defaults(func=_show)
+    v = msub.add_parser("versions", help="a task's versions, the active one and the traffic split")
+    add_edge_options(v)
+    v.add_argument("task")
+    v.set_defaults(func=_versions)
+    t = msub.add_parser("traffic", help="split a task's traffic between versions by weight (one: make it active)")
+    add_edge_options(t)
+    t.add_argument("task")
+    t.add_argument("weights", nargs="+", metavar="VERSION=WEIGHT")
+    t.set_defaults(func=_traffic)
+    d = msub.add_parser("delete", help="delete a task everywhere and collect its blobs")
+    add_edge_options(d)
+    d.add_argument("task")
+    d.set_defaults(func=_delete)
 
 
 def _models(args: argparse.Namespace) -> AsyncModels:
@@ -101,4 +117,34 @@ async def _show(args: argparse.Namespace) -> int:
         if args.follow:
             return await _follow(models, task, args.build_id)
         _print(await models.show(task, args.build_id))
+    return 0
+
+
+async def _versions(args: argparse.Namespace) -> int:
+    async with _models(args) as models:
+        _print(await models.versions(args.task))
+    return 0
+
+
+def _weights(items: list[str]) -> dict[int | str, float]:
+    out: dict[int | str, float] = {}
+    for item in items:
+        version, _, weight = item.partition("=")
+        try:
+            out[int(version)] = float(weight)
+        except ValueError as exc:
+            raise ConfigError(f"a weight is VERSION=WEIGHT (e.g. 2=0.1), not {item!r}") from exc
+    return out
+
+
+async def _traffic(args: argparse.Namespace) -> int:
+    weights = _weights(args.weights)
+    async with _models(args) as models:
+        _print(await models.traffic(args.task, weights))
+    return 0
+
+
+async def _delete(args: argparse.Namespace) -> int:
+    async with _models(args) as models:
+        _print(await models.delete(args.task))
     return 0
