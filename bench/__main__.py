@@ -57,6 +57,7 @@ _TABLE: dict[str, tuple[str, str]] = {
     "shared_backbone": ("bench.shared_backbone", "run_shared_backbone"),
     "control_plane": ("bench.control_plane", "run_control_plane"),
     "cap_stalls": ("bench.cap_stalls", "run_cap_stalls"), "offline": ("bench.offline", "run_offline"),
+    "cascade": ("bench.cascade", "run_cascade"),
 }
 
 
@@ -69,7 +70,7 @@ def _scenario(name: str) -> Callable[[RunContext], Awaitable[Path]]:
 
 
 SCENARIOS = ("mesh_hop", "http_api", "grpc_api", "sdk_local", "decision", "batching", "geo", "geo_hetero",
-             "coldstart", "footprint", "shared_backbone", "control_plane", "gpu_routing", "offline")
+             "coldstart", "footprint", "shared_backbone", "control_plane", "gpu_routing", "offline", "cascade")
 # Run only when named (--only gpu_profile): they need a CUDA GPU, which most hosts lack.
 GPU_SCENARIOS = ("gpu_profile", "gpu_geo")
 # Run only when named too: it needs a writable cgroup cpu controller (root), and measures the machine, not tiermesh.
