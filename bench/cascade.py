@@ -73,8 +73,7 @@ from variant_store.cascade import split_rows
 from variant_store.cascade_meta import CascadeMeta
 from variant_store.catalog import Catalog
 
-__all__ = ["ARMS", "CASCADES", "DIGITS", "EDGES", "LARGE", "LARGE_AGAIN", "TEXT", "Event", "Outcome", "arm_row",
-           "make_events", "replay", "run", "run_cascade", "targets"]
+__all__ = ["replay", "run", "run_cascade"]
 
 MAX_INFLIGHT = 32
 
