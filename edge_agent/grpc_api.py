@@ -81,7 +81,7 @@ from mesh.v2.grpc_codec import (
     model_statistics,
 )
 from mesh.v2.grpc_status import status_of
-from mesh.v2.params import parse_slo, response_parameters
+from mesh.v2.params import parse_slo, parse_version, response_parameters
 
 if TYPE_CHECKING:
     from edge_agent.metrics import AgentMetrics
@@ -261,6 +261,7 @@ class GrpcFront:
             if stream.deadline is not None:  # the caller's gRPC deadline, if shorter, is the query's
                 req.deadline = min(req.deadline, clock.monotonic() + stream.deadline.time_remaining())
             req.traceparent = traced
+            req.version = parse_version(params)
             resp = await self.dp.infer(req)
             outputs = resp.outputs
             if dec.outputs is not None:

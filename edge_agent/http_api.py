@@ -69,7 +69,7 @@ from mesh.types import DEFAULT_TENANT, InferRequest, TaskSignature
 from mesh.v2 import codec as codec
 from mesh.v2.body import HEADER_LENGTH, TENANT_HEADER, tenant_claim
 from mesh.v2.classify import classify
-from mesh.v2.params import parse_slo, response_parameters, signature_to_metadata
+from mesh.v2.params import parse_slo, parse_version, response_parameters, signature_to_metadata
 
 if TYPE_CHECKING:  # mutual TLS (cryptography) is loaded only by an agent that serves it
     from edge_agent.mtls import EdgeTls
@@ -281,6 +281,7 @@ class _Handlers:
                 raise EdgeStalled(f"request {req.request_id}: this edge ({self.dp.site}) was stopped while the "
                                   "query waited at its door; not run")
             req.traceparent = traced
+            req.version = parse_version(params)
             rid = req.request_id
             resp = await self.dp.infer(req)
             outputs = resp.outputs

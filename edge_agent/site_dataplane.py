@@ -327,7 +327,7 @@ class SiteDataPlane:
                 break
             down = self.unreachable
             query = Query.from_slo(req.task, req.tenant, req.slo, remaining, nbytes,
-                                   frozenset(excluded | down) if down else frozenset(excluded), rows)
+                                   frozenset(excluded | down) if down else frozenset(excluded), rows, req.version)
             decision = table.decide(query)
             if decision.best_effort and not attempt:
                 # nothing could meet the SLO: served late rather than not at all (edge_agent.paths);

@@ -250,11 +250,11 @@ class AsyncClient:
     async def infer(self, task: str, inputs: Inputs, *, latency_ms: float, min_accuracy: float = 0.0,
                     max_cost: float | None = None, prefer: str = DEFAULT_PREFER, request_id: str | None = None,
                     trace: bool = False, timeout: float | None = None,  # noqa: ASYNC109 (this call's bound)
-                    headers: Mapping[str, str] | None = None) -> InferResult:
+                    headers: Mapping[str, str] | None = None, version: int | None = None) -> InferResult:
         """Run ``task`` on ``inputs`` within the SLO. A bare array feeds the task's single input.
         ``trace``: ask the mesh to record its decisions for this query (``InferResult.trace_id``).
         ``timeout``: this call's longest wait (default the client's); ``headers``: HTTP headers of this call (a
-        ``traceparent``, say), none of the SDK's own (``RequestError``)."""
+        ``traceparent``, say), none of the SDK's own (``RequestError``); ``version``: pin a version of your task."""
         if self._state is not _State.OPEN:
             self._open()
         started = time.monotonic()
@@ -280,7 +280,7 @@ class AsyncClient:
         if shape_key and request_id is None and self.binary:
             # types are part of the key: 20 == 20.0 but they are written differently
             key = (task, shape_key, latency_ms, type(latency_ms), min_accuracy, type(min_accuracy), max_cost,
-                   type(max_cost), prefer, self._tenant, trace)
+                   type(max_cost), prefer, self._tenant, trace, version)
             try:
                 plan = self._plans.get(key)
             except TypeError:  # an unhashable argument: encode it in full, let the edge judge it
@@ -292,7 +292,7 @@ class AsyncClient:
             body = b"".join([plan.header, *wire.tensor_data(tensors)])
         elif plan is None:
             plan, body = self._plan(key, task, tensors, latency_ms, min_accuracy, max_cost, prefer, request_id,
-                                    trace)
+                                    trace, version)
         sent = plan.headers
         if drawn:
             assert rid is not None
@@ -308,7 +308,7 @@ class AsyncClient:
         try:
             if self._book is not None:
                 i, (status, rh, rb) = await self._failover(task, tensors, plan.path, body, sent, left, latency_ms,
-                                                           (min_accuracy, max_cost, prefer, rid, trace, extra),
+                                                           (min_accuracy, max_cost, prefer, rid, trace, extra, version),
                                                            started)
             elif left <= 0:
                 raise TimeoutError
@@ -339,13 +339,13 @@ class AsyncClient:
         """The query asked of the edges in turn (``mesh.failover.first_answer``): the first attempt sends ``body``,
         a retry is encoded again with the same id and only what is left of the budget."""
         assert self._book is not None
-        min_accuracy, max_cost, prefer, rid, trace, extra = rest
+        min_accuracy, max_cost, prefer, rid, trace, extra, version = rest
 
         async def attempt(i: int, wait: float, n: int) -> tuple[int, Response]:
             b, h = body, headers
             if n:  # told only what is left of the budget
                 plan, b = self._plan((), task, tensors, retry_budget_ms(latency_ms, time.monotonic() - started),
-                                     min_accuracy, max_cost, prefer, rid, trace)
+                                     min_accuracy, max_cost, prefer, rid, trace, version)
                 h = {**plan.headers, **extra} if extra else plan.headers
             status, rh, rb = await self._attempt(i, "POST", path, h, b, wait)
             if status == EdgeStalled.http_status and (err := error_from_reply(status, rb)).code == EdgeStalled.code:
@@ -357,13 +357,15 @@ class AsyncClient:
 
     def _plan(self, key: tuple[Any, ...], task: str, tensors: dict[str, Any], latency_ms: float,
               min_accuracy: float, max_cost: float | None, prefer: str,
-              request_id: str | None, trace: bool = False) -> tuple[wire.Plan, bytes]:
+              request_id: str | None, trace: bool = False, version: int | None = None) -> tuple[wire.Plan, bytes]:
         """Encode a request in full; keep its plan for the next one with the same ``key``."""
         params: dict[str, Any] = {"latency_ms": latency_ms, "min_accuracy": min_accuracy, "prefer": prefer}
         if max_cost is not None:
             params["max_cost"] = max_cost
         if trace:
             params["trace"] = True
+        if version is not None:
+            params["version"] = version
         plan, body = wire.encode_plan(task, tensors, params, request_id, self.binary, self._tenant_headers)
         if request_id is None and plan.header and key:
             self._plans.put(key, plan)
@@ -408,10 +410,10 @@ class Client:
     def infer(self, task: str, inputs: Inputs, *, latency_ms: float, min_accuracy: float = 0.0,
               max_cost: float | None = None, prefer: str = DEFAULT_PREFER, request_id: str | None = None,
               trace: bool = False, timeout: float | None = None,
-              headers: Mapping[str, str] | None = None) -> InferResult:
+              headers: Mapping[str, str] | None = None, version: int | None = None) -> InferResult:
         return self._runner.call(self._async.infer(
             task, inputs, latency_ms=latency_ms, min_accuracy=min_accuracy, max_cost=max_cost, prefer=prefer,
-            request_id=request_id, trace=trace, timeout=timeout, headers=headers))
+            request_id=request_id, trace=trace, timeout=timeout, headers=headers, version=version))
 
     def task_metadata(self, task: str, *, timeout: float | None = None,
                       headers: Mapping[str, str] | None = None) -> TaskSignature:

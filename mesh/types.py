@@ -336,6 +336,9 @@ class InferRequest:
     sent_at: float = 0.0
     # W3C traceparent of a traced query (``mesh.tracecontext``); None: not traced (the common case)
     traceparent: str | None = None
+    # the version of a tenant's task the caller pinned (``parameters.version``; issue 34): routed at the door only,
+    # which names the variant it forwards to, so it never travels on the wire
+    version: int | None = None
 
     @classmethod
     def entering(cls, task: str, inputs: dict[str, np.ndarray], slo: SLO, tenant: str = DEFAULT_TENANT,

@@ -98,12 +98,12 @@ class Query:
 
     @classmethod
     def from_slo(cls, task: str, tenant: str, slo: SLO, remaining_ms: float, nbytes: int = 0,
-                 exclude_sites: frozenset[str] = frozenset(), rows: int = 1) -> Query:
+                 exclude_sites: frozenset[str] = frozenset(), rows: int = 1, version: int | None = None) -> Query:
         """The query a hop routes for a request with ``slo`` and ``remaining_ms`` of its budget
         left: the one way the data plane builds a ``Query``."""
         return cls(task=task, tenant=tenant, budget_ms=remaining_ms, min_accuracy=slo.min_accuracy,
                    max_cost=slo.max_cost, prefer=slo.prefer, nbytes=nbytes, exclude_sites=exclude_sites,
-                   rows=rows, slo_ms=slo.latency_ms)
+                   rows=rows, slo_ms=slo.latency_ms, version=version)
 
     @property
     def full_ms(self) -> float:

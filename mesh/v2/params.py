@@ -24,6 +24,7 @@ __all__ = [
     "cascade_stages",
     "metadata_to_signature",
     "parse_slo",
+    "parse_version",
     "response_parameters",
     "result_fields",
     "result_values",
@@ -42,6 +43,22 @@ def parse_slo(params: Mapping[str, Any]) -> SLO:
     get = params.get
     return SLO.parse(get("latency_ms", DEFAULT_LATENCY_MS), get("min_accuracy", 0.0), get("max_cost"),
                      get("prefer", DEFAULT_PREFER))
+
+
+MAX_VERSION = 1_000_000
+
+
+def parse_version(params: Mapping[str, Any]) -> int | None:
+    """The version of the caller's task pinned in request ``parameters`` (``version``: a whole number from 1), or
+    None; ``RequestError`` for anything else (a boolean, a fraction, text that is not a number)."""
+    v = params.get("version")
+    if v is None:
+        return None
+    if isinstance(v, str) and v.isascii() and v.isdecimal() and len(v) <= 7:
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_VERSION:
+        raise RequestError(f"parameter version must be a whole number in [1, {MAX_VERSION}], got {str(v)[:40]!r}")
+    return v
 
 
 # ---------------------------------------------------------------------------- responses

@@ -154,6 +154,13 @@ async def test_versions_move_split_and_delete(store: Store, etcd_server: Embedde
                 states = {v["version"]: v["state"] for v in got["versions"]}
                 assert got["active"] == 2 and states == {1: "retiring", 2: "active"}, got
                 assert {m.version: m.share for m in await catalog.list_variants(TASK)} == {1: 0.0, 2: 1.0}
+                # a caller may pin a version while it is catalogued: version 1 answers it, share 0 or not
+                for pinned, family in ((1, "acme-few."), (2, "acme-all.")):
+                    for _ in range(5):
+                        res = await client.infer(TASK, x[:4], latency_ms=3000.0, timeout=15.0, version=pinned)
+                        assert str(res.variant).startswith(family), (pinned, res.variant)
+                with pytest.raises(RequestError, match="version"):
+                    await client.infer(TASK, x[:4], latency_ms=3000.0, timeout=15.0, version=0)
 
                 # a 50/50 split: both versions answer (retirement waits while the split names version 1)
                 got = await acme.traffic(TASK, {1: 1, 2: 1})

@@ -189,3 +189,20 @@ def test_a_peer_cannot_send_a_bad_slo(bad: dict[str, Any]) -> None:
         fast.decode_request(frames)
     with pytest.raises(ProtocolError, match="slo"):
         checked.check_request(checked.unpack_header(frames[0]), frames, MAX, now=0.0)
+
+
+@pytest.mark.parametrize(("raw", "want"), [({}, None), ({"version": 2}, 2), ({"version": "3"}, 3),
+                                           ({"version": 1_000_000}, 1_000_000)])
+def test_a_pinned_version_is_read_from_the_parameters(raw: dict[str, object], want: int | None) -> None:
+    from mesh.v2.params import parse_version
+
+    assert parse_version(raw) == want
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 1.5, "two", "", "1e3", 1_000_001, [1], "٣"])
+def test_a_bad_version_is_refused_saying_so(bad: object) -> None:
+    from mesh.errors import RequestError
+    from mesh.v2.params import parse_version
+
+    with pytest.raises(RequestError, match="version"):
+        parse_version({"version": bad})
