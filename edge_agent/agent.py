@@ -30,6 +30,7 @@ from edge_agent.agent_trust import AgentTrust
 from edge_agent.blobs import PeerSource, blob_routes, peer_sources, public_blob
 from edge_agent.chunks import ChunkWorker
 from edge_agent.demand import DemandMeter
+from edge_agent.device_memory import DeviceBudget, FixedDeviceMemory, detect_device_memory
 from edge_agent.grpc_api import EdgeGrpcServer
 from edge_agent.host import VariantHost
 from edge_agent.http_api import EdgeHttpServer, identify
@@ -139,8 +140,13 @@ class Agent(AgentTrust, Service):
                   else int(me.hardware.memory_mb * 1024 * 1024 * cfg.model_memory_fraction))
         cache = cfg.home / "sites" / self.site / "blobs"
         cache.mkdir(parents=True, exist_ok=True)
+        source = (FixedDeviceMemory(cfg.device_memory_mb << 20) if cfg.device_memory_mb is not None
+                  else detect_device_memory())
+        device = DeviceBudget.for_site((g.memory_mb for g in me.hardware.gpus), source, cfg.device_memory_fraction)
+        log.info("device memory budget: %s", device.describe(), extra=kv(site=self.site, event="device_budget"))
         self.host = VariantHost(self.site, cache, hardware_class=self.hardware_class,
-                                memory_budget_bytes=budget, threads=min(2, me.hardware.cpu_cores), settle_heap=True)
+                                memory_budget_bytes=budget, threads=min(2, me.hardware.cpu_cores), settle_heap=True,
+                                device_budget_bytes=device.budget_bytes)
         metrics = self.metrics
         self.host.on_load = lambda vid, prewarm: metrics.cold_start(vid, prewarm=prewarm)
         self.host.on_batch = metrics.batch_ran
@@ -336,7 +342,9 @@ class Agent(AgentTrust, Service):
         down = dp.unreachable if dp is not None else frozenset()
         peers = {s: s not in down for s in view.live if s != self.site} if view is not None else {}
         return Gauges(loaded=loaded, peers=peers, etcd_connected=bool(view and view.connected),
-                      inflight=dp.inflight if dp is not None else 0)
+                      inflight=dp.inflight if dp is not None else 0,
+                      device_used_bytes=host.device_used_bytes if host is not None else 0,
+                      device_budget_bytes=(host.device_budget_bytes or 0) if host is not None else 0)
 
     def _local_load(self) -> Heartbeat | None:
         return self._live_record() if self.host is not None else None
@@ -366,6 +374,8 @@ class Agent(AgentTrust, Service):
             memory_total_bytes=mem_total,
             model_memory_budget_bytes=self.host.memory_budget_bytes,
             memory_used_bytes=self.host.memory_used_bytes,
+            device_memory_budget_bytes=self.host.device_budget_bytes or 0,
+            device_memory_used_bytes=self.host.device_used_bytes,
             served=self.dataplane.served, forwarded=self.dataplane.forwarded,
             cold_starts=self.host.cold_starts,
             demand=tuple(self.demand.snapshot(time.monotonic())),

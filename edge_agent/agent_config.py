@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from edge_agent.device_memory import DEFAULT_DEVICE_FRACTION
 from edge_agent.http_api import DEFAULT_MAX_BODY
 from mesh.addresses import DEFAULT_BIND
 from mesh.errors import ConfigError
@@ -43,6 +44,10 @@ class AgentConfig:
     demand_window_s: float = 10.0     # demand reported per task and SLO class, averaged over this
     model_memory_fraction: float = 0.25  # share of the site's memory its models may take
     model_memory_mb: int | None = None   # ... or this budget (a harness scaling sites to one machine)
+    # share of the device memory (the topology's GPUs, scaled to the device present) models may take
+    # (edge_agent.device_memory: the rest is the CUDA context, workspaces, allocator slack)
+    device_memory_fraction: float = DEFAULT_DEVICE_FRACTION
+    device_memory_mb: int | None = None  # a device of this size stands in for the one detected (tests, harnesses)
     # the CPU cap (cores) its launcher set: used only when the agent cannot read its own cgroup
     cpu_cap: float | None = None
     routing_mode: str = "tiermesh"      # or a baseline (core_scheduler.policy.modes), for benchmarks

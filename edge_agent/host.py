@@ -13,7 +13,10 @@ holding it, so two loads cannot both take the last free bytes and an unload cann
 a load is attaching a head to. A shared backbone is counted once, however many heads use it. When a
 load does not fit, the least valuable idle instances are unloaded first
 (``core_scheduler.policy.eviction``: by recent demand, then least recently used); only when that
-cannot make room is the load refused (``Overloaded``).
+cannot make room is the load refused (``Overloaded``). Device memory (a GPU runtime's
+``device_memory_bytes``) is a second budget kept the same way (:mod:`edge_agent.device_memory`): checked
+before the load with what the variant measured on the device last time, and again with what it measured
+now; a load over it evicts idle instances holding device bytes, or is unloaded and refused.
 
 Backbones. A backbone + head variant runs on a backbone instance shared by every head on it
 (:mod:`edge_agent.backbone`), whose batcher batches across the heads' tenants. The instance lives as
@@ -38,6 +41,7 @@ from core_scheduler.policy.eviction import DEMAND_TAU_S, Resident, decayed_rate,
 from edge_agent.backbone import BackboneBatcher, measure_compute_ms
 from edge_agent.batching import Batcher
 from edge_agent.blob_cache import BlobCache
+from edge_agent.host_device import DeviceRoom
 from mesh.errors import DeadlineExceeded, MeshError, Overloaded, RuntimeLoadError
 from mesh.heap import Settler
 from mesh.lifecycle import cancel_and_wait, single_flight
@@ -80,6 +84,11 @@ class LoadedVariant:
         """What this instance holds itself (a head's backbone is counted on the backbone)."""
         return self.runtime.memory_bytes
 
+    @property
+    def device_bytes(self) -> int:
+        """Accelerator bytes it holds itself (0 on the CPU), measured when it loaded."""
+        return self.runtime.device_memory_bytes()
+
     def touch(self, now: float) -> None:
         """One request: refresh ``last_used`` and the decayed request rate."""
         self.rate = decayed_rate(self.rate, now - self.last_used) + 1.0 / DEMAND_TAU_S
@@ -93,9 +102,10 @@ class _Backbone:
     holders: set[InstanceKey] = field(default_factory=set)
 
 
-class VariantHost:
+class VariantHost(DeviceRoom):
     def __init__(self, site: str, cache_dir: Path, *, hardware_class: str, memory_budget_bytes: int,
-                 threads: int = 2, max_window_ms: float = 4.0, settle_heap: bool = False) -> None:
+                 threads: int = 2, max_window_ms: float = 4.0, settle_heap: bool = False,
+                 device_budget_bytes: int | None = None) -> None:
         self.site = site
         # the heap settled after loads and unloads: a serving agent's long-lived objects out of the collector's
         # full passes (mesh.heap; tests and tools that load many variants in one process leave it off)
@@ -103,6 +113,9 @@ class VariantHost:
         self.cache_dir = cache_dir
         self.hardware_class = hardware_class
         self.memory_budget_bytes = memory_budget_bytes
+        # accelerator bytes its models may hold (edge_agent.device_memory; 0: no device, so a load that needs one
+        # is refused); None: not budgeted (tools and tests that load without an agent)
+        self.device_budget_bytes = device_budget_bytes
         self.max_window_ms = max_window_ms
         self.threads = threads
         self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"infer-{site}")
@@ -119,6 +132,7 @@ class VariantHost:
         self.bases: dict[InstanceKey, _Backbone] = {}   # backbone instances: (blob digest, isolated_for)
         # measured at the last load in this process: variant id (or "base:<digest>") -> bytes
         self._measured_bytes: dict[str, int] = {}
+        self._measured_device: dict[str, int] = {}  # the same, on the device (host_device.DeviceRoom)
         # timings this site measured itself for variants the catalog has no profile of its class for
         self.self_profiles: dict[str, Profile] = {}
         # timings other live sites of this class measured (adopted by the self-profiler), for the rest
@@ -224,12 +238,14 @@ class VariantHost:
             # heads on the backbone this one joins stay: evicting them would free nothing it can use
             protect = ({h for h, lv in self.instances.items() if lv.base == bkey} if bkey in self.bases else set())
             await self._make_room(meta.variant_id, need, protect)
+            await self._make_device_room(meta.variant_id, self._device_need(meta.variant_id, bkey), protect)
             try:
                 lv = await self._open_instance(meta, key, head_path, base_path, bkey, started)
             except MeshError:
                 raise
             except Exception as exc:
                 raise RuntimeLoadError(f"{self.site}: loading {meta.variant_id} failed: {exc}") from exc
+            await self._fit_device_measured(lv, protect)
         self.cold_starts += 1
         if self.settler is not None:
             self.settler.loaded(f"loading {meta.variant_id}")
@@ -335,6 +351,9 @@ class VariantHost:
             raise Overloaded(f"{self.site}: no memory for {variant_id} (needs {need} bytes, {max(0, free)} free "
                              f"of {self.memory_budget_bytes}, and unloading every idle variant would not "
                              f"make room)")
+        await self._evict(victims, by_name, variant_id)
+
+    async def _evict(self, victims: list[str], by_name: dict[str, InstanceKey], variant_id: str) -> None:
         for name in victims:
             lv = self.instances.get(by_name[name])
             log.info("evicting %s to make room for %s (%.2f req/s recently, idle %.0f s)", name, variant_id,

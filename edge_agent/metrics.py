@@ -114,6 +114,8 @@ class Gauges:
     peers: dict[str, bool] = field(default_factory=dict)              # live peer site -> reachable
     etcd_connected: bool = False
     inflight: int = 0
+    device_used_bytes: int = 0    # accelerator memory the loaded variants hold (edge_agent.device_memory) ...
+    device_budget_bytes: int = 0  # ... of this budget (0: no device budget)
 
 
 class AgentMetrics:
@@ -319,6 +321,10 @@ class AgentMetrics:
         yield gauge("tiermesh_etcd_connected", "1 while this agent's view follows etcd", (),
                     [((), 1.0 if g.etcd_connected else 0.0)])
         yield gauge("tiermesh_inflight", "Queries in flight at this site", (), [((), g.inflight)])
+        yield gauge("tiermesh_device_memory_used_bytes", "Accelerator memory the loaded variants hold", (),
+                    [((), g.device_used_bytes)])
+        yield gauge("tiermesh_device_memory_budget_bytes", "Accelerator memory this site's models may hold "
+                    "(0: no device)", (), [((), g.device_budget_bytes)])
 
     def _triton_text(self) -> str:
         rows: dict[str, list[str]] = {k: [] for k in _TRITON}

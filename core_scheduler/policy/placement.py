@@ -13,8 +13,9 @@ Steps, following INFaaS (prefer what is loaded; scale a variant out before buyin
    one row in time may not answer 64). One already placed wins. Otherwise load one: at the demand's own
    site if it fits (on an edge, smallest / INT8 first), else at the nearest middle or core site
    (then other edges). Memory: the planned variants of a site stay within ``headroom`` of its
-   memory, a backbone shared by several heads counted once (a strict tenant's head carries a whole
-   backbone of its own: ``VariantInfo.base``); to fit, idle variants past their minimum residency
+   memory (on a GPU site with a known device budget, the smaller of the two: its variants hold their
+   weights on the device), a backbone shared by several heads counted once (a strict tenant's head
+   carries a whole backbone of its own: ``VariantInfo.base``); to fit, idle variants past their minimum residency
    are evicted, least recently used first. When nothing meets the SLO and no variant of the task is
    placed anywhere alive, the lowest-latency variant meeting the accuracy floor (else any) is
    loaded: traffic is never left without a server.
@@ -137,7 +138,8 @@ class _Planner:
         return v.memory_bytes
 
     def mem_cap(self, site: str) -> float:
-        return self.cfg.headroom * self.snap.sites[site].memory_bytes
+        """On a GPU site the device budget too (``SiteInfo.model_memory_bytes``)."""
+        return self.cfg.headroom * self.snap.sites[site].model_memory_bytes
 
     def slots(self, site: str) -> float:
         load = self.snap.loads.get(site)

@@ -65,6 +65,9 @@ class SiteInfo:
     gpus: int = 0
     price_per_hour: float = 0.0
     alive: bool = True
+    # the accelerator memory its models may hold, from its heartbeat (edge_agent.device_memory: the topology's
+    # GPUs scaled to the device present); 0: none known, and only host memory binds placement there
+    device_budget_bytes: int = 0
 
     @property
     def slots(self) -> int:
@@ -75,6 +78,14 @@ class SiteInfo:
     @property
     def memory_bytes(self) -> int:
         return self.memory_mb * MIB
+
+    @property
+    def model_memory_bytes(self) -> int:
+        """What bounds the variants placed here: its memory, or on a GPU site whose device budget is known the
+        smaller of that and the device budget (a variant there holds its weights on the device)."""
+        if self.gpus > 0 and self.device_budget_bytes > 0:
+            return min(self.memory_bytes, self.device_budget_bytes)
+        return self.memory_bytes
 
 
 @dataclass(frozen=True, slots=True)

@@ -163,6 +163,10 @@ class Heartbeat:
     memory_total_bytes: int = 0
     model_memory_budget_bytes: int = 0
     memory_used_bytes: int = 0
+    # accelerator memory its models may hold (edge_agent.device_memory: the topology's GPUs scaled to the device
+    # present; 0: no device budget) and what they hold, measured at load
+    device_memory_budget_bytes: int = 0
+    device_memory_used_bytes: int = 0
     served: int = 0
     forwarded: int = 0
     cold_starts: int = 0
@@ -182,6 +186,10 @@ class Heartbeat:
     @property
     def memory_free_bytes(self) -> int:
         return max(0, self.model_memory_budget_bytes - self.memory_used_bytes)
+
+    @property
+    def device_memory_free_bytes(self) -> int:
+        return max(0, self.device_memory_budget_bytes - self.device_memory_used_bytes)
 
     def with_liveness(self, *, degraded: bool, degraded_total_s: float, degraded_episodes: int,
                       lease_renewals: int) -> Heartbeat:
@@ -234,7 +242,8 @@ _SCALARS: dict[str, Callable[[Any, str], Any]] = {
     "ts": _num, "tier": _text, "hardware_class": _text, "declared_hardware_class": _text, "gpu": _flag,
     "gpu_note": _text, "endpoint": _text, "curve_key": _text, "http": _text, "inflight": _count,
     "capacity": _count, "memory_total_bytes": _count, "model_memory_budget_bytes": _count,
-    "memory_used_bytes": _count, "served": _count, "forwarded": _count, "cold_starts": _count, "degraded": _flag,
+    "memory_used_bytes": _count, "device_memory_budget_bytes": _count, "device_memory_used_bytes": _count,
+    "served": _count, "forwarded": _count, "cold_starts": _count, "degraded": _flag,
     "degraded_total_s": _num, "degraded_episodes": _count, "lease_renewals": _count, "view_revision": _count,
     "cpu_cap": _num, "profiling_pending": _count,
 }
@@ -270,7 +279,7 @@ def _moved(a: float, b: float, rel: float, floor: float) -> bool:
 def _identity(h: Heartbeat) -> tuple[Any, ...]:
     return (h.tier, h.hardware_class, h.declared_hardware_class, h.gpu, h.gpu_note, h.endpoint, h.curve_key,
             h.http, h.capacity, h.model_memory_budget_bytes, h.memory_total_bytes, h.degraded, h.cpu_cap,
-            h.profiling_pending, tuple(sorted(h.profiles)))
+            h.profiling_pending, tuple(sorted(h.profiles)), h.device_memory_budget_bytes)
 
 
 def why_publish(last: Heartbeat | None, new: Heartbeat, policy: PublishPolicy = PublishPolicy()) -> str | None:
@@ -292,6 +301,9 @@ def why_publish(last: Heartbeat | None, new: Heartbeat, policy: PublishPolicy = 
             return "queue"
     if new.model_memory_budget_bytes and abs(new.memory_used_bytes - last.memory_used_bytes) > \
             policy.memory_rel * new.model_memory_budget_bytes:
+        return "memory"
+    if new.device_memory_budget_bytes and abs(new.device_memory_used_bytes - last.device_memory_used_bytes) > \
+            policy.memory_rel * new.device_memory_budget_bytes:
         return "memory"
     before = {(d.task, d.slo_class, d.tenant): d for d in last.demand}
     after = {(d.task, d.slo_class, d.tenant): d for d in new.demand}

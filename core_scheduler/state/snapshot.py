@@ -98,7 +98,8 @@ class SnapshotBuilder:
         self._sites[name] = SiteInfo(name=name, tier=s.tier, region=s.region, hardware_class=hw,
                                      cpu_cores=s.hardware.cpu_cores, memory_mb=s.hardware.memory_mb,
                                      gpus=len(s.hardware.gpus) if rec is not None and rec.gpu else 0,
-                                     price_per_hour=s.hardware.price_per_hour, alive=rec is not None)
+                                     price_per_hour=s.hardware.price_per_hour, alive=rec is not None,
+                                     device_budget_bytes=rec.device_memory_budget_bytes if rec is not None else 0)
         if rec is None:
             self._loads.pop(name, None)
         else:
