@@ -33,6 +33,7 @@ from mesh.errors import ProtocolError, RequestError
 from mesh.fields import field as _get
 from mesh.fields import integer as _int
 from mesh.fields import number as _num
+from mesh.fields import record
 
 __all__ = ["BUILD_STATES", "SCHEMA", "BuildRequest", "BuildState", "BuildStateName", "ValidationSummary",
            "VariantResult", "build_status", "claimable", "is_build_id", "is_name", "scan_validation", "transition_ok"]
@@ -78,11 +79,7 @@ def _text(d: dict[str, Any], name: str, where: str) -> str:
 
 
 def _object(value: Any, where: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise ProtocolError(f"{where}: not a JSON object ({type(value).__name__})")
-    if value.get("schema") != SCHEMA:
-        raise ProtocolError(f"{where}: schema {str(value.get('schema'))[:20]!r}, this reader knows {SCHEMA}")
-    return value
+    return record(value, where, SCHEMA)
 
 
 @dataclass(frozen=True, slots=True)

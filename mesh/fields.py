@@ -9,7 +9,7 @@ from typing import Any
 
 from mesh.errors import ProtocolError
 
-__all__ = ["field", "integer", "number"]
+__all__ = ["field", "integer", "number", "record"]
 
 
 def field(d: dict[str, Any], name: str, kind: type | tuple[type, ...], where: str) -> Any:
@@ -38,3 +38,12 @@ def integer(d: dict[str, Any], name: str, where: str, lo: int, hi: int) -> int:
     if not lo <= v <= hi:
         raise ProtocolError(f"{where}: {name!r} = {v} is outside [{lo}, {hi}]")
     return int(v)
+
+
+def record(value: Any, where: str, schema: int) -> dict[str, Any]:
+    """``value`` as a JSON object of the record schema ``schema`` (a newer writer's is refused, not guessed at)."""
+    if not isinstance(value, dict):
+        raise ProtocolError(f"{where}: not a JSON object ({type(value).__name__})")
+    if value.get("schema") != schema:
+        raise ProtocolError(f"{where}: schema {str(value.get('schema'))[:20]!r}, this reader knows {schema}")
+    return value

@@ -24,6 +24,7 @@ from mesh.errors import ProtocolError
 from mesh.fields import field as _field
 from mesh.fields import integer as _int
 from mesh.fields import number as _num
+from mesh.fields import record
 from mesh.webhooks import parse_target
 
 __all__ = ["CHUNK_STATES", "FORMATS", "JOB_STATES", "SCHEMA", "TERMINAL", "ChunkRecord", "ChunkState", "InputFormat",
@@ -100,11 +101,7 @@ def _digest(d: dict[str, Any], name: str, where: str, *, optional: bool = False)
 
 
 def _object(value: Any, where: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise ProtocolError(f"{where}: not a JSON object ({type(value).__name__})")
-    if value.get("schema") != SCHEMA:
-        raise ProtocolError(f"{where}: schema {str(value.get('schema'))[:20]!r}, this reader knows {SCHEMA}")
-    return value
+    return record(value, where, SCHEMA)
 
 
 @dataclass(frozen=True, slots=True)
