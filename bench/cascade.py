@@ -63,6 +63,7 @@ from bench.cascade_figures import (
 from bench.common import RunContext, write_result
 from bench.geo import prebuild_home_async
 from bench.geo_hetero import TOPOLOGY
+from bench.traces import open_loop
 from mesh.client import AsyncClient, InferResult
 from mesh.errors import MeshError
 from tiermesh.harness import LocalMesh
@@ -108,7 +109,6 @@ async def replay(events: list[Event], edges: dict[str, str], data: dict[str, tup
                for t in set(tenants.values())}
     sem = asyncio.Semaphore(MAX_INFLIGHT)
     out: list[Outcome] = []
-    tasks: set[asyncio.Task[None]] = set()
 
     async def one(ev: Event) -> None:
         x, y = data[ev.task]
@@ -124,21 +124,9 @@ async def replay(events: list[Event], edges: dict[str, str], data: dict[str, tup
                 _record(o, res, y[idx], topo)
         out.append(o)
 
-    t0 = time.perf_counter()
     try:
-        for ev in events:
-            delay = t0 + ev.t - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            task = asyncio.create_task(one(ev))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-        if tasks:
-            await asyncio.wait(set(tasks), timeout=drain_s)
+        await open_loop(events, one, drain_s)
     finally:
-        for task in list(tasks):
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
         for c in clients.values():
             await c.aclose()
     out.sort(key=lambda o: o.event.t)

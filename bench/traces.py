@@ -21,8 +21,9 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -31,7 +32,7 @@ from mesh.errors import MeshError
 from tiermesh.workload import SloClass
 
 __all__ = ["GEO_CLASSES", "DailyPeak", "Replayed", "Spike", "Trace", "TraceEvent", "TraceSpec", "make_trace",
-           "peak_windows", "replay"]
+           "open_loop", "peak_windows", "replay"]
 
 TASK = "digit-classification"
 
@@ -230,7 +231,6 @@ async def replay(trace: Trace, edges: dict[str, str], x: np.ndarray, y: np.ndarr
     clients = {(e, t): AsyncClient(url, tenant=t, timeout=timeout_s) for e, url in edges.items() for t in tenants}
     sem = asyncio.Semaphore(max_inflight)
     out: list[Replayed] = []
-    tasks: set[asyncio.Task[None]] = set()
 
     async def one(ev: TraceEvent) -> None:
         cls = classes[ev.slo_class]
@@ -255,11 +255,23 @@ async def replay(trace: Trace, edges: dict[str, str], x: np.ndarray, y: np.ndarr
             rec.client_ms = (time.perf_counter() - start) * 1000.0
             out.append(rec)
 
+    try:
+        await open_loop([ev for ev in trace.events if ev.edge in edges], one, drain_s)
+    finally:
+        for c in clients.values():
+            await c.aclose()
+    out.sort(key=lambda r: r.event.t)
+    return out
+
+
+async def open_loop(events: Sequence[Any], one: Callable[[Any], Coroutine[Any, Any, None]], drain_s: float) -> None:
+    """Start ``one(ev)`` for each event at its offset ``ev.t`` (seconds from now), never waiting for an answer
+    (open loop); then wait at most ``drain_s`` for those in flight, and cancel what is left: bounded by the trace's
+    length plus ``drain_s``, every task owned."""
+    tasks: set[asyncio.Task[None]] = set()
     t0 = time.perf_counter()
     try:
-        for ev in trace.events:
-            if ev.edge not in edges:
-                continue
+        for ev in events:
             delay = t0 + ev.t - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -272,7 +284,3 @@ async def replay(trace: Trace, edges: dict[str, str], x: np.ndarray, y: np.ndarr
         for task in list(tasks):
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for c in clients.values():
-            await c.aclose()
-    out.sort(key=lambda r: r.event.t)
-    return out
