@@ -133,7 +133,7 @@ async def test_traced_query_across_two_sites(mesh: LocalMesh, holdout: Holdout) 
     assert rejected and all(c["why_not"] for c in rejected)
     assert any(c["site"] == EDGE and c["why_not"] == "accuracy" for c in rejected), edge["candidates"]
     assert all(set(c) == {"site", "variant", "network_ms", "queue_ms", "compute_ms", "load_ms", "latency_ms", "cost",
-                          "feasible", "why_not"} for c in edge["candidates"])
+                          "feasible", "why_not", "estimated"} for c in edge["candidates"])
     # each candidate's real cost (dollars per query, millionths on these sites: once rounded to 0.0 for all)
     assert all(c["cost"] > 0 for c in edge["candidates"] if c["feasible"]), edge["candidates"]
     assert hops[-1]["timings_ms"]["compute"] > 0 and edge["timings_ms"]["total"] >= hops[-1]["timings_ms"]["total"]
