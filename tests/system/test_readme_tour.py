@@ -241,11 +241,16 @@ async def test_readme_tour_on_one_home_stopped_and_running() -> None:
             url = await up.url_when_up()
             # at once: `mesh up` means queries succeed (the first one or two failed in 3 of 4 starts once)
             said = await _run_snippets(url, home / "pki", tmp)
-            if said.startswith("FAILED") and re.search(r"deadline|DeadlineExceeded|\[504\]", said):
+            for _ in range(2):
+                if not (said.startswith("FAILED") and re.search(r"deadline|DeadlineExceeded|\[504\]", said)):
+                    break
                 # KNOWN (issue 30, open): in about one full run in three here, one of the first queries after
                 # `mesh up` at a 0.1-core edge misses its budget (a 10 ms query refused `deadline`, or the 50 ms
-                # tritonclient forward answered 504); the tour goes on if the same snippets then succeed
-                print("README snippets: a first query missed its budget right after mesh up:\n" + said[-1500:])
+                # tritonclient forward answered 504), and a loaded full run once missed again on the first rerun;
+                # the tour goes on if the same snippets then succeed (any other failure fails at once)
+                print("README snippets: a query missed its budget in the first minute after mesh up:\n"
+                      + said[-1500:])
+                await asyncio.sleep(5.0)
                 said = await _run_snippets(url, home / "pki", tmp)
             assert not said.startswith("FAILED"), said[-3000:]
             await _commands(home, topology, 5, running=True)
