@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import io
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -143,34 +143,31 @@ async def _trace(request: web.Request) -> web.Response:
     return _json({"answered_by": site, **trace})
 
 
-async def _jobs(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    state.touch()
-    tenant = request.query.get("tenant")
-    try:
-        views = await JobBook(state.store).views(tenant)
-    except StoreError as exc:
-        return _json({"error": f"etcd did not answer: {exc}", "code": exc.code}, 503)
-    known = set(state.view.tenants)
-    if tenant is not None and tenant not in known and not views:
-        return _json({"error": f"no tenant {tenant[:64]!r} in the topology, and no job of one", "code": "not_found"},
-                     404)
-    return _json(summary(views, [tenant] if tenant is not None else known))
+def _per_tenant(noun: str, read: Callable[[Any, str | None], Awaitable[list[Any]]],
+                summarize: Callable[[list[Any], Iterable[str]], dict[str, Any]]
+                ) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """A per-tenant view of tracked work in etcd (``?tenant=T``): jobs, builds. 503 when etcd does not answer; 404
+    for a tenant neither the topology nor any record names."""
+
+    async def handler(request: web.Request) -> web.Response:
+        state = request.app[STATE]
+        state.touch()
+        tenant = request.query.get("tenant")
+        try:
+            views = await read(state.store, tenant)
+        except StoreError as exc:
+            return _json({"error": f"etcd did not answer: {exc}", "code": exc.code}, 503)
+        known = set(state.view.tenants)
+        if tenant is not None and tenant not in known and not views:
+            return _json({"error": f"no tenant {tenant[:64]!r} in the topology, and no {noun} of one",
+                          "code": "not_found"}, 404)
+        return _json(summarize(views, [tenant] if tenant is not None else known))
+
+    return handler
 
 
-async def _builds(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    state.touch()
-    tenant = request.query.get("tenant")
-    try:
-        views = await BuildBook(state.store).views(tenant)
-    except StoreError as exc:
-        return _json({"error": f"etcd did not answer: {exc}", "code": exc.code}, 503)
-    known = set(state.view.tenants)
-    if tenant is not None and tenant not in known and not views:
-        return _json({"error": f"no tenant {tenant[:64]!r} in the topology, and no build of one",
-                      "code": "not_found"}, 404)
-    return _json(builds_view.summary(views, [tenant] if tenant is not None else known))
+_jobs = _per_tenant("job", lambda store, tenant: JobBook(store).views(tenant), summary)
+_builds = _per_tenant("build", lambda store, tenant: BuildBook(store).views(tenant), builds_view.summary)
 
 
 async def _cascades(request: web.Request) -> web.Response:
