@@ -107,11 +107,15 @@ async def test_text_family_served_to_its_tenants() -> None:
         http = mesh.sites[EDGE].http
         assert http is not None and mesh.catalog is not None and mesh.store_url is not None
         variants = {v.variant_id: v for v in await mesh.catalog.list_variants("text-topic")}
-        promised = {v.accuracy for v in variants.values()}
+        cascades = await mesh.catalog.cascades("text-topic")
+        promised = {v.accuracy for v in variants.values()} | {c.accuracy for c in cascades}
         async with AsyncClient(http, **mesh.tenant_files("acme")) as acme:
             first = await _first_answer(acme, "text-topic", ["Real-time strategy game of ancient warfare"], SLO)
-            # the 6-layer encoder's head: the only one whose measured accuracy meets min_accuracy 0.70
-            assert first.variant == "topic-minilm-l6-int8.onnx.fp32" and not first.best_effort
+            # the 6-layer encoder's head, the only variant whose measured accuracy meets min_accuracy 0.70, or the
+            # task's calibrated cascade (the L2 head first, the L6 one for what it is unsure of: issue 33), whose
+            # measured accuracy meets it too
+            assert not first.best_effort, first
+            assert first.variant == "topic-minilm-l6-int8.onnx.fp32" or first.reason.startswith("cascade"), first
             assert first.accuracy in promised and 0.70 <= first.accuracy <= 0.85
             assert first.output().shape == (1, len(SECTIONS))
             # delivered accuracy on held-out rows, through the SDK in batches (numpy str array and bytes)
