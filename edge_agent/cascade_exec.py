@@ -71,7 +71,10 @@ def door_runner(here: str, req: InferRequest, hop: HopTrace | None, *,
         if s.site == here:
             out = await local(sub, s.variant)
         else:
-            out = await forward(sub, Decision(s.site, s.variant, "forward", s.expected_ms, 0.0, 0.0, False, 1))
+            # a stage is never retried elsewhere (the plan pins it), so cutting its forward short at the
+            # attempt limit would only fail a query that had budget left: it may take all of what is left, as a
+            # best-effort forward may (edge_agent.paths.attempt_ms; the cascade's answer is not best effort)
+            out = await forward(sub, Decision(s.site, s.variant, "forward", s.expected_ms, 0.0, 0.0, True, 1))
         if hop is not None:
             hop.timed(out.timing)
             hop.records.extend(clean_hops(out.trace))

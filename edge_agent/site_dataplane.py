@@ -34,7 +34,8 @@ the whole trace. Nothing of this is built for an untraced query.
 
 Cascades. A decision for a cascade (``routing.CascadeDecision``) is run by :mod:`edge_agent.cascade_exec`: each
 stage as a query this door serves or forwards pinned to the stage's (site, variant), as any decision; a traced
-query records each stage as an event of the door's hop. A failed stage fails the query, named (no retry).
+query records each stage as an event of the door's hop. A failed stage fails the query, named (no retry;
+so a forwarded stage may use all that is left of the query's budget, not an attempt's share).
 
 Pipelines. A query of a task declared as a graph of tasks (``view.pipelines``) is run at its door by
 :mod:`edge_agent.pipeline_exec`: each stage sent back through :meth:`SiteDataPlane.infer` as an ordinary query of

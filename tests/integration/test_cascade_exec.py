@@ -15,6 +15,7 @@ import pytest
 from core_scheduler.policy.routing import Decision
 from core_scheduler.policy.routing_cascade import CascadePlan
 from edge_agent.cascade_exec import ESCALATED, LOCAL, StageRun, door_runner, run_cascade
+from edge_agent.paths import attempt_ms
 from edge_agent.traces import HopTrace
 from mesh.client import Client
 from mesh.errors import MeshError, RuntimeLoadError
@@ -201,6 +202,8 @@ def test_door_runner_serves_here_or_forwards_and_traces_each_stage(
 
     async def forward(sub: InferRequest, d: Decision) -> InferResponse:
         calls.append(("forward", d.variant_id, d.site))
+        # a stage is not retried, so its forward is not cut at an attempt's share of the budget
+        assert attempt_ms(4000.0, d.expected_latency_ms, best_effort=d.best_effort) == 4000.0
         return await big.infer(InferRequest.entering("digits", sub.inputs, sub.slo))
 
     async def go() -> tuple[InferResponse, HopTrace]:
