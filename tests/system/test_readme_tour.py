@@ -118,15 +118,20 @@ async def _commands(home: Path, topology: Path, latency_ms: int, *, running: boo
 
 async def _demo(home: Path, tmp: Path) -> str:
     """``make demo``'s command: a workload and its report (checked), then the tables a newcomer reads."""
-    report = tmp / "report.json"
+    report, records = tmp / "report.json", tmp / "records.jsonl"
     rc, text = await _cli("up", "--topology", str(SMALL_TOPOLOGY), "--home", str(home), "--duration", "15",
-                          "--qps", "30", "--report", str(report),
+                          "--qps", "30", "--report", str(report), "--records", str(records),
                           # uncapped: this part is about the command and its report (with caps the small
                           # topology's edges get a tenth of a core each and a class threshold failed once in CI)
                           "--no-caps", limit_s=240)
     assert rc == 0, text[-3000:]
     data = json.loads(report.read_text())
     assert data["schema"] == 1 and data["queries"] > 100, data
+    # --records: every query of the report, one JSON line each, with where it was served and how long it took
+    lines = [json.loads(line) for line in records.read_text().splitlines()]
+    assert len(lines) == data["queries"], (len(lines), data["queries"])
+    assert sum(1 for r in lines if r["ok"] and r["site"] and r["total_ms"] > 0) > 0.8 * len(lines)
+    assert {r["slo_class"] for r in lines} == set(data["classes"]), {r["slo_class"] for r in lines}
     # secured by default: mutual TLS at every edge, https addresses, the workload through tenant certificates
     assert data["tls"] is True and all(s["http"].startswith("https://") for s in data["addresses"]["sites"].values())
     # ... etcd with TLS and client certificates (RBAC per role), the variant store over HTTPS: agents fetched

@@ -79,6 +79,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="run a workload for S seconds, print the report and stop (default: serve until Ctrl-C)")
     p.add_argument("--qps", type=float, default=40.0, help="offered load of the workload (queries/s)")
     p.add_argument("--report", type=Path, default=None, help="write the workload report as JSON here")
+    p.add_argument("--records", type=Path, default=None, metavar="FILE",
+                   help="write every workload query as one JSON line here (class, edge, serving site and variant, "
+                        "door-timed total_ms against budget_ms, error code): where a class's misses happened")
     p.add_argument("--kill", metavar="SITE@SECONDS", default=None,
                    help="SIGKILL a site's agent this many seconds into the workload (failure drill)")
     p.add_argument("--cut", metavar="A-B@SECONDS", action="append", default=[],
@@ -372,6 +375,10 @@ async def _drive(mesh: LocalMesh, args: argparse.Namespace, console: Console, ki
             args.report.parent.mkdir(parents=True, exist_ok=True)
             args.report.write_text(json.dumps(report, indent=2))
             console.print(f"report written to {args.report}")
+        if args.records is not None:
+            args.records.parent.mkdir(parents=True, exist_ok=True)
+            args.records.write_text("".join(json.dumps(dataclasses.asdict(r)) + "\n" for r in result.records))
+            console.print(f"{len(result.records)} query records written to {args.records}")
         return 0
 
 
