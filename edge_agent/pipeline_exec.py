@@ -34,7 +34,7 @@ from mesh.errors import DeadlineExceeded, ImpossibleSLO, MeshError
 from mesh.tracecontext import child_traceparent
 from mesh.types import SLO, InferRequest, InferResponse, StageInfo, Timing
 from variant_store.meta import VariantMeta
-from variant_store.pipeline_meta import PipelineMeta, Stage, source
+from variant_store.pipeline_meta import PipelineMeta, feed, switch_rows
 
 __all__ = ["REASON", "StageDoor", "run_pipeline", "split_budget", "stage_latency_ms"]
 
@@ -72,18 +72,6 @@ def split_budget(total_ms: float, stage_ms: Sequence[float | None]) -> list[floa
     weights = [float(x) if x is not None and x > 0 and math.isfinite(x) else fill for x in stage_ms]
     whole = sum(weights)
     return [total_ms * w / whole for w in weights]
-
-
-def feed(stage: Stage, inputs: Mapping[str, np.ndarray], prev: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The stage's inputs, by name, from the pipeline's ``inputs`` and the previous stage's outputs ``prev``."""
-    out: dict[str, np.ndarray] = {}
-    for name, ref in stage.feeds:
-        where, src = source(ref)
-        got = (inputs if where == "input" else prev).get(src)
-        if got is None:
-            raise MeshError(f"no {ref} to feed input {name!r} of stage {stage.task!r}")
-        out[name] = got
-    return out
 
 
 @dataclasses.dataclass(slots=True)
@@ -125,7 +113,7 @@ class _Run:
         self.queue_ms += resp.timing.queue_ms
         self.compute_ms += resp.timing.compute_ms
         self.best_effort = self.best_effort or resp.best_effort
-        self.stages.append(StageInfo(k, resp.site, resp.variant, rows, rows, (), took, resp.timing.compute_ms))
+        self.stages.append(StageInfo(k, resp.site, resp.variant, rows, rows, (), took, resp.timing.compute_ms, task))
         self.last = resp
         if resp.trace:
             self.trace.extend({**r, "pipeline_stage": k, "stage_task": task} for r in resp.trace)
@@ -192,19 +180,10 @@ async def _switch(run: _Run, n: int) -> dict[str, np.ndarray]:
     share = run.shares([selector.task], n)[0] if worst is None else \
         split_budget(req.remaining_ms(), [run.costs(selector.task, n), worst])[0]
     sel = (await run.stage(1, selector.task, feed(selector, req.inputs, {}), share)).outputs
-    scores = sel.get(meta.select)
-    if scores is None or scores.ndim != 2 or scores.shape[0] != n:
-        got = "nothing" if scores is None else f"{list(scores.shape)}"
-        raise _named(MeshError(f"its output {meta.select!r} is {got}, not ({n}, classes)"), meta, 1, selector.task)
-    picked = np.argmax(scores, axis=1)
-    table = dict(meta.table)
-    unmapped = sorted({int(c) for c in picked} - set(table))
-    if unmapped:
-        raise _named(MeshError(f"it picked class(es) {unmapped[:10]}, which the switch's table does not map"),
-                     meta, 1, selector.task)
-    by_task: dict[str, list[int]] = {}
-    for row, c in enumerate(picked.tolist()):
-        by_task.setdefault(table[c], []).append(row)
+    try:
+        by_task = switch_rows(meta, sel.get(meta.select), n)
+    except MeshError as exc:
+        raise _named(exc, meta, 1, selector.task) from exc
     left = req.remaining_ms()
 
     async def branch(i: int, task: str, rows: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:

@@ -375,9 +375,10 @@ class Timing:
 
 @dataclass(frozen=True, slots=True)
 class StageInfo:
-    """One stage of a cascade as it ran for a query (issue 33, ``edge_agent.cascade_exec``): ``stage`` counts
-    from 1; ``rows`` it ran, ``answered`` of them; ``confidence`` per row it ran (``()`` for the last stage,
-    which answers every row it gets); ``total_ms`` from the door's send to its answer."""
+    """One stage of a cascade (``edge_agent.cascade_exec``) or of a pipeline (``edge_agent.pipeline_exec``) as it
+    ran for a query (issue 33): ``stage`` counts from 1; ``rows`` it ran, ``answered`` of them; ``confidence`` per
+    row it ran (``()`` for the last stage, which answers every row it gets); ``total_ms`` from the door's send to
+    its answer; ``task``: a pipeline stage's own task (``""`` for a cascade's, whose stages serve the query's)."""
 
     stage: int
     site: str
@@ -387,6 +388,7 @@ class StageInfo:
     confidence: tuple[float, ...] = ()
     total_ms: float = 0.0
     compute_ms: float = 0.0
+    task: str = ""
 
 
 @dataclass(slots=True)

@@ -88,7 +88,8 @@ def response_parameters(resp: InferResponse) -> dict[str, Any]:
         out["cascade_stages"] = json.dumps([
             {"stage": st.stage, "site": st.site, "variant": st.variant, "rows": st.rows, "answered": st.answered,
              "confidence": [round(c, 6) for c in st.confidence], "total_ms": round(st.total_ms, 3),
-             "compute_ms": round(st.compute_ms, 3)} for st in resp.stages], separators=(",", ":"))
+             "compute_ms": round(st.compute_ms, 3), **({"task": st.task} if st.task else {})}
+            for st in resp.stages], separators=(",", ":"))
     return out
 
 
@@ -105,7 +106,7 @@ def cascade_stages(params: Mapping[str, Any]) -> tuple[StageInfo, ...]:
         items = json.loads(text)
         return tuple(StageInfo(int(d["stage"]), str(d["site"]), str(d["variant"]), int(d["rows"]),
                                int(d["answered"]), tuple(float(c) for c in d["confidence"]), float(d["total_ms"]),
-                               float(d["compute_ms"])) for d in items)
+                               float(d["compute_ms"]), str(d.get("task", ""))) for d in items)
     except (ValueError, TypeError, KeyError, AttributeError, OverflowError, RecursionError):
         return ()
 

@@ -217,11 +217,11 @@ async def test_sequence_served_through_the_data_plane(store: Store,
     want = _direct(DIGITS / "head-digits.onnx", 2 * x)
     np.testing.assert_allclose(resp.outputs["logits"], want, rtol=1e-4, atol=1e-4)
     assert resp.reason == REASON and resp.cascade == "digits-seq" and not resp.late
-    assert [(s.stage, s.site, s.variant, s.rows) for s in resp.stages] == [
-        (1, SITE, "prep.onnx.fp32", 5), (2, SITE, "head-digits.onnx.fp32", 5)]
-    params = response_parameters(resp)
-    assert [(s.stage, s.site, s.variant) for s in cascade_stages(params)] == [
-        (1, SITE, "prep.onnx.fp32"), (2, SITE, "head-digits.onnx.fp32")]
+    assert [(s.stage, s.task, s.site, s.variant, s.rows) for s in resp.stages] == [
+        (1, "digits-prep", SITE, "prep.onnx.fp32", 5), (2, "digit-classification", SITE, "head-digits.onnx.fp32", 5)]
+    params = response_parameters(resp)  # each stage's task, site and variant survive the V2 parameters
+    assert [(s.stage, s.task, s.site, s.variant) for s in cascade_stages(params)] == [
+        (1, "digits-prep", SITE, "prep.onnx.fp32"), (2, "digit-classification", SITE, "head-digits.onnx.fp32")]
     assert dp.served >= 2  # each stage an ordinary query of its task, served here
     # a traced query: each stage's hop records, marked with its stage and task, in the reply and the door's store
     traced = InferRequest.entering("digits-seq", {"x": x}, SLO(latency_ms=5000.0))

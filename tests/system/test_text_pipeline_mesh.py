@@ -78,7 +78,8 @@ async def test_text_pipeline_served_end_to_end() -> None:
             assert first.reason == "pipeline" and first.accuracy == pytest.approx(entry.accuracy)
             assert [SECTIONS[i] for i in first.output().argmax(axis=1)] == ["games", "mail"]
             sel, *branches = first.stages
-            assert tasks[sel.variant] == "text-group" and sel.rows == 2
+            assert tasks[sel.variant] == sel.task == "text-group" and sel.rows == 2
+            assert all(tasks[b.variant] == b.task for b in branches)  # each stage names its own task
             assert sorted(tasks[b.variant] for b in branches) == [group_task("games"), group_task("network")]
             for st in first.stages:  # per-stage placement and timing
                 assert st.site in mesh.sites and st.total_ms > 0.0
