@@ -11,6 +11,7 @@ behind the admin gate (:mod:`console.auth`):
     GET /api/jobs[?tenant=T]    offline jobs per tenant: counts by state, progress, the sites at work (console.jobs)
     GET /api/builds[?tenant=T]  tenants' model builds: state, stage, progress, each variant's results (console.builds)
     GET /api/cascades           calibrated cascades per task, broken entries, escalation per site (console.cascades)
+    GET /api/versions[?tenant=T]  tenant tasks' versions: state, family, accuracy, share, queries (console.versions)
     GET /api/whoami             the admin's name
 
 ``extra_routes`` mounts more handlers behind the same gate (the scheduler's ``/metrics``).
@@ -31,6 +32,7 @@ from ruamel.yaml import YAML
 
 from console import builds as builds_view
 from console import cascades as cascades_view
+from console import versions as versions_view
 from console.auth import ADMIN, AdminGate
 from console.jobs import summary
 from console.scrape import Scraper
@@ -181,6 +183,22 @@ async def _cascades(request: web.Request) -> web.Response:
     return _json(cascades_view.summary(reading.cascades, reading.broken, sites, errors, time.time()))
 
 
+async def _versions(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    state.touch()
+    tenant = request.query.get("tenant")
+    try:
+        reading = await versions_view.read_records(state.store)
+    except StoreError as exc:
+        return _json({"error": f"etcd did not answer: {exc}", "code": exc.code}, 503)
+    sites, errors = await versions_view.scrape(request.app[SCRAPER], state.live_urls())
+    out = versions_view.summary(reading.records, reading.broken, sites, errors, time.time(), tenant)
+    if tenant is not None and tenant not in state.view.tenants and not out["tasks"]:
+        return _json({"error": f"no tenant {tenant[:64]!r} in the topology, and no versioned task of one",
+                      "code": "not_found"}, 404)
+    return _json(out)
+
+
 def make_app(state: ConsoleState, scraper: Scraper, gate: AdminGate, closing: asyncio.Event,
              extra_routes: Sequence[Route] = ()) -> web.Application:
     app = web.Application(middlewares=[gate.middleware])
@@ -196,6 +214,7 @@ def make_app(state: ConsoleState, scraper: Scraper, gate: AdminGate, closing: as
     app.router.add_get("/api/jobs", _jobs)
     app.router.add_get("/api/builds", _builds)
     app.router.add_get("/api/cascades", _cascades)
+    app.router.add_get("/api/versions", _versions)
     for method, path, handler in extra_routes:
         app.router.add_route(method, path, handler)
     return app

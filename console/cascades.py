@@ -27,12 +27,11 @@ session and its check that the answer comes from that site.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from console.digest import Sample, parse_samples
+from console.digest import Sample
 from console.scrape import Scraper
 from variant_store.cascade_meta import CascadeMeta
 from variant_store.catalog_check import BrokenEntry
@@ -115,21 +114,7 @@ def summary(cascades: Iterable[CascadeMeta], broken: Iterable[BrokenEntry], site
 
 # -- I/O -----------------------------------------------------------------------------------------------------------
 
-async def _one(scraper: Scraper, site: str, base_url: str) -> SiteCascades | str:
-    text, error = await scraper.metrics_text(site, base_url)  # checked to come from that site (console.scrape)
-    if text is None:
-        return error or "no answer"
-    try:
-        return cascade_counts(parse_samples(text))
-    except ValueError as exc:
-        return f"unparseable metrics: {exc}"[:200]
-
-
 async def scrape(scraper: Scraper, urls: Mapping[str, str]) -> tuple[dict[str, SiteCascades], dict[str, str]]:
     """Every live agent's cascade counters (asked at once; each call bounded by the scraper's timeout), and the
     sites that did not answer with why."""
-    names = sorted(urls)
-    got = await asyncio.gather(*(_one(scraper, n, urls[n]) for n in names))
-    ok = {n: g for n, g in zip(names, got, strict=True) if isinstance(g, SiteCascades)}
-    errors = {n: g for n, g in zip(names, got, strict=True) if isinstance(g, str)}
-    return ok, errors
+    return await scraper.read_all(urls, cascade_counts)

@@ -17,13 +17,13 @@ from __future__ import annotations
 import asyncio
 import ssl
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
 
-from console.digest import SiteMetrics, digest, parse_samples
+from console.digest import Sample, SiteMetrics, digest, parse_samples
 from mesh.errors import MeshError
 from mesh.lifecycle import Service
 from mesh.pki.site_names import Believer, Claim, SiteNames, response_ssl_object, server_site
@@ -37,6 +37,7 @@ __all__ = ["Scrape", "Scraper"]
 
 _TRACE_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
 _SITE: tuple[Kind, ...] = ("site",)
+T = TypeVar("T")
 _RECHECK_S = 30.0  # a published certificate believed is verified again this often (it expires without changing)
 
 
@@ -150,6 +151,24 @@ class Scraper(Service):
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             return None, f"{type(exc).__name__}: {exc}"[:200]
         return body, None
+
+    async def read_all(self, urls: Mapping[str, str], read: Callable[[list[Sample]], T]
+                       ) -> tuple[dict[str, T], dict[str, str]]:
+        """Every site's ``/metrics`` (asked at once, each bounded by the timeout), parsed and given to ``read``; and
+        the sites that did not answer, with why. For views of families the digest leaves out (cascades, versions)."""
+        async def one(site: str) -> tuple[T | None, str]:
+            text, error = await self.metrics_text(site, urls[site])
+            if text is None:
+                return None, error or "no answer"
+            try:
+                return read(parse_samples(text)), ""
+            except ValueError as exc:
+                return None, f"unparseable metrics: {exc}"[:200]
+
+        names = sorted(urls)
+        got = await asyncio.gather(*(one(n) for n in names))
+        ok = {n: value for n, (value, _) in zip(names, got, strict=True) if value is not None}
+        return ok, {n: error for n, (value, error) in zip(names, got, strict=True) if value is None}
 
     async def metrics(self, site: str, base_url: str) -> Scrape:
         now = time.monotonic()

@@ -18,9 +18,15 @@ Triton-compatible ``nv_inference_*`` counters (model = variant, version ``1``), 
 them (no ``_total`` suffix), so existing dashboards work. Cascades (issue 33), at the door that ran one:
 ``tiermesh_cascade_queries_total{task,site,answered}`` (``local``: stage 1 answered every row; ``escalated``)
 and ``tiermesh_cascade_rows_total{task,site,stage}`` (rows answered by each stage): the escalation rate per site.
+Versions of tenants' tasks (issue 34 item 3), where a query runs, like ``tiermesh_served``:
+``tiermesh_version_queries_total{task,tenant,site,version}``, the version of the catalogued variant that served it
+(``VariantMeta.version``; the door's pick, a ``parameters.version`` pin or a split's draw, all end on one variant).
+Public variants have no versions (every one is ``1``) and are not counted there; a cascade's stages run as queries
+of their own, so each stage that ran counts.
 
 Cardinality is bounded: tasks, tenants, sites and variants are those of the mesh's view (anything else
-is ``other``), outcomes are error codes, reasons routing's codes; no request ids.
+is ``other``), outcomes are error codes, reasons routing's codes; no request ids. A version is that of a variant
+in the view (each catalogued variant has one), so it is bounded by the catalog; an unknown variant's is ``other``.
 """
 
 from __future__ import annotations
@@ -131,6 +137,7 @@ class AgentMetrics:
         self.latency: dict[tuple[str, str], _Hist] = {}     # (task, component) -> histogram, for collect()
         self._latency_of: dict[str, tuple[_Hist, ...]] = {}  # task -> its COMPONENTS' histograms, in order
         self.served: dict[tuple[str, str, str, str], int] = {}
+        self.versions: dict[tuple[str, str, str], int] = {}  # (task, tenant, version) -> queries served here
         self.triton: dict[str, _Triton] = {}
         self.batch: dict[str, _Hist] = {}
         self.cold_starts: dict[str, int] = {}
@@ -229,10 +236,16 @@ class AgentMetrics:
 
     # -- where queries run ---------------------------------------------------------------------
     def served_ok(self, task: str, tenant: str, variant: str, role: str, queue_ms: float, compute_ms: float,
-                  total_ms: float, rows: int) -> None:
-        variant = self._variant(variant)
-        key = (self._task(task), self._tenant(tenant), variant, role)
+                  total_ms: float, rows: int, *, version: int = 0) -> None:
+        """A query run here on ``variant``; ``version``: the variant's (a tenant's task), 0 for a public one."""
+        known = variant in self.variants
+        variant = variant if known else OTHER
+        task, tenant = self._task(task), self._tenant(tenant)
+        key = (task, tenant, variant, role)
         self.served[key] = self.served.get(key, 0) + 1
+        if version:
+            vkey = (task, tenant, str(version) if known else OTHER)
+            self.versions[vkey] = self.versions.get(vkey, 0) + 1
         tr = self.triton.get(variant)
         if tr is None:
             tr = self.triton[variant] = _Triton()
@@ -290,6 +303,11 @@ class AgentMetrics:
                       ("task", "tenant", "site", "variant", "role"),
                       (((task, tenant, site, variant, role), n)
                        for (task, tenant, variant, role), n in sorted(self.served.items())))
+        yield counter("tiermesh_version_queries", "Queries run at this site on a version of a tenant's task (the "
+                      "served variant's catalogued version; public variants not counted)",
+                      ("task", "tenant", "site", "version"),
+                      (((task, tenant, site, version), n)
+                       for (task, tenant, version), n in sorted(self.versions.items())))
         yield counter("tiermesh_cascade_queries", "Queries this door answered by a cascade: by stage 1 alone "
                       "(local) or escalated", ("task", "site", "answered"),
                       (((task, site, answered), n) for (task, answered), n in sorted(self.cascades.items())))

@@ -430,7 +430,8 @@ class SiteDataPlane:
         self.served += 1
         total = (time.monotonic() - received) * 1000.0
         self.metrics.served_ok(req.task, req.tenant, variant_id, "forwarded" if reason == "forwarded" else "local",
-                               result.queue_ms, result.compute_ms, total, req.rows)
+                               result.queue_ms, result.compute_ms, total, req.rows,
+                               version=meta.version if meta.owner != DEFAULT_TENANT else 0)
         return InferResponse(
             request_id=req.request_id, outputs=result.outputs, site=self.site, variant=variant_id,
             accuracy=meta.accuracy, reason=reason, best_effort=best_effort, tenant=req.tenant,

@@ -33,6 +33,7 @@ function showTab(name) {
   if (name === "jobs") loadJobs();
   if (name === "builds") loadBuilds();
   if (name === "cascades") loadCascades();
+  if (name === "versions") loadVersions();
   render();
 }
 window.addEventListener("hashchange", () => showTab((location.hash || "#map").slice(1)));

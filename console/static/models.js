@@ -1,4 +1,4 @@
-// tiermesh console: the Builds and Cascades tabs (issues 34 and 33). Loaded before console.js; uses its helpers
+// tiermesh console: the Builds, Cascades and Versions tabs (issues 34 and 33). Loaded before console.js; uses its helpers
 // ($, el, S, fmt, pct, when) only when a tab is shown, so the order of definition does not matter.
 "use strict";
 
@@ -61,4 +61,32 @@ async function loadCascades() {
   if (!sb.children.length) sb.append(el("tr", {}, el("td", { colspan: 6, class: "muted", text: "no data: no door has answered by a cascade yet" })));
   clearTimeout(S.cascadesTimer);  // one refresh chain, however often the tab is shown
   if (S.tab === "cascades") S.cascadesTimer = setTimeout(() => { if (S.tab === "cascades") loadCascades(); }, 2000);
+}
+
+// -- versions --------------------------------------------------------------------------------
+async function loadVersions() {
+  const resp = await fetch("/api/versions").catch(() => null);
+  const body = resp && resp.ok ? await resp.json() : { tasks: [], broken: [], scrape_errors: {} };
+  const tasks = body.tasks || [];
+  const broken = body.broken || [];
+  $("#version-broken").hidden = !broken.length;
+  $("#version-broken").replaceChildren(...(broken.length ? [el("b", { text: `${broken.length} broken version records` }),
+    el("ul", {}, broken.map((b) => el("li", { "data-key": b.key, text: `${b.key}: ${b.reason}` })))] : []));
+  const errs = Object.entries(body.scrape_errors || {});
+  $("#version-errors").hidden = !errs.length;
+  $("#version-errors").textContent = errs.length ? "no counters from: " + errs.map(([s, e]) => `${s} (${e})`).join(", ") : "";
+  const rows = tasks.flatMap((t) => t.versions.map((v) => el("tr", { "data-task": t.task, "data-version": String(v.version),
+    class: `version-${v.state || "gone"}` },
+    el("td", { text: t.owner }), el("td", { text: t.task }),
+    el("td", { text: String(v.version) + (v.version === t.active ? " (active)" : "") }),
+    el("td", { text: (v.state || "no record") + (v.state === "retiring" && v.retire_at ? ` until ${when(v.retire_at)}` : "") }),
+    el("td", { text: v.family || "–" }), el("td", { text: v.state === "building" ? "–" : pct(v.accuracy) }),
+    el("td", { text: pct(v.share), "data-share": String(v.share) }),
+    el("td", { text: String(v.queries), "data-queries": String(v.queries) }),
+    el("td", { text: Object.entries(v.sites || {}).map(([s, n]) => `${s}: ${n}`).join(", ") || "–" }))));
+  const tb = $("#version-table tbody");
+  tb.replaceChildren(...rows);
+  if (!tb.children.length) tb.append(el("tr", {}, el("td", { colspan: 9, class: "muted", text: "no versioned tasks" })));
+  clearTimeout(S.versionsTimer);  // one refresh chain, however often the tab is shown
+  if (S.tab === "versions") S.versionsTimer = setTimeout(() => { if (S.tab === "versions") loadVersions(); }, 2000);
 }
