@@ -219,7 +219,9 @@ class PipelineRefused(RequestError):
     """A pipeline (a task declared as a graph of other tasks, issue 33) the catalog will not register. ``reason``:
     ``unknown_task`` (a stage names no catalogued task), ``cycle`` (a stage is, through pipelines, the pipeline
     itself), ``signature`` (an output does not match the input it feeds: name, dtype or shape), ``table`` (a
-    Switch's class table), ``graph`` (malformed), ``name`` (the task already has variants)."""
+    Switch's class table), ``graph`` (malformed), ``name`` (the task already has variants); when it is measured
+    on labelled rows (``variant_store.pipeline_measure``): ``validation`` (the rows), ``metric`` (its first output
+    is not one score per class), ``nested`` (a stage is itself a pipeline)."""
 
     code = "bad_pipeline"
     http_status = 422

@@ -19,20 +19,29 @@ was measured end to end on a held-out split: ``accuracy`` (None until measured),
 pipeline is served by variants at least as accurate as those it was measured with).
 
 :meth:`PipelineMeta.from_json` reads an entry as hostile input: ``ValueError`` for anything malformed, only that.
+
+How rows run through the graph, in one place for the door that serves a pipeline (``edge_agent.pipeline_exec``) and
+the store that measures one (:mod:`variant_store.pipeline_measure`): :func:`feed` (a stage's inputs by name) and
+:func:`switch_rows` (which rows each branch of a Switch answers), pure, ``MeshError`` for what cannot run.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
+import numpy as np
+
+from mesh.errors import MeshError
 from mesh.types import TaskSignature
 from variant_store.catalog import signature_from_json, signature_to_json
 from variant_store.meta import PUBLIC
 
-__all__ = ["KINDS", "MAX_BRANCHES", "MAX_STAGES", "SCHEMA_VERSION", "Kind", "PipelineMeta", "Stage", "source"]
+__all__ = ["KINDS", "MAX_BRANCHES", "MAX_STAGES", "SCHEMA_VERSION", "Kind", "PipelineMeta", "Stage", "feed", "source",
+           "switch_rows"]
 
 SCHEMA_VERSION = 1
 Kind = Literal["sequence", "switch"]
@@ -53,6 +62,37 @@ def source(ref: str) -> tuple[Literal["input", "prev"], str]:
     if where not in ("input", "prev") or not _TENSOR.fullmatch(name):
         raise ValueError(f"a feed's source is input.<name> or prev.<name>, not {ref[:80]!r}")
     return where, name  # type: ignore[return-value]  # checked just above
+
+
+def feed(stage: Stage, inputs: Mapping[str, np.ndarray], prev: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The stage's inputs, by name, from the pipeline's ``inputs`` and the previous stage's outputs ``prev``."""
+    out: dict[str, np.ndarray] = {}
+    for name, ref in stage.feeds:
+        where, src = source(ref)
+        got = (inputs if where == "input" else prev).get(src)
+        if got is None:
+            raise MeshError(f"no {ref} to feed input {name!r} of stage {stage.task!r}")
+        out[name] = got
+    return out
+
+
+def switch_rows(meta: PipelineMeta, scores: np.ndarray | None, n: int) -> dict[str, np.ndarray]:
+    """The rows each branch of the Switch ``meta`` answers, from its selector's ``select`` output ``scores`` for
+    the ``n`` rows (None: the selector gave none): each row's argmax through the table. Branch task -> its row
+    indices (ascending), branches in the order of their first row. ``MeshError`` when ``scores`` is not
+    (n, classes) or a row picks a class the table does not map."""
+    if scores is None or scores.ndim != 2 or scores.shape[0] != n:
+        got = "nothing" if scores is None else f"{list(scores.shape)}"
+        raise MeshError(f"its output {meta.select!r} is {got}, not ({n}, classes)")
+    picked = np.argmax(scores, axis=1)
+    table = dict(meta.table)
+    unmapped = sorted({int(c) for c in picked} - set(table))
+    if unmapped:
+        raise MeshError(f"it picked class(es) {unmapped[:10]}, which the switch's table does not map")
+    by_task: dict[str, list[int]] = {}
+    for row, c in enumerate(picked.tolist()):
+        by_task.setdefault(table[c], []).append(row)
+    return {task: np.asarray(rows, dtype=np.int64) for task, rows in by_task.items()}
 
 
 @dataclass(frozen=True, slots=True)

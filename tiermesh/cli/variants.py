@@ -132,7 +132,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_commands(vs, add_common, blob_root)
     from tiermesh.cli.pipelines import add_commands as add_pipeline_commands
 
-    add_pipeline_commands(vs, add_common)
+    add_pipeline_commands(vs, add_common, blob_root)
 
 
 async def _register(args: argparse.Namespace) -> int:
