@@ -71,6 +71,7 @@ log = get_logger(__name__)
 # Batching keeps a core busy with several queries in flight; past this many per core the
 # queue wait dominates and routing should look elsewhere.
 INFLIGHT_PER_CORE = 8
+GONE_UNLOAD_S = 10.0  # a loaded variant whose catalog entry is gone is unloaded once unused this long
 SITE_KIND: tuple[Kind, ...] = ("site",)
 
 
@@ -429,7 +430,11 @@ class Agent(AgentTrust, Service):
         for (vid, isolated_for), lv in list(self.host.instances.items()):
             if (vid in wanted and not isolated_for) or lv.batcher.queued_rows:
                 continue
-            if now - lv.last_used > self.cfg.idle_unload_s:
+            # a variant the catalog no longer has (a tenant deleted its task, a version retired) can never be routed
+            # to again: unloaded once nothing has used it for GONE_UNLOAD_S (a query let in just before it went
+            # finishes), not after the idle timeout meant for variants that may be wanted again
+            gone = self.view.variant(lv.meta.task, vid) is None
+            if now - lv.last_used > (GONE_UNLOAD_S if gone else self.cfg.idle_unload_s):
                 await self.host.unload(vid, isolated_for)
 
 

@@ -8,8 +8,10 @@ traffic shares are mirrored into the variants' catalog entries, the new shares u
 Deleting a task takes its variants, registrations, cascades and signature out of the catalog
 (``variant_store.catalog_remove``) and its version record, and then collects its blobs *at once*: every blob a
 removed variant or registration named that no remaining entry names (``BlobStore.remove``). Sites hold their own copy
-of what they loaded, and placement unloads the task as soon as its catalog entries go, so nothing fetches those
+of what they loaded, and placement drops the task as soon as its catalog entries go, so nothing fetches those
 blobs afterwards (a fetch already running fails with a 404 and the variant, gone from the catalog, is not retried).
+No query reaches a removed variant (routing follows the catalog), but a site unloads an instance placement no longer
+names only once it has been idle for its idle-unload time (``AgentConfig.idle_unload_s``, 120 s by default).
 """
 
 from __future__ import annotations
