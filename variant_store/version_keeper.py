@@ -10,8 +10,8 @@ Deleting a task takes its variants, registrations, cascades and signature out of
 removed variant or registration named that no remaining entry names (``BlobStore.remove``). Sites hold their own copy
 of what they loaded, and placement drops the task as soon as its catalog entries go, so nothing fetches those
 blobs afterwards (a fetch already running fails with a 404 and the variant, gone from the catalog, is not retried).
-No query reaches a removed variant (routing follows the catalog), but a site unloads an instance placement no longer
-names only once it has been idle for its idle-unload time (``AgentConfig.idle_unload_s``, 120 s by default).
+No query reaches a removed variant (routing follows the catalog), and a site unloads one once nothing has used it
+for ``edge_agent.agent.GONE_UNLOAD_S`` (10 s), not the idle-unload time of variants still catalogued.
 """
 
 from __future__ import annotations
