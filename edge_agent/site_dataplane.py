@@ -421,7 +421,10 @@ class SiteDataPlane:
             if lv is None:
                 if sender is not None:  # raises Overloaded: the door has caused its share of loads here
                     self.peer_loads.charge(sender, (meta.variant_id, isolated_for))
-                lv = await self.host.ensure_by(meta, req.deadline, isolated_for)
+                try:
+                    lv = await self.host.ensure_by(meta, req.deadline, isolated_for)
+                except PermissionDenied as exc:  # the store's refusal to this site (not placed its tenant yet)
+                    raise BlobError(f"{self.site} may not fetch {meta.variant_id}: {exc.message}") from exc
             lv.touch(time.monotonic())
             result = await lv.batcher.submit(req.inputs, req.deadline, lane=variant_id, tenant=req.tenant)
         except MeshError as exc:

@@ -310,8 +310,9 @@ class TenantBuilder(Service):
                     sandbox = any(k == "*" for k, _ in skipped)
                     raise _Failed("sandbox" if sandbox else "no_variant",
                                   "; ".join(f"{k}: {r}" for k, r in skipped)[:3000] or "no variant could be built")
-                await record.write(state="done", stage="done", progress=1.0, variants=_results(report.built),
-                                   skipped=skipped)
+                # traffic moves to it when it meets the task's accuracy (variant_store.version_keeper) before the
+                # build says done: a tenant that waited for the build finds the version already active (or held)
+                await self.versions.finish(req.task, stamped.version, report.built)
             except BaseException:
                 with contextlib.suppress(Exception):  # the family is free again for the next try
                     await self._unregister(req, task_was_new)
@@ -320,8 +321,7 @@ class TenantBuilder(Service):
             with contextlib.suppress(Exception):  # version N stays active
                 await self.versions.failed(req.task, stamped.version)
             raise
-        # traffic moves to it when it meets the task's accuracy (variant_store.version_keeper)
-        await self.versions.finish(req.task, stamped.version, report.built)
+        await record.write(state="done", stage="done", progress=1.0, variants=_results(report.built), skipped=skipped)
         log.info("build %s done: %d variants of %s/%s for %s (version %d)", req.build_id, len(report.built), req.task,
                  req.family, req.tenant, stamped.version,
                  extra=kv(event="build_done", tenant=req.tenant, task=req.task, build=req.build_id))

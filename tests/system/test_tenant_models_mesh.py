@@ -143,11 +143,13 @@ async def test_acme_registers_a_model_and_queries_it_from_two_edges() -> None:
             try:
                 v2 = await acme.register(TASK, FAMILY2, model=mlp_onnx_bytes(), validation=(split.x_val, split.y_val))
                 done2 = await v2.wait(poll_s=10.0, timeout=300)
+                at_done = await acme.versions(TASK)  # a build says done only once its version took the traffic
                 await asyncio.wait_for(asyncio.shield(querier), MOVE_TIMEOUT_S)
             finally:
                 querier.cancel()
                 await asyncio.gather(querier, return_exceptions=True)
             assert done2["state"] == "done" and done2["variants"], done2
+            assert at_done["active"] == 2, at_done
             assert not failures, (len(failures), len(answered), failures[:5])
             assert answered and answered[-1].startswith(FAMILY2 + "."), answered[-10:]
             first_v2 = next(i for i, v in enumerate(answered) if v.startswith(FAMILY2 + "."))

@@ -15,8 +15,16 @@ import pytest
 from core_scheduler.policy.routing import Decision, RoutingTable
 from edge_agent.demand import DemandMeter
 from edge_agent.paths import ATTEMPT_SLACK_MS, MIN_RETRY_MS, PRIOR_DEV_MS, PathEstimates, attempt_ms
-from edge_agent.site_dataplane import RETRIED, SiteDataPlane
-from mesh.errors import DeadlineExceeded, NoRoute, PayloadTooLarge, PeerUnavailable, RuntimeLoadError
+from edge_agent.site_dataplane import _RETRYABLE, RETRIED, SiteDataPlane
+from mesh.errors import (
+    BlobError,
+    DeadlineExceeded,
+    NoRoute,
+    PayloadTooLarge,
+    PeerUnavailable,
+    PermissionDenied,
+    RuntimeLoadError,
+)
 from mesh.types import BEST_EFFORT_GRACE_MS, SLO, InferRequest, InferResponse, TaskSignature, TensorSpec, Timing
 from mesh.zmq.client import ReplyWait
 from tests.unit.test_routing import ALL, snap
@@ -309,6 +317,27 @@ async def test_a_site_that_cannot_load_the_variant_is_retried_elsewhere() -> Non
     resp = await dp._route(query(500.0), time.monotonic())
     first, second = (s for s, _ in zmq.calls)
     assert first == "mid" and second != "mid" and resp.site == second and resp.reason.endswith(RETRIED)
+
+
+async def test_a_store_refusing_this_site_a_variant_is_a_failure_of_this_site_not_of_the_query() -> None:
+    """A private variant the store will not yet give a site (placement has not placed its tenant there: 403) fails
+    that site's attempt as a BlobError, which the door retries elsewhere, not the caller's PermissionDenied."""
+    from variant_store.meta import VariantMeta
+
+    meta = VariantMeta(task="mine", family="fam", variant_id="v1", format="onnx", precision="fp32",
+                       runtime="onnxruntime", blob_digest="a" * 64, size_bytes=1, accuracy=0.9, owner="acme")
+
+    async def refused(*_a: Any, **_k: Any) -> Any:
+        raise PermissionDenied("spiffe://tiermesh/site/core may not read blob aaaa", reason="private_variant")
+
+    view: Any = SimpleNamespace(variant=lambda task, vid: meta, topology=None)
+    host: Any = SimpleNamespace(instances={}, ensure_by=refused)
+    dp = SiteDataPlane("core", view, host, FakeZmq({}), table=lambda: None,  # type: ignore[arg-type]
+                       peer_endpoint=lambda s: None, demand=DemandMeter())
+    req = InferRequest.entering("mine", {"x": np.zeros((1, 2), np.float32)}, SLO(1000.0, 0.5), "acme")
+    with pytest.raises(BlobError, match="core may not fetch v1") as err:
+        await dp._serve_local(req, "v1", "local", False, time.monotonic())
+    assert isinstance(err.value, _RETRYABLE)
 
 
 async def test_the_door_counts_a_many_row_request_in_a_demand_class_of_its_own() -> None:
