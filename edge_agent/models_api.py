@@ -2,10 +2,13 @@
 (the client certificate's, as for inference; without TLS the tenant header), and the variant store builds it as
 tracked work (``variant_store.tenant_builds``).
 
-    POST /v2/models/{task}/versions?family=F
+    POST /v2/models/{task}/versions?family=F[&min_accuracy=A]
          multipart/form-data with two parts, each a file: ``model`` (the parent ONNX model) and ``validation`` (an
          NPZ with ``x``, one row per example, and ``y``, integer labels; optional ``calib_count``: rows before it
-         calibrate INT8 and are never scored); 202 {"id", "state": "queued", ...} once both are stored
+         calibrate INT8 and are never scored); 202 {"id", "state": "queued", ...} once both are stored.
+         ``min_accuracy`` (in [0, 1]) declares the task's accuracy bar: this version, and every later one until
+         another declaration, takes traffic only when one of its variants meets it (``variant_store.versions``);
+         the build's status says whether its version became ``active`` or was ``held``, and why
     GET  /v2/models/{task}/builds                   the caller's builds of the task
     GET  /v2/builds                                 the caller's builds
     GET  /v2/models/{task}/builds/{id}              state, stage, progress, each variant's accuracy, size and p50
@@ -17,17 +20,18 @@ tracked work (``variant_store.tenant_builds``).
                                                     after revision R (a status's ``revision``; default now), or after
                                                     S seconds (at most 60), or at once when it is finished
 
-A tenant sees only its own builds (another's id is a 404, as an unknown one). Admission, in order, before a byte of
-the body is read: an unknown tenant (403), a task or family name that is not ``[A-Za-z0-9][A-Za-z0-9_-]*`` (400), a
-task holding another owner's variants or models (public or another tenant's: 403, a tenant adds only to its own
-private tasks, new or existing), a task another tenant is registering now (409), a family used by another task, or
-registered already, or being built (409); then each part is streamed to a spool file (hashed as it arrives, never
-whole in memory; over ``max_model_bytes`` / ``max_validation_bytes``: 413), the model checked in a sandboxed child
-(``variant_store.model_check.check_upload``: 422 with its ``reason``; the store checks it again before building),
-the validation set scanned without trusting it (``mesh.buildspec.scan_validation``: 400), both stored in the tenant's
-data area (content-addressed; over the tenant's quota: 413 naming it), then the build request in etcd
-(``core_scheduler.state.builds``). Two registrations racing for one new task or family both pass the door; the
-store builds one at a time and refuses the second (``task_owned`` / ``family_used``).
+A tenant sees only its own builds (another's id is a 404, as an unknown one). Admission, in order, before a byte of the
+body is read: an unknown tenant (403), a task or family name that is not ``[A-Za-z0-9][A-Za-z0-9_-]*``, or a
+``min_accuracy`` that is not a number in [0, 1] (400), a task holding another owner's variants or models (public or
+another tenant's: 403, a tenant adds only to its own private tasks, new or existing), a task another tenant is
+registering now (409), a family used by another task, or registered already, or being built (409); then each part is
+streamed to a spool file (hashed as it arrives, never whole in memory; over ``max_model_bytes`` /
+``max_validation_bytes``: 413), the model checked in a sandboxed child (``variant_store.model_check.check_upload``: 422
+with its ``reason``; the store checks it again before building), the validation set scanned without trusting it
+(``mesh.buildspec.scan_validation``: 400), both stored in the tenant's data area (content-addressed; over the tenant's
+quota: 413 naming it), then the build request in etcd (``core_scheduler.state.builds``). Two registrations racing for
+one new task or family both pass the door; the store builds one at a time and refuses the second (``task_owned`` /
+``family_used``).
 
 An input stored before a later refusal (the validation set over quota after the model was stored) stays in the data
 area until retention collects it.
@@ -52,7 +56,7 @@ from core_scheduler.state.builds import BuildBook, BuildView
 from core_scheduler.state.view import MeshView
 from edge_agent.job_follow import since_of, wait_s_of
 from edge_agent.model_versions import ModelVersions
-from mesh.buildspec import BuildRequest, is_build_id, is_name, scan_validation
+from mesh.buildspec import BuildRequest, declared_accuracy, is_build_id, is_name, scan_validation
 from mesh.errors import (
     CatalogError,
     ConflictError,
@@ -152,6 +156,7 @@ class ModelsApi:
             if not is_name(name):
                 raise RequestError(f"{what} name {name[:60]!r} must be 1-128 of letters, digits, '_' and '-', "
                                    f"starting with a letter or digit (pass ?family=NAME)")
+        min_accuracy = declared_accuracy(request.query.get("min_accuracy"))
         await self._admissible(tenant, task, family)
         limit = self.max_model_bytes + self.max_validation_bytes + (1 << 20)
         if request.content_length is not None and request.content_length > limit:
@@ -193,13 +198,15 @@ class ModelsApi:
                     os.unlink(path)
         req = BuildRequest(build_id=uuid.uuid4().hex, tenant=tenant, task=task, family=family,
                            model_digest=model_digest, model_bytes=model_size, validation_digest=val_digest,
-                           validation_bytes=val_size, rows=rows, door=self.site, created=time.time())
+                           validation_bytes=val_size, rows=rows, door=self.site, created=time.time(),
+                           min_accuracy=min_accuracy)
         await self.builds.create(req)
         log.info("build %s admitted: %s/%s", req.build_id, task, family,
                  extra=kv(tenant=tenant, event="build_admitted", task=task, build=req.build_id, size=model_size))
         return web.json_response({"id": req.build_id, "task": task, "family": family, "state": "queued",
-                                  "rows": rows, "model": {"nodes": summary.nodes, "opset": summary.opset,
-                                                          "bytes": summary.file_bytes}}, status=202)
+                                  "rows": rows, "min_accuracy": min_accuracy,
+                                  "model": {"nodes": summary.nodes, "opset": summary.opset,
+                                            "bytes": summary.file_bytes}}, status=202)
 
     async def _spool(self, part: BodyPartReader, name: str, cap: int) -> tuple[Path, str, int]:
         """One part on disk (hashed as it arrives; at most ``cap`` bytes): (path, sha256, size)."""

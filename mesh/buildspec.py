@@ -4,8 +4,10 @@ JSON, the state rules, and the bounded scan of an uploaded validation set.
 Two records per build, split by who writes them (``mesh.etcd.keys``, ``mesh.etcd.rbac``):
 
 - :class:`BuildRequest` at ``builds/<tenant>/<id>``: what a door admitted (the task, the family, the digests of the
-  parent model and the validation set in the tenant's data area). Written once; any site may write ``builds/``.
-- :class:`BuildState` at ``buildstate/<id>``: the build's state, progress, each variant's results and the error.
+  parent model and the validation set in the tenant's data area, and the task's accuracy bar when the tenant declared
+  one). Written once; any site may write ``builds/``.
+- :class:`BuildState` at ``buildstate/<id>``: the build's state, progress, each variant's results and the error; once
+  done, the version it made and whether traffic moved to it (``active``) or not (``held``) and why.
   Only the variant store writes ``buildstate/``, so a site cannot mark a build done with results nobody measured.
 
 States: ``queued`` (no state record yet) -> ``running`` (the store claimed it) -> ``done`` | ``failed``. Every change
@@ -13,8 +15,9 @@ is a compare-and-swap (:func:`transition_ok` says which are allowed); ``done`` a
 ``running`` build whose record was not touched for ``stale_s`` (its store died mid-build) may be claimed again
 (:func:`claimable`).
 
-Units and conventions (one place): times are the writer's wall clock in epoch seconds; ``progress`` is a fraction in
-[0, 1]; sizes are bytes; latencies are milliseconds (p50) per batch size per hardware class.
+Units and conventions (one place): times are the writer's wall clock in epoch seconds; ``progress`` and accuracies
+(``min_accuracy``, a variant's ``accuracy``) are fractions in [0, 1]; sizes are bytes; latencies are milliseconds (p50)
+per batch size per hardware class.
 
 Both records are decoded as hostile input (a site wrote one, and etcd is shared): ``from_json`` raises
 ``ProtocolError`` and nothing else, whatever the value.
@@ -27,7 +30,7 @@ import re
 import zipfile
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal, cast, get_args
 
 from mesh.errors import ProtocolError, RequestError
 from mesh.fields import field as _get
@@ -36,11 +39,14 @@ from mesh.fields import number as _num
 from mesh.fields import record
 
 __all__ = ["BUILD_STATES", "SCHEMA", "BuildRequest", "BuildState", "BuildStateName", "ValidationSummary",
-           "VariantResult", "build_status", "claimable", "is_build_id", "is_name", "scan_validation", "transition_ok"]
+           "VariantResult", "VersionOutcome", "build_status", "claimable", "declared_accuracy", "is_build_id",
+           "is_name", "scan_validation", "transition_ok"]
 
 SCHEMA = 1
 BuildStateName = Literal["queued", "running", "done", "failed"]
 BUILD_STATES: tuple[str, ...] = get_args(BuildStateName)
+VersionOutcome = Literal["", "active", "held"]  # a done build's version: "" before it is done (or an older record)
+_VERSION_OUTCOMES: tuple[str, ...] = get_args(VersionOutcome)
 TERMINAL = frozenset({"done", "failed"})
 MAX_TEXT = 4000          # an error or a reason kept in a record (the sandbox quotes a stderr tail)
 MAX_VARIANTS = 64
@@ -54,6 +60,21 @@ _TEXT_DTYPES = "biuf"    # a validation set's x: numbers (bool, ints, floats); y
 def is_build_id(text: str) -> bool:
     """A build id: 32 lowercase hex characters (a uuid4's hex); also guards keys."""
     return bool(_ID.match(text))
+
+
+def declared_accuracy(raw: str | None) -> float | None:
+    """The accuracy bar a registration declares for its task (the ``min_accuracy`` query parameter): None when absent,
+    else a number in [0, 1]; ``RequestError`` naming ``min_accuracy`` otherwise. The door's one check: the request
+    carries the float, and its decoder (:meth:`BuildRequest.from_json`) checks the same range as hostile input."""
+    if raw is None:
+        return None
+    try:
+        v = float(raw)
+    except (ValueError, OverflowError) as exc:
+        raise RequestError(f"min_accuracy must be a number in [0, 1], got {raw[:40]!r}") from exc
+    if not 0.0 <= v <= 1.0:  # nan fails both comparisons
+        raise RequestError(f"min_accuracy must be a number in [0, 1], got {raw[:40]!r}")
+    return v
 
 
 def is_name(text: str) -> bool:
@@ -97,9 +118,13 @@ class BuildRequest:
     rows: int
     door: str
     created: float
+    min_accuracy: float | None = None  # the task's accuracy bar the tenant declared (None: none declared)
 
     def to_json(self) -> dict[str, Any]:
-        return {"schema": SCHEMA, **asdict(self)}
+        out = {"schema": SCHEMA, **asdict(self)}
+        if self.min_accuracy is None:
+            del out["min_accuracy"]  # as a request written before the field: every reader decodes it
+        return out
 
     @classmethod
     def from_json(cls, value: Any) -> BuildRequest:
@@ -113,7 +138,9 @@ class BuildRequest:
                        validation_digest=_match(d, "validation_digest", w, _DIGEST),
                        validation_bytes=_int(d, "validation_bytes", w, 1, 1 << 40),
                        rows=_int(d, "rows", w, 2, 1 << 40), door=_match(d, "door", w, _NAME),
-                       created=_num(d, "created", w, 0.0, 1e12))
+                       created=_num(d, "created", w, 0.0, 1e12),
+                       min_accuracy=None if d.get("min_accuracy") is None
+                       else _num(d, "min_accuracy", w, 0.0, 1.0))
         except ProtocolError:
             raise
         except Exception as exc:  # RecursionError, OverflowError...: whatever the value, one error type
@@ -178,6 +205,9 @@ class BuildState:
     worker: str = ""           # the store that runs it
     started: float = 0.0
     updated: float = 0.0
+    version: int = 0           # done: the version of the task the build made (0: not yet, or an older record)
+    version_state: VersionOutcome = ""  # done: "active" (traffic moved to it) or "held" (it did not)
+    version_note: str = ""     # why, e.g. "best 0.91 < declared 0.95"
 
     @property
     def terminal(self) -> bool:
@@ -187,7 +217,8 @@ class BuildState:
         return {"schema": SCHEMA, "build_id": self.build_id, "tenant": self.tenant, "state": self.state,
                 "stage": self.stage, "progress": self.progress, "variants": [v.to_json() for v in self.variants],
                 "skipped": [{"kind": k, "reason": r} for k, r in self.skipped], "error": self.error,
-                "reason": self.reason, "worker": self.worker, "started": self.started, "updated": self.updated}
+                "reason": self.reason, "worker": self.worker, "started": self.started, "updated": self.updated,
+                "version": self.version, "version_state": self.version_state, "version_note": self.version_note}
 
     def but(self, **changes: Any) -> BuildState:
         return replace(self, **changes)
@@ -208,12 +239,18 @@ class BuildState:
                 if not isinstance(s, dict):
                     raise ProtocolError(f"{w}: a skipped kind is not an object")
                 pairs.append((_text(s, "kind", w)[:100], _text(s, "reason", w)))
+            version_state = _text(d, "version_state", w)
+            if version_state not in _VERSION_OUTCOMES:
+                raise ProtocolError(f"{w}: version_state {version_state[:20]!r} is not active or held")
             return cls(build_id=_match(d, "build_id", w, _ID), tenant=_match(d, "tenant", w, _NAME), state=state,
                        stage=_text(d, "stage", w)[:40], progress=_num(d, "progress", w, 0.0, 1.0),
                        variants=tuple(VariantResult.from_json(v) for v in variants), skipped=tuple(pairs),
                        error=_text(d, "error", w), reason=_text(d, "reason", w)[:60],
                        worker=_text(d, "worker", w)[:128],
-                       started=_num(d, "started", w, 0.0, 1e12), updated=_num(d, "updated", w, 0.0, 1e12))
+                       started=_num(d, "started", w, 0.0, 1e12), updated=_num(d, "updated", w, 0.0, 1e12),
+                       version=_int(d, "version", w, 0, 1 << 31) if "version" in d else 0,
+                       version_state=cast(VersionOutcome, version_state),
+                       version_note=_text(d, "version_note", w))
         except ProtocolError:
             raise
         except Exception as exc:  # RecursionError, OverflowError...: whatever the value, one error type
@@ -245,11 +282,14 @@ def build_status(req: BuildRequest, st: BuildState | None) -> dict[str, Any]:
     out: dict[str, Any] = {"id": req.build_id, "task": req.task, "family": req.family, "state": "queued",
                            "stage": "", "progress": 0.0, "variants": [], "skipped": [], "error": "", "reason": "",
                            "created": req.created, "updated": req.created, "rows": req.rows,
-                           "model_digest": req.model_digest, "validation_digest": req.validation_digest}
+                           "model_digest": req.model_digest, "validation_digest": req.validation_digest,
+                           "min_accuracy": req.min_accuracy, "version": None, "version_state": "",
+                           "version_note": ""}
     if st is not None:
         j = st.to_json()
         out.update({k: j[k] for k in ("state", "stage", "progress", "variants", "skipped", "error", "reason",
-                                      "updated")})
+                                      "updated", "version_state", "version_note")})
+        out["version"] = st.version or None
     return out
 
 

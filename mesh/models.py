@@ -8,7 +8,10 @@
     models = Models(url, tenant="acme")    # the same, on a private loop thread
     models.register(task, family, model=b"...", validation=Path("val.npz")).wait()
 
-``model``: a path to an ONNX file (streamed from disk) or its bytes. ``validation``: a path to an NPZ with ``x`` and
+``min_accuracy`` (optional, in [0, 1]) declares the task's accuracy bar: the new version takes traffic only when one
+of its variants meets it, else it is held; the finished build's ``version``, ``version_state`` (``active`` or
+``held``) and ``version_note`` (e.g. ``best 0.91 < declared 0.95``) say which. ``model``: a path to an ONNX file
+(streamed from disk) or its bytes. ``validation``: a path to an NPZ with ``x`` and
 ``y`` (streamed), its bytes, or an ``(x, y)`` pair of arrays (sent as such an NPZ). An error reply becomes the
 ``MeshError`` its code names: a model the checks refuse ``ModelRejected`` (its ``reason`` detail says which check), a
 task that is not the tenant's ``PermissionDenied``, a family in use ``ConflictError``, inputs over the tenant's quota
@@ -74,9 +77,15 @@ class AsyncModels(EdgeApi):
     def __init__(self, base_url: str, *, timeout: float = 600.0, **kwargs: Any) -> None:
         super().__init__(base_url, timeout=timeout, **kwargs)
 
-    async def register(self, task: str, family: str, *, model: Any, validation: Any) -> AsyncBuild:
+    async def register(self, task: str, family: str, *, model: Any, validation: Any,
+                       min_accuracy: float | None = None) -> AsyncBuild:
         """Upload the parent ``model`` and its labelled ``validation`` set as ``family`` of the caller's private
-        ``task`` (new or its own); the build that the variant store then runs."""
+        ``task`` (new or its own); the build that the variant store then runs. ``min_accuracy``: the task's
+        accuracy bar, declared (the edge checks it: ``RequestError`` outside [0, 1]); None keeps the one declared
+        before, if any."""
+        params = {"family": family}
+        if min_accuracy is not None:
+            params["min_accuracy"] = str(min_accuracy)  # as given: the edge's check is the one
         parts = {"model": _part(model, "model"), "validation": _part(validation, "validation")}
         files = []
         try:
@@ -88,7 +97,7 @@ class AsyncModels(EdgeApi):
                     value = f
                 form.add_field(name, value, filename=f"{name}.bin", content_type="application/octet-stream")
             admitted: dict[str, Any] = await self._call("POST", f"/v2/models/{task}/versions", data=form,
-                                                        params={"family": family})
+                                                        params=params)
         finally:
             for f in files:
                 f.close()
@@ -171,8 +180,10 @@ class Models(SyncEdgeApi):
     def __init__(self, base_url: str, **kwargs: Any) -> None:
         super().__init__(AsyncModels(base_url, **kwargs), "models")
 
-    def register(self, task: str, family: str, *, model: Any, validation: Any) -> Build:
-        return Build(self, self._run(self._async.register(task, family, model=model, validation=validation)))
+    def register(self, task: str, family: str, *, model: Any, validation: Any,
+                 min_accuracy: float | None = None) -> Build:
+        return Build(self, self._run(self._async.register(task, family, model=model, validation=validation,
+                                                          min_accuracy=min_accuracy)))
 
     def build(self, task: str, build_id: str) -> Build:
         return Build(self, self._async.build(task, build_id))

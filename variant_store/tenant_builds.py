@@ -287,7 +287,8 @@ class TenantBuilder(Service):
             await self.catalog.get_model(req.task, req.family)
             raise _Failed("family_used", f"family {req.family!r} is already registered for task {req.task!r}: "
                           f"register the model under a new family name")
-        stamped = await self.versions.begin(req.tenant, req.task, req.family)  # version N+1, share 0 while N serves
+        # version N+1, share 0 while N serves or while a declared bar is to be met
+        stamped = await self.versions.begin(req.tenant, req.task, req.family, req.min_accuracy)
         try:
             try:
                 await register_model(stamped, self.blobs, model_path, val_path, req.task, req.family,
@@ -311,8 +312,9 @@ class TenantBuilder(Service):
                     raise _Failed("sandbox" if sandbox else "no_variant",
                                   "; ".join(f"{k}: {r}" for k, r in skipped)[:3000] or "no variant could be built")
                 # traffic moves to it when it meets the task's accuracy (variant_store.version_keeper) before the
-                # build says done: a tenant that waited for the build finds the version already active (or held)
-                await self.versions.finish(req.task, stamped.version, report.built)
+                # build says done: a tenant that waited for the build finds the version already active (or held),
+                # and the done state says which and why
+                outcome = await self.versions.finish(req.task, stamped.version, report.built, req.min_accuracy)
             except BaseException:
                 with contextlib.suppress(Exception):  # the family is free again for the next try
                     await self._unregister(req, task_was_new)
@@ -321,9 +323,13 @@ class TenantBuilder(Service):
             with contextlib.suppress(Exception):  # version N stays active
                 await self.versions.failed(req.task, stamped.version)
             raise
-        await record.write(state="done", stage="done", progress=1.0, variants=_results(report.built), skipped=skipped)
-        log.info("build %s done: %d variants of %s/%s for %s (version %d)", req.build_id, len(report.built), req.task,
-                 req.family, req.tenant, stamped.version,
+        info = outcome.versions.get(stamped.version) if outcome is not None else None
+        state, note = (info.state, info.note) if info is not None else ("", "")
+        await record.write(state="done", stage="done", progress=1.0, variants=_results(report.built), skipped=skipped,
+                           version=stamped.version, version_state=state if state in ("active", "held") else "",
+                           version_note=note)
+        log.info("build %s done: %d variants of %s/%s for %s (version %d, %s)", req.build_id, len(report.built),
+                 req.task, req.family, req.tenant, stamped.version, state or "state unknown",
                  extra=kv(event="build_done", tenant=req.tenant, task=req.task, build=req.build_id))
 
     async def _unregister(self, req: BuildRequest, task_was_new: bool) -> None:

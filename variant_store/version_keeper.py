@@ -33,9 +33,9 @@ from variant_store.versions import (
     VersionInfo,
     VersionRecord,
     due_retirements,
+    move_verdict,
     next_version,
     normalise_weights,
-    required_accuracy,
     shares_of,
 )
 
@@ -104,8 +104,9 @@ class VersionKeeper:
         raise MeshError(f"the version record of task {task!r} kept changing: giving up", task=task)
 
     # -- builds ----------------------------------------------------------------------------------------------
-    async def begin(self, tenant: str, task: str, family: str) -> StampedCatalog:
-        """Number a build of ``family`` and the catalog it writes through: share 0 while another version serves."""
+    async def begin(self, tenant: str, task: str, family: str, min_accuracy: float | None = None) -> StampedCatalog:
+        """Number a build of ``family`` and the catalog it writes through: share 0 while another version serves, or
+        while the version has a bar to meet (``min_accuracy``, this registration's, or one declared before)."""
         numbered: list[int] = []
         seed = await self._seed(tenant, task)
 
@@ -118,7 +119,8 @@ class VersionKeeper:
         rec = await self._update(task, change)
         assert rec is not None
         version = numbered[0]
-        return StampedCatalog(self.catalog, version, 0.0 if rec.active else 1.0)
+        waits = rec.active or min_accuracy is not None or rec.min_accuracy is not None
+        return StampedCatalog(self.catalog, version, 0.0 if waits else 1.0)
 
     async def _seed(self, tenant: str, task: str) -> VersionRecord:
         """The record of a task registered before versions were kept: each registration its own version (its
@@ -145,37 +147,49 @@ class VersionKeeper:
             return rec.with_version(version, VersionInfo(rec.versions[version].family, "failed"))
         await self._update(task, change)
 
-    async def finish(self, task: str, version: int, built: Sequence[VariantMeta]) -> VersionRecord | None:
-        """``version`` is built: active (traffic moves) when one variant meets the task's accuracy, else held."""
+    async def finish(self, task: str, version: int, built: Sequence[VariantMeta],
+                     min_accuracy: float | None = None) -> VersionRecord | None:
+        """``version`` is built: active (traffic moves) when one variant meets the task's accuracy, else held
+        (:func:`variant_store.versions.move_verdict`; its words are the version's ``note``). ``min_accuracy``: the bar
+        this registration declared, the task's from now on (None: the one declared before, if any, stays)."""
         rec, _ = await self.read(task)
         if rec is None or version not in rec.versions:
             return rec
+        if min_accuracy is not None:
+            rec = rec.but(min_accuracy=min_accuracy)
         best = max((m.accuracy for m in built), default=0.0)
-        old = rec.active
-        moves = not old or best >= required_accuracy(rec) - 1e-9
+        moves, note = move_verdict(rec, version, best)
+
+        def declared(r: VersionRecord) -> VersionRecord:
+            return r if min_accuracy is None else r.but(min_accuracy=min_accuracy)
+
         if not moves:
-            log.info("version %d of %s is below the task's accuracy (%.4f < %.4f): held", version, task, best,
-                     required_accuracy(rec), extra=kv(task=task, event="version_held"))
+            log.info("version %d of %s is below the task's accuracy (%s): held", version, task, note,
+                     extra=kv(task=task, event="version_held"))
 
             def held(r: VersionRecord | None) -> VersionRecord | None:
                 if r is None or version not in r.versions:
                     return None
-                return r.with_version(version, VersionInfo(r.versions[version].family, "held", best))
-            return await self._update(task, held)
+                return declared(r).with_version(version, VersionInfo(r.versions[version].family, "held", best,
+                                                                     note=note))
+            new = await self._update(task, held)
+            await self._set_share(task, version, 0.0)  # had the bar changed since begin, it was catalogued at share 1
+            return new
         await self._set_share(task, version, 1.0)  # the new one up first: never a task with nothing to serve
         now = time.time()
 
         def moved(r: VersionRecord | None) -> VersionRecord | None:
             if r is None or version not in r.versions:
                 return None
-            out = r.with_version(version, VersionInfo(r.versions[version].family, "active", best))
+            out = declared(r).with_version(version, VersionInfo(r.versions[version].family, "active", best,
+                                                                note=note))
             if r.active and r.active != version:
                 out = out.with_version(r.active, VersionInfo(r.versions[r.active].family, "retiring",
                                                              r.versions[r.active].accuracy, now + self.grace_s))
             return out.but(active=version, weights={})
         new = await self._update(task, moved)
         await self._apply_shares(task, new)
-        log.info("traffic of %s moved to version %d (accuracy %.4f)", task, version, best,
+        log.info("traffic of %s moved to version %d (%s)", task, version, note,
                  extra=kv(task=task, event="version_active"))
         return new
 

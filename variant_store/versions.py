@@ -2,18 +2,23 @@
 
 Each registration of a tenant's task is a version (1, 2, ...). ``versions/<task>`` (the store's alone to write:
 ``mesh.etcd.rbac``) holds a :class:`VersionRecord`: every version's family, best measured accuracy and state, the
-*active* version, and the traffic split when the tenant set one. Routing does not follow that key: the store
-mirrors each version's traffic share into its variants' catalog entries (``VariantMeta.share``, with
-``VariantMeta.version``), which every agent's view already follows, so the router's version filter
-(``core_scheduler.policy.versions``) needs no other watch and sees a move the moment the catalog does.
+*active* version, the traffic split when the tenant set one, and the task's accuracy bar when the tenant declared one
+(``min_accuracy`` on a registration; the latest declaration wins, a registration without one keeps it). Routing does
+not follow that key: the store mirrors each version's traffic share into its variants' catalog entries
+(``VariantMeta.share``, with ``VariantMeta.version``), which every agent's view already follows, so the router's
+version filter (``core_scheduler.policy.versions``) needs no other watch and sees a move the moment the catalog does.
 
 Lifecycle of version N+1 while N is active (the I/O is :mod:`variant_store.version_keeper`)::
 
-    building   N+1's variants are catalogued with share 0: traffic stays on N
-    active     once built, when one of its variants meets the task's accuracy (:func:`required_accuracy`, the best
-               of N): its variants' shares go to 1 first, then N's to 0, so a router never sees a task without a
-               version to serve; N becomes ``retiring``
-    held       built but below the accuracy: catalogued with share 0 (a tenant may still split traffic to it)
+    building   N+1's variants are catalogued with share 0: traffic stays on N (share 1 for a first version, unless a
+               bar is declared: then it waits, as any version, to meet it)
+    active     once built, when one of its variants meets the task's accuracy (:func:`required_accuracy`: the declared
+               bar, else the best of N; a first version with no bar declared always): its variants' shares go to 1
+               first, then N's to 0, so a router never sees a task without a version to serve; N becomes ``retiring``
+    held       built but below the accuracy: catalogued with share 0 (a tenant may still split traffic to it); N, if
+               any, stays active. ``note`` says why (``best 0.91 < declared 0.95``), as the build's state does. A
+               held first version leaves the task with no active version and no traffic: routing refuses its queries
+               ``no_route`` unless they pin a version (``core_scheduler.policy.versions.pick_version``)
     failed     the build failed: its variants are removed, N stays active
     retiring   removed from the catalog ``grace_s`` after the move (a fixed grace, not in-flight counts: a query
                routed to N before the move finishes within its SLO, at most ``mesh.types.MAX_LATENCY_MS``, so the
@@ -33,11 +38,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, cast, get_args
 
 __all__ = ["MAX_VERSIONS", "ModelOp", "VersionInfo", "VersionRecord", "VersionState", "due_retirements",
-           "next_version", "normalise_weights", "required_accuracy", "shares_of"]
+           "move_verdict", "next_version", "normalise_weights", "required_accuracy", "shares_of"]
 
 VersionState = Literal["building", "active", "held", "failed", "retiring", "retired"]
 OpKind = Literal["traffic", "delete"]
 MAX_VERSIONS = 10_000
+_MAX_NOTE = 256
+_ACCURACY_SLACK = 1e-9  # a best equal to the bar up to float rounding meets it
 _SERVABLE = ("active", "held", "retiring")  # catalogued: a split may name them
 
 
@@ -57,6 +64,12 @@ def _str(value: Any, name: str) -> str:
     if not isinstance(value, str) or not value or len(value) > 256:
         raise ValueError(f"{name} must be a non-empty string of at most 256 characters")
     return value
+
+
+def _note(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError("a version's note must be a string")
+    return value[:_MAX_NOTE]
 
 
 def _object(value: Any, name: str) -> dict[str, Any]:
@@ -81,9 +94,11 @@ class VersionInfo:
     state: VersionState
     accuracy: float = 0.0      # the best of its variants' measured accuracies (0 until built)
     retire_at: float = 0.0     # when a retiring version is removed (unix seconds)
+    note: str = ""             # why it became active or held, once built (e.g. "best 0.91 < declared 0.95")
 
     def to_json(self) -> dict[str, Any]:
-        return {"family": self.family, "state": self.state, "accuracy": self.accuracy, "retire_at": self.retire_at}
+        out = {"family": self.family, "state": self.state, "accuracy": self.accuracy, "retire_at": self.retire_at}
+        return {**out, "note": self.note} if self.note else out
 
     @classmethod
     def from_json(cls, data: Any) -> VersionInfo:
@@ -93,23 +108,27 @@ class VersionInfo:
             raise ValueError(f"a version's state is one of {get_args(VersionState)}")
         return cls(family=_str(d.get("family"), "family"), state=cast(VersionState, state),
                    accuracy=_float(d.get("accuracy", 0.0), "accuracy"),
-                   retire_at=_float(d.get("retire_at", 0.0), "retire_at", 1e12))
+                   retire_at=_float(d.get("retire_at", 0.0), "retire_at", 1e12),
+                   note=_note(d.get("note", "")))
 
 
 @dataclass(frozen=True, slots=True)
 class VersionRecord:
-    """``versions/<task>``: a tenant task's versions, the active one (0: none yet) and the split (empty: none)."""
+    """``versions/<task>``: a tenant task's versions, the active one (0: none yet), the split (empty: none) and the
+    accuracy bar the tenant declared (None: none; a record written before the field decodes so)."""
 
     task: str
     owner: str
     active: int = 0
     versions: Mapping[int, VersionInfo] = field(default_factory=dict)
     weights: Mapping[int, float] = field(default_factory=dict)
+    min_accuracy: float | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"task": self.task, "owner": self.owner, "active": self.active,
-                "versions": {str(v): i.to_json() for v, i in sorted(self.versions.items())},
-                "weights": {str(v): w for v, w in sorted(self.weights.items())}}
+        out = {"task": self.task, "owner": self.owner, "active": self.active,
+               "versions": {str(v): i.to_json() for v, i in sorted(self.versions.items())},
+               "weights": {str(v): w for v, w in sorted(self.weights.items())}}
+        return out if self.min_accuracy is None else {**out, "min_accuracy": self.min_accuracy}
 
     @classmethod
     def from_json(cls, data: Any) -> VersionRecord:
@@ -121,8 +140,10 @@ class VersionRecord:
         active = _int(d.get("active", 0), "active", 0, MAX_VERSIONS)
         if active and active not in versions:
             raise ValueError(f"the active version {active} is not among the versions")
+        bar = d.get("min_accuracy")
         return cls(task=_str(d.get("task"), "task"), owner=_str(d.get("owner"), "owner"), active=active,
-                   versions=versions, weights=_weights(d.get("weights", {})))
+                   versions=versions, weights=_weights(d.get("weights", {})),
+                   min_accuracy=None if bar is None else _float(bar, "min_accuracy"))
 
     def but(self, **changes: Any) -> VersionRecord:
         return replace(self, **changes)
@@ -133,11 +154,12 @@ class VersionRecord:
     def to_summary(self) -> dict[str, Any]:
         """What a tenant sees (``GET /v2/models/{task}/versions``)."""
         shares = shares_of(self)
-        return {"task": self.task, "active": self.active or None,
+        return {"task": self.task, "active": self.active or None, "min_accuracy": self.min_accuracy,
                 "traffic": {str(v): w for v, w in sorted(shares.items())},
                 "versions": [{"version": v, "family": i.family, "state": i.state, "accuracy": i.accuracy,
                               "share": shares.get(v, 0.0),
-                              **({"retire_at": i.retire_at} if i.state == "retiring" else {})}
+                              **({"retire_at": i.retire_at} if i.state == "retiring" else {}),
+                              **({"note": i.note} if i.note else {})}
                              for v, i in sorted(self.versions.items())]}
 
 
@@ -184,10 +206,31 @@ def next_version(record: VersionRecord | None) -> int:
 
 
 def required_accuracy(record: VersionRecord | None) -> float:
-    """What a new version must reach for traffic to move to it: the active version's best accuracy (0: none)."""
-    if record is None or not record.active:
+    """What a new version must reach for traffic to move to it: the bar the tenant declared when it declared one,
+    else the active version's best accuracy (0: none active)."""
+    if record is None:
+        return 0.0
+    if record.min_accuracy is not None:
+        return record.min_accuracy
+    if not record.active:
         return 0.0
     return record.versions[record.active].accuracy
+
+
+def move_verdict(record: VersionRecord, version: int, best: float) -> tuple[bool, str]:
+    """Whether traffic moves to ``version`` of ``record`` now built with ``best`` accuracy, and why (the words a
+    tenant reads in the version's ``note`` and its build's state): with a declared bar, when ``best`` meets it (a
+    first version too); without one, a first version always, a later one when ``best`` meets the active one's."""
+    bar = required_accuracy(record)
+    if record.min_accuracy is not None:
+        what = "declared"
+    elif record.active and record.active != version:
+        what = f"version {record.active}'s"
+    else:
+        return True, f"best {best:.4g}: the task's first version"
+    if best >= bar - _ACCURACY_SLACK:
+        return True, f"best {best:.4g} >= {what} {bar:.4g}"
+    return False, f"best {best:.4g} < {what} {bar:.4g}"
 
 
 def shares_of(record: VersionRecord) -> dict[int, float]:

@@ -12,7 +12,7 @@ import pytest
 from core_scheduler.policy.routing import Query, RoutingTable
 from core_scheduler.policy.snapshot import MeshSnapshot, SiteInfo, SiteLoad, VariantInfo
 from core_scheduler.policy.versions import pick_version, version_shares
-from mesh.errors import UnknownTask
+from mesh.errors import NoRoute, UnknownTask
 from variant_store.meta import VariantMeta
 from variant_store.versions import (
     ModelOp,
@@ -41,7 +41,6 @@ PICKS = [
     ({1: 0.0, 2: 1.0}, None, 0.0, 2),          # moved
     ({1: 0.9, 2: 0.1}, None, 0.89, 1),
     ({1: 0.9, 2: 0.1}, None, 0.91, 2),
-    ({1: 0.0, 2: 0.0}, None, 0.3, 2),          # no share anywhere: the newest, never a refusal
     ({1: 0.0, 2: 1.0}, 1, 0.5, 1),             # a pin wins over the split
 ]
 
@@ -54,6 +53,14 @@ def test_pick_version(shares: dict[int, float], pin: int | None, draw: float, wa
 def test_a_pin_of_a_version_the_task_lacks_is_unknown() -> None:
     with pytest.raises(UnknownTask, match="no version 3"):
         pick_version("t", {1: 1.0, 2: 0.0}, 3, 0.5)
+
+
+@pytest.mark.parametrize("shares", [{1: 0.0}, {1: 0.0, 2: 0.0}])
+def test_no_version_taking_traffic_is_no_route_but_a_pin_is_served(shares: dict[int, float]) -> None:
+    """Every version held (below the task's declared accuracy) or building: nothing is served unless pinned."""
+    with pytest.raises(NoRoute, match="no version taking traffic"):
+        pick_version("t", shares, None, 0.3)
+    assert pick_version("t", shares, 1, 0.3) == 1
 
 
 @pytest.mark.parametrize("weights", [{1: 0.5, 2: 0.5}, {1: 0.9, 2: 0.1}, {1: 0.2, 2: 0.3, 3: 0.5}])

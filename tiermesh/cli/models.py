@@ -1,7 +1,7 @@
 """``tiermesh models register | builds | show``: a tenant registers its own models at an edge, over its own
 certificate (the SDK's ``mesh.models``; the edge's ``edge_agent.models_api``).
 
-    tiermesh models register --edge URL --tenant acme my-digits logreg model.onnx val.npz --wait
+    tiermesh models register --edge URL --tenant acme my-digits logreg model.onnx val.npz [--min-accuracy 0.95] --wait
     tiermesh models builds   --edge URL --tenant acme [TASK]
     tiermesh models show     --edge URL --tenant acme BUILD_ID [--task TASK] [--follow]
     tiermesh models versions --edge URL --tenant acme TASK
@@ -11,8 +11,10 @@ certificate (the SDK's ``mesh.models``; the edge's ``edge_agent.models_api``).
 An https:// edge takes ``--cert/--key/--ca`` (the tenant's certificate names the tenant); ``--tenant`` is for an
 ``--insecure`` one. ``val.npz`` holds ``x`` (one row per example) and ``y`` (integer labels). ``--wait`` and
 ``--follow`` follow the build by long polls until it ends, one line per change on stderr; the final status (each
-variant's accuracy, size and latency per hardware class) is printed as JSON. A refusal or a failed build exits 1
-with its reason.
+variant's accuracy, size and latency per hardware class) is printed as JSON, with the version the build made and
+whether traffic moved to it (``version_state`` active, or held) and why (``version_note``). ``--min-accuracy``
+declares the task's accuracy bar: a version takes traffic only when one of its variants meets it (later
+registrations keep it until one declares another). A refusal or a failed build exits 1 with its reason.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     r.add_argument("family", help="a family name no task uses yet (letters, digits, '_', '-')")
     r.add_argument("model", type=Path, help="the parent model (.onnx)")
     r.add_argument("validation", type=Path, help="the validation set (.npz with x and y)")
+    r.add_argument("--min-accuracy", type=float, default=None, metavar="A",
+                   help="the task's accuracy bar in [0, 1]: a version takes traffic only when a variant meets it "
+                        "(default: the bar declared before, else the active version's accuracy)")
     r.add_argument("--wait", action="store_true", help="follow the build until it ends")
     r.set_defaults(func=_register)
     b = msub.add_parser("builds", help="your builds")
@@ -79,9 +84,17 @@ def _line(st: dict[str, Any]) -> None:
     print(f"{st['state']}: {st.get('stage') or '-'} {float(st.get('progress') or 0):.0%}", file=sys.stderr)
 
 
+def _outcome(st: dict[str, Any]) -> None:
+    if st.get("version"):
+        why = f" ({st['version_note']})" if st.get("version_note") else ""
+        print(f"version {st['version']}: {st.get('version_state') or 'unknown'}{why}", file=sys.stderr)
+
+
 async def _follow(models: AsyncModels, task: str, build_id: str) -> int:
     try:
-        _print(await models.wait(task, build_id, progress=_line))
+        st = await models.wait(task, build_id, progress=_line)
+        _print(st)
+        _outcome(st)
     except MeshError as exc:
         _print(await models.show(task, build_id))
         print(f"error: {exc}", file=sys.stderr)
@@ -94,7 +107,8 @@ async def _register(args: argparse.Namespace) -> int:
         if not path.is_file():
             raise ConfigError(f"the {what} {path} is not a file")
     async with _models(args) as models:
-        build = await models.register(args.task, args.family, model=args.model, validation=args.validation)
+        build = await models.register(args.task, args.family, model=args.model, validation=args.validation,
+                                      min_accuracy=args.min_accuracy)
         _print(build.admitted)
         if args.wait:
             return await _follow(models, args.task, build.id)
