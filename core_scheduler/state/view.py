@@ -76,6 +76,10 @@ class MeshView(Service):
         self._stale = False                    # the next run of the follow reads the view afresh first
         self._complaints: dict[str, tuple[float, int]] = {}  # key -> (last reported, refusals not reported)
         self._listeners: list[Callable[[], None]] = []
+        # what the last notification covered: the kinds of keys changed since the one before ("all" after a full
+        # read); listeners read it to tell a load report from a change of what the mesh is (edge_agent.table_pacer)
+        self.changes: frozenset[str] = frozenset({"all"})
+        self._changes: set[str] = set()
         self._dirty = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._follow_task: asyncio.Task[None] | None = None
@@ -208,6 +212,7 @@ class MeshView(Service):
         self._scope_dirty = False
         self.connected = True
         self.loaded.set()
+        self._changes.add("all")
         self._dirty.set()
 
     def _fill(self, state: ViewState, items: list[KV]) -> None:
@@ -257,6 +262,7 @@ class MeshView(Service):
             await self._dirty.wait()
             await asyncio.sleep(self.debounce_s)
             self._dirty.clear()
+            self.changes, self._changes = frozenset(self._changes), set()
             if self._scope_dirty:
                 try:
                     await self._rescope()
@@ -283,6 +289,7 @@ class MeshView(Service):
         if isinstance(outcome, ProtocolError):
             self._refused(key, outcome)
         elif outcome is not None:
+            self._changes.add(outcome)
             self._complaints.pop(key, None)
             if outcome in ("site", "link"):
                 self._scope_dirty = True

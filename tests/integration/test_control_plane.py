@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -94,6 +95,37 @@ async def test_an_agent_view_ignores_keys_it_does_not_route_on(store: Store) -> 
         assert "e059" not in view.live
     finally:
         await view.stop()
+
+
+async def test_a_view_tells_its_listeners_which_kinds_of_keys_changed(store: Store) -> None:
+    """What a notification covered (``MeshView.changes``): ``all`` after the first read, ``live`` alone when only
+    heartbeats changed (an agent paces its routing table on those: edge_agent.table_pacer), the placement's kind
+    when placement changed too."""
+    await _seed(store, _topology(4))
+    view = MeshView(store, "e000", debounce_s=0.05)
+    seen: list[frozenset[str]] = []
+    view.on_change(lambda: seen.append(view.changes))
+    await view.start()
+    try:
+        await eventually(_now(lambda: bool(seen)), 10, "the first notification")
+        assert "all" in seen[0]
+        lease = await store.lease(10)
+        await store.put(live_key("e001"), _record("e001"), lease=lease)
+        await eventually(_now(lambda: "e001" in view.live), 10, "the heartbeat in the view")
+        await asyncio.sleep(0.3)
+        assert seen[-1] == frozenset({"live"}), seen
+        await store.put(placement_key("e000"), {"variants": [{"task": "t", "variant_id": "t.v1"}]})
+        await eventually(_now(lambda: "e000" in view.placement), 10, "our placement in the view")
+        await asyncio.sleep(0.3)
+        assert "placement" in seen[-1], seen
+    finally:
+        await view.stop()
+
+
+def _now(fn: Callable[[], bool]) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        return fn()
+    return check
 
 
 async def _ready(view: MeshView) -> bool:
