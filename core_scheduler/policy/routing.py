@@ -64,8 +64,8 @@ from numpy.typing import NDArray
 from core_scheduler.policy.routing_candidates import (
     CandidateArrays,
     TaskTable,
+    TaskTables,
     any_true,
-    build_candidates,
 )
 from core_scheduler.policy.routing_cascade import CascadeEntry, CascadePlan, cascade_entries, plan_for
 from core_scheduler.policy.snapshot import MeshSnapshot
@@ -143,7 +143,7 @@ class RoutingTable:
                  seed: int | None = None) -> None:
         self.here = here
         self.version = version
-        self._tasks = dict(tasks)
+        self._tasks = tasks if isinstance(tasks, TaskTables) else dict(tasks)  # TaskTables: built as asked
         self._site_pos = dict(site_pos)
         self._cascades = {task: c for task, c in (cascades or {}).items() if c and task in self._tasks}
         # task -> (each version's share, its candidates alone): only tasks with more than one version catalogued
@@ -157,8 +157,7 @@ class RoutingTable:
         with getattr until the store's half of issue 33 adds it to ``MeshSnapshot``)."""
         if here not in snap.site_index:
             raise ConfigError(f"routing site {here!r} is not in the topology")
-        tasks = {task: TaskTable(build_candidates(snap, here, vs), here)
-                 for task, vs in snap.variants.items() if vs}
+        tasks = TaskTables(snap, here)
         found = snap.cascades if cascades is None else cascades
         entries = {task: cascade_entries(by_id, tasks[task].arr.variant_id)
                    for task, by_id in (found or {}).items() if task in tasks}
