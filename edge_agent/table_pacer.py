@@ -13,8 +13,10 @@ and the set of live sites is the same) rebuilds no more often than keeps rebuild
 CPU: every ``cost / (share x cores)`` seconds, ``cost`` a moving mean of a rebuild's CPU time, within
 [``MIN_INTERVAL_S``, ``MAX_INTERVAL_S``]. An uncapped site (2 cores, a 5 ms rebuild) rebuilds as before, at the
 view's own debounce; a 0.1-core edge (rebuilds of 4-7 ms of CPU, measured) about every half second, routing
-meanwhile on load figures up to that old. In the demo (one run before, two after, on a shared machine: run-to-run
-spread is large) the tight class, served at the edges, met 98.1 % before and 99.0 / 99.3 % after.
+meanwhile on load figures up to that old. Alone it did not measurably help the demo's tight class, served at the
+edges (98.1 % in one run before, 96.8-99.3 % in five after: run-to-run spread is that large); what did was building
+each task's candidates only when routed (``core_scheduler.policy.routing_candidates.TaskTables``): README, Demo
+results.
 """
 
 from __future__ import annotations
