@@ -15,7 +15,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from console import ConsoleConfig, ConsoleServer
 from core_scheduler.state.builds import BuildBook
@@ -26,6 +25,7 @@ from mesh.buildspec import BuildRequest, BuildState, VariantResult
 from mesh.etcd.keys import build_key, build_state_key, cascade_key, live_key
 from mesh.etcd.store import Store
 from mesh.types import InferResponse, StageInfo
+from tests.helpers.http_stub import metrics_app, serve_app
 from tests.integration.test_console_server import TOKEN, TOPOLOGY
 from topology.loader import parse_topology
 from topology.store_io import apply
@@ -51,22 +51,8 @@ def _metrics_text() -> bytes:
 
 @pytest.fixture
 async def agent() -> AsyncIterator[str]:
-    text = _metrics_text()
-
-    async def metrics(request: web.Request) -> web.Response:
-        return web.Response(body=text, content_type="text/plain")
-
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app, shutdown_timeout=1.0)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with serve_app(metrics_app(_metrics_text())) as url:
+        yield url
 
 
 @pytest.fixture

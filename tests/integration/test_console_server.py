@@ -26,6 +26,7 @@ from console import ConsoleConfig, ConsoleServer
 from core_scheduler.state.heartbeat import Heartbeat
 from mesh.etcd.keys import EVENTS_PLACEMENT, TOPOLOGY_LAST_APPLY, live_key
 from mesh.etcd.store import Store
+from tests.helpers.http_stub import serve_app
 from topology.loader import parse_topology
 from topology.store_io import apply
 
@@ -75,15 +76,8 @@ async def _agent_app() -> web.Application:
 
 @pytest.fixture
 async def agent() -> AsyncIterator[str]:
-    runner = web.AppRunner(await _agent_app(), shutdown_timeout=1.0)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with serve_app(await _agent_app()) as url:
+        yield url
 
 
 @pytest.fixture

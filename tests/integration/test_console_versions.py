@@ -13,13 +13,13 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from console import ConsoleConfig, ConsoleServer
 from core_scheduler.state.heartbeat import Heartbeat
 from edge_agent.metrics import AgentMetrics
 from mesh.etcd.keys import live_key, version_key
 from mesh.etcd.store import Store
+from tests.helpers.http_stub import metrics_app, serve_app
 from tests.integration.test_console_builds_cascades import AUTH, _get
 from tests.integration.test_console_server import TOKEN, TOPOLOGY
 from topology.loader import parse_topology
@@ -40,30 +40,12 @@ def _metrics_text(site: str) -> bytes:
     return m.render()
 
 
-@contextlib.asynccontextmanager
-async def _agent(text: bytes) -> AsyncIterator[str]:
-    async def metrics(request: web.Request) -> web.Response:
-        return web.Response(body=text, content_type="text/plain")
-
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app, shutdown_timeout=1.0)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
-
-
 @pytest.fixture
 async def console(store: Store) -> AsyncIterator[ConsoleServer]:
     await apply(store, parse_topology(TOPOLOGY), source=TOPOLOGY)
     async with contextlib.AsyncExitStack() as stack:
         for site, tier in (("edge-a", "edge"), ("core", "core")):
-            url = await stack.enter_async_context(_agent(_metrics_text(site)))
+            url = await stack.enter_async_context(serve_app(metrics_app(_metrics_text(site))))
             await store.put(live_key(site), Heartbeat(site=site, http=url, tier=tier, capacity=8).to_json())
         server = ConsoleServer(store, ConsoleConfig(token=TOKEN, tick_s=0.2))
         await server.start()

@@ -28,6 +28,7 @@ from mesh.etcd.server import EmbeddedEtcd
 from mesh.etcd.store import Store
 from mesh.jobspec import JobRecord
 from mesh.v2.body import TENANT_HEADER
+from tests.helpers.http_stub import serve_app
 from topology.loader import load_topology_file
 from topology.store_io import apply as apply_topology
 from variant_store.data_client import DataClient
@@ -75,17 +76,11 @@ async def door(store: Store, tmp_path: Path) -> AsyncIterator[Door]:
                 headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, QuotaExceeded) else None
                 return web.json_response(exc.to_dict(), status=exc.http_status, headers=headers)
         app.router.add_route(method, path, guarded)
-    runner = web.AppRunner(app, shutdown_timeout=1.0)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     try:
-        async with aiohttp.ClientSession() as http:
-            yield Door(api, f"http://127.0.0.1:{port}", http)
+        async with serve_app(app) as url, aiohttp.ClientSession() as http:
+            yield Door(api, url, http)
     finally:
         await api.close()
-        await runner.cleanup()
         await view.stop()
 
 
