@@ -208,7 +208,7 @@ class Agent(AgentTrust, Service):
             self.grpc = EdgeGrpcServer(self.dataplane, host=cfg.bind, port=cfg.grpc_port, advertise=self.advertise_host,
                                        max_message_bytes=cfg.max_body_bytes, tls=tls, visible=self.dataplane.visible,
                                        quota_check=self.quota.check, rejected=observe.rejected, metrics=self.metrics,
-                                       arrival=self.stall_watch.arrival)
+                                       arrival=self.stall_watch.arrival, models=models.registrar)
             await self.grpc.start()
         # blobs from an https:// variant store or peer: with the site's own (reloading) client certificate; a peer
         # must prove to be the site it is fetched from

@@ -12,8 +12,9 @@ budget: routing sees what is left of the shorter one (the SLO itself, and so ``l
 Served: ServerLive, ServerReady, ServerMetadata, ModelReady, ModelMetadata, ModelInfer, and Triton's ModelConfig
 (what ``get_model_config`` and ``perf_analyzer`` ask) and ModelStatistics (``get_inference_statistics``: the
 caller's own queries, as REST's ``/stats``, :func:`edge_agent.v2_extras.model_stats`), with Triton's classification
-extension on requested outputs (``class_count``, as REST's); everything else (ModelStreamInfer, repository and
-shared-memory calls) answers UNIMPLEMENTED.
+extension on requested outputs (``class_count``, as REST's), and RepositoryModelLoad (``load_model``: a tenant
+registers a model, REST's rules, :mod:`edge_agent.model_register`; with ``models``, else UNIMPLEMENTED); everything
+else (ModelStreamInfer, the other repository calls, unload included, and shared-memory calls) answers UNIMPLEMENTED.
 
 Who calls, as REST: with ``tls`` (:class:`edge_agent.mtls.EdgeTls`, the same credentials in an ``h2`` context) the
 tenant is the client certificate's, and a ``x-tiermesh-tenant`` metadata naming another is refused; without it
@@ -54,6 +55,7 @@ from edge_agent.front import (
     traceparent_for,
     unknown_task,
 )
+from edge_agent.model_register import BUILD_ID_KEY, Registrar, load_request
 from edge_agent.v2_extras import model_stats, task_labels, usable_tasks
 from mesh import clock
 from mesh.addresses import DEFAULT_BIND, advertised_host, normalise_host, tcp_endpoint
@@ -129,8 +131,8 @@ class GrpcFront:
                  visible: Visible | None = None, quota_check: Callable[[str], None] | None = None,
                  rejected: Callable[[str, str, str], None] | None = None,
                  guard: ConnectionGuard | None = None, metrics: AgentMetrics | None = None,
-                 arrival: Callable[[float], float] | None = None) -> None:
-        self.dp, self.tls, self.max_message = dp, tls, max_message_bytes
+                 arrival: Callable[[float], float] | None = None, models: Registrar | None = None) -> None:
+        self.dp, self.tls, self.max_message, self.models = dp, tls, max_message_bytes, models
         self.visible, self.quota_check, self.rejected = visible, quota_check, rejected
         self.guard, self.metrics, self.arrival = guard, metrics, arrival
 
@@ -138,7 +140,8 @@ class GrpcFront:
         calls: dict[str, _Call] = {"ServerLive": self.server_live, "ServerReady": self.server_ready,
                                    "ServerMetadata": self.server_metadata, "ModelReady": self.model_ready,
                                    "ModelMetadata": self.model_metadata, "ModelConfig": self.model_config,
-                                   "ModelStatistics": self.model_statistics, "ModelInfer": self.model_infer}
+                                   "ModelStatistics": self.model_statistics, "ModelInfer": self.model_infer,
+                                   "RepositoryModelLoad": self.repository_model_load}
         return {f"/{oip.PACKAGE}.{oip.SERVICE}/{name}":
                 Handler(self._answering(name, call), Cardinality.UNARY_UNARY, *oip.METHODS[name])
                 for name, call in calls.items()}
@@ -231,6 +234,23 @@ class GrpcFront:
         else:
             tasks = usable_tasks(self.dp, self.visible, tenant)
         await stream.send_message(model_statistics(model_stats(self.metrics, tenant, tasks, req.version or None)))
+
+    # -- a tenant's registration ----------------------------------------------------------------
+    async def repository_model_load(self, stream: Stream[Any, Any]) -> None:
+        """``load_model(task, config=json.dumps({"family": F}), files=...)``: REST's registration, its rules
+        (:mod:`edge_agent.model_register`); the whole message within ``max_message_bytes``. The build's id in the
+        reply's metadata (``BUILD_ID_KEY``), initial and trailing: the response message has no field for it."""
+        if self.models is None:
+            await stream.send_trailing_metadata(status=Status.UNIMPLEMENTED,
+                                                status_message="model registration is not served at this door")
+            return
+        tenant = self.tenant(stream)
+        load = load_request(await _receive(stream, oip.RepositoryModelLoadRequest, self.max_message))
+        admitted = await self.models.admit(tenant, load.task, load.family, load.min_accuracy)
+        build = await self.models.register(admitted, load.model, load.validation)
+        await stream.send_initial_metadata(metadata={BUILD_ID_KEY: build["id"]})
+        await stream.send_message(oip.RepositoryModelLoadResponse())
+        await stream.send_trailing_metadata(metadata={BUILD_ID_KEY: build["id"]})
 
     # -- inference -----------------------------------------------------------------------------
     async def model_infer(self, stream: Stream[Any, Any]) -> None:
@@ -330,7 +350,8 @@ class EdgeGrpcServer(Service):
                  visible: Visible | None = None, quota_check: Callable[[str], None] | None = None,
                  rejected: Callable[[str, str, str], None] | None = None, metrics: AgentMetrics | None = None,
                  max_pending: int = MAX_PENDING, handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
-                 first_request_s: float = FIRST_REQUEST_S, arrival: Callable[[float], float] | None = None) -> None:
+                 first_request_s: float = FIRST_REQUEST_S, arrival: Callable[[float], float] | None = None,
+                 models: Registrar | None = None) -> None:
         self.host, self.port = normalise_host(host, "bind address"), port
         self.advertise = advertised_host(self.host, advertise)
         self.tls = tls
@@ -339,7 +360,7 @@ class EdgeGrpcServer(Service):
                                      first_request_s=first_request_s)
         self.front = GrpcFront(dp, tls=tls, max_message_bytes=max_message_bytes, visible=visible,
                                quota_check=quota_check, rejected=rejected, guard=self.guard, metrics=metrics,
-                               arrival=arrival)
+                               arrival=arrival, models=models)
         self._ssl: ssl.SSLContext | None = None
         self._server: Server | None = None
 

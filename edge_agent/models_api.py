@@ -33,6 +33,9 @@ quota: 413 naming it), then the build request in etcd (``core_scheduler.state.bu
 one new task or family both pass the door; the store builds one at a time and refuses the second (``task_owned`` /
 ``family_used``).
 
+The admission rules and the steps after spooling are :mod:`edge_agent.model_register`'s, shared with the gRPC front's
+``RepositoryModelLoad`` (``tritonclient.grpc``'s ``load_model``): one definition of each rule and error for both.
+
 An input stored before a later refusal (the validation set over quota after the model was stored) stays in the data
 area until retention collects it.
 """
@@ -41,12 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import os
-import tempfile
-import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -55,22 +53,12 @@ from aiohttp import BodyPartReader, web
 from core_scheduler.state.builds import BuildBook, BuildView
 from core_scheduler.state.view import MeshView
 from edge_agent.job_follow import since_of, wait_s_of
+from edge_agent.model_register import Registrar, Spooled
 from edge_agent.model_versions import ModelVersions
-from mesh.buildspec import BuildRequest, declared_accuracy, is_build_id, is_name, scan_validation
-from mesh.errors import (
-    CatalogError,
-    ConflictError,
-    ModelRejected,
-    PayloadTooLarge,
-    PermissionDenied,
-    QuotaExceeded,
-    RequestError,
-    UnknownTenant,
-)
-from mesh.log import get_logger, kv
+from mesh.buildspec import is_build_id
+from mesh.errors import PayloadTooLarge, QuotaExceeded, RequestError
 from variant_store.catalog import Catalog
 from variant_store.data_client import DataClient
-from variant_store.meta import PUBLIC
 from variant_store.sandbox import SandboxLimits
 
 if TYPE_CHECKING:
@@ -78,8 +66,6 @@ if TYPE_CHECKING:
 
 __all__ = ["ModelsApi"]
 
-log = get_logger(__name__)
-MAX_MODEL_BYTES = 256 << 20  # ModelLimits' default (variant_store.model_check, imported at the first upload: onnx)
 PARTS = ("model", "validation")
 Route = tuple[str, str, Callable[[web.Request], Any]]
 
@@ -97,13 +83,11 @@ class ModelsApi:
                  spool: Path, who: Callable[[web.Request], str], *, model_limits: ModelLimits | None = None,
                  max_validation_bytes: int = 256 << 20, check_sandbox: SandboxLimits | None = None,
                  checks: int = 2, waits_per_tenant: int = 8) -> None:
-        self.site, self.view, self.builds, self.catalog, self.data = site, view, builds, catalog, data
-        self.spool, self.who = spool, who
-        self.model_limits = model_limits  # None: the check's defaults
-        self.max_model_bytes = model_limits.max_file_bytes if model_limits is not None else MAX_MODEL_BYTES
-        self.max_validation_bytes = max_validation_bytes
-        self.check_sandbox = check_sandbox or SandboxLimits(cpu_seconds=60, wall_seconds=90)
-        self._checks = asyncio.Semaphore(checks)  # sandboxed checks at once: each is a child process
+        self.view, self.builds, self.who = view, builds, who
+        # the registration's rules and steps, shared with the gRPC front (edge_agent.model_register)
+        self.registrar = Registrar(site, view, builds, catalog, data, spool, model_limits=model_limits,
+                                   max_validation_bytes=max_validation_bytes, check_sandbox=check_sandbox,
+                                   checks=checks)
         self.waits_per_tenant = waits_per_tenant
         self._waiting: dict[str, int] = {}
         self._closing = asyncio.Event()
@@ -121,50 +105,20 @@ class ModelsApi:
 
     # -- admission --------------------------------------------------------------------------------------------
     def _tenant(self, request: web.Request) -> str:
-        tenant = self.who(request)
-        if tenant not in self.view.tenants:
-            raise UnknownTenant(f"tenant {tenant!r} is not in the topology")
-        return tenant
-
-    async def _admissible(self, tenant: str, task: str, family: str) -> None:
-        if tenant == PUBLIC:  # its variants would be everyone's: the public catalog is the operators'
-            raise PermissionDenied("the public catalog is registered by operators (tiermesh variants register), "
-                                   "not through the edge", reason="public")
-        owners = {m.owner for m in (self.view.variants.get(task) or {}).values()}
-        owners |= {m.owner for m in await self.catalog.list_models(task)}
-        if owners - {tenant}:
-            raise PermissionDenied(f"task {task!r} is not yours: a tenant may add models only to its own private "
-                                   f"tasks (new or existing); pick another task name", reason="task_owned")
-        live = [v.request for v in await self.builds.views() if v.live]
-        if any(r.task == task and r.tenant != tenant for r in live):
-            raise ConflictError(f"task {task!r} is being registered by another tenant: pick another task name")
-        try:
-            await self.catalog.check_family_free(task, family)
-        except CatalogError as exc:
-            raise ConflictError(str(exc), family=family) from exc
-        if any(m.family == family for m in await self.catalog.list_models(task)):
-            raise ConflictError(f"family {family!r} is already registered for task {task!r}: register the model "
-                                f"under a new family name", family=family)
-        if any(r.family == family for r in live):
-            raise ConflictError(f"family {family!r} is being built already: wait for that build, or pick another "
-                                f"family name", family=family)
+        return self.registrar.tenant(self.who(request))
 
     async def register(self, request: web.Request) -> web.Response:
-        tenant = self._tenant(request)
-        task, family = request.match_info["task"], request.query.get("family", "")
-        for what, name in (("task", task), ("family", family)):
-            if not is_name(name):
-                raise RequestError(f"{what} name {name[:60]!r} must be 1-128 of letters, digits, '_' and '-', "
-                                   f"starting with a letter or digit (pass ?family=NAME)")
-        min_accuracy = declared_accuracy(request.query.get("min_accuracy"))
-        await self._admissible(tenant, task, family)
-        limit = self.max_model_bytes + self.max_validation_bytes + (1 << 20)
+        reg = self.registrar
+        q = request.query
+        admitted = await reg.admit(self.who(request), request.match_info["task"], q.get("family", ""),
+                                   q.get("min_accuracy"))
+        limit = reg.max_model_bytes + reg.max_validation_bytes + (1 << 20)
         if request.content_length is not None and request.content_length > limit:
             raise PayloadTooLarge(f"a registration of {request.content_length} bytes is over this door's {limit}",
                                   limit=limit)
         if not request.content_type.startswith("multipart/"):
             raise RequestError("send multipart/form-data with two file parts, 'model' (ONNX) and 'validation' (NPZ)")
-        spooled: dict[str, tuple[Path, str, int]] = {}
+        spooled: dict[str, Spooled] = {}
         try:
             reader = await request.multipart()
             while (part := await reader.next()) is not None:
@@ -172,63 +126,17 @@ class ModelsApi:
                 if not isinstance(part, BodyPartReader) or name not in PARTS or name in spooled:
                     raise RequestError(f"unexpected part {name[:40]!r}: send exactly one 'model' and one "
                                        f"'validation'")
-                cap = self.max_model_bytes if name == "model" else self.max_validation_bytes
-                spooled[name] = await self._spool(part, name, cap)
+                spooled[name] = await reg.spool_chunks(name, _chunks(part))
             missing = [p for p in PARTS if p not in spooled]
             if missing:
                 raise RequestError(f"missing part(s) {missing}: send 'model' (ONNX) and 'validation' (NPZ)")
-            (model, model_digest, model_size), (val, val_digest, val_size) = spooled["model"], spooled["validation"]
-            # imported here, not at the top: an agent that never sees an upload does not load onnx (its start is
-            # measured: tests/unit/test_extras.py)
-            from variant_store.model_check import check_upload
-
-            async with self._checks:
-                try:
-                    summary = await check_upload(model, self.model_limits, sandbox=self.check_sandbox)
-                except ModelRejected as exc:  # the reason word in the text too: a client may show only that
-                    reason = str(exc.details.get("reason") or "bad_model")
-                    raise ModelRejected(f"the model is refused ({reason}): {exc.message}", **exc.details) from exc
-            rows = (await asyncio.get_running_loop().run_in_executor(
-                None, scan_validation, val, self.max_validation_bytes)).rows
-            await self.data.put_file(tenant, model_digest, model)
-            await self.data.put_file(tenant, val_digest, val)
-        finally:
-            for path, _, _ in spooled.values():
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-        req = BuildRequest(build_id=uuid.uuid4().hex, tenant=tenant, task=task, family=family,
-                           model_digest=model_digest, model_bytes=model_size, validation_digest=val_digest,
-                           validation_bytes=val_size, rows=rows, door=self.site, created=time.time(),
-                           min_accuracy=min_accuracy)
-        await self.builds.create(req)
-        log.info("build %s admitted: %s/%s", req.build_id, task, family,
-                 extra=kv(tenant=tenant, event="build_admitted", task=task, build=req.build_id, size=model_size))
-        return web.json_response({"id": req.build_id, "task": task, "family": family, "state": "queued",
-                                  "rows": rows, "min_accuracy": min_accuracy,
-                                  "model": {"nodes": summary.nodes, "opset": summary.opset,
-                                            "bytes": summary.file_bytes}}, status=202)
-
-    async def _spool(self, part: BodyPartReader, name: str, cap: int) -> tuple[Path, str, int]:
-        """One part on disk (hashed as it arrives; at most ``cap`` bytes): (path, sha256, size)."""
-        self.spool.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f"{name}-", dir=self.spool)
-        h, size = hashlib.sha256(), 0
-        loop = asyncio.get_running_loop()
-        try:
-            with os.fdopen(fd, "wb") as f:
-                while chunk := await part.read_chunk(1 << 16):
-                    size += len(chunk)
-                    if size > cap:
-                        raise PayloadTooLarge(f"the {name} is over this door's {cap} bytes", limit=cap, part=name)
-                    h.update(chunk)
-                    await loop.run_in_executor(None, f.write, chunk)
-            if size == 0:
-                raise RequestError(f"the {name} part is empty")
         except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+            for s in spooled.values():
+                with contextlib.suppress(FileNotFoundError):
+                    s.path.unlink()
             raise
-        return Path(tmp), h.hexdigest(), size
+        admitted_build = await reg.register(admitted, spooled["model"], spooled["validation"])
+        return web.json_response(admitted_build, status=202)
 
     # -- reading ----------------------------------------------------------------------------------------------
     async def _mine(self, request: web.Request, tenant: str) -> BuildView:
@@ -301,3 +209,8 @@ class ModelsApi:
 
     async def list_all(self, request: web.Request) -> web.Response:
         return await self._list(request, None)
+
+
+async def _chunks(part: BodyPartReader) -> AsyncIterator[bytes]:
+    while chunk := await part.read_chunk(1 << 16):
+        yield chunk

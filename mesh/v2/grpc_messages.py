@@ -4,11 +4,12 @@ and read by :mod:`mesh.protowire`: no protobuf runtime, no grpcio (the edge's fo
 The classes are the ones tiermesh answers, with the names, numbers and types of Triton's ``grpc_service.proto``
 and ``model_config.proto``: the KServe V2 calls (server live / ready / metadata, model ready / metadata, infer),
 ``ModelConfig`` (what ``tritonclient.grpc``'s ``get_model_config`` and ``perf_analyzer`` ask before a query;
-only the fields a task's signature fills) and ``ModelStatistics`` (``get_inference_statistics``: the fields the
-REST statistics fill). A nested message of the proto is a top-level class here
-(``ModelInferRequest.InferInputTensor`` is :class:`InferInputTensor`); the map fields (``parameters``) are
-repeated :class:`ParametersEntry` on the wire, read and written as dicts of plain values with :func:`params_of`
-and :func:`entries`. The attributes a caller reads are annotated (protowire sets them all at construction).
+only the fields a task's signature fills), ``ModelStatistics`` (``get_inference_statistics``: the fields the
+REST statistics fill) and ``RepositoryModelLoad`` (``load_model``: a tenant's registration). A nested message of
+the proto is a top-level class here (``ModelInferRequest.InferInputTensor`` is :class:`InferInputTensor`); the map
+fields (``parameters``) are repeated :class:`ParametersEntry` on the wire (:class:`RepositoryParametersEntry` in
+the repository's request), read and written as dicts of plain values with :func:`params_of` and :func:`entries`.
+The attributes a caller reads are annotated (protowire sets them all at construction).
 ``tests/unit/test_grpc_messages.py`` checks every field against the classes
 ``tritonclient`` generates, and round-trips through both.
 
@@ -273,6 +274,39 @@ class ModelStatisticsResponse(Message):
     FIELDS = fields((1, "model_stats", "message", True, "ModelStatistics"))
 
 
+# ---------------------------------------------------------------- Triton's model repository extension (a tenant's
+# registration: ``load_model(task, config=..., files=...)``, edge_agent.model_register)
+
+
+class ModelRepositoryParameter(Message):
+    bool_param: bool | None
+    int64_param: int | None
+    string_param: str | None
+    bytes_param: bytes | None
+    FIELDS = fields((1, "bool_param", "bool", False, "", "parameter_choice"),
+                    (2, "int64_param", "int64", False, "", "parameter_choice"),
+                    (3, "string_param", "string", False, "", "parameter_choice"),
+                    (4, "bytes_param", "bytes", False, "", "parameter_choice"))
+
+
+class RepositoryParametersEntry(Message):  # RepositoryModelLoadRequest's map<string, ModelRepositoryParameter>
+    key: str
+    value: ModelRepositoryParameter | None
+    FIELDS = fields((1, "key", "string"), (2, "value", "message", False, "ModelRepositoryParameter"))
+
+
+class RepositoryModelLoadRequest(Message):
+    repository_name: str
+    model_name: str
+    parameters: list[RepositoryParametersEntry]
+    FIELDS = fields((1, "repository_name", "string"), (2, "model_name", "string"),
+                    (3, "parameters", "message", True, "RepositoryParametersEntry"))
+
+
+class RepositoryModelLoadResponse(Message):
+    FIELDS = ()
+
+
 # model_config.proto's DataType, by the name Triton's JSON config spells (``mesh.v2.triton.config_type``)
 DATA_TYPE: dict[str, int] = {"TYPE_BOOL": 1, "TYPE_UINT8": 2, "TYPE_UINT16": 3, "TYPE_UINT32": 4, "TYPE_UINT64": 5,
                              "TYPE_INT8": 6, "TYPE_INT16": 7, "TYPE_INT32": 8, "TYPE_INT64": 9, "TYPE_FP16": 10,
@@ -289,4 +323,5 @@ METHODS: dict[str, tuple[type[Message], type[Message]]] = {
     "ModelInfer": (ModelInferRequest, ModelInferResponse),
     "ModelConfig": (ModelConfigRequest, ModelConfigResponse),
     "ModelStatistics": (ModelStatisticsRequest, ModelStatisticsResponse),
+    "RepositoryModelLoad": (RepositoryModelLoadRequest, RepositoryModelLoadResponse),
 }

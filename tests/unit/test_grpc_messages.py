@@ -35,8 +35,10 @@ THEIRS: dict[str, Any] = {
         "ServerReadyResponse", "ModelReadyRequest", "ModelReadyResponse", "ServerMetadataRequest",
         "ServerMetadataResponse", "ModelMetadataRequest", "ModelMetadataResponse", "ModelInferRequest",
         "ModelInferResponse", "ModelConfigRequest", "ModelConfigResponse", "StatisticDuration", "InferStatistics",
-        "ModelStatistics", "ModelStatisticsRequest", "ModelStatisticsResponse")},
+        "ModelStatistics", "ModelStatisticsRequest", "ModelStatisticsResponse", "ModelRepositoryParameter",
+        "RepositoryModelLoadRequest", "RepositoryModelLoadResponse")},
     "ParametersEntry": service_pb2.ModelInferRequest.ParametersEntry,
+    "RepositoryParametersEntry": service_pb2.RepositoryModelLoadRequest.ParametersEntry,
     "TensorMetadata": service_pb2.ModelMetadataResponse.TensorMetadata,
     "InferInputTensor": service_pb2.ModelInferRequest.InferInputTensor,
     "InferRequestedOutputTensor": service_pb2.ModelInferRequest.InferRequestedOutputTensor,
@@ -69,7 +71,8 @@ def test_every_field_is_tritons(name: str) -> None:
         assert (f.number, f.kind, f.repeated) == (t.number, _KIND[t.type], _repeated(t)), (name, f.name)
         if f.kind == "message":
             their_msg = t.message_type.name
-            assert f.message == their_msg or (f.message, their_msg) in {("ParametersEntry", "ParametersEntry")}
+            assert f.message == their_msg or (f.message, their_msg) in {("ParametersEntry", "ParametersEntry"),
+                                                                ("RepositoryParametersEntry", "ParametersEntry")}
         assert (f.oneof or None) == (t.containing_oneof.name if t.containing_oneof else None), (name, f.name)
 
 
@@ -133,10 +136,24 @@ def _norm(value: Any) -> Any:
     if isinstance(value, list):
         if value and isinstance(value[0], oip.ParametersEntry):
             return {e.key: _norm(e.value or oip.InferParameter()) for e in value}
+        if value and isinstance(value[0], oip.RepositoryParametersEntry):
+            return {e.key: _norm(e.value or oip.ModelRepositoryParameter()) for e in value}
         return [_norm(v) for v in value]
     if isinstance(value, Message):
         return {f.name: _norm(getattr(value, f.name)) for f in value.FIELDS}
     return value
+
+
+def test_a_load_model_request_as_tritonclient_writes_it() -> None:
+    req = service_pb2.RepositoryModelLoadRequest(model_name="acme-digits")  # as tritonclient.grpc's load_model
+    req.parameters["config"].string_param = '{"family": "logreg"}'
+    req.parameters["file:model.onnx"].bytes_param = b"\x08\x07onnx"
+    req.parameters["file:empty"].bytes_param = b""
+    ours = oip.RepositoryModelLoadRequest.FromString(req.SerializeToString())
+    got = {e.key: e.value for e in ours.parameters}
+    assert ours.model_name == "acme-digits" and got["config"] is not None and got["file:empty"] is not None
+    assert got["config"].string_param == '{"family": "logreg"}' and got["config"].bytes_param is None
+    assert got["file:model.onnx"].bytes_param == b"\x08\x07onnx" and got["file:empty"].bytes_param == b""
 
 
 def test_parameters_as_tritonclient_writes_them() -> None:
