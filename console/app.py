@@ -11,6 +11,7 @@ behind the admin gate (:mod:`console.auth`):
     GET /api/jobs[?tenant=T]    offline jobs per tenant: counts by state, progress, the sites at work (console.jobs)
     GET /api/builds[?tenant=T]  tenants' model builds: state, stage, progress, each variant's results (console.builds)
     GET /api/cascades           calibrated cascades per task, broken entries, escalation per site (console.cascades)
+    GET /api/pipelines          pipelines as declared, queries by outcome, per-stage latency (console.pipelines)
     GET /api/versions[?tenant=T]  tenant tasks' versions: state, family, accuracy, share, queries (console.versions)
     GET /api/whoami             the admin's name
 
@@ -32,6 +33,7 @@ from ruamel.yaml import YAML
 
 from console import builds as builds_view
 from console import cascades as cascades_view
+from console import pipelines as pipelines_view
 from console import versions as versions_view
 from console.auth import ADMIN, AdminGate
 from console.jobs import summary
@@ -183,6 +185,13 @@ async def _cascades(request: web.Request) -> web.Response:
     return _json(cascades_view.summary(reading.cascades, reading.broken, sites, errors, time.time()))
 
 
+async def _pipelines(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    state.touch()
+    sites, errors = await pipelines_view.scrape(request.app[SCRAPER], state.live_urls())
+    return _json(pipelines_view.summary(state.view.pipelines, sites, errors, time.time()))
+
+
 async def _versions(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.touch()
@@ -214,6 +223,7 @@ def make_app(state: ConsoleState, scraper: Scraper, gate: AdminGate, closing: as
     app.router.add_get("/api/jobs", _jobs)
     app.router.add_get("/api/builds", _builds)
     app.router.add_get("/api/cascades", _cascades)
+    app.router.add_get("/api/pipelines", _pipelines)
     app.router.add_get("/api/versions", _versions)
     for method, path, handler in extra_routes:
         app.router.add_route(method, path, handler)

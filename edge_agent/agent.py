@@ -315,7 +315,7 @@ class Agent(AgentTrust, Service):
         announced = svc.get("url") if isinstance(svc, dict) else None
         self.host.blobs.store_url = self.cfg.peer_map.get(BLOB_PEER) or announced
         topo = self.view.topology
-        self.metrics.known(tasks=self.view.signatures, tenants=topo.tenants if topo else (),
+        self.metrics.known(tasks=[*self.view.signatures, *self.view.pipelines], tenants=topo.tenants if topo else (),
                            variants=(vid for vs in self.view.variants.values() for vid in vs),
                            sites=topo.sites if topo else ())
         # this door's share of each tenant's quota follows the heartbeats (core_scheduler.policy.quota)

@@ -18,6 +18,9 @@ Triton-compatible ``nv_inference_*`` counters (model = variant, version ``1``), 
 them (no ``_total`` suffix), so existing dashboards work. Cascades (issue 33), at the door that ran one:
 ``tiermesh_cascade_queries_total{task,site,answered}`` (``local``: stage 1 answered every row; ``escalated``)
 and ``tiermesh_cascade_rows_total{task,site,stage}`` (rows answered by each stage): the escalation rate per site.
+Pipelines (issue 33), at the door that ran one: ``tiermesh_pipeline_queries_total{task,site,outcome}`` (``ok`` or the
+error code) and ``tiermesh_pipeline_stage_seconds{task,stage,stage_task}``: each stage's time as the door saw it, from
+its send to its answer (``StageInfo.total_ms``; a Switch's branches are stage 2, each under its own task).
 Versions of tenants' tasks (issue 34 item 3), where a query runs, like ``tiermesh_served``:
 ``tiermesh_version_queries_total{task,tenant,site,version}``, the version of the catalogued variant that served it
 (``VariantMeta.version``; the door's pick, a ``parameters.version`` pin or a split's draw, all end on one variant).
@@ -25,7 +28,8 @@ Public variants have no versions (every one is ``1``) and are not counted there;
 of their own, so each stage that ran counts.
 
 Cardinality is bounded: tasks, tenants, sites and variants are those of the mesh's view (anything else
-is ``other``), outcomes are error codes, reasons routing's codes; no request ids. A version is that of a variant
+is ``other``), outcomes are error codes, reasons routing's codes; no request ids. A pipeline's task is one of the
+view's (the door runs no other), its stages numbered 1 to ``MAX_STAGES``. A version is that of a variant
 in the view (each catalogued variant has one), so it is bounded by the catalog; an unknown variant's is ``other``.
 """
 
@@ -43,6 +47,7 @@ from edge_agent.exposition import counter, escape, gauge, histogram
 from mesh.cache import BoundedCache
 from mesh.errors import MeshError
 from mesh.types import SLO, InferResponse
+from variant_store.pipeline_meta import MAX_STAGES
 
 __all__ = ["OTHER", "AgentMetrics", "DoorTime", "Gauges", "error_codes"]
 
@@ -147,6 +152,8 @@ class AgentMetrics:
         self.door_delays: dict[str, _Hist] = {}  # task -> entry to first routing decision (seconds)
         self.cascades: dict[tuple[str, str], int] = {}       # (task, "local" | "escalated") -> queries
         self.cascade_rows: dict[tuple[str, str], int] = {}   # (task, stage) -> rows it answered
+        self.pipelines: dict[tuple[str, str], int] = {}      # (pipeline task, outcome) -> queries
+        self.pipeline_stages: dict[tuple[str, str, str], _Hist] = {}  # (task, stage, stage task) -> seconds
         # (task, tenant, variant) -> the rows and times of the queries answered at this door: Triton's statistics
         # extension per tenant (edge_agent.v2_extras; the counts are those of requests): 0.25-0.35 us a query here
         self.door_time: dict[tuple[str, str, str], DoorTime] = {}
@@ -215,6 +222,22 @@ class AgentMetrics:
         for st in resp.stages:
             rkey = (task, str(st.stage))
             self.cascade_rows[rkey] = self.cascade_rows.get(rkey, 0) + st.answered
+
+    def pipeline(self, task: str, outcome: InferResponse | BaseException) -> None:
+        """A query of the pipeline ``task`` at this door: answered (each stage's time, as the door saw it) or failed
+        (by the error's code)."""
+        if not isinstance(outcome, InferResponse):
+            code = outcome.code if isinstance(outcome, MeshError) else "internal"
+            key = (task, code if code in _CODES else OTHER)
+            self.pipelines[key] = self.pipelines.get(key, 0) + 1
+            return
+        self.pipelines[(task, "ok")] = self.pipelines.get((task, "ok"), 0) + 1
+        for st in outcome.stages:
+            skey = (task, str(st.stage) if 1 <= st.stage <= MAX_STAGES else OTHER, self._task(st.task))
+            h = self.pipeline_stages.get(skey)
+            if h is None:
+                h = self.pipeline_stages[skey] = _Hist(LATENCY_BOUNDS_S)
+            h.observe(st.total_ms / 1000.0)
 
     def door_delay(self, task: str, ms: float) -> None:
         """The door's own delay of a query: from its entry to its first routing decision."""
@@ -314,6 +337,12 @@ class AgentMetrics:
         yield counter("tiermesh_cascade_rows", "Rows of cascade queries answered by each stage",
                       ("task", "site", "stage"),
                       (((task, site, stage), n) for (task, stage), n in sorted(self.cascade_rows.items())))
+        yield counter("tiermesh_pipeline_queries", "Queries of a pipeline at this door, by outcome (ok or the "
+                      "error code)", ("task", "site", "outcome"),
+                      (((task, site, outcome), n) for (task, outcome), n in sorted(self.pipelines.items())))
+        yield histogram("tiermesh_pipeline_stage_seconds", "Time of each stage of a pipeline's answered queries, "
+                        "from this door's send to the stage's answer", ("task", "stage", "stage_task"),
+                        ((key, h.buckets(), h.sum) for key, h in sorted(self.pipeline_stages.items())))
         yield histogram("tiermesh_batch_size", "Rows per executed batch", ("variant",),
                         (((variant,), h.buckets(), h.sum) for variant, h in sorted(self.batch.items())))
         for name, doc, counts, label in (

@@ -390,9 +390,11 @@ class SiteDataPlane:
                 self.view.variants.get(task), rows, meta.floor(task)))
         except Exception as exc:
             self._door_failed(req, exc, None)
+            self.metrics.pipeline(req.task, exc)
             raise
         self._door_late(req, resp, budget_end)
         self.metrics.door_ok(req.task, req.tenant, req.slo, resp)
+        self.metrics.pipeline(req.task, resp)
         if resp.trace is not None:
             self.traces.add(req.request_id, trace_id_of(req.traceparent or ""), req.tenant, req.task, "ok",
                             resp.trace)

@@ -1,4 +1,4 @@
-// tiermesh console: the Builds, Cascades and Versions tabs (issues 34 and 33). Loaded before console.js; uses its helpers
+// tiermesh console: the Builds, Cascades & pipelines and Versions tabs (issues 34 and 33). Loaded before console.js; uses its helpers
 // ($, el, S, fmt, pct, when) only when a tab is shown, so the order of definition does not matter.
 "use strict";
 
@@ -59,8 +59,38 @@ async function loadCascades() {
   const sb = $("#cascade-sites tbody");
   sb.replaceChildren(...srow);
   if (!sb.children.length) sb.append(el("tr", {}, el("td", { colspan: 6, class: "muted", text: "no data: no door has answered by a cascade yet" })));
+  await loadPipelines().catch(() => null);  // its own failure must not stop the refresh chain
   clearTimeout(S.cascadesTimer);  // one refresh chain, however often the tab is shown
   if (S.tab === "cascades") S.cascadesTimer = setTimeout(() => { if (S.tab === "cascades") loadCascades(); }, 2000);
+}
+
+// -- pipelines (on the cascades tab, refreshed with it) ---------------------------------------
+const outcomeText = (m) => Object.entries(m || {}).map(([k, n]) => `${k}: ${n}`).join(", ") || "–";
+const msText = (v) => (v === null || v === undefined) ? "–" : fmt(v, 1) + " ms";
+
+async function loadPipelines() {
+  const resp = await fetch("/api/pipelines").catch(() => null);
+  const body = resp && resp.ok ? await resp.json() : { tasks: [], scrape_errors: {} };
+  const tasks = body.tasks || [];
+  const errs = Object.entries(body.scrape_errors || {});
+  $("#pipeline-errors").hidden = !errs.length;
+  $("#pipeline-errors").textContent = errs.length ? "no pipeline counters from: " + errs.map(([s, e]) => `${s} (${e})`).join(", ") : "";
+  const prow = tasks.map((t) => el("tr", { "data-task": t.task },
+    el("td", { text: t.task }), el("td", { text: t.kind || "no longer declared" }),
+    el("td", { text: t.declared.join(t.kind === "switch" ? " ⇒ " : " → ") || "–" }),
+    el("td", { text: t.accuracy === null ? "not measured" : pct(t.accuracy) }),
+    el("td", { text: String(t.queries), "data-queries": String(t.queries) }), el("td", { text: outcomeText(t.outcomes) }),
+    el("td", { text: t.sites.map((s) => `${s.site}: ${outcomeText(s.outcomes)}`).join("; ") || "–" })));
+  const tb = $("#pipeline-table tbody");
+  tb.replaceChildren(...prow);
+  if (!tb.children.length) tb.append(el("tr", {}, el("td", { colspan: 7, class: "muted", text: "no pipelines declared" })));
+  const srow = tasks.flatMap((t) => t.stages.map((s) => el("tr", { "data-task": t.task, "data-stage": s.stage, "data-stage-task": s.stage_task },
+    el("td", { text: t.task }), el("td", { text: s.stage }), el("td", { text: s.stage_task }), el("td", { text: String(s.count) }),
+    el("td", { text: msText(s.p50_ms), "data-p50": s.p50_ms === null ? "" : String(s.p50_ms) }),
+    el("td", { text: msText(s.p95_ms), "data-p95": s.p95_ms === null ? "" : String(s.p95_ms) }), el("td", { text: msText(s.mean_ms) }))));
+  const sb = $("#pipeline-stages tbody");
+  sb.replaceChildren(...srow);
+  if (!sb.children.length) sb.append(el("tr", {}, el("td", { colspan: 7, class: "muted", text: "no data: no door has answered a pipeline yet" })));
 }
 
 // -- versions --------------------------------------------------------------------------------
