@@ -71,6 +71,7 @@ from variant_store.build import ensure_digits_family
 from variant_store.build_text import ensure_text_family
 from variant_store.catalog import Catalog
 from variant_store.data_area import DataArea
+from variant_store.data_quotas import DataQuotaFollower
 from variant_store.server import VariantStoreServer
 
 __all__ = ["LocalMesh"]
@@ -87,6 +88,7 @@ class LocalMesh(Readiness, MeshIdentities, HostHomes, Membership, WanLinks, Serv
         self.blobs: BlobStore | None = None
         self.catalog: Catalog | None = None
         self.variant_server: VariantStoreServer | None = None
+        self.data_quotas: DataQuotaFollower | None = None  # the in-process store's tenants' storage_mb
         self.scheduler: Scheduler | None = None
         self.proxies = ProxyPool()
         self.sites: dict[str, SiteProcess] = {}
@@ -163,8 +165,10 @@ class LocalMesh(Readiness, MeshIdentities, HostHomes, Membership, WanLinks, Serv
         else:
             store_site = self._store_site()
             tls = StoreTls(self.creds.pki.paths, STORE) if self.creds else None
-            self.variant_server = VariantStoreServer(self.blobs, self.catalog, site=store_site, tls=tls,
-                                                     data=DataArea(self.blobs.root.parent / "data"))
+            data = DataArea(self.blobs.root.parent / "data")
+            self.data_quotas = DataQuotaFollower(self.store, data)
+            await self.data_quotas.start()
+            self.variant_server = VariantStoreServer(self.blobs, self.catalog, site=store_site, tls=tls, data=data)
             await self.variant_server.start()
             self.store_url = self.variant_server.url
             if self.opts.scheduler:
@@ -206,7 +210,8 @@ class LocalMesh(Readiness, MeshIdentities, HostHomes, Membership, WanLinks, Serv
                 self.cgroups.close()
         await self.proxies.stop()
         for step in (self.console.stop if self.console else None, self.scheduler.stop if self.scheduler else None,
-                     self.variant_server.stop if self.variant_server else None):
+                     self.variant_server.stop if self.variant_server else None,
+                     self.data_quotas.stop if self.data_quotas else None):
             if step is not None:
                 with contextlib.suppress(Exception):
                     async with asyncio.timeout(10):
@@ -215,6 +220,7 @@ class LocalMesh(Readiness, MeshIdentities, HostHomes, Membership, WanLinks, Serv
             await self.stop_crl_follow()
         self.scheduler = None
         self.variant_server = None
+        self.data_quotas = None
         self.console = None
         if self._sched_store is not None:
             with contextlib.suppress(Exception):

@@ -18,7 +18,7 @@ Rules beyond types and ranges:
 * every site is reachable from every other (a site that cannot be reached would be placed to
   but never routed to);
 * a GPU names its model and its memory; latitude in [-90, 90], longitude in [-180, 180];
-* a tenant's isolation is ``shared`` or ``strict``; quotas are known keys with values >= 0;
+* a tenant's isolation is ``shared`` or ``strict``; quotas are known keys (``QUOTA_KEYS``) with values >= 0;
   ``webhooks`` lists https URL prefixes its jobs may notify (``mesh.webhooks``: no userinfo, query or fragment, no
   ``..`` or encoded ``/``; at most ``MAX_WEBHOOKS``, no duplicates) and ``webhook_ca`` names a PEM file of the CAs
   that verify those receivers (relative to the topology file; its certificates are kept in the tenant's record).

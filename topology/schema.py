@@ -38,8 +38,10 @@ __all__ = [
 SCHEMA_VERSION = 1
 Isolation = Literal["shared", "strict"]
 ISOLATIONS: tuple[str, ...] = ("shared", "strict")
-# Quotas the edge enforces; an unknown key is a typo the loader reports rather than ignores.
-QUOTA_KEYS: tuple[str, ...] = ("qps", "max_inflight")
+# Quotas per tenant: ``qps`` and ``max_inflight`` the edge enforces, ``storage_mb`` (MiB) the variant store's data
+# area (``variant_store.data_quotas``, which spells the key again: it may not import this layer). An unknown key is
+# a typo the loader reports rather than ignores.
+QUOTA_KEYS: tuple[str, ...] = ("qps", "max_inflight", "storage_mb")
 MAX_WEBHOOKS = 16          # allowed notification prefixes per tenant
 MAX_WEBHOOK_CA = 64 << 10  # PEM characters of a tenant's webhook CA bundle (it lives in the tenant's etcd value)
 

@@ -303,6 +303,7 @@ async def _serve(args: argparse.Namespace) -> int:
     from mesh.settings import MeshSettings
     from tiermesh.cli.context import open_store, serve_for, store_args
     from variant_store.data_area import DataArea
+    from variant_store.data_quotas import DataQuotaFollower
     from variant_store.server import VariantStoreServer
 
     settings = MeshSettings()
@@ -326,9 +327,12 @@ async def _serve(args: argparse.Namespace) -> int:
             # revocations come from etcd pki/crl, not from a crl.pem shared with the operator: a revoked
             # caller is refused on its next request and its open connections closed as soon as etcd has the list
             await stack.enter_async_context(CrlFollower.for_peers(store, tls))
+        data = DataArea(blob_root(args).parent / "data")
+        # the tenants' storage_mb from the topology: read before the server answers, then followed
+        await stack.enter_async_context(DataQuotaFollower(store, data))
         server = await stack.enter_async_context(
             VariantStoreServer(BlobStore(blob_root(args)), Catalog(store), bind, args.port, advertise=advertise,
-                               site=args.site, tls=tls, data=DataArea(blob_root(args).parent / "data")))
+                               site=args.site, tls=tls, data=data))
         print(f"variant store serving at {server.url}", flush=True)
         await serve_for(args.duration)
     return EXIT_OK
