@@ -20,13 +20,14 @@ import numpy as np
 import pytest
 
 from mesh.buildspec import BuildRequest, BuildState, VariantResult
-from mesh.etcd.keys import build_key, build_state_key, cascade_key
+from mesh.etcd.keys import build_key, build_state_key, cascade_key, version_key
 from mesh.pki.identity import Identity
 from tests.browser.conftest import context_for
 from tests.system.conftest import TASK
 from tiermesh.harness import LocalMesh
 from variant_store.cascade_meta import CascadeMeta
 from variant_store.families.datasets import load_validation_npz
+from variant_store.versions import VersionInfo, VersionRecord
 
 pytestmark = [pytest.mark.browser, pytest.mark.asyncio(loop_scope="module")]
 
@@ -130,8 +131,9 @@ async def test_traced_request_shows_hops_and_rejected_candidates(console_mesh: L
 
 async def test_builds_and_cascades_tabs_render_rows_from_the_api(console_mesh: LocalMesh, browser: Any,
                                                                   tmp_path: Path) -> None:
-    """Issues 34 and 33 in the page: a tenant's build with its measured variant, a catalogued cascade and a
-    broken cascade entry (under a task nothing serves, so routing never sees them); the keys go afterwards."""
+    """Issues 34 and 33 in the page: a tenant's build with its measured variant, a catalogued cascade, a task's
+    version record and a broken cascade entry (under a task nothing serves, so routing never sees them); the keys
+    go afterwards."""
     store = console_mesh.store
     assert store is not None
     bid, now = uuid.uuid4().hex, time.time()
@@ -143,12 +145,14 @@ async def test_builds_and_cascades_tabs_render_rows_from_the_api(console_mesh: L
                           rule="margin", thresholds=(0.5,), accuracy=0.95, escalation=(0.3,), target_accuracy=0.94,
                           calibration_rows=10, heldout_rows=10)
     keys = [build_key("acme", bid), build_state_key(bid), cascade_key("console-check", "cc-1"),
-            cascade_key("console-check", "cc-bad")]
+            cascade_key("console-check", "cc-bad"), version_key("console-check")]
     await store.put(keys[0], req.to_json())
     await store.put(keys[1], BuildState(bid, "acme", "done", stage="done", progress=1.0, variants=(res,),
                                         updated=now).to_json())
     await store.put(keys[2], cascade.to_json())
     await store.put(keys[3], {"schema": 1, "task": "console-check"})
+    await store.put(keys[4], VersionRecord("console-check", "acme", active=1,
+                                           versions={1: VersionInfo("console-fam", "active", 0.9)}).to_json())
     ctx, page = await _admin_page(browser, console_mesh, "#builds")
     try:
         row = f"#tab-builds:not([hidden]) #build-table tr[data-build='{bid}']"
@@ -162,6 +166,10 @@ async def test_builds_and_cascades_tabs_render_rows_from_the_api(console_mesh: L
         await page.wait_for_selector("#cascade-broken:not([hidden]) li[data-key$='cascades/console-check/cc-bad']",
                                      timeout=5_000)
         await page.screenshot(path=str(tmp_path / "cascades.png"), full_page=True)
+        await page.click("#tabs a[data-tab='versions']")  # issue 34: each version's state, share and queries
+        vrow = "#tab-versions:not([hidden]) #version-table tr[data-task='console-check'][data-version='1']"
+        await page.wait_for_selector(vrow, timeout=15_000)
+        assert "active" in await page.inner_text(vrow)
     finally:
         await ctx.close()
         for key in keys:
