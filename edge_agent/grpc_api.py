@@ -62,6 +62,7 @@ from mesh.addresses import DEFAULT_BIND, advertised_host, normalise_host, tcp_en
 from mesh.errors import (
     EdgeStalled,
     MeshError,
+    NoRoute,
     PayloadTooLarge,
     QuotaExceeded,
     RequestError,
@@ -239,13 +240,24 @@ class GrpcFront:
     async def repository_model_load(self, stream: Stream[Any, Any]) -> None:
         """``load_model(task, config=json.dumps({"family": F}), files=...)``: REST's registration, its rules
         (:mod:`edge_agent.model_register`); the whole message within ``max_message_bytes``. The build's id in the
-        reply's metadata (``BUILD_ID_KEY``), initial and trailing: the response message has no field for it."""
+        reply's metadata (``BUILD_ID_KEY``), initial and trailing: the response message has no field for it.
+        ``load_model(task)`` alone (no parameters) means what REST's repository load means: OK when the caller may
+        use the task and it can be served here now (``NoRoute`` otherwise); nothing is loaded, the mesh places."""
+        msg = await _receive(stream, oip.RepositoryModelLoadRequest, self.max_message)
+        if not msg.parameters:
+            tenant = self.tenant(stream)
+            self.signature(msg.model_name, tenant)  # unknown to this caller: as for inference
+            if msg.model_name not in self.dp.tasks() or not self.dp.ready():
+                raise NoRoute(f"task {msg.model_name!r} cannot be served here now: no variant of it, or no routing "
+                              "snapshot yet")
+            await stream.send_message(oip.RepositoryModelLoadResponse())
+            return
         if self.models is None:
             await stream.send_trailing_metadata(status=Status.UNIMPLEMENTED,
                                                 status_message="model registration is not served at this door")
             return
         tenant = self.tenant(stream)
-        load = load_request(await _receive(stream, oip.RepositoryModelLoadRequest, self.max_message))
+        load = load_request(msg)
         admitted = await self.models.admit(tenant, load.task, load.family, load.min_accuracy)
         build = await self.models.register(admitted, load.model, load.validation)
         await stream.send_initial_metadata(metadata={BUILD_ID_KEY: build["id"]})

@@ -159,7 +159,8 @@ class V2Extras:
         params = (await _body(request)).get("parameters")
         if isinstance(params, dict) and any(k == "config" or k.startswith("file:") for k in params):
             raise PermissionDenied(f"the mesh places the variants of {task!r}; a load cannot bring a model: register "
-                                   "it with `tiermesh variants register`", reason="mesh_places_variants")
+                                   f"it with POST /v2/models/{task}/versions (multipart model + validation), or "
+                                   "over gRPC with load_model(config=..., files=...)", reason="mesh_places_variants")
         if task not in self.dp.tasks() or not self.dp.ready():
             raise NoRoute(f"task {task!r} cannot be served here now: no variant of it, or no routing snapshot yet")
         return web.json_response({})

@@ -98,6 +98,10 @@ async def test_a_tenant_registers_over_grpc_load_model(store: Store, etcd_server
                 assert res.as_numpy("logits").shape == (4, 10)
                 assert res.get_response().parameters["variant"].string_param.startswith("acme-lr.")
 
+                # load_model(task) alone asks what REST's repository load does: may the caller use it, is it served
+                assert await acme.load_model(TASK) is None
+                await _refused(globex, TASK, "NOT_FOUND", TASK)  # another tenant's task is unknown to it
+                await _refused(acme, "no-such-task", "NOT_FOUND", "no-such-task")
                 # globex may not add to acme's task, over gRPC as over REST
                 await _refused(globex, TASK, "PERMISSION_DENIED", "is not yours",
                                config=json.dumps({"family": "globex-lr"}), files=files)
