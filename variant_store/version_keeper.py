@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from mesh.errors import CatalogError, MeshError
@@ -135,7 +136,7 @@ class VersionKeeper:
             newest = max(rec.versions)
             for v, i in rec.versions.items():
                 if v != newest:
-                    rec = rec.with_version(v, VersionInfo(i.family, "held", i.accuracy))
+                    rec = rec.with_version(v, replace(i, state="held"))
             rec = rec.but(active=newest)
         return rec
 
@@ -184,8 +185,8 @@ class VersionKeeper:
             out = declared(r).with_version(version, VersionInfo(r.versions[version].family, "active", best,
                                                                 note=note))
             if r.active and r.active != version:
-                out = out.with_version(r.active, VersionInfo(r.versions[r.active].family, "retiring",
-                                                             r.versions[r.active].accuracy, now + self.grace_s))
+                out = out.with_version(r.active, replace(r.versions[r.active], state="retiring",
+                                                         retire_at=now + self.grace_s))
             return out.but(active=version, weights={})
         new = await self._update(task, moved)
         await self._apply_shares(task, new)
@@ -237,7 +238,7 @@ class VersionKeeper:
                 def retired(r: VersionRecord | None, v: int = v) -> VersionRecord | None:
                     if r is None or v not in r.versions or r.versions[v].state != "retiring":
                         return None
-                    return r.with_version(v, VersionInfo(r.versions[v].family, "retired", r.versions[v].accuracy))
+                    return r.with_version(v, replace(r.versions[v], state="retired", retire_at=0.0))
                 await self._update(rec.task, retired)
                 done.append((rec.task, v))
                 log.info("version %d of %s retired", v, rec.task, extra=kv(task=rec.task, event="version_retired"))
@@ -308,10 +309,10 @@ class VersionKeeper:
                 out = r.but(active=only, weights={})
                 for v, i in r.versions.items():
                     if v == only:
-                        out = out.with_version(v, VersionInfo(i.family, "active", i.accuracy))
+                        out = out.with_version(v, replace(i, state="active", retire_at=0.0))
                     elif i.state in ("active", "held", "retiring"):
                         at = i.retire_at if i.state == "retiring" else now + self.grace_s
-                        out = out.with_version(v, VersionInfo(i.family, "retiring", i.accuracy, at))
+                        out = out.with_version(v, replace(i, state="retiring", retire_at=at))
                 return out
             return r.but(weights=weights)
         try:

@@ -320,3 +320,10 @@ async def test_a_declared_bar_holds_versions_below_it(store: Store, etcd_server:
         assert {m.version: m.share for m in await catalog.list_variants(BAR_TASK)} == {1: 0.0, 2: 1.0, 3: 0.0}
         for _ in range(20):
             assert (await _variant(client, x[:4], BAR_TASK)).startswith("acme-all.")
+        # a split ending on one version (2) retires the others: each version keeps the note that says why it moved
+        # or was held
+        notes = {v["version"]: v.get("note") for v in got["versions"]}
+        await acme.traffic(BAR_TASK, {2: 1.0})
+        after = await acme.versions(BAR_TASK)
+        assert {v["version"]: v["state"] for v in after["versions"]} == {1: "retiring", 2: "active", 3: "retiring"}
+        assert {v["version"]: v.get("note") for v in after["versions"]} == notes, (notes, after)
