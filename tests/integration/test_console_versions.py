@@ -7,23 +7,19 @@ the tenant filter; the admin gate."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import pytest
 
-from console import ConsoleConfig, ConsoleServer
-from core_scheduler.state.heartbeat import Heartbeat
+from console import ConsoleServer
 from edge_agent.metrics import AgentMetrics
-from mesh.etcd.keys import live_key, version_key
+from mesh.etcd.keys import version_key
 from mesh.etcd.store import Store
-from tests.helpers.http_stub import metrics_app, serve_app
+from tests.helpers.console_stub import console_with_agents
 from tests.integration.test_console_builds_cascades import AUTH, _get
 from tests.integration.test_console_server import TOKEN, TOPOLOGY
-from topology.loader import parse_topology
-from topology.store_io import apply
 from variant_store.versions import VersionInfo, VersionRecord
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
@@ -42,17 +38,9 @@ def _metrics_text(site: str) -> bytes:
 
 @pytest.fixture
 async def console(store: Store) -> AsyncIterator[ConsoleServer]:
-    await apply(store, parse_topology(TOPOLOGY), source=TOPOLOGY)
-    async with contextlib.AsyncExitStack() as stack:
-        for site, tier in (("edge-a", "edge"), ("core", "core")):
-            url = await stack.enter_async_context(serve_app(metrics_app(_metrics_text(site))))
-            await store.put(live_key(site), Heartbeat(site=site, http=url, tier=tier, capacity=8).to_json())
-        server = ConsoleServer(store, ConsoleConfig(token=TOKEN, tick_s=0.2))
-        await server.start()
-        try:
-            yield server
-        finally:
-            await server.stop()
+    agents = {site: (tier, _metrics_text(site)) for site, tier in (("edge-a", "edge"), ("core", "core"))}
+    async with console_with_agents(store, TOPOLOGY, TOKEN, agents) as server:
+        yield server
 
 
 async def _versions(console: ConsoleServer, **params: str) -> tuple[int, Any]:

@@ -10,23 +10,14 @@ import pytest
 
 from mesh.errors import ProtocolError, TopologyError
 from mesh.etcd.store import Undecodable
+from tests.unit.test_topology_webhooks import HEAD as ONE_TENANT
 from topology.loader import parse_topology
 from topology.schema import QUOTA_KEYS, Tenant
 from variant_store.data_quotas import MIB, STORAGE_QUOTA_KEY, storage_quota
 
 pytestmark = pytest.mark.unit
 
-HEAD = """schema: 1
-sites:
-  - name: core-a
-    tier: core
-    region: r
-    coordinates: {lat: 1, lon: 2}
-    hardware: {cpu_cores: 4, memory_mb: 1024, price_per_hour: 1.0}
-tenants:
-  - name: acme
-    quotas:
-"""  # the first quota is on line 11
+HEAD = ONE_TENANT + "    quotas:\n"  # the first quota is on line 11
 
 
 def test_the_store_spells_the_key_the_topology_knows() -> None:
