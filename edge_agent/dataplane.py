@@ -6,9 +6,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
+from mesh.errors import NoRoute
 from mesh.types import DEFAULT_TENANT, InferRequest, InferResponse, TaskSignature
 
-__all__ = ["DataPlane", "task_visible"]
+__all__ = ["DataPlane", "require_servable", "task_visible"]
 
 
 def task_visible(owners: Iterable[str], tenant: str) -> bool:
@@ -42,3 +43,10 @@ class DataPlane(Protocol):
     def ready(self) -> bool:
         """True once the site has a routing snapshot and can answer queries."""
         ...
+
+
+def require_servable(dp: DataPlane, task: str) -> None:
+    """A repository ``load`` of ``task`` (REST or gRPC): nothing is loaded, the mesh places; ``NoRoute`` unless the
+    task can be served from this site now."""
+    if task not in dp.tasks() or not dp.ready():
+        raise NoRoute(f"task {task!r} cannot be served here now: no variant of it, or no routing snapshot yet")

@@ -45,7 +45,7 @@ from grpclib.server import Handler as ConnectionHandler
 from grpclib.server import Server, Stream
 
 from edge_agent.conn_guard import FIRST_REQUEST_S, HANDSHAKE_TIMEOUT_S, MAX_PENDING, ConnectionGuard
-from edge_agent.dataplane import DataPlane
+from edge_agent.dataplane import DataPlane, require_servable
 from edge_agent.front import (
     Visible,
     check_claim,
@@ -62,7 +62,6 @@ from mesh.addresses import DEFAULT_BIND, advertised_host, normalise_host, tcp_en
 from mesh.errors import (
     EdgeStalled,
     MeshError,
-    NoRoute,
     PayloadTooLarge,
     QuotaExceeded,
     RequestError,
@@ -247,9 +246,7 @@ class GrpcFront:
         if not msg.parameters:
             tenant = self.tenant(stream)
             self.signature(msg.model_name, tenant)  # unknown to this caller: as for inference
-            if msg.model_name not in self.dp.tasks() or not self.dp.ready():
-                raise NoRoute(f"task {msg.model_name!r} cannot be served here now: no variant of it, or no routing "
-                              "snapshot yet")
+            require_servable(self.dp, msg.model_name)
             await stream.send_message(oip.RepositoryModelLoadResponse())
             return
         if self.models is None:

@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from aiohttp import web
 
-from edge_agent.dataplane import DataPlane
-from mesh.errors import NoRoute, PermissionDenied, RequestError, UnknownTask
+from edge_agent.dataplane import DataPlane, require_servable
+from mesh.errors import PermissionDenied, RequestError, UnknownTask
 from mesh.types import TaskSignature
 from mesh.v2.triton import Counts, index_entry, signature_to_config, stats_entry
 
@@ -161,8 +161,7 @@ class V2Extras:
             raise PermissionDenied(f"the mesh places the variants of {task!r}; a load cannot bring a model: register "
                                    f"it with POST /v2/models/{task}/versions (multipart model + validation), or "
                                    "over gRPC with load_model(config=..., files=...)", reason="mesh_places_variants")
-        if task not in self.dp.tasks() or not self.dp.ready():
-            raise NoRoute(f"task {task!r} cannot be served here now: no variant of it, or no routing snapshot yet")
+        require_servable(self.dp, task)
         return web.json_response({})
 
     async def unload(self, request: web.Request) -> web.Response:
