@@ -43,11 +43,13 @@ CRL follower also ends those connections), and revoking a site's ``live/<site>``
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import asyncio
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
-from mesh.errors import ConfigError, StoreError
+from mesh.backoff import Backoff
+from mesh.errors import ConfigError, StoreError, StoreUnavailable
 from mesh.etcd import messages as rpc
 from mesh.etcd.channels import StorePermissionDenied
 from mesh.etcd.keys import (
@@ -247,6 +249,29 @@ def _not_found(exc: StoreError) -> bool:
     return "not found" in str(exc) or "not granted" in str(exc)
 
 
+#: how many times each step of :func:`cut_off` is sent while etcd's connection is being reset
+CUT_TRIES = 5
+
+_T = TypeVar("_T")
+
+
+async def _through_resets(step: Callable[[bool], Awaitable[_T]]) -> _T:
+    """``step(retried)``, sent again while the connection to etcd is lost (``StoreUnavailable``), at most
+    :data:`CUT_TRIES` times. A revocation ends the connections already open to etcd (the bound of
+    :mod:`tiermesh.crl_follow` beside etcd resets them all), the operator's own among them, often in the middle of
+    the cut: each step is idempotent, so sending it again is safe; ``retried`` tells a step that an earlier try may
+    have done its work before the reply was lost."""
+    pause = Backoff(0.1, 1.0)
+    for attempt in range(1, CUT_TRIES + 1):
+        try:
+            return await step(attempt > 1)
+        except StoreUnavailable:
+            if attempt == CUT_TRIES:
+                raise
+            await asyncio.sleep(pause.next())
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
 async def cut_off(store: Store, identity: Identity) -> CutOff:
     """Cut ``identity`` off etcd now: take every role from its etcd user (``identity.common_name``), so etcd
     refuses each request on a connection it already holds, and for a site revoke the lease of its
@@ -255,27 +280,44 @@ async def cut_off(store: Store, identity: Identity) -> CutOff:
     otherwise). Giving the roles back is :func:`apply`'s (``tiermesh etcd-rbac``), for an identity issued again.
 
     The roles go first (root last, so a root admin revoking itself still gets through the rest): a site whose
-    lease vanished while it could still write would re-create its heartbeat under a fresh lease."""
+    lease vanished while it could still write would re-create its heartbeat under a fresh lease. Each step is
+    sent again through a reset connection (:func:`_through_resets`); one whose reply was lost and that then
+    finds its work done is reported as done."""
     user = identity.common_name
-    try:
-        held = await _auth(store, f"user get {user}", "UserGet", rpc.AuthUserGetRequest(name=user))
-        roles: list[str] | None = list(held.roles)
-    except StorePermissionDenied:
-        raise
-    except StoreError as exc:
-        if not _not_found(exc):
+
+    async def held_roles(_: bool) -> list[str] | None:
+        try:
+            held = await _auth(store, f"user get {user}", "UserGet", rpc.AuthUserGetRequest(name=user))
+        except (StorePermissionDenied, StoreUnavailable):
             raise
-        roles = None
+        except StoreError as exc:
+            if not _not_found(exc):
+                raise
+            return None
+        return list(held.roles)
+
+    def revoking(role: str) -> Callable[[bool], Awaitable[bool]]:
+        async def step(retried: bool) -> bool:
+            return await _revoke_role(store, user, role) or retried
+        return step
+
+    roles = await _through_resets(held_roles)
     taken: list[str] = []
     lease = None
     for role in (r for r in roles or () if r != ROOT_ROLE):
-        if await _revoke_role(store, user, role):
+        if await _through_resets(revoking(role)):
             taken.append(role)
     if identity.kind == "site":
-        live = await store.get(live_key(identity.name))
-        if live is not None and live.lease and await store.revoke_lease(live.lease):
-            lease = live.lease
-    if roles is not None and ROOT_ROLE in roles and await _revoke_role(store, user, ROOT_ROLE):
+        live = await _through_resets(lambda _: store.get(live_key(identity.name)))
+        if live is not None and live.lease:
+            held_lease = live.lease
+
+            async def end_lease(retried: bool) -> bool:
+                return await store.revoke_lease(held_lease) or retried
+
+            if await _through_resets(end_lease):
+                lease = held_lease
+    if roles is not None and ROOT_ROLE in roles and await _through_resets(revoking(ROOT_ROLE)):
         taken.append(ROOT_ROLE)
     return CutOff(identity, None if roles is None else user, tuple(taken), lease)
 

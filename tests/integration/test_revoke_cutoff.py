@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from mesh.errors import StoreError
+from mesh.errors import StoreError, StoreUnavailable
 from mesh.etcd.channels import StorePermissionDenied
 from mesh.etcd.keys import PKI_CRL, live_key, site_cert_key, site_key
 from mesh.etcd.rbac import apply, cut_off, plan
@@ -157,6 +157,54 @@ async def test_revoke_cuts_a_site_off_its_open_connection_at_once(mesh: Mesh,
             # issued again: etcd-rbac gives the roles back
             await apply(root, plan(PREFIX, sites=["edge-1", "edge-2"], root_admins=["root-op"]))
         await edge.store.get(site_key("edge-1"))
+    finally:
+        await edge.close()
+
+
+async def test_cut_off_goes_on_through_replies_lost_to_a_connection_reset(mesh: Mesh,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A revocation makes the follower beside etcd reset every open connection, the operator's own among them,
+    often while the cut is under way (a CI run lost a lease revoke's reply that way). Each step is sent again; one
+    that etcd carried out before the reply was lost is reported as done."""
+    edge = await Holder.open(mesh, EDGE)
+    lease = await edge.store.lease(6)
+    await edge.store.put(live_key("edge-1"), {"ok": 1}, lease=lease)
+    try:
+        async with await mesh.connect(ROOT) as root:
+            real_revoke, real_get, lost = root.revoke_lease, root.get, []
+
+            async def revoke_then_lose(lease_id: int) -> bool:
+                done = await real_revoke(lease_id)  # etcd did it ...
+                if "lease" in lost:
+                    return done  # sent again: etcd no longer knows the lease (False)
+                lost.append("lease")
+                raise StoreUnavailable("lease revoke [test]: connection to etcd lost")  # ... the reply never came
+
+            async def lose_first_get(key: str) -> object:
+                if "get" not in lost:
+                    lost.append("get")
+                    raise StoreUnavailable("get [test]: connection to etcd lost")
+                return await real_get(key)
+
+            monkeypatch.setattr(root, "revoke_lease", revoke_then_lose)
+            monkeypatch.setattr(root, "get", lose_first_get)
+            done = await cut_off(root, EDGE)
+            assert lost == ["get", "lease"]
+            assert done.lease == lease.id and done.roles == ("tiermesh-site:edge-1",)
+            monkeypatch.undo()
+            assert await root.get(live_key("edge-1")) is None
+            with pytest.raises(StorePermissionDenied):
+                await edge.store.get(site_key("edge-1"))
+
+            async def always_lost(_: int) -> bool:
+                raise StoreUnavailable("lease revoke [test]: etcd is down")
+
+            monkeypatch.setattr(root, "revoke_lease", always_lost)
+            await apply(root, plan(PREFIX, sites=["edge-1", "edge-2"], root_admins=["root-op"]))
+            again = await edge.store.lease(6)
+            await edge.store.put(live_key("edge-1"), {"ok": 2}, lease=again)
+            with pytest.raises(StoreUnavailable):  # an etcd that stays unreachable is reported, after a bounded retry
+                await cut_off(root, EDGE)
     finally:
         await edge.close()
 
