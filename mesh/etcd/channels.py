@@ -40,7 +40,7 @@ from mesh.etcd.wire import RpcError, Service, StatusCode, WireChannel
 from mesh.log import get_logger, kv
 
 __all__ = ["DOWN_CODES", "FAILOVER_CODES", "RECONNECT_GRACE_S", "Channels", "Member",
-           "StorePermissionDenied", "not_sent", "rpc_errors", "tls_hint", "translate"]
+           "StorePermissionDenied", "connection_lost", "not_sent", "rpc_errors", "tls_hint", "translate"]
 
 log = get_logger("mesh.etcd")
 T = TypeVar("T")
@@ -74,6 +74,13 @@ def translate(exc: BaseException, what: str) -> StoreError:
 def not_sent(exc: RpcError) -> bool:
     """The request never reached a member (no connection), so even a txn may be sent again."""
     return exc.code() == StatusCode.UNAVAILABLE and "failed to connect" in (exc.details() or "").lower()
+
+
+def connection_lost(exc: RpcError) -> bool:
+    """The connection ended while the request was out (etcd restarted, a bound reset it): it may have been carried
+    out, so only an idempotent request is sent again."""
+    details = (exc.details() or "").lower()
+    return exc.code() == StatusCode.UNAVAILABLE and details.startswith("connection to ") and " lost" in details
 
 
 def tls_hint(details: str, endpoints: EtcdEndpoints) -> str:
@@ -188,9 +195,10 @@ class Channels:
                 self.failed(generation, exc)
                 pause = pause or Backoff(0.05, 0.3)
                 now = time.monotonic()
-                # one member: only a request that never left, and only briefly, so a restarted etcd is
-                # waited for but a dead one is reported soon
-                may_retry = n > 1 or (not_sent(exc) and now - started < RECONNECT_GRACE_S)
+                # one member: only a request that never left (or an idempotent one whose connection was reset),
+                # and only briefly, so a restarted etcd is waited for but a dead one is reported soon
+                resend = not_sent(exc) or (idempotent and connection_lost(exc))
+                may_retry = n > 1 or (resend and now - started < RECONNECT_GRACE_S)
                 again = (may_retry and exc.code() in FAILOVER_CODES and (idempotent or not_sent(exc))
                          and deadline - now > 0.1)
                 if not again:

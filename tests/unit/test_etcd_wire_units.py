@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 
+from mesh.errors import StoreUnavailable
 from mesh.etcd import messages as rpc
-from mesh.etcd.channels import not_sent
+from mesh.etcd.channels import Channels, connection_lost, not_sent
+from mesh.etcd.endpoints import EtcdEndpoints
 from mesh.etcd.wire import RpcError, StatusCode, _errors, prefix_end
 
 pytestmark = pytest.mark.unit
@@ -46,3 +48,34 @@ def test_failures_become_status_codes(exc: BaseException, code: StatusCode) -> N
 def test_other_errors_pass_through() -> None:
     with pytest.raises(ValueError), _errors("127.0.0.1:2379"):
         raise ValueError("a bug, not the wire")
+
+
+def _lost(target: str) -> RpcError:
+    with pytest.raises(RpcError) as caught, _errors(target):
+        raise StreamTerminatedError("Connection lost")
+    return caught.value
+
+
+@pytest.mark.parametrize("idempotent", [True, False])
+async def test_one_member_sends_an_idempotent_request_again_through_a_reset_connection(idempotent: bool) -> None:
+    """A revocation's bound resets every connection to etcd: a read out at that moment is sent again (briefly),
+    a write that may have been carried out is not."""
+    members = Channels(EtcdEndpoints(("127.0.0.1:9",)))
+    sent: list[float] = []
+
+    async def call(_: object, attempt_s: float) -> str:
+        sent.append(attempt_s)
+        if len(sent) == 1:
+            raise _lost("127.0.0.1:9")
+        return "answer"
+
+    try:
+        if idempotent:
+            assert await members.call("get", call, 2.0) == "answer" and len(sent) == 2
+        else:
+            with pytest.raises(StoreUnavailable, match=r"connection to 127\.0\.0\.1:9 lost"):
+                await members.call("txn", call, 2.0, idempotent=False)
+            assert len(sent) == 1
+        assert connection_lost(_lost("x:1")) and not connection_lost(RpcError(StatusCode.UNAVAILABLE, "no leader"))
+    finally:
+        await members.close()
