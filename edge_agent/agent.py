@@ -45,7 +45,7 @@ from edge_agent.quota import DoorQuotas, PeerQuotas, limits_from_view
 from edge_agent.selfprofile import SelfProfiler
 from edge_agent.site_dataplane import SiteDataPlane
 from edge_agent.stall_watch import StallWatch
-from edge_agent.table_pacer import TablePacer
+from edge_agent.table_pacer import TablePacer, routing_inputs, same_routing
 from edge_agent.traces import TraceStore
 from mesh import clock
 from mesh.addresses import advertised_host, tcp_endpoint
@@ -103,6 +103,7 @@ class Agent(AgentTrust, Service):
         self.table: Router | None = None
         self.table_version = 0
         self._table_sites: frozenset[str] = frozenset()
+        self._table_inputs: tuple[object, ...] | None = None  # what the table in force was built from
         self._rebuild_later: asyncio.TimerHandle | None = None  # a paced rebuild, when one is due
         self.demand = DemandMeter(window_s=cfg.demand_window_s)
         self.quota = DoorQuotas()
@@ -350,14 +351,18 @@ class Agent(AgentTrust, Service):
         if self.state is State.STOPPING or self.view is None or self.snapshots is None:
             return
         started = time.thread_time()
-        snap = self.snapshots.build(local_loads=self._local_load(),
-                                    rtt_correction=self.dataplane.rtt_correction() if self.dataplane else None)
+        correction = self.dataplane.rtt_correction() if self.dataplane else None
+        snap = self.snapshots.build(local_loads=self._local_load(), rtt_correction=correction)
         if snap is None:
-            self.table = None
+            self.table, self._table_inputs = None, None
             return
+        inputs = routing_inputs(snap, correction, self.view.revisions, self.view.generation)
+        if self.table is not None and same_routing(self._table_inputs, inputs, time.monotonic() - self.pacer.last):
+            return  # the table in force routes as the one this would build (edge_agent.table_pacer)
         self.table = make_router(self.cfg.routing_mode, snap, self.site)
         self.table_version = snap.version
         self._table_sites = frozenset(self.view.live)
+        self._table_inputs = inputs
         self.pacer.observe(time.thread_time() - started, time.monotonic())
         self._reconcile.set()
 
