@@ -77,6 +77,10 @@ class QueryRecord:
     min_accuracy: float = 0.0     # the class's accuracy floor
     request_id: str = ""          # what the query was sent as ...
     reply_id: str = ""            # ... and what its answer said it answered ("" when it failed)
+    # the answering edge's account of ``total_ms`` (mesh.types.Timing): time on the network, in a queue, computing
+    network_ms: float = 0.0
+    queue_ms: float = 0.0
+    compute_ms: float = 0.0
 
     @property
     def met(self) -> bool:
@@ -108,7 +112,8 @@ async def infer_one(client: AsyncClient, cls: SloClass, edge: str, x: Any, label
                        total_ms=res.timing.total_ms, site=res.site, variant=res.variant,
                        accuracy=res.accuracy, predicted=int(np.argmax(out[0])), best_effort=res.best_effort,
                        reason=res.reason, t=start - t0, min_accuracy=cls.min_accuracy, request_id=rid,
-                       reply_id=res.request_id)
+                       reply_id=res.request_id, network_ms=res.timing.network_ms, queue_ms=res.timing.queue_ms,
+                       compute_ms=res.timing.compute_ms)
 
 
 def _client(url: str, tenant: str, credentials: Callable[[str], Mapping[str, Path]] | None) -> AsyncClient:

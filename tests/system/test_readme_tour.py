@@ -131,6 +131,9 @@ async def _demo(home: Path, tmp: Path) -> str:
     lines = [json.loads(line) for line in records.read_text().splitlines()]
     assert len(lines) == data["queries"], (len(lines), data["queries"])
     assert sum(1 for r in lines if r["ok"] and r["site"] and r["total_ms"] > 0) > 0.8 * len(lines)
+    # ... and the answering edge's account of that time: on the network, queued, computing
+    assert all(r["network_ms"] + r["queue_ms"] + r["compute_ms"] <= r["total_ms"] + 0.01 for r in lines if r["ok"])
+    assert any(r["compute_ms"] > 0 for r in lines) and any(r["network_ms"] > 0 for r in lines)
     assert {r["slo_class"] for r in lines} == set(data["classes"]), {r["slo_class"] for r in lines}
     # secured by default: mutual TLS at every edge, https addresses, the workload through tenant certificates
     assert data["tls"] is True and all(s["http"].startswith("https://") for s in data["addresses"]["sites"].values())
