@@ -206,7 +206,8 @@ class RoutingTable:
             raise error
         plan = plan_for(t, entries, tenant=q.tenant, min_accuracy=q.min_accuracy, budget_ms=q.budget_ms,
                         max_cost=q.max_cost, nbytes=q.nbytes, rows=q.rows,
-                        excluded=[self._site_pos[s] for s in q.exclude_sites if s in self._site_pos])
+                        excluded=[self._site_pos[s] for s in q.exclude_sites if s in self._site_pos],
+                        first_at=self.here)
         if plan is None or (plain is not None and not plain.best_effort and plain.cost <= plan.cost):
             if error is not None:
                 raise error

@@ -19,6 +19,11 @@ escalation's path from the door is the path S1 -> S2. For stages ``L1 .. Ln``, e
 
 A stage's candidates are those of its variant where routing's hard and capacity filters pass and the tenant may
 use it (``TaskTable.masked_base`` at accuracy floor 0: stage 1 is the small, less accurate variant by design).
+Stage 1 runs where the query is (``first_at``, the door): a cascade exists to keep the rows its small model is sure
+of off the WAN. A first stage elsewhere sends every row over the WAN and the unsure ones twice, and was chosen only
+because a small variant at a cheap site costs less: in the demo (issue 30) the balanced class (60 ms) at edge-fra-1
+and edge-par-1 ran stage 1 at core-eu, 32-34 ms away, and stage 2 at mid-eu; its stage-1 answers took 48-57 ms, its
+escalated ones 50-57 ms, and 3-7 % of the class missed its budget where plain routing to mid-eu met it.
 Every combination of one site per stage is weighed; a cascade has at most ``MAX_STAGES`` stages and a task a
 handful of sites per variant, so that is a few hundred sums per query, and only for tasks that have cascades.
 
@@ -99,11 +104,12 @@ def combine(lat: list[NDArray[np.float64]], cost: list[NDArray[np.float64]],
 
 def best_cascade(entries: tuple[CascadeEntry, ...], *, tenant: str, min_accuracy: float, budget_ms: float,
                  max_cost: float | None, lat: NDArray[np.float64], cost: NDArray[np.float64],
-                 sites: tuple[str, ...]) -> CascadePlan | None:
+                 sites: tuple[str, ...], first_at: str | None = None) -> CascadePlan | None:
     """The cheapest feasible cascade plan (ties by expected latency), None when none is feasible.
 
     ``lat``: every candidate's latency for this query (inf where a filter fails: hard, capacity, tenant, an
-    excluded site); ``cost``: every candidate's cost for this query's rows; ``sites``: each candidate's site."""
+    excluded site); ``cost``: every candidate's cost for this query's rows; ``sites``: each candidate's site;
+    ``first_at``: the site stage 1 must run at (the door; None: any)."""
     best: tuple[float, float] | None = None
     plan: CascadePlan | None = None
     budget = min(budget_ms, 1e300)  # an infinite budget must not admit masked (inf) candidates
@@ -112,6 +118,9 @@ def best_cascade(entries: tuple[CascadeEntry, ...], *, tenant: str, min_accuracy
         if m.owner not in (PUBLIC, tenant) or m.accuracy < min_accuracy:
             continue
         stage_lat = [lat[i] for i in e.stage_idx]
+        if first_at is not None:
+            at_door = np.array([sites[i] == first_at for i in e.stage_idx[0]], dtype=bool)
+            stage_lat[0] = np.where(at_door, stage_lat[0], np.inf)
         stage_cost = [cost[i] for i in e.stage_idx]
         exp_ms, esc_ms, exp_cost, esc_cost = combine(stage_lat, stage_cost, m.escalation)
         ok = esc_ms <= budget
@@ -136,10 +145,11 @@ def best_cascade(entries: tuple[CascadeEntry, ...], *, tenant: str, min_accuracy
 
 
 def plan_for(t: TaskTable, entries: tuple[CascadeEntry, ...], *, tenant: str, min_accuracy: float, budget_ms: float,
-             max_cost: float | None, nbytes: int, rows: int, excluded: list[int]) -> CascadePlan | None:
+             max_cost: float | None, nbytes: int, rows: int, excluded: list[int],
+             first_at: str | None = None) -> CascadePlan | None:
     """:func:`best_cascade` for one query over a task's table: its candidates' latency with the query's own
     terms (transfer, rows), inf where a filter fails or the site is ``excluded`` (site positions); their cost
-    for its rows."""
+    for its rows; stage 1 at ``first_at``."""
     lat = t.masked_base(tenant, 0.0)
     extra = t.request_ms(nbytes, rows)
     if extra is not None:
@@ -148,4 +158,4 @@ def plan_for(t: TaskTable, entries: tuple[CascadeEntry, ...], *, tenant: str, mi
         lat = np.where(t.arr.site_idx == pos, np.inf, lat)
     cost = t.cost_of(rows) if rows > 1 else t.arr.cost
     return best_cascade(entries, tenant=tenant, min_accuracy=min_accuracy, budget_ms=budget_ms, max_cost=max_cost,
-                        lat=lat, cost=cost, sites=t.arr.site)
+                        lat=lat, cost=cost, sites=t.arr.site, first_at=first_at)

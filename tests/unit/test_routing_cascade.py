@@ -8,7 +8,7 @@ import pytest
 
 from core_scheduler.policy.explain import explain
 from core_scheduler.policy.routing import CascadeDecision, Query, RoutingTable
-from core_scheduler.policy.routing_cascade import combine
+from core_scheduler.policy.routing_cascade import cascade_entries, combine, plan_for
 from tests.unit.test_routing import ALL, snap
 from variant_store.cascade_meta import CascadeMeta
 
@@ -76,6 +76,23 @@ def test_feasible_cascade_serves_when_no_plain_candidate_fits() -> None:
     assert not isinstance(decide(cascade(), budget_ms=52.5), CascadeDecision)
     d = decide(cascade(accuracy=0.999), budget_ms=55.0, min_accuracy=0.999, prefer="refuse")
     assert isinstance(d, CascadeDecision) and not d.best_effort
+
+
+def test_stage_1_runs_at_the_door_or_the_cascade_is_not_a_candidate() -> None:
+    """A cascade keeps the rows its small model is sure of off the WAN: with stage 1 only at mid (edge-a cannot load
+    it), the plan mid -> core would be cheaper than big at the core alone, but every row would cross the WAN and the
+    unsure ones twice (the demo's balanced class missed its budget that way)."""
+    away = snap({"mid": {"cnn.fp32", "tiny.int8"}, "core": {"big.fp32", "acme.head"}},
+                load_over={"edge-a": {"memory_free_bytes": 0}})
+    table = RoutingTable.build(away, "edge-a", cascades=cascade())
+    d = table.decide(Query("digits", "t1", 200.0, 0.99))
+    assert not isinstance(d, CascadeDecision) and (d.site, d.variant_id) == ("core", "big.fp32")
+    entries = cascade_entries(cascade()["digits"], table.candidates("digits").variant_id)
+    kw = {"tenant": "t1", "min_accuracy": 0.99, "budget_ms": 200.0, "max_cost": None, "nbytes": 0, "rows": 1,
+          "excluded": []}
+    anywhere = plan_for(table._tasks["digits"], entries, **kw)  # type: ignore[arg-type]
+    assert anywhere is not None and anywhere.sites == ("mid", "core") and anywhere.cost < d.cost
+    assert plan_for(table._tasks["digits"], entries, first_at="edge-a", **kw) is None  # type: ignore[arg-type]
 
 
 def test_a_cascade_naming_an_unknown_variant_is_left_out() -> None:
