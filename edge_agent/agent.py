@@ -360,6 +360,8 @@ class Agent(AgentTrust, Service):
         if self.table is not None and same_routing(self._table_inputs, inputs, time.monotonic() - self.pacer.last):
             return  # the table in force routes as the one this would build (edge_agent.table_pacer)
         self.table = make_router(self.cfg.routing_mode, snap, self.site)
+        if self.dataplane is not None:
+            self.dataplane.table_correction = dict(correction or {})
         self.table_version = snap.version
         self._table_sites = frozenset(self.view.live)
         self._table_inputs = inputs

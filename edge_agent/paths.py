@@ -7,7 +7,10 @@ a moving mean and mean deviation, of which routing adds ``mean + 2 x deviation``
 abandoned at its attempt limit, or whose peer vanished mid-flight, counts as a path at least as slow
 as the wait it cost (capped at the attempt limit, so one dead spell cannot push the estimate past
 what a timeout measures), and the estimate fades while the path goes unused, and comes back down as
-successes return.
+successes return. A sample is the time taken minus what the routing model planned *before* this
+correction (``SiteDataPlane`` subtracts the correction the table in force was built with from the
+decision's expected latency): measured against the corrected plan, each sample shrank as the
+correction grew, and a path 20 ms slower than declared settled near 7 ms.
 
 What is not the path's. The door's own delays (its event loop running late: CPU quota throttling,
 TLS handshakes and other requests' work on the same loop) are measured by the caller and passed as

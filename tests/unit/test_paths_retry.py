@@ -168,6 +168,8 @@ class FakeZmq:
         if what == "silent":
             await asyncio.sleep(max(0.0, until - time.monotonic()))
             raise DeadlineExceeded(f"no reply from {endpoint} before the deadline")
+        if what == "slow":  # a path 20 ms slower than declared, every time
+            await asyncio.sleep(0.02)
         if what == "stalled":  # answered at once, but this loop got to the reply 150 ms late
             await asyncio.sleep(0.15)
             if wait is not None:
@@ -226,6 +228,20 @@ async def test_the_doors_own_delay_and_an_earlier_attempt_are_not_booked_to_the_
     assert dp.rtt_correction()["mid"] < 2 * PRIOR_DEV_MS + 1.0
     assert dp.paths.local_total_ms == pytest.approx(150.0)
     assert dp.net_rtt_ms["mid"] < 10.0
+
+
+async def test_a_slow_path_is_learnt_in_full_though_each_plan_includes_the_correction() -> None:
+    """A decision's expected latency includes the correction its table was built with; measured against it, each
+    sample shrank as the correction grew, and a path 20 ms slower than declared settled near 7 ms (issue 30's
+    balanced class: forwards to a far core kept planned feasible while a share of them missed)."""
+    dp, _ = plane({"mid": "slow"})
+    for _ in range(24):
+        dp.table_correction = dp.rtt_correction()  # as the agent sets it with each table it builds
+        d = Decision(site="mid", variant_id="v", reason="forward",
+                     expected_latency_ms=1.0 + dp.table_correction.get("mid", 0.0), cost=0.0, accuracy=0.99,
+                     best_effort=False, feasible_count=1)
+        await dp._forward(query(500.0), d, time.monotonic(), 500.0)
+    assert dp.rtt_correction()["mid"] > 15.0
 
 
 async def test_every_site_fails_once_at_most_and_never_past_the_deadline() -> None:
