@@ -337,14 +337,16 @@ class Agent(AgentTrust, Service):
         structural = bool(self.view.changes - {"live"}) or frozenset(self.view.live) != self._table_sites
         wait = self.pacer.wait_s(time.monotonic(), structural=structural or self.table is None)
         if wait <= 0.0:
-            self._rebuild_table()
+            self._rebuild_table(force=structural)
         elif self._rebuild_later is None:  # load reports only, and a rebuild ran lately: the next one then
             self._rebuild_later = asyncio.get_running_loop().call_later(wait, self._rebuild_table)
 
-    def _rebuild_table(self) -> None:
+    def _rebuild_table(self, force: bool = False) -> None:
         """The routing table from the view as it is now, built on the event loop (paced for load-only changes:
         :mod:`edge_agent.table_pacer`). Built in a worker thread instead, it took the GIL from the queries it was
-        meant to spare: at a 0.1-core edge the demo's tight class met 95.9 and 96.6 % that way, 99.0 and 99.3 % so."""
+        meant to spare: at a 0.1-core edge the demo's tight class met 95.9 and 96.6 % that way, 99.0 and 99.3 % so.
+        ``force``: a change of what the mesh is (catalog, placement, a site joining or leaving) always builds; for
+        heartbeats alone a build that would route as the table in force is skipped."""
         if self._rebuild_later is not None:
             self._rebuild_later.cancel()
             self._rebuild_later = None
@@ -357,8 +359,9 @@ class Agent(AgentTrust, Service):
             self.table, self._table_inputs = None, None
             return
         inputs = routing_inputs(snap, correction, self.view.revisions, self.view.generation)
-        if self.table is not None and same_routing(self._table_inputs, inputs, time.monotonic() - self.pacer.last):
-            return  # the table in force routes as the one this would build (edge_agent.table_pacer)
+        if not force and self.table is not None and \
+                same_routing(self._table_inputs, inputs, time.monotonic() - self.pacer.last):
+            return  # heartbeats only, and the table in force routes as this one would (edge_agent.table_pacer)
         self.table = make_router(self.cfg.routing_mode, snap, self.site)
         if self.dataplane is not None:
             self.dataplane.table_correction = dict(correction or {})

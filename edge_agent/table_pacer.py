@@ -18,7 +18,8 @@ edges (98.1 % in one run before, 96.8-99.3 % in five after: run-to-run spread is
 each task's candidates only when routed (``core_scheduler.policy.routing_candidates.TaskTables``): README, Demo
 results.
 
-A rebuild is also skipped when nothing it routes on changed (:func:`routing_inputs`): most heartbeats repeat what
+A rebuild for heartbeats alone is also skipped when nothing it routes on changed (:func:`routing_inputs`; a change
+of what the mesh is always builds): most heartbeats repeat what
 the last said (the same variants loaded, empty queues, room left), and a table built again from them is the table
 in force. A rebuild blocks the event loop for its whole CPU time, ten times that in wall time at a tenth of a core
 (4-5 ms of CPU, measured: about 50 ms during which no query is served), so the demo's tight class (10 ms) missed
