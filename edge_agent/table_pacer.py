@@ -29,6 +29,7 @@ its budget for the queries that arrived meanwhile.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -84,6 +85,8 @@ def bucket(ms: float) -> int:
     :data:`FLOOR_MS`)."""
     if not ms >= FLOOR_MS:  # NaN too
         return 0
+    if math.isinf(ms):  # a queue that never drains: one step above every finite one
+        return sys.maxsize
     return 1 + int(math.log(ms / FLOOR_MS) / math.log(STEP))
 
 

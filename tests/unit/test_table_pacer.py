@@ -91,6 +91,7 @@ def test_heartbeats_that_repeat_what_routing_reads_build_no_table() -> None:
     assert routing_inputs(same, {"core": 3.05}, {**REVS, "live": 41}) == held
     assert _decisions(same) == _decisions(before)
     assert 0 < bucket(2.1) == bucket(2.2) < bucket(2.6) and bucket(0.3) == bucket(float("nan")) == 0
+    assert bucket(1e300) < bucket(float("inf"))  # no overflow on a queue estimate that never drains
 
 
 @pytest.mark.parametrize("change", [
