@@ -454,8 +454,7 @@ class SiteDataPlane:
         # this attempt's own limit: the peer gets that budget, and gives up when we do (counted from the send
         # that reaches it: one re-sent over a new connection, its peer re-keyed, gets it again; mesh.zmq.client)
         limit = attempt_ms(remaining_ms, d.expected_latency_ms, best_effort=d.best_effort)
-        # what the routing model planned before the path's learnt correction: measured against the corrected
-        # figure, a path 20 ms slower than declared settled at a correction of 7 ms (its samples shrank as it grew)
+        # the plan without the path's learnt correction (edge_agent.paths: what a sample is measured against)
         planned = d.expected_latency_ms - self.table_correction.get(d.site, 0.0)
         sent = time.monotonic()
         capped = sent + limit / 1000.0 < req.deadline
