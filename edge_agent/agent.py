@@ -420,7 +420,8 @@ class Agent(AgentTrust, Service):
             view_revision=self.view.revision if self.view else 0,
             peer_rtt_ms=dict(self.dataplane.net_rtt_ms), cpu_cap=self.cpu_cap,
             profiles=self.selfprof.published() if self.selfprof is not None else {},
-            profiling_pending=self.selfprof.pending if self.selfprof is not None else 0)
+            profiling_pending=self.selfprof.pending if self.selfprof is not None else 0,
+            settling=self.host.settling)
 
     async def _reconcile_loop(self) -> None:
         """Follow ``placement/<site>``: load what is desired, unload what is neither desired nor used."""

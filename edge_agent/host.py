@@ -145,6 +145,12 @@ class VariantHost(DeviceRoom):
         return {vid: lv for (vid, iso), lv in self.instances.items() if not iso}
 
     @property
+    def settling(self) -> bool:
+        """A load is under way, or a heap thaw is owed (:class:`mesh.heap.Settler`): either blocks this process's
+        event loop for its CPU time, up to a second and more of wall time at a tenth of a core."""
+        return bool(self._loading) or (self.settler is not None and self.settler.owed)
+
+    @property
     def memory_used_bytes(self) -> int:
         return (sum(lv.memory_bytes for lv in self.instances.values())
                 + sum(b.runtime.memory_bytes for b in self.bases.values()))

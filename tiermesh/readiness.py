@@ -116,3 +116,28 @@ class Readiness:
             await asyncio.sleep(0.5)
         log.warning("sites still profiling after %.0f s: %s", timeout, pending, extra=kv(event="profile_wait"))
         return pending
+
+    async def wait_quiet(self, timeout: float = 20.0) -> list[str]:  # noqa: ASYNC109
+        """Until no site is loading a variant, owes a heap thaw or has variants left to profile (its live record's
+        ``settling`` and ``profiling_pending``), or the timeout; returns the sites still settling (empty when all
+        are quiet).
+
+        A load or a thaw blocks a site's event loop for its CPU time, which a tenth of a core stretches tenfold: a
+        thaw after the start's unloads stalled a 0.1-core edge for 0.5-1.4 s (issue 30's demo, measured with a
+        watchdog thread), and queries that came in then were refused ``stalled`` or ``deadline``. "mesh up", and
+        the end of a warm-up, wait for that work rather than hand it to the first queries."""
+        assert self.store is not None
+        deadline = time.monotonic() + timeout
+        busy: list[str] = []
+        while time.monotonic() < deadline:
+            busy = []
+            for name in self.running_sites():
+                live = await self.store.get(live_key(name))
+                if live is None or live.value.get("settling") or int(live.value.get("profiling_pending", 0)):
+                    busy.append(name)
+            if not busy:
+                return []
+            await asyncio.sleep(0.25)
+        log.warning("sites still loading or settling their heap after %.0f s: %s", timeout, busy,
+                    extra=kv(event="quiet_wait"))
+        return busy

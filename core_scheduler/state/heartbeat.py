@@ -182,6 +182,7 @@ class Heartbeat:
     cpu_cap: float | None = None                  # cores its cgroup allows (None: uncapped)
     profiles: Mapping[str, MeasuredProfile] = field(default_factory=dict)  # variant -> self-measured
     profiling_pending: int = 0                    # variants it has still to profile for its class
+    settling: bool = False                        # loading a variant, or a heap thaw owed (edge_agent.host)
 
     @property
     def memory_free_bytes(self) -> int:
@@ -245,7 +246,7 @@ _SCALARS: dict[str, Callable[[Any, str], Any]] = {
     "memory_used_bytes": _count, "device_memory_budget_bytes": _count, "device_memory_used_bytes": _count,
     "served": _count, "forwarded": _count, "cold_starts": _count, "degraded": _flag,
     "degraded_total_s": _num, "degraded_episodes": _count, "lease_renewals": _count, "view_revision": _count,
-    "cpu_cap": _num, "profiling_pending": _count,
+    "cpu_cap": _num, "profiling_pending": _count, "settling": _flag,
 }
 
 
@@ -279,7 +280,7 @@ def _moved(a: float, b: float, rel: float, floor: float) -> bool:
 def _identity(h: Heartbeat) -> tuple[Any, ...]:
     return (h.tier, h.hardware_class, h.declared_hardware_class, h.gpu, h.gpu_note, h.endpoint, h.curve_key,
             h.http, h.capacity, h.model_memory_budget_bytes, h.memory_total_bytes, h.degraded, h.cpu_cap,
-            h.profiling_pending, tuple(sorted(h.profiles)), h.device_memory_budget_bytes)
+            h.profiling_pending, h.settling, tuple(sorted(h.profiles)), h.device_memory_budget_bytes)
 
 
 def why_publish(last: Heartbeat | None, new: Heartbeat, policy: PublishPolicy = PublishPolicy()) -> str | None:

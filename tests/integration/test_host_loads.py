@@ -118,14 +118,18 @@ async def test_a_settling_host_frees_an_unloaded_variant(tmp_path: Path, slow_st
     assert host.settler is not None
     host.settler.quiet_s = 0.1
     try:
-        lv = await host.ensure(_meta("digits.full", DIGITS / "head-digits.onnx"))
-        assert gc.get_freeze_count() > 0
+        assert not host.settling
+        loading = asyncio.ensure_future(host.ensure(_meta("digits.full", DIGITS / "head-digits.onnx")))
+        await asyncio.sleep(0)
+        assert host.settling  # a load under way: what `tiermesh up` waits for (Readiness.wait_quiet)
+        lv = await loading
+        assert gc.get_freeze_count() > 0 and not host.settling
         refs = [weakref.ref(lv.runtime), weakref.ref(lv.batcher)]
-        del lv
+        del lv, loading  # the future holds its result
         await host.unload("digits.full")
-        assert host.settler.owed
+        assert host.settler.owed and host.settling  # the thaw it owes blocks the loop: still settling
         await asyncio.sleep(0.5)  # quiet past quiet_s: the owed thaw ran
-        assert not host.settler.owed and host.settler.thaws == 1
+        assert not host.settler.owed and host.settler.thaws == 1 and not host.settling
         assert [r() for r in refs] == [None, None]
     finally:
         await host.close()

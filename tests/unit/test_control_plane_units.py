@@ -38,6 +38,7 @@ def _hb(**kw: Any) -> Heartbeat:
     ({"inflight": 4}, "capacity"),
     ({"endpoint": "tcp://y:2"}, "identity"),
     ({"degraded": True}, "identity"),
+    ({"settling": True}, "identity"),                                                 # `tiermesh up` waits on it
     ({"demand": (DemandSample("t", "fast", "public", 1.0, 20.0, 0.9),)}, "demand"),
 ])
 def test_why_publish(change: dict[str, Any], reason: str | None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -39,6 +40,12 @@ def test_demand_rows_travel_and_one_row_is_left_out() -> None:
     wire = json.loads(json.dumps(hb.to_json()))
     assert "rows" not in wire["demand"][0] and wire["demand"][1]["rows"] == 64
     assert Heartbeat.from_json(wire).demand == hb.demand
+
+
+def test_settling_travels_and_is_left_out_when_false() -> None:
+    wire = json.loads(json.dumps(replace(_beat(), settling=True).to_json()))
+    assert wire["settling"] is True and Heartbeat.from_json(wire).settling
+    assert "settling" not in _beat().to_json() and not Heartbeat.from_json(_beat().to_json()).settling
 
 
 def test_liveness_fields_are_added_without_touching_the_rest() -> None:

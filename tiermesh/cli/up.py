@@ -196,6 +196,7 @@ async def _run_up(args: argparse.Namespace, home: Path) -> int:
             if pending:
                 pending = await mesh.wait_profiled(timeout=45)
             await mesh.wait_placed(timeout=60)
+            await mesh.wait_quiet(timeout=20)  # no load or heap thaw left to stall a capped site's first queries
         console.print(f"[bold green]mesh up[/] in {time.perf_counter() - t_start:.1f} s — etcd {mesh.etcd_url}")
         if pending:
             console.print(f"  {len(pending)} capped site(s) still timing variants under their caps after 45 s, in the "
@@ -282,6 +283,7 @@ async def _drive(mesh: LocalMesh, args: argparse.Namespace, console: Console, ki
         async def _warm() -> dict[str, WarmUp]:
             found = await warm_up(edges, x, y, classes=classes, data=data, clients=clients)
             await mesh.wait_placed(timeout=30)  # what the warm-up's demand placed, loaded everywhere it was put
+            await mesh.wait_quiet(timeout=20)  # and the heap thaws its unloads owe, done before the run
             return found
 
         with console.status("warming each class at every edge (a tenant's private task is placed on its first "
