@@ -1,10 +1,12 @@
 """Cascades on the capped geo mesh (issue 33, Done-when): at (about) the large variant's accuracy, how many queries
 cross the WAN and what do they cost, against serving every query with the large variant, and with the small one?
 
-``geo_hetero``'s capped testbed (``examples/topology-hetero.yaml``, every agent in a CPU cgroup of its share of this
-machine, edges about a tenth of a core and 25 MiB of model memory) serves two tasks, each with the built-in cascade
-its family registers (:mod:`variant_store.cascade`): digits (the smallest public INT8 variant, then the most accurate
-one) and text topics (the L2 INT8 encoder's head, then the 6-layer one's). One open-loop trace (Poisson arrivals at
+The geo mesh (``examples/topology.yaml``, ``bench.geo``'s and ``make demo``'s: every agent in a CPU cgroup of its
+share of this machine, edges a tenth of a core and 84-338 MiB of model memory) serves two tasks, each with the
+built-in cascade its family registers (:mod:`variant_store.cascade`): digits (the smallest public INT8 variant, then
+the most accurate one) and text topics (the L2 INT8 encoder's head, then the 6-layer one's). (``geo_hetero``'s
+testbed gives an edge 25 MiB of models: too little for the L2 text encoder, so the text cascade's first stage never
+ran at the door there.) One open-loop trace (Poisson arrivals at
 three edges, each query ``ROWS[task]`` held-out rows, budget ``BUDGET_MS[task]``) is replayed in this process on a
 fresh mesh per arm, all from one prebuilt catalog, each arm's catalog edited once its mesh is up (the mesh's start
 re-registers a family's built-in cascade, so the edit must come after it):
@@ -61,8 +63,7 @@ from bench.cascade_figures import (
     targets,
 )
 from bench.common import RunContext, write_result
-from bench.geo import prebuild_home_async
-from bench.geo_hetero import TOPOLOGY
+from bench.geo import TOPOLOGY, prebuild_home_async  # not geo_hetero's: see the module docstring
 from bench.traces import open_loop
 from mesh.client import AsyncClient, InferResult
 from mesh.errors import MeshError

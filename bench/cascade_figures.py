@@ -145,6 +145,11 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         by_cascade = f"{c['cascade_queries']} of {c['answered']} answers by a cascade"
         out.append(target(f"{task}: share of cascade-arm queries over the WAN ({by_cascade})", float(c["wan_share"]),
                           0.40))
+        secs = mean("compute_s_per_1k")
+        runs_s = ", ".join(f"{float(r['compute_s_per_1k']):.3g}" for r in larges)
+        ratio = float(c["compute_s_per_1k"]) / secs if secs > 0 else float("nan")
+        out.append(target(f"{task}: resource-seconds (reported compute) / large only's ({by_cascade}; large only's "
+                          f"runs: {runs_s} s per 1k)", ratio, 0.6, unit="x"))
         usd = mean("usd_per_1k")
         runs = ", ".join(f"{float(r['usd_per_1k']):.3g}" for r in larges)
         out.append(target(f"{task}: cost (price x compute) / large only's ({by_cascade}; large only's runs: {runs} "

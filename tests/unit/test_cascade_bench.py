@@ -67,16 +67,17 @@ def test_arm_row_counts_wan_cost_and_escalation() -> None:
     assert arm_row(CASCADES, TEXT, outs)["queries"] == 0             # rows are per task
 
 
-def _row(arm: str, acc: float, wan: float, usd: float, att: float) -> dict[str, object]:
+def _row(arm: str, acc: float, wan: float, usd: float, att: float, secs: float | None = None) -> dict[str, object]:
     return {"arm": arm, "task": DIGITS, "accuracy": acc, "accuracy_se": 0.001, "wan_share": wan, "usd_per_1k": usd,
-            "slo_attainment": att, "cascade_queries": 7, "answered": 10}
+            "compute_s_per_1k": usd / 10.0 if secs is None else secs, "slo_attainment": att, "cascade_queries": 7,
+            "answered": 10}
 
 
 def test_targets_met_and_missed_honestly() -> None:
     rows = [_row(LARGE, 0.990, 1.0, 10.0, 0.98), _row(LARGE_AGAIN, 0.988, 1.0, 12.0, 0.96),
             _row(CASCADES, 0.988, 0.3, 5.0, 0.97)]
     got = {t["name"].split(":")[1].split("(")[0].strip(): t for t in targets(rows)}
-    assert len(got) == 4
+    assert len(got) == 5
     acc = next(t for k, t in got.items() if k.startswith("accuracy"))
     assert acc["met"] and acc["measured"] == pytest.approx(0.1)     # 0.989 mean vs 0.988: 0.1 point
     wan = next(t for k, t in got.items() if k.startswith("share"))
@@ -84,8 +85,11 @@ def test_targets_met_and_missed_honestly() -> None:
     cost = next(t for k, t in got.items() if k.startswith("cost"))
     assert cost["met"] and cost["measured"] == pytest.approx(5 / 11, abs=1e-3)
     assert "7 of 10 answers by a cascade" in cost["name"] and "10, 12 USD" in cost["name"]
+    secs = next(t for k, t in got.items() if k.startswith("resource-seconds"))
+    assert secs["met"] and secs["measured"] == pytest.approx(0.5 / 1.1, abs=1e-3)
+    assert not targets([_row(LARGE, 0.99, 1.0, 10.0, 0.98), _row(CASCADES, 0.99, 0.3, 5.0, 0.98, secs=0.9)])[2]["met"]
     att = next(t for k, t in got.items() if k.startswith("SLO"))
     assert att["met"]                                                # 0.97 vs the mean 0.97
     worse = targets([_row(LARGE, 0.990, 1.0, 10.0, 0.98), _row(CASCADES, 0.980, 0.5, 7.0, 0.90)])
-    assert [t["met"] for t in worse] == [False, False, False, False]
+    assert [t["met"] for t in worse] == [False, False, False, False, False]
     assert targets([_row(CASCADES, 0.98, 0.5, 7.0, 0.9)]) == []      # no baseline, no verdict
