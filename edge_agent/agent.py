@@ -154,7 +154,8 @@ class Agent(AgentTrust, Service):
         log.info("device memory budget: %s", device.describe(), extra=kv(site=self.site, event="device_budget"))
         self.host = VariantHost(self.site, cache, hardware_class=self.hardware_class,
                                 memory_budget_bytes=budget, threads=min(2, me.hardware.cpu_cores), settle_heap=True,
-                                device_budget_bytes=device.budget_bytes)
+                                device_budget_bytes=device.budget_bytes,
+                                idle_s=lambda: self.dataplane.idle_s() if self.dataplane is not None else 1e9)
         metrics = self.metrics
         self.host.on_load = lambda vid, prewarm: metrics.cold_start(vid, prewarm=prewarm)
         self.host.on_batch = metrics.batch_ran

@@ -105,11 +105,12 @@ class _Backbone:
 class VariantHost(DeviceRoom):
     def __init__(self, site: str, cache_dir: Path, *, hardware_class: str, memory_budget_bytes: int,
                  threads: int = 2, max_window_ms: float = 4.0, settle_heap: bool = False,
-                 device_budget_bytes: int | None = None) -> None:
+                 device_budget_bytes: int | None = None, idle_s: Callable[[], float] | None = None) -> None:
         self.site = site
         # the heap settled after loads and unloads: a serving agent's long-lived objects out of the collector's
         # full passes (mesh.heap; tests and tools that load many variants in one process leave it off)
-        self.settler = Settler() if settle_heap else None
+        # (``idle_s``: seconds since this site last served a query; a thaw owed waits for a quiet moment)
+        self.settler = Settler(idle_s=idle_s) if settle_heap else None
         self.cache_dir = cache_dir
         self.hardware_class = hardware_class
         self.memory_budget_bytes = memory_budget_bytes

@@ -15,7 +15,13 @@ at start and when a variant loads, so that is when it runs; a collection then wa
 ``gc.unfreeze``, so that what the unloaded variant left in reference cycles among frozen objects is freed rather
 than held for ever. That one is a full collection (tens of ms; 100-500 ms for 20 agents on two cores), so a
 :class:`Settler` owes it rather than paying it at once: one thaw when its host has been quiet for a while, for a
-whole burst of unloads (a site profiling its variants loads and unloads one after the other at start).
+whole burst of unloads (a site profiling its variants loads and unloads one after the other at start). It also
+waits for a moment without queries (``idle_s``, the host's door): at a tenth of a core the thaw's 50-180 ms of CPU
+stopped an edge for 0.5-1.8 s, and queries that came in meanwhile were refused (issue 30's demo, where placement's
+evictions after the warm-up led to a thaw in the workload's first second). What it frees is small: an unloaded
+variant's session and its weights go when it is unloaded (``Runtime.unload_sync`` drops them); the thaw collects the
+Python objects left in reference cycles among frozen ones (a batcher and its task, the runtime wrapper). So it waits
+for a second without queries, at most :data:`MAX_DEFER_S`, and a busy site holds those objects a while longer.
 
 Walking the whole heap at every load was what made 20 forked agents of ``tiermesh up`` take 2-3 s longer to come
 up on two cores (a full pass per load per agent, each one touching, and so copying, the pages the child shared with
@@ -27,10 +33,14 @@ from __future__ import annotations
 import asyncio
 import gc
 import time
+from collections.abc import Callable
 
 from mesh.log import get_logger, kv
 
-__all__ = ["Settler", "settle"]
+__all__ = ["IDLE_NEED_S", "MAX_DEFER_S", "Settler", "settle"]
+
+IDLE_NEED_S = 1.0    # a thaw owed runs once the host has had no query for this long ...
+MAX_DEFER_S = 300.0  # ... or this long after it fell due, whatever the traffic
 
 log = get_logger(__name__)
 
@@ -55,10 +65,14 @@ class Settler:
 
     Owned by its host: :meth:`close` cancels a thaw still owed. Runs on the event loop that calls it."""
 
-    def __init__(self, quiet_s: float = 2.0) -> None:
+    def __init__(self, quiet_s: float = 2.0, *, idle_s: Callable[[], float] | None = None,
+                 idle_need_s: float = IDLE_NEED_S, max_defer_s: float = MAX_DEFER_S) -> None:
         self.quiet_s = quiet_s
+        self.idle_s, self.idle_need_s, self.max_defer_s = idle_s, idle_need_s, max_defer_s
         self.thaws = 0
+        self.deferred = 0  # times a thaw that fell due waited for a moment without queries
         self._owed: asyncio.TimerHandle | None = None
+        self._due_since: float | None = None
 
     @property
     def owed(self) -> bool:
@@ -78,7 +92,15 @@ class Settler:
         self._owed = asyncio.get_running_loop().call_later(self.quiet_s, self._thaw)
 
     def _thaw(self) -> None:
-        self._owed = None
+        now = time.monotonic()
+        if self._due_since is None:
+            self._due_since = now
+        if (self.idle_s is not None and self.idle_s() < self.idle_need_s
+                and now - self._due_since < self.max_defer_s):
+            self.deferred += 1  # queries are being served: not now (module docstring)
+            self._owed = asyncio.get_running_loop().call_later(min(0.5, self.idle_need_s), self._thaw)
+            return
+        self._owed = self._due_since = None
         self.thaws += 1
         settle("unloads", thaw=True)
 
@@ -86,3 +108,4 @@ class Settler:
         if self._owed is not None:
             self._owed.cancel()
             self._owed = None
+        self._due_since = None

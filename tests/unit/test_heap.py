@@ -69,3 +69,23 @@ async def test_closing_a_settler_cancels_the_thaw_it_owes() -> None:
     settler.close()
     await asyncio.sleep(0.15)
     assert settler.thaws == 0 and not settler.owed
+
+
+async def test_a_thaw_waits_for_a_moment_without_queries() -> None:
+    busy = [True]
+    settler = Settler(quiet_s=0.05, idle_s=lambda: 0.0 if busy[0] else 5.0, idle_need_s=0.1)
+    settler.unloaded()
+    await asyncio.sleep(0.4)
+    assert settler.owed and settler.thaws == 0 and settler.deferred >= 1  # queries served: not paid yet
+    busy[0] = False
+    await asyncio.sleep(0.3)
+    assert not settler.owed and settler.thaws == 1
+    settler.close()
+
+
+async def test_a_thaw_is_deferred_at_most_max_defer_s() -> None:
+    settler = Settler(quiet_s=0.05, idle_s=lambda: 0.0, idle_need_s=0.1, max_defer_s=0.2)
+    settler.unloaded()
+    await asyncio.sleep(0.6)  # a host that never goes quiet still pays it, once
+    assert not settler.owed and settler.thaws == 1
+    settler.close()
