@@ -8,6 +8,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
+from core_scheduler.state.heartbeat import Heartbeat
 from mesh.errors import MeshError
 from mesh.etcd.keys import live_key
 from mesh.log import get_logger, kv
@@ -30,6 +31,19 @@ class Readiness:
     def running_sites(self) -> list[str]:
         """The sites whose agent runs (not one yet to join, nor one killed)."""
         return [name for name, sp in self.sites.items() if sp.proc is not None]
+
+    async def _heartbeat(self, name: str) -> Heartbeat | None:
+        """``name``'s live record, parsed as every reader parses one (``None``: none, or one that does not parse,
+        which no wait here takes for done)."""
+        assert self.store is not None
+        live = await self.store.get(live_key(name))
+        if live is None:
+            return None
+        try:
+            return Heartbeat.from_json(live.value, site=name)
+        except ValueError as exc:
+            log.warning("site %s's live record does not parse: %s", name, exc, extra=kv(event="live_malformed"))
+            return None
 
     async def wait_live(self, names: list[str] | None = None, timeout: float = 30.0) -> None:  # noqa: ASYNC109
         assert self.store is not None
@@ -107,8 +121,8 @@ class Readiness:
         while time.monotonic() < deadline:
             pending = {}
             for name in self.running_sites():
-                live = await self.store.get(live_key(name))
-                left = int(live.value.get("profiling_pending", 0)) if live is not None else -1
+                hb = await self._heartbeat(name)
+                left = hb.profiling_pending if hb is not None else -1
                 if left != 0:
                     pending[name] = left
             if not pending:
@@ -132,8 +146,8 @@ class Readiness:
         while time.monotonic() < deadline:
             busy = []
             for name in self.running_sites():
-                live = await self.store.get(live_key(name))
-                if live is None or live.value.get("settling") or int(live.value.get("profiling_pending", 0)):
+                hb = await self._heartbeat(name)
+                if hb is None or hb.settling or hb.profiling_pending:
                     busy.append(name)
             if not busy:
                 return []

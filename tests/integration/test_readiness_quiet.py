@@ -60,3 +60,13 @@ async def test_wait_quiet_names_the_sites_still_busy_when_its_bound_runs_out(sto
     await _live(store, "edge-b")
     # a site with no live record is not quiet either: it has not said what it is doing
     assert await _Mesh(store, ["edge-a", "edge-b", "edge-gone"]).wait_quiet(timeout=0.5) == ["edge-a", "edge-gone"]
+
+
+@pytest.mark.parametrize("bad", [{"settling": "false"}, {"profiling_pending": "x"}, {"profiling_pending": -3},
+                                 {"settling": {"a": {"b": [1]}}}, {"profiling_pending": 10**40},
+                                 ["not", "an", "object"]])
+async def test_a_record_that_does_not_parse_is_not_quiet_and_does_not_crash_the_wait(store: Store, bad: Any) -> None:
+    value = {**Heartbeat(site="edge-a").to_json(), **bad} if isinstance(bad, dict) else bad
+    await store.put(live_key("edge-a"), value)
+    assert await _Mesh(store, ["edge-a"]).wait_quiet(timeout=0.4) == ["edge-a"]
+    assert await _Mesh(store, ["edge-a"]).wait_profiled(timeout=0.4) == {"edge-a": -1}
