@@ -9,11 +9,13 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from core_scheduler.state.heartbeat import Heartbeat
-from mesh.errors import MeshError
+from core_scheduler.state.records import decode_record
+from mesh.errors import MeshError, ProtocolError
 from mesh.etcd.keys import live_key
 from mesh.log import get_logger, kv
 
 if TYPE_CHECKING:
+    from mesh.etcd.keys import KeyKind
     from mesh.etcd.store import Store
     from tiermesh.mesh_options import SiteProcess
     from variant_store.catalog import Catalog
@@ -32,18 +34,23 @@ class Readiness:
         """The sites whose agent runs (not one yet to join, nor one killed)."""
         return [name for name, sp in self.sites.items() if sp.proc is not None]
 
-    async def _heartbeat(self, name: str) -> Heartbeat | None:
-        """``name``'s live record, parsed as every reader parses one (``None``: none, or one that does not parse,
-        which no wait here takes for done)."""
+    async def _record(self, kind: KeyKind, key: str, name: str) -> Any:
+        """``name``'s record at ``key``, decoded as the view decodes one (``core_scheduler.state.records``: a site
+        writes its own live record, so any bytes). ``None``: none, or one that does not decode, which no wait here
+        takes for done."""
         assert self.store is not None
-        live = await self.store.get(live_key(name))
-        if live is None:
+        got = await self.store.get(key)
+        if got is None:
             return None
         try:
-            return Heartbeat.from_json(live.value, site=name)
-        except ValueError as exc:
-            log.warning("site %s's live record does not parse: %s", name, exc, extra=kv(event="live_malformed"))
+            return decode_record(kind, (name,), got.value)
+        except ProtocolError as exc:
+            log.warning("site %s's %s record does not decode: %s", name, kind, exc, extra=kv(event="record_malformed"))
             return None
+
+    async def _heartbeat(self, name: str) -> Heartbeat | None:
+        hb: Heartbeat | None = await self._record("live", live_key(name), name)
+        return hb
 
     async def wait_live(self, names: list[str] | None = None, timeout: float = 30.0) -> None:  # noqa: ASYNC109
         assert self.store is not None
@@ -54,15 +61,14 @@ class Readiness:
                     raise MeshError(f"site {name} not live after {timeout} s")
                 await asyncio.sleep(0.1)
 
-    async def _placed_and_live(self) -> list[tuple[str, set[str] | None, dict[str, Any] | None]]:
-        """Per site: the variants its placement asks for and its live record (``None`` where there is none)."""
-        assert self.store is not None
-        out: list[tuple[str, set[str] | None, dict[str, Any] | None]] = []
+    async def _placed_and_live(self) -> list[tuple[str, set[str] | None, Heartbeat | None]]:
+        """Per site: the variants its placement asks for and its live record (``None`` where there is none, or
+        where it does not decode)."""
+        out: list[tuple[str, set[str] | None, Heartbeat | None]] = []
         for name in self.running_sites():
-            place = await self.store.get(f"placement/{name}")
-            live = await self.store.get(live_key(name))
-            out.append((name, None if place is None else {v["variant_id"] for v in place.value.get("variants", [])},
-                        None if live is None else live.value))
+            place = await self._record("placement", f"placement/{name}", name)
+            out.append((name, None if place is None else {v["variant_id"] for v in place["variants"]},
+                        await self._heartbeat(name)))
         return out
 
     async def wait_placed(self, timeout: float = 60.0) -> None:  # noqa: ASYNC109
@@ -75,7 +81,7 @@ class Readiness:
                 if want is None or live is None:
                     pending += 1
                     continue
-                pending += len(want - set(live.get("loaded") or {}))
+                pending += len(want - set(live.loaded))
             if pending == 0:
                 return
             await asyncio.sleep(0.25)
@@ -100,8 +106,8 @@ class Readiness:
                 if live is None:
                     dead.append(name)
                     continue
-                served |= {tasks.get(v, "") for v in (want or set()) & set(live.get("loaded") or {})}
-                if left := int(live.get("profiling_pending", 0)):
+                served |= {tasks.get(v, "") for v in (want or set()) & set(live.loaded)}
+                if left := live.profiling_pending:
                     pending[name] = left
             missing = public - served
             if not dead and not missing:

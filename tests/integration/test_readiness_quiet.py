@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from core_scheduler.state.heartbeat import Heartbeat
+from core_scheduler.state.heartbeat import Heartbeat, LoadedVariant
 from mesh.etcd.keys import live_key
 from mesh.etcd.store import Store
 from tiermesh.readiness import Readiness
@@ -70,3 +70,18 @@ async def test_a_record_that_does_not_parse_is_not_quiet_and_does_not_crash_the_
     await store.put(live_key("edge-a"), value)
     assert await _Mesh(store, ["edge-a"]).wait_quiet(timeout=0.4) == ["edge-a"]
     assert await _Mesh(store, ["edge-a"]).wait_profiled(timeout=0.4) == {"edge-a": -1}
+
+
+@pytest.mark.parametrize("bad", [{"variants": "x"}, {"variants": [{"task": 1}]}, [1, 2], {"variants": None}])
+async def test_a_placement_that_does_not_decode_is_waited_on_not_a_crash(store: Store, bad: Any) -> None:
+    await _live(store, "edge-a")
+    await store.put("placement/edge-a", bad)
+    mesh = _Mesh(store, ["edge-a"])
+    t0 = time.monotonic()
+    await mesh.wait_placed(timeout=0.4)  # counted as pending until its bound, as a missing placement is
+    assert time.monotonic() - t0 >= 0.35
+    await store.put("placement/edge-a", {"variants": [{"task": "t", "variant_id": "v"}]})
+    await _live(store, "edge-a", loaded={"v": LoadedVariant(task="t")})
+    t0 = time.monotonic()
+    await mesh.wait_placed(timeout=5)
+    assert time.monotonic() - t0 < 4  # and a good one is seen at once
