@@ -156,6 +156,15 @@ def plan_for(t: TaskTable, entries: tuple[CascadeEntry, ...], *, tenant: str, mi
         lat = lat + extra
     for pos in excluded:
         lat = np.where(t.arr.site_idx == pos, np.inf, lat)
+    # a later stage only where its variant is loaded: an escalation is pinned to its (site, variant), and a cold
+    # one there may not even be readable (a tenant's private variant is fetched only by a site placement gave it:
+    # tests/system/test_text_mesh.py saw "mid-eu may not fetch topic-minilm-l6-int8" for stage 2); stage 1 runs
+    # at the door, which loads what it is asked to serve
+    later = np.zeros(len(lat), dtype=bool)
+    for e in entries:
+        for idx in e.stage_idx[1:]:
+            later[idx] = True
+    lat = np.where(later & ~t.arr.loaded, np.inf, lat)
     cost = t.cost_of(rows) if rows > 1 else t.arr.cost
     return best_cascade(entries, tenant=tenant, min_accuracy=min_accuracy, budget_ms=budget_ms, max_cost=max_cost,
                         lat=lat, cost=cost, sites=t.arr.site, first_at=first_at)

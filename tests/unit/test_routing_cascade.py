@@ -138,3 +138,17 @@ def test_a_traced_decision_lists_the_chosen_cascade_beside_the_plain_candidates(
     assert last.variant == "cascade:c1:tiny.int8>big.fp32@core" and last.site == "edge-a" and last.feasible
     assert last.latency_ms == pytest.approx(d.expected_latency_ms) and last.cost == pytest.approx(d.cost)
     assert any(c.variant == "big.fp32" and c.site == "core" and c.feasible for c in cands[:-1])
+
+
+def test_a_later_stage_runs_only_where_its_variant_is_loaded() -> None:
+    """An escalation is pinned to its (site, variant): a cold one there may not even be readable (a tenant's private
+    variant reaches only the sites placement gave it), so stage 2 is a candidate only where it is loaded."""
+    table = RoutingTable.build(snap({"edge-a": {"tiny.int8"}, "core": {"acme.head"}}), "edge-a", cascades=cascade())
+    entries = cascade_entries(cascade()["digits"], table.candidates("digits").variant_id)
+    kw = {"tenant": "t1", "min_accuracy": 0.99, "budget_ms": 60_000.0, "max_cost": None, "nbytes": 0, "rows": 1,
+          "excluded": [], "first_at": "edge-a"}
+    assert plan_for(table._tasks["digits"], entries, **kw) is None  # type: ignore[arg-type]
+    loaded = RoutingTable.build(snap({"edge-a": {"tiny.int8"}, "core": {"big.fp32"}}), "edge-a", cascades=cascade())
+    entries = cascade_entries(cascade()["digits"], loaded.candidates("digits").variant_id)
+    plan = plan_for(loaded._tasks["digits"], entries, **kw)  # type: ignore[arg-type]
+    assert plan is not None and plan.sites == ("edge-a", "core")
